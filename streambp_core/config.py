@@ -1,0 +1,54 @@
+"""Frozen, validated configuration objects shared by the engine, the methods and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("plain", "checkpoint", "mst", "streambp")
+OBJECTIVES = ("sft", "grpo", "dpo")
+ATTN_BACKENDS = ("auto", "sdpa", "flash")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the CLI prints its message on one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """How a prepared run splits its work along the sequence."""
+
+    partition_size: int = 500
+    """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward)."""
+
+    head_partition_size: int = 100
+    """Tokens per chunk of the streamed LM head and loss."""
+
+    mlp_chunk_size: int | None = None
+    """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""
+
+    attn: str = "auto"
+    """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), or 'auto' (flash-attn when importable on CUDA)."""
+
+    def __post_init__(self) -> None:
+        for name in ("partition_size", "head_partition_size"):
+            _require_positive(name, getattr(self, name))
+        if self.mlp_chunk_size is not None:
+            _require_positive("mlp_chunk_size", self.mlp_chunk_size)
+        if self.attn not in ATTN_BACKENDS:
+            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
+
+    @property
+    def mlp_chunk_tokens(self) -> int:
+        return self.mlp_chunk_size or self.partition_size
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_method(method: str) -> str:
+    """Return `method` if it names a known method, else raise ConfigError listing them."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return method
