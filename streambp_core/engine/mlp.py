@@ -1,0 +1,58 @@
+"""The MLP run in sequence chunks both ways (Mini-Sequence Transformer, arXiv 2407.15892).
+
+Forward keeps only the MLP input; backward recomputes one chunk at a time, so the (c, intermediate)
+activations of only one chunk are alive. Weight gradients accumulate in `.grad`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf, trainable_parameters
+
+
+class ChunkedMLP(torch.autograd.Function):
+    """autograd.Function: x (B, T, d) -> mlp(x), computed and differentiated `chunk` tokens at a time."""
+
+    @staticmethod
+    def forward(ctx, x, mlp: nn.Module, forward_fn, chunk: int, *params):
+        ctx.mlp_fn, ctx.chunk, ctx.params = forward_fn, chunk, params
+        ctx.save_for_backward(x)
+        out = torch.empty_like(x)
+        for start, end in chunk_bounds(x.shape[1], chunk):
+            out[:, start:end] = forward_fn(x[:, start:end])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        for start, end in chunk_bounds(x.shape[1], ctx.chunk):
+            piece = leaf(x[:, start:end])
+            with torch.enable_grad():
+                out = ctx.mlp_fn(piece)
+            backward_into([out], [grad_out[:, start:end]], [piece], ctx.params)
+            grad_x[:, start:end] = grad_or_zeros(piece)
+        return (grad_x, None, None, None, *([None] * len(ctx.params)))
+
+
+def chunk_mlp(mlp: nn.Module, chunk: int) -> None:
+    """Make `mlp` run in chunks (instance-level override of `forward`); undo with `unchunk_mlp`."""
+    original = mlp.forward
+    params = trainable_parameters([mlp])
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            return original(x)
+        return ChunkedMLP.apply(x, self, original, chunk, *params)
+
+    mlp.forward = types.MethodType(forward, mlp)
+
+
+def unchunk_mlp(mlp: nn.Module) -> None:
+    """Restore the class's own `forward` on `mlp`."""
+    if "forward" in vars(mlp):
+        del mlp.forward

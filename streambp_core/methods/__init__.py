@@ -1,0 +1,36 @@
+"""One file per method behind one interface: `prepare(model, method, **options) -> Run`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from streambp_core.config import ConfigError, StreamConfig, check_method
+from streambp_core.methods.base import Run
+from streambp_core.methods.checkpoint import CheckpointRun
+from streambp_core.methods.mst import MstRun
+from streambp_core.methods.plain import PlainRun
+from streambp_core.methods.streambp import StreamBPRun
+
+RUN_CLASSES: dict[str, type[Run]] = {
+    "plain": PlainRun,
+    "checkpoint": CheckpointRun,
+    "mst": MstRun,
+    "streambp": StreamBPRun,
+}
+
+
+def prepare(model: nn.Module, method: str, *, objective: str = "sft", **options) -> Run:
+    """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
+
+    Options are the fields of `StreamConfig` (partition_size, head_partition_size, mlp_chunk_size, attn).
+    Preparing never copies the weights; `run.close()` (or leaving a `with` block) undoes it.
+    """
+    check_method(method)
+    try:
+        config = StreamConfig(**options)
+    except TypeError as err:
+        raise ConfigError(f"unknown option for prepare(): {err}") from None
+    return RUN_CLASSES[method](model, config, objective=objective)
+
+
+__all__ = ["RUN_CLASSES", "Run", "prepare"]

@@ -1,0 +1,108 @@
+"""The one interface every method implements: `prepare(model, ...)` -> Run; `run.loss(...)` -> scalar
+loss with grad_fn; `run.close()` leaves the model as it was."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from streambp_core.config import OBJECTIVES, ConfigError, StreamConfig
+from streambp_core.engine.objectives import SFTObjective, default_labels
+from streambp_core.models.adapters import DecoderParts, decoder_parts
+
+
+class Run:
+    """A model prepared for one method. Subclasses set `method` and implement `_loss`.
+
+    Use as a context manager, or call `close()`, to undo whatever `prepare` changed on the model.
+    """
+
+    method = "base"
+
+    def __init__(self, model: nn.Module, config: StreamConfig, objective: str = "sft") -> None:
+        if objective not in OBJECTIVES:
+            raise ConfigError(f"unknown objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
+        self.model = model
+        self.config = config
+        self.objective_name = objective
+        self.parts: DecoderParts = decoder_parts(model)
+        self._closed = False
+        self._setup()
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        **objective_inputs: Any,
+    ) -> Tensor:
+        """Scalar training loss of one batch; `loss.backward()` fills the model's `.grad`.
+
+        input_ids (B, T); attention_mask (B, T) with 1 for real tokens (None: all real); labels (B, T)
+        with -100 for ignored positions (None: the inputs, padding ignored).
+        """
+        if self._closed:
+            raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
+        _check_batch(input_ids, attention_mask, labels)
+        if labels is None:
+            labels = default_labels(input_ids, attention_mask)
+        return self._loss(input_ids, attention_mask, labels, **objective_inputs)
+
+    def make_objective(self, labels: Tensor, **objective_inputs: Any):
+        """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""
+        if self.objective_name == "sft":
+            if objective_inputs:
+                raise ConfigError(f"sft takes no extra inputs, got {', '.join(objective_inputs)}")
+            return SFTObjective.from_labels(labels)
+        raise ConfigError(f"objective {self.objective_name!r} is not available for method {self.method!r}")
+
+    def close(self) -> None:
+        """Undo what preparing changed; the model is plain again."""
+        if not self._closed:
+            self._teardown()
+            self._closed = True
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        """Change the model for this method (reversibly)."""
+
+    def _teardown(self) -> None:
+        """Undo `_setup`."""
+
+    def _loss(self, input_ids, attention_mask, labels, **objective_inputs) -> Tensor:
+        raise NotImplementedError
+
+
+def key_padding(attention_mask: Tensor | None) -> Tensor | None:
+    """(B, T) bool of real tokens, or None when there is no padding (one device sync per step)."""
+    if attention_mask is None:
+        return None
+    valid = attention_mask.bool()
+    if valid.device.type != "meta" and bool(valid.all()):
+        return None
+    return valid
+
+
+def _check_batch(input_ids: Tensor, attention_mask: Tensor | None, labels: Tensor | None) -> None:
+    if input_ids.dim() != 2:
+        raise ConfigError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] < 2:
+        raise ConfigError("seq_len must be at least 2 (a causal LM predicts the next token)")
+    for name, other in (("attention_mask", attention_mask), ("labels", labels)):
+        if other is not None and other.shape != input_ids.shape:
+            raise ConfigError(f"{name} shape {tuple(other.shape)} != input_ids shape {tuple(input_ids.shape)}")
+
+
+def full_logits_loss(run: Run, logits: Tensor, labels: Tensor, **objective_inputs: Any) -> Tensor:
+    """Loss of an objective from full (B, T, V) logits, for methods that materialise them."""
+    objective = run.make_objective(labels, **objective_inputs)
+    terms = objective.token_terms(logits.float(), 0, logits.shape[1])
+    stats_dtype = torch.promote_types(logits.dtype, torch.float32)
+    return objective.reduce(terms.sum(dim=1).to(stats_dtype))

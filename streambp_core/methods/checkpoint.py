@@ -1,0 +1,44 @@
+"""checkpoint: transformers' own per-layer activation checkpointing; full logits as usual."""
+
+from __future__ import annotations
+
+from streambp_core.methods.plain import PlainRun
+
+
+class CheckpointRun(PlainRun):
+    """Gradient checkpointing: keep each layer's input, recompute the layer in backward."""
+
+    method = "checkpoint"
+
+    def _setup(self) -> None:
+        self._was_checkpointing = activation_checkpointing(self.model)
+        self._had_input_grads_hook = hasattr(self.model, "_require_grads_hook")
+        enable_activation_checkpointing(self.model)
+
+    def _teardown(self) -> None:
+        if not self._was_checkpointing:
+            disable_activation_checkpointing(self.model)
+        if not self._had_input_grads_hook and hasattr(self.model, "_require_grads_hook"):
+            self.model.disable_input_require_grads()
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether transformers' activation checkpointing is on for `model`."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Turn on per-layer checkpointing (non-reentrant), with the name this transformers version has."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_activation_checkpointing(model) -> None:
+    """Turn per-layer checkpointing off again."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()

@@ -1,0 +1,32 @@
+"""mst: Mini-Sequence Transformer — activation checkpointing, the MLP in sequence chunks, and a chunked
+LM head and loss that recompute logits in backward (arXiv 2407.15892)."""
+
+from __future__ import annotations
+
+from streambp_core.engine.chunks import trainable_parameters
+from streambp_core.engine.head import HeadPlan, StreamedHead
+from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
+from streambp_core.methods.checkpoint import CheckpointRun
+
+
+class MstRun(CheckpointRun):
+    """Checkpointed layers with chunked MLPs; the head never materialises T x vocab logits."""
+
+    method = "mst"
+
+    def _setup(self) -> None:
+        super()._setup()
+        for layer in self.parts.layers:
+            chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens)
+
+    def _teardown(self) -> None:
+        for layer in self.parts.layers:
+            unchunk_mlp(layer.mlp)
+        super()._teardown()
+
+    def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
+        hidden = self.parts.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size)
+        params = trainable_parameters([self.parts.lm_head])
+        objective = self.make_objective(labels, **objective_inputs)
+        return StreamedHead.apply(hidden, objective, plan, *params)

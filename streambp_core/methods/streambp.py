@@ -1,0 +1,45 @@
+"""streambp: every decoder layer and the LM head streamed along the sequence (PAPER.md section 1).
+
+The model itself is not changed: `loss` drives its modules through the engine's autograd functions —
+embedding, then one `StreamedLayer` per decoder layer, then the `StreamedHead` (final norm, lm_head and
+objective). Only each layer's input is kept between forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streambp_core.engine.chunks import trainable_parameters
+from streambp_core.engine.head import HeadPlan, StreamedHead
+from streambp_core.engine.layer import LayerPlan, StreamedLayer
+from streambp_core.measure.tags import memory_category
+from streambp_core.methods.base import Run, key_padding
+from streambp_core.models.adapters import layer_parts
+
+
+class StreamBPRun(Run):
+    """Exact backpropagation with one chunk's activations alive per layer."""
+
+    method = "streambp"
+
+    def _setup(self) -> None:
+        cfg = self.config
+        self._layers = [
+            (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn), trainable_parameters([layer]))
+            for layer in self.parts.layers
+        ]
+        head_modules = [self.parts.norm, self.parts.lm_head]
+        self._head = (HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size),
+                      trainable_parameters(head_modules))
+
+    def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
+        objective = self.make_objective(labels, **objective_inputs)
+        with memory_category("checkpoints"):
+            hidden = self.parts.embed(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        cos, sin = self.parts.rotary(hidden, positions)
+        valid = key_padding(attention_mask)
+        for plan, params in self._layers:
+            hidden = StreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
+        head_plan, head_params = self._head
+        return StreamedHead.apply(hidden, objective, head_plan, *head_params)
