@@ -27,7 +27,7 @@ class StreamConfig:
     """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""
 
     attn: str = "auto"
-    """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), or 'auto' (flash-attn when importable on CUDA)."""
+    """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
 
     def __post_init__(self) -> None:
         for name in ("partition_size", "head_partition_size"):

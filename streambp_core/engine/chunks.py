@@ -38,7 +38,7 @@ def backward_into(
     Parameters accumulate into their own `.grad` (in place when it exists), so a streamed backward needs no
     per-layer gradient buffer of its own, just as a plain backward.
     """
-    pairs = [(out, grad) for out, grad in zip(outputs, grads) if out.requires_grad]
+    pairs = [(out, grad) for out, grad in zip(outputs, grads, strict=True) if out.requires_grad]
     inputs = [t for t in (*leaves, *params) if t.requires_grad]
     if not pairs or not inputs:
         return

@@ -97,7 +97,8 @@ def _check_batch(input_ids: Tensor, attention_mask: Tensor | None, labels: Tenso
         raise ConfigError("seq_len must be at least 2 (a causal LM predicts the next token)")
     for name, other in (("attention_mask", attention_mask), ("labels", labels)):
         if other is not None and other.shape != input_ids.shape:
-            raise ConfigError(f"{name} shape {tuple(other.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            shapes = f"{tuple(other.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            raise ConfigError(f"{name} shape {shapes}")
 
 
 def full_logits_loss(run: Run, logits: Tensor, labels: Tensor, **objective_inputs: Any) -> Tensor:
