@@ -7,6 +7,7 @@ from dataclasses import dataclass
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 OBJECTIVES = ("sft", "grpo", "dpo")
 ATTN_BACKENDS = ("auto", "sdpa", "flash")
+BASELINE_ATTENTION = ("auto", "engine", "model")
 
 
 class ConfigError(ValueError):
@@ -29,7 +30,15 @@ class StreamConfig:
     attn: str = "auto"
     """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
 
+    baseline_attention: str = "auto"
+    """Attention of the transformers-driven methods (plain, checkpoint, mst): 'model' keeps the model's own
+    implementation; 'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no
+    T x T mask, as the meta device needs); 'auto' is 'engine' on the meta device and 'model' elsewhere."""
+
     def __post_init__(self) -> None:
+        if self.baseline_attention not in BASELINE_ATTENTION:
+            choices = ", ".join(BASELINE_ATTENTION)
+            raise ConfigError(f"baseline_attention must be one of {choices}, got {self.baseline_attention!r}")
         for name in ("partition_size", "head_partition_size"):
             _require_positive(name, getattr(self, name))
         if self.mlp_chunk_size is not None:

@@ -11,6 +11,7 @@ class CheckpointRun(PlainRun):
     method = "checkpoint"
 
     def _setup(self) -> None:
+        super()._setup()
         self._was_checkpointing = activation_checkpointing(self.model)
         self._had_input_grads_hook = hasattr(self.model, "_require_grads_hook")
         enable_activation_checkpointing(self.model)
@@ -20,6 +21,7 @@ class CheckpointRun(PlainRun):
             disable_activation_checkpointing(self.model)
         if not self._had_input_grads_hook and hasattr(self.model, "_require_grads_hook"):
             self.model.disable_input_require_grads()
+        super()._teardown()
 
 
 def activation_checkpointing(model) -> bool:

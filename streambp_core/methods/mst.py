@@ -25,7 +25,9 @@ class MstRun(CheckpointRun):
         super()._teardown()
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
-        hidden = self.parts.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = self.mask_argument(attention_mask)
+        outputs = self.parts.backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        hidden = outputs.last_hidden_state
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size)
         params = trainable_parameters([self.parts.lm_head])
         objective = self.make_objective(labels, **objective_inputs)

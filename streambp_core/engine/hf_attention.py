@@ -1,0 +1,60 @@
+"""The engine's prefix attention as a transformers attention implementation, so the baselines can run the
+same kernel as StreamBP (fair comparisons) and run on the meta device (simulation) without a T x T mask.
+
+Under it, a baseline passes the attention mask as `{"full_attention": key_valid}`: transformers then
+skips building its 4D mask and hands each layer the (B, T) key-validity tensor (or None) unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import Tensor, nn
+
+from streambp_core.engine.attention import prefix_attention
+
+ENGINE_ATTENTION = "streambp_prefix"
+
+
+def engine_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature over `prefix_attention`; returns (B, T, H, hd)."""
+    if dropout:
+        raise ValueError("the engine attention has no dropout; build the model with attention_dropout=0")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError("the engine attention takes a (batch, seq_len) key mask, not a 4D mask")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = prefix_attention(query, key, value, attention_mask, scale, kwargs.get("engine_backend", "auto"))
+    return out.transpose(1, 2), None
+
+
+def register_engine_attention() -> str:
+    """Register the engine attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ENGINE_ATTENTION, engine_attention_forward)
+    return ENGINE_ATTENTION
+
+
+@contextmanager
+def engine_attention(model: nn.Module):
+    """Within the block, `model` attends through the engine kernel; its own setting is restored after."""
+    original = model.config._attn_implementation
+    model.set_attn_implementation(register_engine_attention())
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(original)
+
+
+def engine_mask_argument(key_valid: Tensor | None) -> dict[str, Tensor | None]:
+    """The attention-mask argument that makes transformers pass `key_valid` straight to each layer."""
+    return {"full_attention": key_valid}
