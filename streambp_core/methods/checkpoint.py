@@ -14,6 +14,7 @@ class CheckpointRun(PlainRun):
         super()._setup()
         self._was_checkpointing = activation_checkpointing(self.model)
         self._had_input_grads_hook = hasattr(self.model, "_require_grads_hook")
+        self._attributes_before = {m: set(vars(m)) for m in self.model.modules()}
         enable_activation_checkpointing(self.model)
 
     def _teardown(self) -> None:
@@ -21,6 +22,9 @@ class CheckpointRun(PlainRun):
             disable_activation_checkpointing(self.model)
         if not self._had_input_grads_hook and hasattr(self.model, "_require_grads_hook"):
             self.model.disable_input_require_grads()
+        for module, names in self._attributes_before.items():
+            for name in set(vars(module)) - names:  # e.g. `_gradient_checkpointing_func` left by transformers
+                delattr(module, name)
         super()._teardown()
 
 
