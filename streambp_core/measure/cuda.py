@@ -1,0 +1,203 @@
+"""CUDA measurement helpers: device info (NVML), allocator peaks, event timing, OOM recognition.
+
+Nothing here touches `torch.cuda` at import time; `pynvml` (package nvidia-ml-py, extra `cuda`) is
+imported only inside `device_info` and its absence falls back to torch with a note saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from streambp_core.measure.units import bytes_to_gib
+
+NVML_MISSING_NOTE = (
+    "pynvml not installed (pip install 'streambp-bench[cuda]'): name and total memory from torch, "
+    "used memory unknown"
+)
+
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def cuda_available() -> bool:
+    """True when torch can use a CUDA device."""
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """Name and memory of one GPU."""
+
+    name: str
+    """Device name, e.g. 'NVIDIA H100 80GB HBM3'."""
+    total_gib: float
+    """Total device memory in GiB."""
+    used_gib: float | None
+    """Memory in use on the device by all processes (NVML only; None from torch)."""
+    source: str
+    """Where the figures came from: 'nvml' or 'torch'."""
+    note: str = ""
+    """Why the source is 'torch' when NVML was wanted; empty otherwise."""
+
+
+def device_info(index: int = 0) -> DeviceInfo:
+    """Describe CUDA device `index` (torch numbering), from NVML when possible, else from torch.
+
+    Raises RuntimeError when neither NVML nor torch sees a CUDA device.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return _torch_device_info(index, NVML_MISSING_NOTE)
+    try:
+        return _nvml_device_info(pynvml, index)
+    except pynvml.NVMLError as exc:
+        return _torch_device_info(index, f"NVML failed ({exc}): name and total memory from torch")
+
+
+def _nvml_device_info(pynvml: Any, index: int) -> DeviceInfo:
+    """Query NVML for the physical device behind torch's device `index`."""
+    pynvml.nvmlInit()
+    try:
+        handle = _nvml_handle(pynvml, index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    finally:
+        pynvml.nvmlShutdown()
+    if isinstance(name, bytes):  # older nvidia-ml-py returns bytes
+        name = name.decode()
+    return DeviceInfo(
+        name=name, total_gib=bytes_to_gib(memory.total), used_gib=bytes_to_gib(memory.used), source="nvml"
+    )
+
+
+def _nvml_handle(pynvml: Any, index: int) -> Any:
+    """Map torch's device index through CUDA_VISIBLE_DEVICES (indices or GPU UUIDs) to an NVML handle."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible):
+        entry = visible[index]
+        if entry.isdigit():
+            return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+        if entry.startswith(("GPU-", "MIG-")):
+            return pynvml.nvmlDeviceGetHandleByUUID(entry)
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _torch_device_info(index: int, note: str) -> DeviceInfo:
+    """Describe device `index` from torch's device properties (no used-memory figure)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"no CUDA device available ({note})")
+    props = torch.cuda.get_device_properties(index)
+    return DeviceInfo(
+        name=props.name, total_gib=bytes_to_gib(props.total_memory), used_gib=None, source="torch", note=note
+    )
+
+
+class CudaPeak:
+    """Context manager measuring the caching allocator's peak over a region.
+
+    Steps: on entry synchronize and `reset_peak_memory_stats`; on exit synchronize and read
+    `max_memory_allocated`, `max_memory_reserved`, and `num_alloc_retries` / `num_ooms` from
+    `memory_stats` (those two are cumulative counters; they are reported as the change over the region).
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self.device = device
+        self.peak_allocated_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self._start_retries = 0
+        self._start_ooms = 0
+
+    def __enter__(self) -> CudaPeak:
+        self.reset()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.read()
+
+    def reset(self) -> None:
+        """Start a new peak from now (the allocator's current usage)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        self._start_retries = stats.get("num_alloc_retries", 0)
+        self._start_ooms = stats.get("num_ooms", 0)
+
+    def read(self) -> CudaPeak:
+        """Update the peak figures from the allocator (also callable inside the region)."""
+        torch.cuda.synchronize(self.device)
+        self.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        self.num_alloc_retries = stats.get("num_alloc_retries", 0) - self._start_retries
+        self.num_ooms = stats.get("num_ooms", 0) - self._start_ooms
+        return self
+
+    @property
+    def peak_allocated_gib(self) -> float:
+        return bytes_to_gib(self.peak_allocated_bytes)
+
+    @property
+    def peak_reserved_gib(self) -> float:
+        return bytes_to_gib(self.peak_reserved_bytes)
+
+
+def time_cuda_ms(
+    fn: Callable[[], object],
+    warmup: int = 1,
+    repeats: int = 3,
+    device: torch.device | str | int | None = None,
+) -> list[float]:
+    """Time `fn()` with CUDA events: `warmup` untimed calls, then one time in ms per repeat."""
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    return [_time_once_ms(fn) for _ in range(repeats)]
+
+
+def _time_once_ms(fn: Callable[[], object]) -> float:
+    """One CUDA-event-timed call of `fn`, in milliseconds."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence of timings."""
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when `exc` is an out-of-memory failure.
+
+    Recognises torch.OutOfMemoryError (CUDA's), Python's MemoryError, and RuntimeErrors whose message
+    says CUDA out of memory, cuBLAS could not allocate, or the CPU allocator could not allocate.
+    """
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)

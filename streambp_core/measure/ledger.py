@@ -1,0 +1,113 @@
+"""Byte accounting for tracked storages: live bytes per category, the peak and its breakdown.
+
+The ledger knows nothing about ops; `MemoryTracker` tells it which storages are new. Each storage is
+keyed by `id()` of its Python object (torch keeps one object per storage while the storage lives) and
+watched by a weak reference. The reference's callback only queues the reference (an atomic
+`deque.append`, safe from any thread and from inside garbage collection); `drain()` applies queued frees,
+and the tracker drains before every addition, so the peak is exact: every free that happened before an
+allocation is applied before that allocation is counted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from streambp_core.measure.tags import CATEGORIES, check_category
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that remembers the ledger key of its referent."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    ref: _StorageRef
+    nbytes: int
+    category: str
+
+
+class StorageLedger:
+    """Live bytes of tracked storages, per category, with the peak and the breakdown at the peak."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+        self._freed: deque[_StorageRef] = deque()
+        self._by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_breakdown: dict[str, int] = dict(self._by_category)
+        self.devices: set[str] = set()
+
+    def knows(self, storage: torch.UntypedStorage) -> bool:
+        """Whether `storage` is tracked."""
+        return id(storage) in self._entries
+
+    def add(self, storage: torch.UntypedStorage, category: str, device: str) -> None:
+        """Start tracking `storage` under `category` (no-op if already tracked)."""
+        key = id(storage)
+        if key in self._entries:
+            return
+        ref = _StorageRef(storage, self._freed.append)
+        ref.key = key
+        nbytes = storage.nbytes()
+        self._entries[key] = _Entry(ref, nbytes, check_category(category))
+        self.devices.add(device)
+        self._change(category, nbytes)
+
+    def retag(self, storage: torch.UntypedStorage, category: str) -> bool:
+        """Move a tracked storage's bytes to `category`; False if the storage is not tracked."""
+        entry = self._entries.get(id(storage))
+        if entry is None:
+            return False
+        self._by_category[entry.category] -= entry.nbytes
+        self._by_category[category] += entry.nbytes
+        entry.category = category
+        return True
+
+    def resize(self, storage: torch.UntypedStorage) -> bool:
+        """Account a tracked storage's new size (after `resize_`); False if it is not tracked."""
+        entry = self._entries.get(id(storage))
+        if entry is None:
+            return False
+        nbytes = storage.nbytes()
+        if nbytes != entry.nbytes:
+            self._change(entry.category, nbytes - entry.nbytes)
+            entry.nbytes = nbytes
+        return True
+
+    def drain(self) -> None:
+        """Apply the frees queued by weak-reference callbacks."""
+        while self._freed:
+            ref = self._freed.popleft()
+            entry = self._entries.get(ref.key)
+            if entry is not None and entry.ref is ref:
+                del self._entries[ref.key]
+                self._change(entry.category, -entry.nbytes)
+
+    def reset_peak(self) -> None:
+        """Make what is live now the peak."""
+        self.peak_bytes = self.live_bytes
+        self.peak_breakdown = dict(self._by_category)
+
+    def breakdown(self) -> dict[str, int]:
+        """Live bytes per category now."""
+        return dict(self._by_category)
+
+    def close(self) -> None:
+        """Stop watching: dropping the weak references cancels their callbacks."""
+        self._entries.clear()
+        self._freed.clear()
+
+    def _change(self, category: str, delta: int) -> None:
+        self.live_bytes += delta
+        self._by_category[category] += delta
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_breakdown = dict(self._by_category)

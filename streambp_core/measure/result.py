@@ -1,0 +1,51 @@
+"""The figures a `MemoryTracker` reports (GiB = 2**30 bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streambp_core.measure.units import bytes_to_gib
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerResult:
+    """Live-tensor bytes over a tracked region (GiB = 2**30 bytes)."""
+
+    peak_bytes: int
+    """Most bytes live at once since entry or the last `reset_peak()`."""
+    peak_breakdown_bytes: dict[str, int]
+    """Bytes per category at that peak (every category present; they sum to `peak_bytes`)."""
+    end_bytes: int
+    """Bytes live at exit (or now, for a result taken inside the region)."""
+    end_breakdown_bytes: dict[str, int]
+    """Bytes per category at exit."""
+    device: str
+    """The device filter, else the devices whose storages were counted, comma-separated."""
+    cuda_peak_allocated_bytes: int | None = None
+    """The CUDA caching allocator's `max_memory_allocated` over the region; None without CUDA."""
+    cuda_peak_reserved_bytes: int | None = None
+    """The CUDA caching allocator's `max_memory_reserved` over the region; None without CUDA."""
+
+    @property
+    def peak_gib(self) -> float:
+        return bytes_to_gib(self.peak_bytes)
+
+    @property
+    def end_gib(self) -> float:
+        return bytes_to_gib(self.end_bytes)
+
+    @property
+    def peak_breakdown_gib(self) -> dict[str, float]:
+        return {name: bytes_to_gib(n) for name, n in self.peak_breakdown_bytes.items()}
+
+    @property
+    def cuda_peak_allocated_gib(self) -> float | None:
+        return _optional_gib(self.cuda_peak_allocated_bytes)
+
+    @property
+    def cuda_peak_reserved_gib(self) -> float | None:
+        return _optional_gib(self.cuda_peak_reserved_bytes)
+
+
+def _optional_gib(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else bytes_to_gib(num_bytes)
