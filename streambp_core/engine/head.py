@@ -1,7 +1,7 @@
 """The streamed LM head: final norm (optional), lm_head and objective, `head_partition_size` tokens at a
 time, as an autograd.Function so that a plain `loss.backward()` drives it.
 
-Forward (no grad): per chunk, logits (B, c, V) -> float32 -> the objective's token terms -> per-sequence
+Forward (no grad): per chunk, logits (B, c, V) -> the objective's precision (float32 for bf16) -> the objective's token terms -> per-sequence
 sums S (B,). The loss is `objective.reduce(S)`. Backward: dL/dS from `reduce`, then per chunk recompute
 the logits with grad and back-propagate sum_b dL/dS[b] * S_chunk[b]. Full T x vocab logits never exist;
 the head's weight gradients accumulate in `.grad`.
@@ -31,7 +31,8 @@ def _chunk_terms(plan: HeadPlan, objective, hidden: Tensor, start: int, end: int
     """Token terms (B, c) of hidden positions start..end."""
     h = hidden if plan.norm is None else plan.norm(hidden)
     with memory_category("logits"):
-        logits = plan.lm_head(h).float()
+        logits = plan.lm_head(h)
+        logits = logits.to(objective.logits_dtype(logits.dtype))
         return objective.token_terms(logits, start, end)
 
 

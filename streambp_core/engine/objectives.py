@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """Loss precision for low-precision logits: float32, or the logits' own when wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def shifted_targets(labels: Tensor) -> Tensor:
@@ -46,15 +52,132 @@ class SFTObjective:
 
     name = "sft"
 
+    @staticmethod
+    def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+        """transformers' loss upcasts logits to float32 (and downcasts float64 to it); so does this one."""
+        return torch.float32
+
     @classmethod
     def from_labels(cls, labels: Tensor) -> SFTObjective:
         return cls(targets=shifted_targets(labels))
 
     def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
-        """Per-token cross-entropy (B, c) of float32 logits for positions start..end."""
+        """Per-token cross-entropy (B, c) for positions start..end."""
         return -token_logprobs(logits, self.targets[:, start:end])
 
     def reduce(self, stats: Tensor) -> Tensor:
         """Sum of per-sequence cross-entropy sums over the number of valid targets."""
         num_valid = (self.targets != IGNORE_INDEX).sum()
         return stats.sum() / num_valid
+
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+
+
+def shifted_per_token(values: Tensor) -> Tensor:
+    """Per-token inputs indexed by the token they score (like labels) -> indexed by predicting position."""
+    return F.pad(values[:, 1:], (0, 1), value=0)
+
+
+@dataclass(frozen=True, eq=False)
+class GRPOObjective:
+    """Clipped policy-gradient loss with one advantage per sequence and an optional k3 KL penalty.
+
+    Per completion token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) + beta * k3, where
+    r = exp(logp - old_logp) and k3 = exp(ref - logp) - (ref - logp) - 1. Normalisations follow TRL's GRPO:
+    'grpo' averages each sequence over its completion tokens then over sequences; 'bnpo' averages over all
+    completion tokens of the batch; 'dr_grpo' divides by batch size x `max_completion_length`.
+    """
+
+    targets: Tensor  # (B, T) token predicted at each position, -100 where nothing is predicted
+    weights: Tensor  # (B, T) completion mask times the normalisation, by predicting position
+    advantages: Tensor  # (B,)
+    old_logps: Tensor | None  # (B, T) by predicting position; None: on-policy (r = 1, grad of r = grad logp)
+    ref_logps: Tensor | None
+    beta: float
+    epsilon_low: float
+    epsilon_high: float
+
+    name = "grpo"
+    logits_dtype = staticmethod(at_least_float32)
+
+    def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
+        logp = token_logprobs(logits, self.targets[:, start:end])
+        old = logp.detach() if self.old_logps is None else self.old_logps[:, start:end]
+        ratio = torch.exp(logp - old)
+        adv = self.advantages[:, None]
+        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        if self.beta and self.ref_logps is not None:
+            delta = self.ref_logps[:, start:end] - logp
+            per_token = per_token + self.beta * (torch.exp(delta) - delta - 1)
+        return per_token * self.weights[:, start:end]
+
+    def reduce(self, stats: Tensor) -> Tensor:
+        return stats.sum()
+
+
+def grpo_objective(input_ids: Tensor, completion_mask: Tensor, advantages: Tensor, *,
+                   old_logps: Tensor | None = None, ref_logps: Tensor | None = None, beta: float = 0.0,
+                   epsilon: float = 0.2, epsilon_high: float | None = None, loss_type: str = "grpo",
+                   max_completion_length: int | None = None) -> GRPOObjective:
+    """Build the GRPO objective. Per-token tensors (B, T) are indexed like input_ids: entry j scores
+    token j. `completion_mask` marks completion tokens (prompt and padding 0)."""
+    mask = shifted_per_token(completion_mask.to(torch.float32))
+    weights = mask * _grpo_normaliser(mask, loss_type, max_completion_length)
+    targets = shifted_targets(input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX))
+    return GRPOObjective(
+        targets=targets, weights=weights, advantages=advantages.to(torch.float32),
+        old_logps=None if old_logps is None else shifted_per_token(old_logps),
+        ref_logps=None if ref_logps is None else shifted_per_token(ref_logps),
+        beta=beta, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+    )
+
+
+def _grpo_normaliser(mask: Tensor, loss_type: str, max_completion_length: int | None) -> Tensor:
+    """Per-position factor (B, 1) or scalar that turns masked token sums into TRL's loss."""
+    if loss_type == "grpo":
+        return 1.0 / (mask.sum(dim=1, keepdim=True).clamp(min=1.0) * mask.shape[0])
+    if loss_type == "bnpo":
+        return 1.0 / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = max_completion_length or mask.shape[1]
+        return torch.tensor(1.0 / (mask.shape[0] * length))
+    raise ValueError(f"unknown GRPO loss_type {loss_type!r}; choose from {', '.join(GRPO_LOSS_TYPES)}")
+
+
+@dataclass(frozen=True, eq=False)
+class DPOObjective:
+    """Sigmoid DPO: mean over pairs of -log sigmoid(beta * ((lp_w - ref_w) - (lp_l - ref_l))).
+
+    Rows 0..P-1 of the batch are the chosen completions, rows P..2P-1 the rejected ones, pair i = (i, P+i).
+    Sequence log-probs lp sum the log-probs of label tokens (prompt and padding labelled -100).
+    Not separable over tokens: the head's no-grad pass gives lp, `reduce` gives dL/dlp, then the chunked
+    backward weights each sequence's tokens by it.
+    """
+
+    targets: Tensor  # (2P, T)
+    ref_chosen_logps: Tensor  # (P,)
+    ref_rejected_logps: Tensor  # (P,)
+    beta: float
+
+    name = "dpo"
+    logits_dtype = staticmethod(at_least_float32)
+
+    def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
+        return token_logprobs(logits, self.targets[:, start:end])
+
+    def reduce(self, stats: Tensor) -> Tensor:
+        pairs = stats.shape[0] // 2
+        chosen, rejected = stats[:pairs], stats[pairs:]
+        ref_chosen = self.ref_chosen_logps.to(stats.dtype)
+        ref_rejected = self.ref_rejected_logps.to(stats.dtype)
+        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+        return -F.logsigmoid(self.beta * margin).mean()
+
+
+def dpo_objective(labels: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, *,
+                  beta: float = 0.1) -> DPOObjective:
+    """Build the DPO objective for a batch of chosen rows followed by as many rejected rows."""
+    return DPOObjective(targets=shifted_targets(labels), ref_chosen_logps=ref_chosen_logps,
+                        ref_rejected_logps=ref_rejected_logps, beta=beta)

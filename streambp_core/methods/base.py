@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import OBJECTIVES, ConfigError, StreamConfig
-from streambp_core.engine.objectives import SFTObjective, default_labels
+from streambp_core.engine.objectives import default_labels
+from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.models.adapters import DecoderParts, decoder_parts
 
 
@@ -48,15 +49,12 @@ class Run:
         _check_batch(input_ids, attention_mask, labels)
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
+        self._input_ids = input_ids
         return self._loss(input_ids, attention_mask, labels, **objective_inputs)
 
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
         """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""
-        if self.objective_name == "sft":
-            if objective_inputs:
-                raise ConfigError(f"sft takes no extra inputs, got {', '.join(objective_inputs)}")
-            return SFTObjective.from_labels(labels)
-        raise ConfigError(f"objective {self.objective_name!r} is not available for method {self.method!r}")
+        return build_objective(self.objective_name, self._input_ids, labels, **objective_inputs)
 
     def close(self) -> None:
         """Undo what preparing changed; the model is plain again."""
@@ -104,6 +102,6 @@ def _check_batch(input_ids: Tensor, attention_mask: Tensor | None, labels: Tenso
 def full_logits_loss(run: Run, logits: Tensor, labels: Tensor, **objective_inputs: Any) -> Tensor:
     """Loss of an objective from full (B, T, V) logits, for methods that materialise them."""
     objective = run.make_objective(labels, **objective_inputs)
-    terms = objective.token_terms(logits.float(), 0, logits.shape[1])
+    terms = objective.token_terms(logits.to(objective.logits_dtype(logits.dtype)), 0, logits.shape[1])
     stats_dtype = torch.promote_types(logits.dtype, torch.float32)
     return objective.reduce(terms.sum(dim=1).to(stats_dtype))

@@ -105,8 +105,5 @@ def layer_parts(layer: nn.Module) -> LayerParts:
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft wrapper (PeftModel -> LoraModel -> *ForCausalLM)."""
-    while not hasattr(model, "lm_head") and hasattr(model, "base_model"):
-        model = model.base_model
-    if not hasattr(model, "lm_head") and hasattr(model, "model"):
-        model = model.model
-    return model
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model

@@ -1,0 +1,82 @@
+"""Check a batch's objective inputs and build the objective every method shares.
+
+- sft: no extra inputs.
+- grpo: `advantages` (B,), `completion_mask` (B, T); optional `old_logps`, `ref_logps` (B, T, indexed like
+  input_ids), `beta`, `epsilon`, `epsilon_high`, `loss_type` ('grpo' | 'bnpo' | 'dr_grpo'),
+  `max_completion_length`.
+- dpo: rows 0..P-1 chosen, P..2P-1 rejected; `ref_chosen_logps` (P,), `ref_rejected_logps` (P,), `beta`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from streambp_core.config import ConfigError
+from streambp_core.engine.objectives import (
+    GRPO_LOSS_TYPES,
+    SFTObjective,
+    dpo_objective,
+    grpo_objective,
+)
+
+GRPO_KEYS = {"advantages", "completion_mask", "old_logps", "ref_logps", "beta", "epsilon", "epsilon_high",
+             "loss_type", "max_completion_length"}
+DPO_KEYS = {"ref_chosen_logps", "ref_rejected_logps", "beta"}
+
+
+def build_objective(name: str, input_ids: Tensor, labels: Tensor, **inputs: Any):
+    """The objective `name` for this batch, or ConfigError naming what is missing or wrong."""
+    if name == "sft":
+        _no_unknown("sft", inputs, set())
+        return SFTObjective.from_labels(labels)
+    if name == "grpo":
+        return _grpo(input_ids, labels, inputs)
+    if name == "dpo":
+        return _dpo(input_ids, labels, inputs)
+    raise ConfigError(f"unknown objective {name!r}")
+
+
+def _no_unknown(name: str, inputs: dict, allowed: set) -> None:
+    unknown = sorted(set(inputs) - allowed)
+    if unknown:
+        takes = ", ".join(sorted(allowed)) or "nothing"
+        raise ConfigError(f"{name} does not take {', '.join(unknown)}; it takes {takes}")
+
+
+def _grpo(input_ids: Tensor, labels: Tensor, inputs: dict):
+    _no_unknown("grpo", inputs, GRPO_KEYS)
+    if inputs.get("advantages") is None:
+        raise ConfigError("grpo needs advantages: one scalar per sequence, shape (batch,)")
+    rows = input_ids.shape[0]
+    if tuple(inputs["advantages"].shape) != (rows,):
+        got = tuple(inputs["advantages"].shape)
+        raise ConfigError(f"grpo advantages must have shape ({rows},), got {got}")
+    completion_mask = inputs.get("completion_mask")
+    if completion_mask is None:
+        completion_mask = (labels != -100).long()
+    for key in ("completion_mask", "old_logps", "ref_logps"):
+        value = completion_mask if key == "completion_mask" else inputs.get(key)
+        if value is not None and value.shape != input_ids.shape:
+            raise ConfigError(f"grpo {key} must have the shape of input_ids {tuple(input_ids.shape)}")
+    if inputs.get("loss_type", "grpo") not in GRPO_LOSS_TYPES:
+        raise ConfigError(f"grpo loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}")
+    options = {k: v for k, v in inputs.items() if k not in ("advantages", "completion_mask")}
+    return grpo_objective(input_ids, completion_mask, inputs["advantages"], **options)
+
+
+def _dpo(input_ids: Tensor, labels: Tensor, inputs: dict):
+    _no_unknown("dpo", inputs, DPO_KEYS)
+    rows = input_ids.shape[0]
+    if rows % 2:
+        raise ConfigError(f"dpo needs chosen rows followed by as many rejected rows; got {rows} rows")
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        value = inputs.get(key)
+        if value is None:
+            raise ConfigError(f"dpo needs {key}: reference sequence log-probs, shape ({rows // 2},)")
+        if tuple(value.shape) != (rows // 2,):
+            got = tuple(value.shape)
+            raise ConfigError(f"dpo {key} must have shape ({rows // 2},) for {rows} rows, got {got}")
+    return dpo_objective(labels, inputs["ref_chosen_logps"], inputs["ref_rejected_logps"],
+                         beta=inputs.get("beta", 0.1))

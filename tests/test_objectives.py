@@ -1,0 +1,188 @@
+"""GRPO and DPO: the plain loss equals a direct computation from the formulas, and every method's
+gradients equal plain's in float64, with padding, groups and LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import streambp_core
+from streambp_core.models.load import build_model, tiny_config
+from tests.test_exactness import GRAD_RTOL, batch, relative_errors
+
+METHODS = ("checkpoint", "mst", "streambp")
+
+
+def grpo_inputs(ids, mask, prompt_len=5, seed=3, with_old=True, with_ref=True):
+    """A group of completions after a shared-length prompt; padding right."""
+    gen = torch.Generator().manual_seed(seed)
+    completion = mask.clone()
+    completion[:, :prompt_len] = 0
+    inputs = {
+        "advantages": torch.randn(ids.shape[0], generator=gen, dtype=torch.float64),
+        "completion_mask": completion,
+        "beta": 0.04,
+        "epsilon": 0.2,
+    }
+    if with_old:
+        inputs["old_logps"] = -torch.rand(ids.shape, generator=gen, dtype=torch.float64) * 6
+    if with_ref:
+        inputs["ref_logps"] = -torch.rand(ids.shape, generator=gen, dtype=torch.float64) * 6
+    return inputs
+
+
+def direct_logps(model, ids, mask):
+    """log p(token j | tokens < j) for j >= 1, computed straight from full logits: (B, T-1)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def direct_grpo(model, ids, mask, inputs, loss_type):
+    logp = direct_logps(model, ids, mask)
+    m = inputs["completion_mask"][:, 1:].float()
+    ratio = torch.exp(logp - inputs["old_logps"][:, 1:])
+    adv = inputs["advantages"][:, None]
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+    ref = inputs["ref_logps"][:, 1:]
+    per_token = per_token + inputs["beta"] * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type == "grpo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if loss_type == "bnpo":
+        return (per_token * m).sum() / m.sum().clamp(min=1)
+    return (per_token * m).sum() / (ids.shape[0] * inputs["max_completion_length"])
+
+
+def direct_dpo(model, ids, mask, labels, inputs):
+    logp = direct_logps(model, ids, mask)
+    seq = (logp * (labels[:, 1:] != -100)).sum(-1)
+    pairs = ids.shape[0] // 2
+    margin = (seq[:pairs] - inputs["ref_chosen_logps"]) - (seq[pairs:] - inputs["ref_rejected_logps"])
+    return -F.logsigmoid(inputs["beta"] * margin).mean()
+
+
+def run_step(model, method, objective, ids, mask, labels=None, **inputs):
+    model.zero_grad(set_to_none=True)
+    with streambp_core.prepare(
+        model, method, objective=objective, partition_size=4, head_partition_size=3
+    ) as run:
+        loss = run.loss(ids, attention_mask=mask, labels=labels, **inputs)
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_all_methods_match(model, objective, ids, mask, labels=None, **inputs):
+    ref_loss, ref = run_step(model, "plain", objective, ids, mask, labels, **inputs)
+    assert ref, "plain produced no gradients"
+    for method in METHODS:
+        loss, grads = run_step(model, method, objective, ids, mask, labels, **inputs)
+        assert torch.allclose(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-9), method
+        assert grads.keys() == ref.keys(), method
+        worst = max(relative_errors(grads, ref).values())
+        assert worst <= GRAD_RTOL, f"{method}: {worst:.2e}"
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_plain_grpo_equals_the_formula(loss_type):
+    model = build_model(tiny_config("qwen3"), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 4, 18, "right")
+    inputs = grpo_inputs(ids, mask) | {"loss_type": loss_type, "max_completion_length": 16}
+    with streambp_core.prepare(model, "plain", objective="grpo") as run:
+        loss = run.loss(ids, attention_mask=mask, **inputs)
+    with torch.no_grad():
+        expected = direct_grpo(model, ids, mask, inputs, loss_type)
+    assert torch.allclose(loss.double(), expected.double(), rtol=1e-6), (loss, expected)
+
+
+def test_plain_dpo_equals_the_formula():
+    model = build_model(tiny_config("llama"), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 4, 15, "right")
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100  # the shared prompt
+    inputs = {
+        "ref_chosen_logps": torch.tensor([-30.0, -28.0], dtype=torch.float64),
+        "ref_rejected_logps": torch.tensor([-29.0, -31.5], dtype=torch.float64),
+        "beta": 0.1,
+    }
+    with streambp_core.prepare(model, "plain", objective="dpo") as run:
+        loss = run.loss(ids, attention_mask=mask, labels=labels, **inputs)
+    with torch.no_grad():
+        expected = direct_dpo(model, ids, mask, labels, inputs)
+    assert torch.allclose(loss.double(), expected.double(), rtol=1e-6), (loss, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_grpo_exact(family, padding):
+    model = build_model(tiny_config(family), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 4, 17, padding)  # a group of 4 completions
+    assert_all_methods_match(model, "grpo", ids, mask, **grpo_inputs(ids, mask))
+
+
+def test_grpo_on_policy_without_reference():
+    model = build_model(tiny_config("qwen3"), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 3, 14, "right")
+    inputs = grpo_inputs(ids, mask, with_old=False, with_ref=False) | {"loss_type": "bnpo"}
+    assert_all_methods_match(model, "grpo", ids, mask, **inputs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_dpo_exact(family, padding):
+    model = build_model(tiny_config(family), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 4, 16, padding)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    inputs = {
+        "ref_chosen_logps": torch.tensor([-40.0, -35.0]),
+        "ref_rejected_logps": torch.tensor([-38.0, -37.0]),
+        "beta": 0.5,
+    }
+    assert_all_methods_match(model, "dpo", ids, mask, labels, **inputs)
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo", "dpo"])
+def test_lora_exact_and_only_adapters_get_grads(objective):
+    pytest.importorskip("peft")
+    from streambp_core.models.lora import apply_lora
+
+    model = apply_lora(build_model(tiny_config("qwen3"), dtype=torch.float64), rank=4, alpha=16)
+    ids, mask = batch(model.config.vocab_size, 2, 15, "right")
+    inputs = {}
+    if objective == "grpo":
+        inputs = grpo_inputs(ids, mask)
+    if objective == "dpo":
+        inputs = {"ref_chosen_logps": torch.tensor([-40.0]), "ref_rejected_logps": torch.tensor([-38.0])}
+    _, ref = run_step(model, "plain", objective, ids, mask, **inputs)
+    assert ref and all("lora_" in name for name in ref)
+    assert_all_methods_match(model, objective, ids, mask, **inputs)
+
+
+@pytest.mark.parametrize(
+    ("objective", "inputs", "message"),
+    [
+        ("grpo", {}, "advantages"),
+        ("grpo", {"advantages": torch.zeros(3)}, "shape"),
+        ("grpo", {"advantages": torch.zeros(2), "loss_type": "sum"}, "loss_type"),
+        ("dpo", {"ref_chosen_logps": torch.zeros(1)}, "ref_rejected_logps"),
+        ("dpo", {"ref_chosen_logps": torch.zeros(2), "ref_rejected_logps": torch.zeros(2)}, "shape"),
+        ("sft", {"advantages": torch.zeros(2)}, "does not take"),
+    ],
+)
+def test_bad_objective_inputs(objective, inputs, message):
+    model = build_model(tiny_config("qwen3"), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 2, 10, "none")
+    with streambp_core.prepare(model, "streambp", objective=objective) as run:
+        with pytest.raises(streambp_core.ConfigError, match=message):
+            run.loss(ids, attention_mask=mask, **inputs)
+
+
+def test_dpo_needs_pairs():
+    model = build_model(tiny_config("qwen3"), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 3, 10, "none")
+    with streambp_core.prepare(model, "plain", objective="dpo") as run:
+        with pytest.raises(streambp_core.ConfigError, match="as many rejected"):
+            run.loss(
+                ids, attention_mask=mask, ref_chosen_logps=torch.zeros(1), ref_rejected_logps=torch.zeros(1)
+            )
