@@ -1,10 +1,11 @@
 """The streamed LM head: final norm (optional), lm_head and objective, `head_partition_size` tokens at a
 time, as an autograd.Function so that a plain `loss.backward()` drives it.
 
-Forward (no grad): per chunk, logits (B, c, V) -> the objective's precision (float32 for bf16) -> the objective's token terms -> per-sequence
-sums S (B,). The loss is `objective.reduce(S)`. Backward: dL/dS from `reduce`, then per chunk recompute
-the logits with grad and back-propagate sum_b dL/dS[b] * S_chunk[b]. Full T x vocab logits never exist;
-the head's weight gradients accumulate in `.grad`.
+Forward (no grad): per chunk, logits (B, c, V) in the objective's precision (float32 for bf16) -> the
+objective's token terms -> per-sequence sums S (B,). The loss is `objective.reduce(S)`.
+Backward: dL/dS from `reduce`, then per chunk recompute the logits with grad and back-propagate
+sum_b dL/dS[b] * S_chunk[b]. Full T x vocab logits never exist; the head's weight gradients accumulate
+in `.grad`.
 """
 
 from __future__ import annotations
