@@ -22,7 +22,7 @@ def batch(vocab: int, batch_size: int, seq_len: int, padding: str, seed: int = 1
     for row in range(batch_size):
         pad = (row * 3 + 2) % max(seq_len // 3, 1) if padding != "none" else 0
         if pad and padding == "right":
-            mask[row, seq_len - pad:] = 0
+            mask[row, seq_len - pad :] = 0
         elif pad and padding == "left":
             mask[row, :pad] = 0
     return ids, mask
@@ -88,8 +88,14 @@ def test_architecture_variants(overrides):
 def test_partition_sizes(partition_size):
     model = model_of("qwen3")
     ids, mask = batch(model.config.vocab_size, 2, 19, "left")
-    assert_matches_plain(model, ids, mask, methods=("streambp", "mst"), partition_size=partition_size,
-                         head_partition_size=partition_size)
+    assert_matches_plain(
+        model,
+        ids,
+        mask,
+        methods=("streambp", "mst"),
+        partition_size=partition_size,
+        head_partition_size=partition_size,
+    )
 
 
 def test_prompt_masked_labels_and_no_mask():
@@ -124,11 +130,19 @@ def test_left_padding_row_fully_masked_predicts_first_token():
 def test_property_random_configs(
     family, kv_heads, seq_len, batch_size, partition, head_partition, padding, tied
 ):
-    model = model_of(family, num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
-                     hidden_size=32, intermediate_size=40, vocab_size=61)
+    model = model_of(
+        family,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        hidden_size=32,
+        intermediate_size=40,
+        vocab_size=61,
+    )
     ids, mask = batch(61, batch_size, seq_len, padding)
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=partition,
-                         head_partition_size=head_partition)
+    assert_matches_plain(
+        model, ids, mask, methods=("streambp",), partition_size=partition, head_partition_size=head_partition
+    )
 
 
 @pytest.mark.parametrize("method", ["plain", "checkpoint", "mst", "streambp"])
