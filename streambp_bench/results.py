@@ -1,0 +1,297 @@
+"""The results CSV: one row dataclass is the schema; rows are upserted by key with atomic writes.
+
+A long-format CSV, one row per point and metric (DESIGN.md, Results contract). Re-running a point
+replaces its row; each write goes to a temporary file that `os.replace` moves over the old one, so an
+interrupted sweep (Ctrl-C, kill -9) keeps every finished row and never leaves a half-written file:
+
+    results = ResultsFile("results/sweep.csv")
+    if ResultRow.key_of(**point) not in results.done_keys():   # point: the KEY_COLUMNS values
+        results.upsert(ResultRow(**point, **measured, **provenance(...)))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import importlib
+import math
+import operator
+import os
+import subprocess
+import tempfile
+import typing
+from collections.abc import Iterable
+from dataclasses import MISSING, asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+SOURCES = ("simulated", "measured-cuda", "measured-cpu")
+STATUSES = ("ok", "oom", "error")
+METRICS = ("peak_memory", "step_time", "max_len", "grad_rel_err")
+"""Known metrics; `value` is GiB, milliseconds, tokens and a relative error respectively."""
+CATEGORY_COLUMNS = tuple(
+    f"{name}_gib" for name in "weights grads optimizer checkpoints kv logits temporaries".split()
+)
+
+
+class SchemaError(ValueError):
+    """A CSV that is not a results file of this schema, or a cell that does not parse (one-line message)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResultRow:
+    """One point and metric, one field per CSV column (None = empty cell; GiB = 2**30 bytes; ms)."""
+
+    method: str
+    """plain, checkpoint, mst or streambp."""
+    model: str
+    objective: str = "sft"
+    seq_len_tokens: int
+    """Tokens per sequence; 0 for a metric not taken at one length (max_len)."""
+    batch_size: int = 1
+    partition_size: int | None = None
+    """Tokens per decoder-layer chunk (streambp, mst); empty when the method has none."""
+    head_partition_size: int | None = None
+    """Tokens per LM-head chunk; empty when the method has none."""
+    dtype: str = "bfloat16"
+    lora_rank: int | None = None
+    """LoRA rank; empty for full-parameter training."""
+    optimizer: str = "none"
+    """Optimizer whose state is resident ('none': backprop only)."""
+    source: str
+    """One of SOURCES: how the numbers were obtained."""
+    status: str = "ok"
+    metric: str
+    """What `value` is: one of METRICS (others are allowed)."""
+    value: float | None = None
+    """The metric's value (GiB, ms, tokens, ratio); empty on oom/error."""
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    step_time_ms: float | None = None
+    """Median step time; measured runs only."""
+    weights_gib: float | None = None
+    grads_gib: float | None = None
+    optimizer_gib: float | None = None
+    checkpoints_gib: float | None = None
+    kv_gib: float | None = None
+    logits_gib: float | None = None
+    temporaries_gib: float | None = None
+    budget_gib: float | None = None
+    """Device memory the point was judged against."""
+    error: str = ""
+    device_name: str
+    torch_version: str = "unknown"
+    transformers_version: str = "unknown"
+    package_version: str = "unknown"
+    git_sha: str = "unknown"
+    timestamp: str = ""
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            object.__setattr__(self, field.name, _coerce(field.name, getattr(self, field.name)))
+        _require_one_of("source", self.source, SOURCES)
+        _require_one_of("status", self.status, STATUSES)
+        for name in ("method", "model", "metric", "device_name"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty")
+        for name in _NON_NEGATIVE:
+            if (value := getattr(self, name)) is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.step_time_ms is not None and self.source == "simulated":
+            raise ValueError("step_time_ms is for measured runs only; a simulated row leaves it empty")
+
+    def key(self) -> tuple[str, ...]:
+        """The point's identity: its KEY_COLUMNS as CSV text (rows with equal keys replace each other)."""
+        return tuple(_format(getattr(self, name)) for name in KEY_COLUMNS)
+
+    @classmethod
+    def key_of(cls, **key_fields: object) -> tuple[str, ...]:
+        """The key a row with these KEY_COLUMNS values would have (the dataclass defaults fill the rest)."""
+        values = {**_KEY_DEFAULTS, **key_fields}
+        if sorted(values) != sorted(KEY_COLUMNS):
+            wrong = sorted(set(values) ^ set(KEY_COLUMNS))
+            raise TypeError(f"key_of() takes the KEY_COLUMNS; missing or unknown: {', '.join(wrong)}")
+        return tuple(_format(_coerce(name, values[name])) for name in KEY_COLUMNS)
+
+    def to_record(self) -> dict[str, str]:
+        """The row as CSV text, column -> cell."""
+        return {name: _format(value) for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_record(cls, record: dict[str, str]) -> ResultRow:
+        """Parse one CSV record (column -> cell text); empty optional cells become None."""
+        return cls(**{name: _parse(name, text or "") for name, text in record.items()})
+
+
+COLUMNS: tuple[str, ...] = tuple(field.name for field in fields(ResultRow))
+"""The CSV header, in order."""
+KEY_COLUMNS: tuple[str, ...] = (
+    "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
+    "head_partition_size", "dtype", "lora_rank", "optimizer", "source", "metric", "device_name",
+)  # fmt: skip
+_HINTS = typing.get_type_hints(ResultRow)
+_OPTIONAL = {name for name, hint in _HINTS.items() if type(None) in typing.get_args(hint)}
+_TYPES = {name: next((a for a in typing.get_args(h) if a is not type(None)), h) for name, h in _HINTS.items()}
+_NON_NEGATIVE = [name for name, kind in _TYPES.items() if kind in (int, float) and name != "value"]
+_KEY_DEFAULTS = {
+    f.name: f.default for f in fields(ResultRow) if f.default is not MISSING and f.name in KEY_COLUMNS
+}
+
+
+def _require_one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _coerce(name: str, value: object) -> object:
+    """`value` as the plain Python type of column `name` (numpy scalars become int/float; NaN -> None)."""
+    kind = _TYPES[name]
+    if value is None and name not in _OPTIONAL:
+        raise ValueError(f"{name} must not be empty")
+    if value is None:
+        return None
+    if kind is int:
+        return int(value) if isinstance(value, float) and value.is_integer() else operator.index(value)
+    if kind is float:
+        number = float(value)
+        return None if math.isnan(number) and name in _OPTIONAL else number
+    return str(value)
+
+
+def _format(value: object) -> str:
+    if value is None:
+        return ""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _parse(name: str, text: str) -> object:
+    if name not in _TYPES:
+        raise SchemaError(f"unknown column {name!r}")
+    if text == "" and name in _OPTIONAL:
+        return None
+    kind = _TYPES[name]
+    if kind is int:
+        return int(text) if text.lstrip("-").isdigit() else float(text)  # "500.0" -> 500 in _coerce
+    return float(text) if kind is float else text
+
+
+def provenance(source: str, device_name: str) -> dict[str, str]:
+    """Provenance columns of a new row: source, device, versions, git sha ("unknown" if unfound), UTC time."""
+    _require_one_of("source", source, SOURCES)
+    timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return {"source": source, "device_name": device_name, **_versions(), "timestamp": timestamp}
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    modules = {"torch": "torch", "transformers": "transformers", "package": "streambp_core"}
+    versions = {f"{key}_version": _module_version(name) for key, name in modules.items()}
+    return {**versions, "git_sha": _git_sha()}
+
+
+def _module_version(module_name: str) -> str:
+    try:
+        return str(importlib.import_module(module_name).__version__)
+    except Exception:  # any failure to import means the version is unknown
+        return "unknown"
+
+
+def _git_sha() -> str:
+    """Short sha of the checkout this package lives in, or "unknown" (no git, not a checkout)."""
+    command = ["git", "rev-parse", "--short", "HEAD"]
+    try:
+        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+class ResultsFile:
+    """A results CSV on disk: load it, upsert rows by key (atomically), list the finished points."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self) -> pd.DataFrame:
+        """All rows as a typed DataFrame (`rows_to_frame`); FileNotFoundError without a file; SchemaError."""
+        if not self.path.exists():
+            raise FileNotFoundError(f"no such results file: {self.path}")
+        return rows_to_frame(self.rows())
+
+    def rows(self) -> list[ResultRow]:
+        """All rows, parsed and validated (SchemaError names the line of a bad cell); [] without a file."""
+        rows = []
+        for line_number, record in enumerate(self._records(), start=2):
+            try:
+                rows.append(ResultRow.from_record(record))
+            except (TypeError, ValueError) as error:
+                raise SchemaError(f"{self.path}, line {line_number}: {error}") from None
+        return rows
+
+    def done_keys(self) -> set[tuple[str, ...]]:
+        """Keys of the points already in the file (any status), so a resumed sweep can skip them."""
+        return {row.key() for row in self.rows()}
+
+    def upsert(self, row: ResultRow) -> None:
+        """Write `row`, replacing the row with the same key if there is one (atomic rewrite)."""
+        self.append_many([row])
+
+    def append_many(self, rows: Iterable[ResultRow]) -> None:
+        """Upsert several rows in one atomic rewrite; within `rows` the last of equal keys wins."""
+        by_key = {row.key(): row for row in self.rows()}
+        by_key.update((row.key(), row) for row in rows)
+        self._write([row.to_record() for row in by_key.values()])
+
+    def _records(self) -> list[dict[str, str]]:
+        """The raw CSV records (cell text), header checked; [] when the file does not exist."""
+        if not self.path.exists():
+            return []
+        with self.path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            check_header(reader.fieldnames, self.path)
+            return list(reader)
+
+    def _write(self, records: list[dict[str, str]]) -> None:
+        """Write all records to a temporary file next to the target, fsync it, then `os.replace` it in."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", newline="", encoding="utf-8") as handle:
+                writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows(records)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp_name, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp_name)
+            raise
+
+
+def check_header(header: typing.Sequence[str] | None, path: Path) -> None:
+    """Raise SchemaError naming the missing and unexpected columns unless `header` is this schema's."""
+    if not header:
+        raise SchemaError(f"{path} is empty: no CSV header")
+    missing = [name for name in COLUMNS if name not in header]
+    extra = [str(name) for name in header if name not in COLUMNS]
+    if missing or extra:
+        found = {"missing": missing, "unexpected": extra}
+        detail = "; ".join(f"{what} columns: {_some(names)}" for what, names in found.items() if names)
+        raise SchemaError(f"{path} is not a streambp-bench results CSV ({detail})")
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    """The first `limit` names, comma-separated, then how many more."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def rows_to_frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
+    """Rows as a DataFrame with one column per field, in schema order, int columns as nullable Int64."""
+    frame = pd.DataFrame([asdict(row) for row in rows], columns=list(COLUMNS))
+    dtypes = {name: {int: "Int64", float: "float64"}.get(_TYPES[name], "str") for name in COLUMNS}
+    return frame.astype(dtypes)
