@@ -1,0 +1,32 @@
+"""The `streambp-bench` Typer app: wiring only; each command lives in `streambp_bench.commands`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from streambp_bench.commands import plot, presets, verify
+from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error
+from streambp_core.config import ConfigError
+
+app = typer.Typer(
+    name="streambp-bench",
+    help="StreamBP: exact, memory-efficient backpropagation for long sequences; verify and benchmark it.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+app.command("verify", help=verify.HELP, epilog=verify.EPILOG)(verify.verify)
+app.command("presets", help=presets.HELP, epilog=presets.EPILOG)(presets.presets)
+app.command("plot")(plot.plot)
+
+
+def main() -> None:
+    """Console-script entry point: run the app; a ConfigError that escapes a command is one line, exit 2."""
+    try:
+        app()
+    except ConfigError as error:
+        print_error(error)
+        sys.exit(USER_ERROR_EXIT_CODE)

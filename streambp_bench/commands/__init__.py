@@ -1,0 +1,1 @@
+"""One module per `streambp-bench` command; each computes through `streambp_core` and only prints here."""

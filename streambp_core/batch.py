@@ -1,0 +1,84 @@
+"""Random token batches with right or left padding, for verification and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streambp_core.config import ConfigError
+
+PADDINGS = ("none", "right", "left")
+PAD_FRACTION = 0.2
+"""Average fraction of padded positions when padding is on; rows get different amounts."""
+
+IGNORE_INDEX = -100
+"""Label value that transformers' causal-LM loss ignores."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """Inputs of one training step: token ids, attention mask (None without padding) and labels."""
+
+    input_ids: torch.Tensor
+    """[batch, seq_len] int64 token ids."""
+
+    attention_mask: torch.Tensor | None
+    """[batch, seq_len] int64, 1 for real tokens and 0 for padding; None when nothing is padded."""
+
+    labels: torch.Tensor
+    """[batch, seq_len] int64: `input_ids` with padded positions set to -100."""
+
+    @property
+    def valid_tokens(self) -> int:
+        """Number of non-padded positions in the whole batch."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def padding_lengths(seq_len: int, batch_size: int) -> list[int]:
+    """Padded positions per row: about 20% on average, spread from ~10% to ~30% across the rows.
+
+    Each row keeps at least two real tokens, so every row has at least one target after the shift.
+    """
+    if batch_size == 1:
+        fractions = [PAD_FRACTION]
+    else:
+        fractions = [PAD_FRACTION * (0.5 + row / (batch_size - 1)) for row in range(batch_size)]
+    most = max(seq_len - 2, 0)
+    return [min(max(round(fraction * seq_len), 1), most) for fraction in fractions]
+
+
+def _mask(seq_len: int, pad_lengths: list[int], side: str) -> torch.Tensor:
+    positions = torch.arange(seq_len).unsqueeze(0)  # [1, T]
+    pads = torch.tensor(pad_lengths).unsqueeze(1)  # [B, 1]
+    padded = positions >= seq_len - pads if side == "right" else positions < pads
+    return (~padded).long()
+
+
+def random_batch(
+    *,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    padding: str = "none",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> Batch:
+    """Uniformly random token ids (drawn on the CPU, so the same seed gives the same batch on any device).
+
+    With `padding` "right" or "left", about 20% of the positions are padding (different per row),
+    masked in `attention_mask` and set to -100 in `labels`.
+    """
+    if padding not in PADDINGS:
+        raise ConfigError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    labels = input_ids.clone()
+    attention_mask = None
+    if padding != "none":
+        attention_mask = _mask(seq_len, padding_lengths(seq_len, batch_size), padding)
+        input_ids = input_ids.masked_fill(attention_mask == 0, 0)
+        labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    to = {"device": device}
+    mask = None if attention_mask is None else attention_mask.to(**to)
+    return Batch(input_ids=input_ids.to(**to), attention_mask=mask, labels=labels.to(**to))

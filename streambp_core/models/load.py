@@ -1,0 +1,175 @@
+"""Model configs and models by name: shipped presets, local directories, random or loaded weights.
+
+Nothing here touches the network: presets are `config.json` files shipped in `presets/`, and local
+directories are read with `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from streambp_core.config import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""`model_type`s of the decoder families the engine supports."""
+
+PRESET_DIR = Path(__file__).parent / "presets"
+TINY_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+def _preset_file(name: str) -> Path:
+    return PRESET_DIR / (name.replace("/", "--") + ".json")
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key: tiny presets last, then by name with numbers compared as numbers (0.6B < 4B < 14B)."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", name.lower())
+    return (name.startswith("tiny/"), [float(part) if i % 2 else part for i, part in enumerate(parts)])
+
+
+@cache
+def _preset_names() -> tuple[str, ...]:
+    names = [path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json")]
+    return tuple(sorted(names, key=_natural_key))
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets: real models by their hub name first, then the `tiny/*` test models."""
+    return list(_preset_names())
+
+
+def _find_preset(name: str) -> str | None:
+    wanted = name.strip().lower()
+    return next((preset for preset in _preset_names() if preset.lower() == wanted), None)
+
+
+def _config_from_dict(values: dict, source: str) -> PretrainedConfig:
+    model_type = values.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{source}: unknown model_type {model_type!r}")
+    return CONFIG_MAPPING[model_type].from_dict(values)
+
+
+def _config_from_path(path: Path) -> PretrainedConfig:
+    if path.is_file():
+        return _config_from_dict(json.loads(path.read_text()), str(path))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def check_supported(config: PretrainedConfig, source: str = "model") -> PretrainedConfig:
+    """Return `config` if its family is supported, else raise ConfigError naming the supported ones."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: architecture {config.model_type!r} is not supported; "
+            f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def load_config(name_or_path: str) -> PretrainedConfig:
+    """Config of a preset (hub name, case-insensitive) or of a local directory (or file) with config.json.
+
+    Raises ConfigError, on one line, for an unknown name (listing the presets) or an unsupported family.
+    """
+    preset = _find_preset(name_or_path)
+    if preset is not None:
+        values = json.loads(_preset_file(preset).read_text())
+        return check_supported(_config_from_dict(values, preset), preset)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return check_supported(_config_from_path(path), str(path))
+    raise ConfigError(
+        f"unknown model {name_or_path!r}: not a preset nor a local directory with config.json; "
+        f"presets: {', '.join(_preset_names())}"
+    )
+
+
+def tiny_config(family: str = "qwen3", **overrides: object) -> PretrainedConfig:
+    """A copy of the `tiny/<family>` preset (2 layers, hidden 64, vocab 512) with `overrides` applied.
+
+    Example: `tiny_config("llama", num_key_value_heads=1, tie_word_embeddings=True)`.
+    """
+    if family not in TINY_FAMILIES:
+        raise ConfigError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
+    values = json.loads(_preset_file(f"tiny/{family}").read_text())
+    unknown = sorted(set(overrides) - set(values) - _known_keys(values["model_type"]))
+    if unknown:
+        raise ConfigError(f"tiny_config({family!r}): unknown config keys {', '.join(unknown)}")
+    return _config_from_dict({**values, **overrides}, f"tiny/{family}")
+
+
+def _known_keys(model_type: str) -> set[str]:
+    return set(CONFIG_MAPPING[model_type]().to_dict())
+
+
+def _as_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
+    if isinstance(config_or_name, PretrainedConfig):
+        return check_supported(copy.deepcopy(config_or_name))
+    return load_config(config_or_name)
+
+
+def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
+    """Train mode with every dropout probability at zero, so two runs see the same function."""
+    model.config.attention_dropout = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def build_model(
+    config_or_name: PretrainedConfig | str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A randomly initialised `*ForCausalLM` in train mode (dropout 0) on `device`.
+
+    `device="meta"` allocates no memory (shapes only), e.g. to count parameters of a 32B model.
+    The same `seed`, config, dtype and device give the same weights.
+    """
+    config = _as_config(config_or_name)
+    config.attention_dropout = 0.0
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return _prepare_for_training(model)
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether a local directory holds safetensors weights that `load_model` can read."""
+    return Path(path).is_dir() and any(Path(path).glob("*.safetensors"))
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Load a local directory's config and safetensors weights (never the network), train mode, dropout 0."""
+    if not has_weights(path):
+        raise ConfigError(f"{path} has no *.safetensors weights")
+    check_supported(load_config(str(path)), str(path))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    return _prepare_for_training(model.to(device))
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameter elements (tied embeddings counted once)."""
+    return sum(param.numel() for param in model.parameters())

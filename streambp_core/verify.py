@@ -1,0 +1,294 @@
+"""Check that every method's loss and parameter gradients equal plain backprop's on one model.
+
+Steps of `verify_methods`:
+1. Build the model with random weights (seeded) and a random batch with the chosen padding.
+2. Run `plain` as the reference and keep its loss and gradients.
+3. Run each method on the same weights and batch; compare every parameter's gradient with the
+   reference: relative error ||g - g_ref|| / ||g_ref|| in float64 (absolute where ||g_ref|| = 0).
+4. float64 and float32 pass below a fixed tolerance. bfloat16 follows flash-attention's rule: the
+   reference is plain in float32 on the same (bf16-rounded) weights, and a method passes when its
+   error is at most 2x the error of plain in bfloat16 against that reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+import streambp_core
+from streambp_core.batch import PADDINGS, Batch, random_batch
+from streambp_core.compare import Gradients, max_rel_err
+from streambp_core.config import ConfigError, check_method
+from streambp_core.models import build_model, load_config
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+"""Largest accepted relative gradient error (and loss error relative to max(1, |loss|)) per dtype."""
+
+LOSS_ULPS = 16
+"""Exact dtypes: the loss may also differ by this many units of the reference loss's own precision
+(transformers computes plain's loss from `logits.float()`, so in float64 that loss is float32)."""
+
+LOW_PRECISION_FACTOR = 2.0
+"""bfloat16: a method may be this many times as far from the fp32 reference as plain bfloat16 is."""
+
+LOW_PRECISION_EPS = 1e-6
+"""bfloat16: absolute slack on the gradient bound, so a zero baseline error does not demand exactness."""
+
+LOW_PRECISION_LOSS_EPS = 2.0**-10
+"""bfloat16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon): one scalar's
+baseline error can be near zero by chance, unlike the max over many gradient elements."""
+
+DEFAULT_METHODS = ("checkpoint", "mst", "streambp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifySpec:
+    """What to verify: one model, the methods, and the shape, precision and padding of the batch."""
+
+    model: str
+    """Preset name or local directory with config.json."""
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    seq_len: int = 256
+    batch_size: int = 1
+    partition_size: int = 100
+    """Tokens per decoder-layer chunk (streambp, mst)."""
+    head_partition_size: int = 50
+    """Tokens per LM-head chunk (streambp, mst)."""
+    dtype: str = "float32"
+    padding: str = "none"
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ConfigError("give at least one method")
+        for method in self.methods:
+            check_method(method)
+        _require_at_least("seq_len", self.seq_len, 2)
+        for name in ("batch_size", "partition_size", "head_partition_size"):
+            _require_at_least(name, getattr(self, name), 1)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.padding not in PADDINGS:
+            raise ConfigError(f"padding must be one of {', '.join(PADDINGS)}, got {self.padding!r}")
+        _check_device(self.device)
+
+    @property
+    def source(self) -> str:
+        """Provenance label of the numbers: measured-cpu or measured-cuda."""
+        return f"measured-{torch.device(self.device).type}"
+
+
+def _require_at_least(name: str, value: int, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"unknown device {device!r}: {error}") from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu or cuda, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but torch sees no CUDA device")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodResult:
+    """One method's distance from the reference."""
+
+    method: str
+    max_rel_err: float
+    """max over parameters of ||g - g_ref|| / ||g_ref||."""
+    worst_param: str
+    """Parameter where `max_rel_err` occurs."""
+    loss: float
+    loss_abs_err: float
+    tolerance: float
+    """Bound on `max_rel_err` (bfloat16: 2x plain-bf16's error + eps)."""
+    loss_tolerance: float
+    """Bound on `loss_abs_err`."""
+    baseline_rel_err: float | None = None
+    """bfloat16 only: plain bfloat16's max_rel_err against the float32 reference."""
+    ok: bool
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Step:
+    """Outcome of one forward+backward: the loss and every parameter's gradient."""
+
+    loss: float
+    loss_dtype: torch.dtype
+    grads: Gradients
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bounds:
+    """What a method must stay within to pass."""
+
+    grad_rel: float
+    loss_abs: float
+    baseline_rel_err: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """All methods' results against the reference run."""
+
+    spec: VerifySpec
+    results: tuple[MethodResult, ...]
+    reference_loss: float
+    reference: str = "plain"
+    reference_dtype: str
+    """dtype the reference ran in: the spec's dtype, or float32 when verifying bfloat16."""
+
+    @property
+    def ok(self) -> bool:
+        return all(result.ok for result in self.results)
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary: reference, dtype, source, model and one entry per method."""
+        return {
+            "reference": self.reference,
+            "dtype": self.spec.dtype,
+            "reference_dtype": self.reference_dtype,
+            "source": self.spec.source,
+            "model": self.spec.model,
+            "spec": asdict(self.spec),
+            "reference_loss": self.reference_loss,
+            "ok": self.ok,
+            "results": [asdict(result) for result in self.results],
+        }
+
+
+def run_step(model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec) -> Step:
+    """One forward+backward of `method` from empty grads.
+
+    The gradients are moved out of the parameters (which are left with `grad=None`), not copied.
+    """
+    for param in model.parameters():
+        param.grad = None
+    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size}
+    with streambp_core.prepare(model, method, **options) as run:
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        loss.backward()
+    grads: Gradients = {}
+    for name, param in model.named_parameters():
+        grads[name], param.grad = param.grad, None
+    return Step(loss=float(loss.detach()), loss_dtype=loss.dtype, grads=grads)
+
+
+def _check(
+    model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec, reference: Step, bounds: Bounds
+) -> MethodResult:
+    """Run `method` and compare its loss and gradients with `reference` under `bounds`."""
+    step = run_step(model, method, batch, spec)
+    err, worst = max_rel_err(step.grads, reference.grads)
+    loss_err = abs(step.loss - reference.loss)
+    return MethodResult(
+        method=method,
+        max_rel_err=err,
+        worst_param=worst,
+        loss=step.loss,
+        loss_abs_err=loss_err,
+        tolerance=bounds.grad_rel,
+        loss_tolerance=bounds.loss_abs,
+        baseline_rel_err=bounds.baseline_rel_err,
+        ok=err <= bounds.grad_rel and loss_err <= bounds.loss_abs,
+    )
+
+
+def _exact_bounds(spec: VerifySpec, reference: Step) -> Bounds:
+    tol = TOLERANCE[spec.dtype]
+    loss_rel = max(tol, LOSS_ULPS * torch.finfo(reference.loss_dtype).eps)
+    return Bounds(grad_rel=tol, loss_abs=loss_rel * max(1.0, abs(reference.loss)))
+
+
+def _verify_exact(model: PreTrainedModel, batch: Batch, spec: VerifySpec) -> VerifyReport:
+    """float64 / float32: each method against plain in the same dtype, under a fixed tolerance."""
+    reference = run_step(model, "plain", batch, spec)
+    bounds = _exact_bounds(spec, reference)
+    results = tuple(_check(model, method, batch, spec, reference, bounds) for method in spec.methods)
+    return VerifyReport(spec=spec, results=results, reference_loss=reference.loss, reference_dtype=spec.dtype)
+
+
+def _low_precision_bounds(model: PreTrainedModel, batch: Batch, spec: VerifySpec, reference: Step) -> Bounds:
+    """Run plain in low precision; its errors against the fp32 reference, doubled, bound the methods'."""
+    plain = run_step(model, "plain", batch, spec)
+    baseline, _ = max_rel_err(plain.grads, reference.grads)
+    loss_slack = LOW_PRECISION_LOSS_EPS * max(1.0, abs(reference.loss))
+    return Bounds(
+        grad_rel=LOW_PRECISION_FACTOR * baseline + LOW_PRECISION_EPS,
+        loss_abs=LOW_PRECISION_FACTOR * abs(plain.loss - reference.loss) + loss_slack,
+        baseline_rel_err=baseline,
+    )
+
+
+def _verify_low_precision(model: PreTrainedModel, batch: Batch, spec: VerifySpec) -> VerifyReport:
+    """bfloat16: each method against plain fp32 on bf16-rounded weights, bounded by plain bf16's error.
+
+    `model` arrives in float32; its weights are rounded to bfloat16 values, the fp32 reference runs,
+    then the model is cast to bfloat16 for plain-bf16 (the baseline) and the methods.
+    """
+    low = DTYPES[spec.dtype]
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(low))
+    reference = run_step(model, "plain", batch, spec)
+    model.to(low)
+    bounds = _low_precision_bounds(model, batch, spec, reference)
+    results = tuple(_check(model, method, batch, spec, reference, bounds) for method in spec.methods)
+    return VerifyReport(spec=spec, results=results, reference_loss=reference.loss, reference_dtype="float32")
+
+
+def verify_spec(spec: VerifySpec) -> VerifyReport:
+    """Run the reference and every method of `spec`; see the module docstring for the steps."""
+    config = load_config(spec.model)
+    low_precision = spec.dtype not in TOLERANCE
+    build_dtype = torch.float32 if low_precision else DTYPES[spec.dtype]
+    model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.seed)
+    batch = random_batch(
+        vocab_size=config.vocab_size,
+        seq_len=spec.seq_len,
+        batch_size=spec.batch_size,
+        padding=spec.padding,
+        seed=spec.seed + 1,
+        device=spec.device,
+    )
+    if low_precision:
+        return _verify_low_precision(model, batch, spec)
+    return _verify_exact(model, batch, spec)
+
+
+def verify_methods(
+    model_name: str,
+    *,
+    methods: tuple[str, ...] = DEFAULT_METHODS,
+    seq_len: int = 256,
+    batch_size: int = 1,
+    partition_size: int = 100,
+    head_partition_size: int = 50,
+    dtype: str = "float32",
+    padding: str = "none",
+    seed: int = 0,
+    device: str = "cpu",
+) -> VerifyReport:
+    """Verify `methods` against plain on `model_name` (preset or local directory); see `VerifySpec`."""
+    spec = VerifySpec(
+        model=model_name,
+        methods=tuple(methods),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        partition_size=partition_size,
+        head_partition_size=head_partition_size,
+        dtype=dtype,
+        padding=padding,
+        seed=seed,
+        device=device,
+    )
+    return verify_spec(spec)

@@ -1,0 +1,123 @@
+"""The real `streambp-bench` app through Typer's CliRunner: help, bad input, verify, presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from streambp_bench import cli
+from streambp_bench.cli import app
+from streambp_core import verify as verify_module
+from streambp_core.models import list_presets
+
+TINY_VERIFY = ["verify", "--model", "tiny/qwen3", "--seq-len", "24", "--ps", "7", "--ps-head", "5"]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def _one_line_error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_root_help_lists_the_commands(runner):
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert all(command in result.output for command in ("verify", "presets", "plot"))
+
+
+@pytest.mark.parametrize("command", ["verify", "presets", "plot"])
+def test_each_command_help_has_example_invocations(runner, command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0
+    assert "Examples" in result.output
+    assert f"streambp-bench {command}" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model", "no/such-model"], "presets: "),
+        (["--ps", "0"], "partition_size"),
+        (["--ps-head", "0"], "head_partition_size"),
+        (["--seq-len", "1"], "seq_len"),
+        (["--batch-size", "0"], "batch_size"),
+        (["--method", "streambp,magic"], "magic"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback_and_exit_2(runner, args, expected):
+    result = runner.invoke(app, [*TINY_VERIFY, *args])
+    assert result.exit_code == 2
+    assert expected in _one_line_error(result)
+
+
+def test_unknown_model_error_lists_every_preset(runner):
+    result = runner.invoke(app, ["verify", "--model", "Qwen/Qwen3-9000B"])
+    line = _one_line_error(result)
+    assert all(name in line for name in list_presets())
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error(runner, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    result = runner.invoke(app, [*TINY_VERIFY, "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "cuda" in _one_line_error(result)
+
+
+def test_verify_json_in_float64_matches_plain_for_every_method(runner):
+    result = runner.invoke(
+        app, [*TINY_VERIFY, "--dtype", "float64", "--padding", "right", "-b", "2", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["reference"], report["dtype"], report["source"]) == ("plain", "float64", "measured-cpu")
+    assert [row["method"] for row in report["results"]] == ["checkpoint", "mst", "streambp"]
+    for row in report["results"]:
+        assert row["ok"] is True
+        assert row["max_rel_err"] <= 1e-10
+        assert set(row) >= {"method", "max_rel_err", "loss_abs_err", "ok"}
+
+
+def test_verify_table_says_how_it_was_measured(runner):
+    result = runner.invoke(app, [*TINY_VERIFY, "--method", "streambp", "--padding", "left"])
+    assert result.exit_code == 0, result.output
+    assert "streambp" in result.output and "pass" in result.output
+    assert "measured-cpu" in result.output
+
+
+def test_verify_exits_1_when_a_method_exceeds_the_tolerance(runner, monkeypatch):
+    monkeypatch.setitem(verify_module.TOLERANCE, "float32", -1.0)
+    result = runner.invoke(app, [*TINY_VERIFY, "--method", "checkpoint"])
+    assert result.exit_code == 1
+    assert "FAIL" in result.output
+
+
+def test_presets_json_lists_every_preset_with_sizes(runner):
+    result = runner.invoke(app, ["presets", "--json"])
+    assert result.exit_code == 0
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert set(rows) == set(list_presets())
+    assert rows["Qwen/Qwen3-8B"]["layers"] == 36
+    assert rows["Qwen/Qwen3-8B"]["params"] == pytest.approx(8.19e9, rel=0.01)
+
+
+def test_presets_table_shows_full_names(runner):
+    result = runner.invoke(app, ["presets"])
+    assert result.exit_code == 0
+    assert "mistralai/Mistral-7B-v0.3" in result.output
+
+
+def test_main_turns_a_config_error_into_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["streambp-bench", "verify", "--model", "nope"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: unknown model 'nope'")

@@ -1,0 +1,45 @@
+"""Gradient distance: relative per parameter, absolute where the reference is zero, NaN is worst."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streambp_core import compare
+from streambp_core.compare import max_rel_err, rel_err
+
+
+def test_relative_error_of_a_scaled_gradient():
+    ref = torch.tensor([3.0, 4.0])
+    assert rel_err(ref * 1.5, ref) == pytest.approx(0.5)
+
+
+def test_zero_reference_uses_the_absolute_norm():
+    assert rel_err(torch.tensor([3.0, 4.0]), torch.zeros(2)) == pytest.approx(5.0)
+    assert rel_err(torch.tensor([3.0, 4.0]), None) == pytest.approx(5.0)
+    assert rel_err(None, torch.tensor([3.0, 4.0])) == pytest.approx(1.0)
+    assert rel_err(None, None) == 0.0
+
+
+def test_norms_are_float64_and_sliced(monkeypatch):
+    monkeypatch.setattr(compare, "NORM_SLICE_ELEMENTS", 3)
+    ref = torch.arange(1.0, 11.0, dtype=torch.float32)
+    grad = ref + 1e-3
+    expected = math.sqrt(10 * 1e-6) / float(torch.linalg.vector_norm(ref.double()))
+    assert rel_err(grad, ref) == pytest.approx(expected, rel=1e-3)
+
+
+def test_max_rel_err_names_the_worst_parameter_and_nan_wins():
+    ref = {"a": torch.ones(2), "b": torch.ones(2), "c": torch.ones(2)}
+    grads = {"a": torch.ones(2), "b": torch.ones(2) * 3, "c": torch.ones(2) * 2}
+    assert max_rel_err(grads, ref) == (pytest.approx(2.0), "b")
+    grads["a"] = torch.tensor([float("nan"), 1.0])
+    err, worst = max_rel_err(grads, ref)
+    assert math.isnan(err) and worst == "a"
+
+
+def test_different_parameter_sets_are_an_error():
+    with pytest.raises(ValueError):
+        max_rel_err({"a": torch.ones(1)}, {"b": torch.ones(1)})
