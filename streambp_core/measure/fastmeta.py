@@ -1,0 +1,197 @@
+"""Speed and categories for tracked training steps, above all simulated ones on the meta device.
+
+`SimulationMode` is a `TorchDispatchMode` entered *after* a `MemoryTracker` (so it sees each op before
+the tracker does). It handles ops whose schema returns fresh tensors (no alias annotations, only
+`Tensor` returns); views, in-place and `out=` ops pass through untouched (they allocate nothing new).
+
+On the meta device it memoises: a meta kernel has no data, so its outputs' metadata (shape, stride,
+dtype) is a function of the op, its inputs' metadata and its other arguments. The first call with a
+given key runs the real meta kernel with every dispatch mode disabled (the tracker does not see that
+throw-away run) and records the metadata; every call then allocates its outputs with
+`torch.empty_strided`, which the tracker underneath sees as exactly the allocations the kernel makes.
+Why: many meta kernels are Python decompositions (an elementwise `add` costs ~200 us) and a chunked
+step repeats the same ops on the same shapes hundreds of times. Outputs that `empty_strided` would not
+reproduce byte for byte (an offset, a storage larger than the view) or that share an input's storage
+although the schema does not say so (`_unsafe_view`) are never memoised: those ops run.
+
+On other devices (a measured CPU step) it only categorises: the outputs' shapes come from the same
+memo, filled by running the op on meta stand-ins of the arguments, and the real op then runs.
+
+Category: an output whose last dimension is the vocabulary and which has a token dimension (the lm_head
+output, its float32 copy, log-softmax, their gradients) is filed under `logits` whatever the active
+category; everything else under the active category. The lm_head's weight gradient, (vocab, hidden),
+is not matched: its last dimension is the hidden size. `checkpoint_tags` files layer inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from streambp_core.measure.tags import CHECKPOINTS, LOGITS, memory_category
+from streambp_core.measure.tracker import MemoryTracker
+from streambp_core.models.adapters import decoder_parts
+
+_Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+_META = torch.device("meta")
+
+
+class SimulationMode(TorchDispatchMode):
+    """Memoised meta kernels and the logits category (see the module docstring).
+
+    Args:
+        vocab_size: outputs with >= 2 dims whose last one is this count as logits; None: no categories.
+        cache: a memo to share between steps in one process (its keys hold everything that determines
+            its values, so sharing is safe); None starts an empty one.
+    """
+
+    def __init__(self, vocab_size: int | None = None, cache: dict | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.cache: dict[Any, Any] = {} if cache is None else cache
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not _returns_fresh(func):
+            return func(*args, **kwargs)
+        devices: set[torch.device] = set()
+        try:
+            key = (func, _key(args, devices), _key(tuple(kwargs.items()), devices))
+            entry = self.cache.get(key)
+        except TypeError:  # an unhashable argument
+            return func(*args, **kwargs)
+        on_meta = devices <= {_META} and kwargs.get("device", _META) == _META
+        if entry is None:
+            entry = self.cache[key] = _outputs_spec(func, args, kwargs, on_meta)
+        returns_tuple, first_shape, specs = entry
+        with memory_category(LOGITS) if self._is_logits(first_shape) else nullcontext():
+            if specs is None or not on_meta:
+                return func(*args, **kwargs)
+            outs = tuple(_empty(spec) for spec in specs)
+        return outs if returns_tuple else outs[0]
+
+    def _is_logits(self, shape: tuple[int, ...]) -> bool:
+        return self.vocab_size is not None and len(shape) >= 2 and shape[-1] == self.vocab_size
+
+
+class ForwardPhase:
+    """Whether the step is still in its forward (set `done` when the loss is computed)."""
+
+    done = False
+
+
+@contextmanager
+def checkpoint_tags(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[ForwardPhase]:
+    """Until `phase.done`, file the embedding's and each decoder layer's output under checkpoints.
+
+    These are the layer inputs transformers' activation checkpointing keeps (and, in `plain`, the ones
+    the next layer saves); the engine tags StreamBP's own. Recomputations in backward are not retagged.
+    """
+    phase = ForwardPhase()
+
+    def retag(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not phase.done:
+            tracker.retag(output[0] if isinstance(output, tuple) else output, CHECKPOINTS)
+
+    parts = decoder_parts(model)
+    handles = [module.register_forward_hook(retag) for module in (parts.embed, *parts.layers)]
+    try:
+        yield phase
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+_FRESH: dict[Any, bool] = {}
+
+
+def _returns_fresh(func: Any) -> bool:
+    """Whether `func`'s schema returns only new tensors: no alias annotations, only `Tensor` returns."""
+    known = _FRESH.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = (
+            schema is not None
+            and len(schema.returns) > 0
+            and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+            and all(a.alias_info is None for a in schema.arguments)
+        )
+        _FRESH[func] = known
+    return known
+
+
+def _key(values: Any, devices: set[torch.device]) -> tuple:
+    """Hashable metadata of op arguments, tensors as (shape, stride, dtype, offset); adds their devices."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            devices.add(value.device)
+            out.append((tuple(value.shape), value.stride(), value.dtype, value.storage_offset()))
+        elif isinstance(value, (list, tuple)):
+            out.append(_key(value, devices))
+        else:
+            out.append(value)
+    return tuple(out)
+
+
+def _outputs_spec(func: Any, args: tuple, kwargs: dict, on_meta: bool) -> tuple[bool, tuple, list | None]:
+    """(returns a tuple, first output's shape, [spec, ...] or None) from one untracked meta run.
+
+    Specs are None when the op cannot run on meta stand-ins, or `empty_strided` cannot reproduce one of
+    its outputs; such an op always runs for real.
+    """
+    if not on_meta:
+        args = _to_meta(args)
+        kwargs = {k: _META if k == "device" else _to_meta(v) for k, v in kwargs.items()}
+    try:
+        with _disable_current_modes():
+            out = func(*args, **kwargs)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False, (), None
+    outs = out if isinstance(out, tuple) else (out,)
+    first_shape = tuple(outs[0].shape) if outs else ()
+    taken = _storages((args, kwargs))
+    specs = [None if _storages(t) & taken else _spec(t) for t in outs]  # e.g. `_unsafe_view` aliases
+    return isinstance(out, tuple), first_shape, None if any(s is None for s in specs) else specs
+
+
+def _storages(tree: Any) -> set[int]:
+    """Identities of the storages of the tensors in `tree` (nested lists, tuples, dicts)."""
+    if isinstance(tree, torch.Tensor):
+        return {tree.untyped_storage()._cdata}
+    if isinstance(tree, dict):
+        tree = tuple(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return set().union(*(_storages(item) for item in tree)) if tree else set()
+    return set()
+
+
+def _to_meta(value: Any) -> Any:
+    """A meta stand-in with the same metadata for each tensor; devices become meta."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_META)
+    if isinstance(value, torch.device):
+        return _META
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _spec(tensor: Any) -> _Spec | None:
+    """(shape, stride, dtype) of a meta tensor that `empty_strided` reproduces byte for byte, else None."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device != _META or tensor.storage_offset() != 0:
+        return None
+    shape, stride = tuple(tensor.shape), tensor.stride()
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    if tensor.untyped_storage().nbytes() != extent * tensor.element_size():
+        return None
+    return shape, stride, tensor.dtype
+
+
+def _empty(spec: _Spec) -> torch.Tensor:
+    shape, stride, dtype = spec
+    return torch.empty_strided(shape, stride, dtype=dtype, device=_META)

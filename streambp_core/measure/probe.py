@@ -1,0 +1,248 @@
+"""Probes for the max-length search: one training step at a given length -> its peak, or OOM.
+
+- `simulated_probe`: `simulate_step` on meta tensors (source "simulated").
+- `cpu_probe`: a real step on CPU tensors measured by the tracker (source "measured-cpu"); it refuses a
+  length whose simulated peak plus the CPU attention kernel's workspace exceeds the RAM available.
+- `cuda_probe`: a real step on the GPU, each in a child process (`python -m streambp_core.measure.probe`)
+  so that a failed probe cannot leave fragments or a broken context behind for the next; the child
+  caps the caching allocator at the budget, and reports the allocator's peak after a reset (source
+  "measured-cuda") or "oom".
+Every measured step uses the same code as the simulated one (`baseline_attention="engine"`), with random
+token ids, no padding, and the tracker's categories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from streambp_core.config import ConfigError, check_method
+from streambp_core.measure.cuda import is_oom
+from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
+from streambp_core.measure.protocol import check_protocol, step_protocol
+from streambp_core.measure.simulate import GRADS_MODES, _as_dtype, simulate_step
+from streambp_core.measure.tracker import MemoryTracker
+from streambp_core.methods import prepare
+from streambp_core.models.load import build_model, load_config
+from streambp_core.search import OK, OOM, REFUSED, ProbeResult
+
+CPU_RAM_FRACTION = 0.8
+"""A CPU probe may use at most this fraction of the RAM available when the search starts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeSpec:
+    """Everything about a step except its length."""
+
+    model: str
+    method: str
+    batch_size: int = 1
+    dtype: str = "bfloat16"
+    partition_size: int = 500
+    head_partition_size: int = 100
+    grads: str = "resident"
+    protocol: str = "default"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_method(self.method)
+        _as_dtype(self.dtype)
+        check_protocol(self.protocol)
+        if self.grads not in GRADS_MODES:
+            raise ConfigError(f"grads must be one of {', '.join(GRADS_MODES)}, got {self.grads!r}")
+        for name in ("batch_size", "partition_size", "head_partition_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    def build(self, device: str) -> torch.nn.Module:
+        """The model with random (seeded) weights on `device`."""
+        return build_model(self.model, dtype=_as_dtype(self.dtype), device=device, seed=self.seed)
+
+    def simulate(self, seq_len: int, cache: dict | None = None):
+        """`simulate_step` with these settings."""
+        return simulate_step(
+            self.model,
+            self.method,
+            seq_len,
+            batch_size=self.batch_size,
+            dtype=self.dtype,
+            partition_size=self.partition_size,
+            head_partition_size=self.head_partition_size,
+            grads=self.grads,
+            protocol=self.protocol,
+            cache=cache,
+        )
+
+
+def simulated_probe(spec: ProbeSpec) -> Callable[[int], ProbeResult]:
+    """probe(seq_len) -> the simulated peak (one memo shared by all of this probe's steps)."""
+    cache: dict = {}
+
+    def probe(seq_len: int) -> ProbeResult:
+        sim = spec.simulate(seq_len, cache)
+        return ProbeResult(
+            seq_len_tokens=seq_len,
+            status=OK,
+            peak_bytes=sim.peak_bytes,
+            breakdown_bytes=sim.breakdown_bytes,
+            source="simulated",
+            message=sim.how,
+        )
+
+    return probe
+
+
+def cpu_probe(spec: ProbeSpec, available_bytes: int | None = None) -> Callable[[int], ProbeResult]:
+    """probe(seq_len) -> the tracker's peak of a real step on CPU, or 'refused' when RAM is short."""
+    ram = available_ram_bytes() if available_bytes is None else available_bytes
+    state: dict = {}
+
+    def probe(seq_len: int) -> ProbeResult:
+        need = spec.simulate(seq_len).peak_bytes + cpu_attention_workspace_bytes(spec, seq_len)
+        if need > CPU_RAM_FRACTION * ram:
+            return ProbeResult(
+                seq_len_tokens=seq_len,
+                status=REFUSED,
+                source="measured-cpu",
+                message=f"needs ~{need / 2**30:.1f} GiB of RAM (simulated peak + attention workspace); "
+                f"{ram / 2**30:.1f} GiB available, probes use at most {CPU_RAM_FRACTION:.0%}",
+            )
+        if "model" not in state:
+            state["model"] = spec.build("cpu")
+        return measure_step(state["model"], spec, seq_len, "cpu")
+
+    return probe
+
+
+def cuda_probe(spec: ProbeSpec, budget_bytes: int, timeout_s: float = 1800) -> Callable[[int], ProbeResult]:
+    """probe(seq_len) -> a measured step in a fresh child process on the GPU (see module docstring)."""
+
+    def probe(seq_len: int) -> ProbeResult:
+        command = [
+            sys.executable,
+            "-m",
+            "streambp_core.measure.probe",
+            "--spec",
+            json.dumps(asdict(spec)),
+            "--seq-len",
+            str(seq_len),
+            "--device",
+            "cuda",
+            "--budget-bytes",
+            str(budget_bytes),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        return parse_child_output(seq_len, done.returncode, done.stdout, done.stderr)
+
+    return probe
+
+
+def parse_child_output(seq_len: int, returncode: int, stdout: str, stderr: str) -> ProbeResult:
+    """The child's JSON line as a ProbeResult; a child killed by OOM is 'oom'; other failures raise."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return ProbeResult(**json.loads(lines[-1]))
+    tail = " ".join(stderr.split())[-300:]
+    if "out of memory" in stderr.lower() or returncode in (-9, 137):
+        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source="measured-cuda", message=tail)
+    raise RuntimeError(f"probe at {seq_len} tokens failed (exit {returncode}): {tail}")
+
+
+def measure_step(model: torch.nn.Module, spec: ProbeSpec, seq_len: int, device: str) -> ProbeResult:
+    """One tracked step of `spec.method` on a real `model`; an OOM becomes status 'oom'."""
+    source = f"measured-{device}"
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param) if spec.grads == "resident" and param.requires_grad else None
+    generator = torch.Generator().manual_seed(spec.seed)
+    input_ids = torch.randint(model.config.vocab_size, (spec.batch_size, seq_len), generator=generator)
+    run = prepare(
+        model,
+        spec.method,
+        partition_size=spec.partition_size,
+        head_partition_size=spec.head_partition_size,
+        baseline_attention="engine",
+    )
+    try:
+        with step_protocol(run, spec.protocol), MemoryTracker(model, device=device) as tracker:
+            with SimulationMode(model.config.vocab_size), checkpoint_tags(model, tracker) as forward:
+                loss = run.loss(input_ids.to(device))
+                forward.done = True
+                loss.backward()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source=source, message=str(exc).split("\n")[0])
+    finally:
+        run.close()
+        for param in model.parameters():
+            param.grad = None
+    result = tracker.result()
+    peak = result.cuda_peak_allocated_bytes if device == "cuda" else result.peak_bytes
+    return ProbeResult(
+        seq_len_tokens=seq_len,
+        status=OK,
+        peak_bytes=peak,
+        breakdown_bytes=dict(result.peak_breakdown_bytes),
+        source=source,
+    )
+
+
+def cpu_attention_workspace_bytes(spec: ProbeSpec, seq_len: int) -> int:
+    """RAM the engine's exact CPU attention kernel uses inside itself (the tracker sees only its outputs):
+    float32 scores, probabilities and their gradient, (batch, heads, query chunk, seq_len) each."""
+    config = load_config(spec.model)
+    queries = spec.partition_size if spec.method == "streambp" else seq_len
+    return 3 * 4 * spec.batch_size * config.num_attention_heads * min(queries, seq_len) * seq_len
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo, else physical pages available (sysconf)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _child_main(argv: list[str] | None = None) -> int:
+    """Child-process entry: measure one step and print its ProbeResult as one JSON line."""
+    parser = argparse.ArgumentParser(description="One measured max-length probe (used by cuda_probe).")
+    parser.add_argument("--spec", required=True, help="ProbeSpec as JSON")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--budget-bytes", type=int, default=0, help="cap the CUDA caching allocator here")
+    args = parser.parse_args(argv)
+    spec = ProbeSpec(**json.loads(args.spec))
+    if args.device == "cuda" and args.budget_bytes:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_bytes / total))
+    try:
+        model = spec.build(args.device)
+        result = measure_step(model, spec, args.seq_len, args.device)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        result = ProbeResult(
+            seq_len_tokens=args.seq_len,
+            status=OOM,
+            source=f"measured-{args.device}",
+            message=str(exc).split("\n")[0],
+        )
+    print(json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -1,0 +1,196 @@
+"""Maximum trainable sequence length: a secant-guided bracket, then bisection, OOM-safe.
+
+The search is generic over where a probe's figure comes from (a simulation, a measurement on CUDA or
+CPU): a probe is any callable `probe(seq_len) -> ProbeResult`. A probe that fails with out-of-memory
+(a `ProbeResult` with status "oom", or an exception that `is_oom` recognises) and a probe whose peak is
+above the budget are both failures; the search never raises on OOM. It assumes the peak does not
+decrease with the length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from streambp_core.measure.cuda import is_oom
+
+OK, OOM, REFUSED = "ok", "oom", "refused"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult:
+    """One probe: the peak of a training step at `seq_len_tokens`, or why there is none."""
+
+    seq_len_tokens: int
+    status: str
+    """'ok' (the step ran; `peak_bytes` is its peak), 'oom' (it ran out of memory) or 'refused' (not run,
+    see `message`; counts as a failure)."""
+    peak_bytes: int | None = None
+    breakdown_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes per category at the peak (may be empty for measured probes)."""
+    source: str = ""
+    """'simulated', 'measured-cuda' or 'measured-cpu'."""
+    message: str = ""
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the step ran and its peak is within `budget_bytes`."""
+        return self.status == OK and self.peak_bytes is not None and self.peak_bytes <= budget_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """The longest length found to fit, the bracket around the true maximum, and every probe."""
+
+    max_len_tokens: int
+    """Longest probed length that fits (0 when even `min_len` does not fit)."""
+    peak_at_max: ProbeResult | None
+    bracket: tuple[int, int | None]
+    """(longest fitting length, shortest failing length); the second is None when `max_len` fits."""
+    probes: list[ProbeResult]
+    budget_bytes: int
+
+    @property
+    def refused(self) -> list[ProbeResult]:
+        """Probes that were not run (e.g. a CPU probe needing more RAM than the machine has)."""
+        return [p for p in self.probes if p.status == REFUSED]
+
+
+def default_tolerance(ok_len: int) -> int:
+    """Bracket width to stop at: max(1% of the fitting length, 128 tokens)."""
+    return max(math.ceil(0.01 * ok_len), 128)
+
+
+def max_trainable_length(
+    probe: Callable[[int], ProbeResult],
+    budget_bytes: int,
+    *,
+    start: int = 4096,
+    tolerance: Callable[[int], int] = default_tolerance,
+    min_len: int = 2,
+    max_len: int = 10_000_000,
+    max_probes: int = 40,
+    on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
+) -> SearchResult:
+    """Longest sequence length whose step fits in `budget_bytes`, to within `tolerance(ok_len)`.
+
+    Steps:
+    1. Bracket: probe `start`; while every probe fits, aim at the length where the line through the two
+       latest peaks meets the budget (a little beyond it, at most x8 per step) until one fails; while
+       every probe fails, aim below (at least /8 per step) until one fits or `min_len` fails.
+    2. Refine: while the bracket (ok, fail) is wider than `tolerance(ok)`, probe where the line through
+       the peaks at its ends meets the budget, offset by half a tolerance towards the nearer end so the
+       next probe can close it; after a step that does not halve the bracket, bisect.
+    `on_probe(result, ok_len, fail_len)` is called after each probe (e.g. for a progress bar).
+    """
+    search = _Search(probe, budget_bytes, tolerance, min_len, max_len, on_probe)
+    search.bracket(max(min(start, max_len), min_len))
+    while search.open() and len(search.probes) < max_probes:
+        search.refine()
+    return search.result()
+
+
+class _Search:
+    """State of one search: probes so far, the best fitting and the shortest failing probe."""
+
+    def __init__(self, probe, budget_bytes, tolerance, min_len, max_len, on_probe) -> None:
+        self.probe_fn, self.budget = probe, budget_bytes
+        self.tolerance, self.min_len, self.max_len, self.on_probe = tolerance, min_len, max_len, on_probe
+        self.probes: list[ProbeResult] = []
+        self.ok: ProbeResult | None = None
+        self.fail: ProbeResult | None = None
+        self.last_width: float = math.inf
+
+    def run(self, seq_len: int) -> ProbeResult:
+        try:
+            result = self.probe_fn(seq_len)
+        except Exception as exc:  # an OOM is a data point; any other error is a bug and propagates
+            if not is_oom(exc):
+                raise
+            result = ProbeResult(seq_len_tokens=seq_len, status=OOM, message=" ".join(str(exc).split())[:200])
+        self.probes.append(result)
+        if result.fits(self.budget):
+            if self.ok is None or seq_len > self.ok.seq_len_tokens:
+                self.ok = result
+        elif self.fail is None or seq_len < self.fail.seq_len_tokens:
+            self.fail = result
+        if self.on_probe is not None:
+            self.on_probe(result, self.ok_len, self.fail_len)
+        return result
+
+    @property
+    def ok_len(self) -> int:
+        return self.ok.seq_len_tokens if self.ok else 0
+
+    @property
+    def fail_len(self) -> int | None:
+        return self.fail.seq_len_tokens if self.fail else None
+
+    def bracket(self, start: int) -> None:
+        """Find one fitting and one failing length (or hit `min_len` / `max_len`)."""
+        length = start
+        while len(self.probes) < 40:
+            fits = self.run(length).fits(self.budget)
+            if fits and length >= self.max_len or not fits and length <= self.min_len:
+                return
+            if self.ok is not None and self.fail is not None:
+                return
+            guess = self._secant()
+            if fits:
+                aim = length * 2 if guess is None else guess + self.tolerance(int(guess)) // 2
+                length = min(self.max_len, max(length + 1, min(int(aim), length * 8)))
+            else:
+                aim = length // 2 if guess is None else guess - self.tolerance(int(guess)) // 2
+                length = max(self.min_len, min(length - 1, max(int(aim), length // 8)))
+
+    def open(self) -> bool:
+        """Whether the bracket is still wider than the tolerance."""
+        if self.fail is None or self.ok is None:
+            return False
+        return self.fail_len - self.ok_len > self.tolerance(self.ok_len)
+
+    def refine(self) -> None:
+        """One probe inside (ok, fail): secant-aimed, or the midpoint after a poor step."""
+        lo, hi = self.ok_len, self.fail_len
+        width, tol = hi - lo, self.tolerance(lo)
+        guess = self._secant()
+        if guess is None or width > self.last_width / 2 and self.last_width != math.inf:
+            target = (lo + hi) // 2
+        elif guess - lo <= tol:
+            target = lo + tol  # the crossing is just above lo: try to close the bracket from above
+        elif hi - guess <= tol:
+            target = hi - tol  # just below hi: try to close it from below
+        else:
+            target = int(guess) - tol // 2
+        self.last_width = width
+        self.run(min(hi - 1, max(lo + 1, target)))
+
+    def _secant(self) -> float | None:
+        """Length where the line through two probes' peaks meets the budget (None without two peaks)."""
+        points = [(p.seq_len_tokens, p.peak_bytes) for p in self._nearest_with_peaks()]
+        if len(points) < 2:
+            return None
+        (t0, p0), (t1, p1) = points
+        if t1 == t0 or p1 == p0:
+            return None
+        slope = (p1 - p0) / (t1 - t0)
+        if slope <= 0:
+            return None
+        return t0 + (self.budget - p0) / slope
+
+    def _nearest_with_peaks(self) -> list[ProbeResult]:
+        """The bracket ends when both have peaks, else the two latest probes that have one."""
+        ends = [p for p in (self.ok, self.fail) if p is not None and p.peak_bytes is not None]
+        if len(ends) == 2:
+            return ends
+        with_peaks = [p for p in self.probes if p.peak_bytes is not None and p.status == OK]
+        return with_peaks[-2:]
+
+    def result(self) -> SearchResult:
+        return SearchResult(
+            max_len_tokens=self.ok_len,
+            peak_at_max=self.ok,
+            bracket=(self.ok_len, self.fail_len),
+            probes=list(self.probes),
+            budget_bytes=self.budget,
+        )

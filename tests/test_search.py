@@ -1,0 +1,127 @@
+"""The max-length search on synthetic probes: affine, convex, step-shaped, OOM exceptions, edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streambp_core.search import OK, OOM, REFUSED, ProbeResult, default_tolerance, max_trainable_length
+
+GIB = 2**30
+
+
+def peaks(fn):
+    """probe(seq_len) reporting fn(seq_len) as an ok peak."""
+    return lambda t: ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=int(fn(t)), source="simulated")
+
+
+def check_bracket(result, budget: int, fits) -> None:
+    """The bracket's ends are real probes on each side of the budget, no wider than the tolerance."""
+    lo, hi = result.bracket
+    assert fits(lo) and (hi is None or not fits(hi))
+    assert hi is None or hi - lo <= default_tolerance(lo)
+    by_len = {p.seq_len_tokens: p for p in result.probes}
+    assert by_len[lo].fits(budget) and (hi is None or not by_len[hi].fits(budget))
+    assert result.max_len_tokens == lo and result.peak_at_max is by_len[lo]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    intercept_gib=st.floats(1, 60),
+    per_token_kib=st.floats(1, 20_000),
+    budget_gib=st.floats(1, 100),
+    start=st.integers(2, 200_000),
+)
+def test_affine_peaks_converge_in_few_probes(intercept_gib, per_token_kib, budget_gib, start):
+    def fn(t):
+        return intercept_gib * GIB + per_token_kib * 1024 * t
+
+    budget = int(budget_gib * GIB)
+    result = max_trainable_length(peaks(fn), budget, start=start)
+    if fn(2) > budget:
+        assert result.max_len_tokens == 0 and result.bracket == (0, 2)
+        return
+    check_bracket(result, budget, lambda t: fn(t) <= budget)
+    assert len(result.probes) <= 12
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=st.floats(1e3, 1e6), b=st.floats(1, 1e4), budget_gib=st.floats(2, 80))
+def test_convex_peaks_converge(a, b, budget_gib):
+    def fn(t):
+        return GIB + a * t + b * t * t  # quadratic in T, like plain attention without flash
+
+    budget = int(budget_gib * GIB)
+    result = max_trainable_length(peaks(fn), budget)
+    check_bracket(result, budget, lambda t: fn(t) <= budget)
+    assert len(result.probes) <= 25
+
+
+def test_step_shaped_peaks_converge() -> None:
+    """Plateaus (memory grows per 1000-token block) defeat the secant; bisection still closes in."""
+
+    def fn(t):
+        return 10 * GIB + math.ceil(t / 1000) * GIB
+
+    result = max_trainable_length(peaks(fn), 60 * GIB + 1)
+    check_bracket(result, 60 * GIB + 1, lambda t: fn(t) <= 60 * GIB + 1)
+    assert 50_000 - default_tolerance(50_000) <= result.max_len_tokens <= 50_000
+
+
+def test_oom_exceptions_are_data_points() -> None:
+    """Above 30k tokens the probe raises CUDA OOM (no peak); the search bisects and never raises."""
+
+    def probe(t: int) -> ProbeResult:
+        if t > 30_000:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=t * 1024, source="measured-cuda")
+
+    result = max_trainable_length(probe, 80 * GIB)
+    check_bracket(result, 80 * GIB, lambda t: t <= 30_000)
+    assert any(p.status == OOM and "out of memory" in p.message for p in result.probes)
+
+
+def test_oom_results_and_refusals_count_as_failures() -> None:
+    def probe(t: int) -> ProbeResult:
+        if t > 20_000:
+            return ProbeResult(seq_len_tokens=t, status=REFUSED, message="needs more RAM")
+        if t > 10_000:
+            return ProbeResult(seq_len_tokens=t, status=OOM)
+        return ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=t)
+
+    result = max_trainable_length(probe, 10**12, start=50_000)
+    check_bracket(result, 10**12, lambda t: t <= 10_000)
+    assert result.refused and result.refused[0].seq_len_tokens == 50_000
+
+
+def test_other_exceptions_propagate() -> None:
+    def probe(t: int) -> ProbeResult:
+        raise ValueError("a bug, not an OOM")
+
+    with pytest.raises(ValueError, match="a bug"):
+        max_trainable_length(probe, GIB)
+
+
+def test_everything_fits_up_to_max_len() -> None:
+    result = max_trainable_length(peaks(lambda t: t), GIB, max_len=100_000)
+    assert result.bracket == (100_000, None) and result.max_len_tokens == 100_000
+
+
+def test_nothing_fits() -> None:
+    result = max_trainable_length(peaks(lambda t: 2 * GIB + t), GIB, start=4096)
+    assert result.max_len_tokens == 0 and result.bracket == (0, 2) and result.peak_at_max is None
+
+
+def test_progress_callback_sees_every_probe_and_the_bracket() -> None:
+    seen = []
+
+    def on_probe(probe: ProbeResult, lo: int, hi: int | None) -> None:
+        seen.append((probe.seq_len_tokens, lo, hi))
+
+    result = max_trainable_length(peaks(lambda t: t * 1000), 50_000_000, on_probe=on_probe)
+    assert [s[0] for s in seen] == [p.seq_len_tokens for p in result.probes]
+    assert seen[-1][1:] == result.bracket

@@ -1,0 +1,128 @@
+"""The simulator: its peak against real CPU tensors, and its two shortcuts (depth, chunk thinning) exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streambp_core.config import METHODS, ConfigError
+from streambp_core.measure.fastmeta import SimulationMode
+from streambp_core.measure.probe import ProbeSpec, measure_step
+from streambp_core.measure.simulate import simulate_step, weights_and_grads_bytes
+from streambp_core.measure.units import GIB
+from streambp_core.models import load_config, tiny_config
+
+TINY = "tiny/qwen3"  # 2 layers, hidden 64, 4 heads x 32, vocab 512
+SMALL = dict(partition_size=32, head_partition_size=16)
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype", "grads"),
+    [(method, "float32", "resident") for method in METHODS] + [("checkpoint", "bfloat16", "fresh")],
+)
+def test_simulated_peak_matches_the_tracker_on_real_cpu_tensors(method: str, dtype: str, grads: str) -> None:
+    """Same step, meta vs CPU. Tolerance, with its reason: the engine's exact CPU attention kernel returns
+    its output (and gradients) contiguous in (B, H, T, hd), while flash/SDPA on CUDA and the fake kernel
+    return them (B, T, H, hd)-major; transformers' `reshape` then copies on CPU only, and `plain` keeps
+    that copy for o_proj's backward in every layer. So CPU may exceed the simulation by up to one
+    attention output, B x T x H x hd elements, per layer (one chunk's for streambp), never fall below."""
+    seq_len = 100
+    spec = ProbeSpec(model=TINY, method=method, dtype=dtype, grads=grads, **SMALL)
+    simulated = spec.simulate(seq_len)
+    measured = measure_step(spec.build("cpu"), spec, seq_len, "cpu")
+    config = load_config(TINY)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    tokens = SMALL["partition_size"] if method == "streambp" else seq_len
+    attention_output = tokens * config.num_attention_heads * config.head_dim * itemsize
+    assert measured.status == "ok" and measured.source == "measured-cpu"
+    assert 0 <= measured.peak_bytes - simulated.peak_bytes <= config.num_hidden_layers * attention_output
+    assert sum(simulated.breakdown_bytes.values()) == simulated.peak_bytes
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_depth_extrapolation_is_exact_against_full_depth(method: str) -> None:
+    """Qwen3-0.6B (28 layers) at 2k tokens: simulated with 2 and 3 layers, extrapolated; to the byte."""
+    extrapolated = simulate_step("Qwen/Qwen3-0.6B", method, 2048)
+    full = simulate_step("Qwen/Qwen3-0.6B", method, 2048, depth="full")
+    assert extrapolated.layers_simulated == (2, 3) and full.layers_simulated == (28,)
+    assert extrapolated.peak_bytes == full.peak_bytes
+    assert extrapolated.breakdown_bytes == full.breakdown_bytes
+
+
+@pytest.mark.parametrize(
+    ("method", "vocab", "seq_len", "grads"),  # vocab 512: peak in a layer's backward; 8192: in the head
+    [("streambp", 512, 301, "resident"), ("streambp", 8192, 150, "fresh"), ("mst", 8192, 301, "fresh")],
+)
+def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len: int, grads: str) -> None:
+    """Running each engine chunk loop's first and last two chunks only changes nothing, to the byte."""
+    config = tiny_config("qwen3", vocab_size=vocab, num_hidden_layers=3, layer_types=["full_attention"] * 3)
+    options = dict(grads=grads, dtype=torch.float32, **SMALL)
+    thin = simulate_step(config, method, seq_len, **options)
+    every = simulate_step(config, method, seq_len, thin_chunks=False, **options)
+    assert thin.peak_bytes == every.peak_bytes
+    assert thin.breakdown_bytes == every.breakdown_bytes
+
+
+def test_memoised_meta_kernels_give_the_same_peak_as_plain_meta_kernels() -> None:
+    """An empty memo per op call (every op runs its real meta kernel) vs one shared memo."""
+
+    class NoMemo(dict):
+        def __setitem__(self, key, value) -> None:  # remember nothing: every call is a first call
+            pass
+
+    shared = simulate_step(TINY, "streambp", 301, dtype=torch.float32, **SMALL)
+    fresh = simulate_step(TINY, "streambp", 301, dtype=torch.float32, cache=NoMemo(), **SMALL)
+    assert shared.peak_bytes == fresh.peak_bytes and shared.breakdown_bytes == fresh.breakdown_bytes
+
+
+def test_simulation_mode_memoises_and_files_logits() -> None:
+    cache: dict = {}
+    with SimulationMode(vocab_size=7, cache=cache):
+        a = torch.empty(3, 5, device="meta")
+        first, second = a + 1, a + 1
+        logits = torch.empty(3, 4, device="meta") @ torch.empty(4, 7, device="meta")
+        view = torch.ops.aten._unsafe_view(a, [15])  # shares a's storage although its schema does not say
+    assert first.shape == second.shape == (3, 5) and logits.shape == (3, 7)
+    assert view.untyped_storage()._cdata == a.untyped_storage()._cdata
+    assert sum(1 for key in cache if "add" in str(key[0])) == 1
+
+
+def test_categories_of_the_paper_setting() -> None:
+    """Qwen3-8B, 4k tokens: weights and grads are the paper's 30.5 GiB line; logits show where they live."""
+    assert round(weights_and_grads_bytes("Qwen/Qwen3-8B") / GIB, 1) == 30.5
+    seq_len, vocab = 4096, 151936
+    checkpoint = simulate_step("Qwen/Qwen3-8B", "checkpoint", seq_len)
+    streambp = simulate_step("Qwen/Qwen3-8B", "streambp", seq_len)
+    by_cat = checkpoint.breakdown_bytes
+    assert round((by_cat["weights"] + by_cat["grads"]) / GIB, 1) == 30.5
+    assert by_cat["logits"] >= seq_len * vocab * 4  # at least the float32 copy of the logits
+    assert by_cat["checkpoints"] >= 36 * seq_len * 4096 * 2 * 35 // 36  # the layer inputs kept
+    assert streambp.breakdown_bytes["logits"] < 100 * vocab * 4 * 4  # a few head chunks at most
+    assert streambp.peak_bytes < checkpoint.peak_bytes
+
+
+def test_paper_protocol_holds_the_bf16_logits_through_backward() -> None:
+    seq_len, vocab = 2048, 151936
+    default = simulate_step("Qwen/Qwen3-0.6B", "checkpoint", seq_len)
+    paper = simulate_step("Qwen/Qwen3-0.6B", "checkpoint", seq_len, protocol="paper")
+    held = paper.breakdown_bytes["logits"] - default.breakdown_bytes["logits"]
+    assert held == seq_len * vocab * 2
+    assert paper.protocol == "paper" and "extrapolated to 28" in paper.how
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(method="adam"), "unknown method"),
+        (dict(seq_len=1), "seq_len"),
+        (dict(grads="lazy"), "grads must be"),
+        (dict(dtype="int8"), "unknown dtype"),
+        (dict(protocol="ours"), "protocol must be"),
+        (dict(partition_size=0), "partition_size"),
+        (dict(model="no/such-model"), "unknown model"),
+    ],
+)
+def test_bad_input_is_a_config_error(kwargs: dict, message: str) -> None:
+    call = dict(model=TINY, method="streambp", seq_len=64) | kwargs
+    with pytest.raises(ConfigError, match=message):
+        simulate_step(call.pop("model"), call.pop("method"), call.pop("seq_len"), **call)
