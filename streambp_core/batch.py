@@ -82,3 +82,33 @@ def random_batch(
     to = {"device": device}
     mask = None if attention_mask is None else attention_mask.to(**to)
     return Batch(input_ids=input_ids.to(**to), attention_mask=mask, labels=labels.to(**to))
+
+
+def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch.Tensor, dict]:
+    """Labels and extra inputs of a synthetic `objective` step on `batch` (random but fixed by `seed`).
+
+    The first quarter of each row is the prompt. grpo: one advantage per row (a group), the prompt out of
+    the completion mask, reference log-probs for a k3 KL term (beta 0.04). dpo: rows 0..B/2-1 chosen,
+    B/2..B-1 rejected, prompt labels ignored, reference sequence log-probs, beta 0.1.
+    """
+    generator = torch.Generator().manual_seed(seed + 7)
+    device = batch.input_ids.device
+    rows, seq_len = batch.input_ids.shape
+    labels = batch.labels.clone()
+    labels[:, : seq_len // 4] = IGNORE_INDEX
+    if objective == "sft":
+        return batch.labels, {}
+    if objective == "grpo":
+        advantages = torch.randn(rows, generator=generator)
+        ref = -10.0 - 4.0 * torch.rand(rows, seq_len, generator=generator)
+        inputs = {"advantages": advantages.to(device), "completion_mask": (labels != IGNORE_INDEX).long(),
+                  "ref_logps": ref.to(device), "beta": 0.04}
+        return labels, inputs
+    if objective == "dpo":
+        if rows % 2:
+            raise ConfigError(f"dpo needs an even batch (chosen rows then rejected rows), got {rows}")
+        ref = -12.0 * (labels != IGNORE_INDEX).sum(dim=1).float() + torch.randn(rows, generator=generator)
+        ref = ref.to(device)
+        inputs = {"ref_chosen_logps": ref[: rows // 2], "ref_rejected_logps": ref[rows // 2:], "beta": 0.1}
+        return labels, inputs
+    raise ConfigError(f"unknown objective {objective!r}")

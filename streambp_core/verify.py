@@ -18,10 +18,11 @@ import torch
 from transformers import PreTrainedModel
 
 import streambp_core
-from streambp_core.batch import PADDINGS, Batch, random_batch
+from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
 from streambp_core.compare import Gradients, max_rel_err
-from streambp_core.config import ConfigError, check_method
+from streambp_core.config import ATTN_BACKENDS, OBJECTIVES, ConfigError, check_method
 from streambp_core.models import build_model, load_config
+from streambp_core.models.lora import apply_lora
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -61,8 +62,22 @@ class VerifySpec:
     padding: str = "none"
     seed: int = 0
     device: str = "cpu"
+    objective: str = "sft"
+    """sft, grpo or dpo (synthetic inputs, see `streambp_core.batch.objective_inputs`)."""
+    attn: str = "auto"
+    """Attention kernel of the engine on CUDA: auto, sdpa or flash."""
+    lora_rank: int = 0
+    """0: full-parameter gradients; > 0: LoRA adapters of this rank (peft), adapter gradients only."""
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.attn not in ATTN_BACKENDS:
+            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
+        if self.objective == "dpo" and self.batch_size % 2:
+            raise ConfigError(f"dpo needs an even batch size (chosen, then rejected), got {self.batch_size}")
         if not self.methods:
             raise ConfigError("give at least one method")
         for method in self.methods:
@@ -173,13 +188,16 @@ def run_step(model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec
     """
     for param in model.parameters():
         param.grad = None
-    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size}
+    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
+               "attn": spec.attn, "objective": spec.objective}
+    labels, inputs = objective_inputs(spec.objective, batch, spec.seed)
     with streambp_core.prepare(model, method, **options) as run:
-        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
         loss.backward()
     grads: Gradients = {}
     for name, param in model.named_parameters():
-        grads[name], param.grad = param.grad, None
+        if param.requires_grad:
+            grads[name], param.grad = param.grad, None
     return Step(loss=float(loss.detach()), loss_dtype=loss.dtype, grads=grads)
 
 
@@ -252,6 +270,8 @@ def verify_spec(spec: VerifySpec) -> VerifyReport:
     low_precision = spec.dtype not in TOLERANCE
     build_dtype = torch.float32 if low_precision else DTYPES[spec.dtype]
     model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.seed)
+    if spec.lora_rank:
+        model = apply_lora(model, spec.lora_rank)
     batch = random_batch(
         vocab_size=config.vocab_size,
         seq_len=spec.seq_len,

@@ -16,6 +16,7 @@ Kernels:
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,8 @@ def flash_attn_available() -> bool:
 
 
 def _cuda_attention(q, k, v, key_valid, scale, backend):
+    if backend == "flash" and not flash_attn_available():
+        warnings.warn("flash-attn is not importable; attention falls back to torch SDPA", stacklevel=3)
     if key_valid is None and backend != "sdpa" and flash_attn_available():
         from flash_attn import flash_attn_func
 

@@ -1,0 +1,111 @@
+"""`streambp-bench selfcheck`: the one prepared GPU check (a CPU dry run of the same code without one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from streambp_bench import selfcheck as check
+from streambp_bench.errors import user_errors
+from streambp_bench.results import ResultsFile
+
+HELP = (
+    "Check the GPU path in a few minutes: bf16 gradients of every method and objective against the "
+    "2x-plain-error rule, measured peak memory next to the simulator's prediction, and step time of "
+    "streambp vs checkpoint. Writes [bold]selfcheck.csv[/] into --out and prints a summary.\n\n"
+    "Without a GPU it says so and runs the same code paths on CPU with a tiny preset (exit 0)."
+)
+
+EPILOG = """[bold]Examples[/]
+
+[cyan]streambp-bench selfcheck[/]    (results/gpu/selfcheck.csv)
+
+[cyan]streambp-bench selfcheck --out /tmp/check --skip-time[/]
+"""
+
+
+@user_errors
+def selfcheck(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for selfcheck.csv.")] = Path("results/gpu"),
+    skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Skip the bf16 gradient check.")] = False,
+    skip_memory: Annotated[bool, typer.Option("--skip-memory", help="Skip the memory comparison.")] = False,
+    skip_time: Annotated[bool, typer.Option("--skip-time", help="Skip the step-time comparison.")] = False,
+) -> None:
+    """Run the self-check (see the command help)."""
+    console = Console()
+    plan = check.default_plan()
+    if plan.device == "cpu":
+        console.print("[yellow]No CUDA device: a CPU dry run of the same code paths (tiny preset).[/]")
+    where = check.device_name(plan)
+    results = ResultsFile(out / ("selfcheck.csv" if plan.device == "cuda" else "selfcheck-cpu-dry-run.csv"))
+    steps = [("verify", skip_verify, lambda: check.verify_rows(plan, where))]
+    model = None if (skip_memory and skip_time) else check.memory_model(plan)
+    steps += [("memory", skip_memory, lambda: check.memory_rows(plan, model, where)),
+              ("time", skip_time, lambda: check.time_rows(plan, model, where))]
+    for name, skipped, make_rows in steps:
+        if skipped:
+            continue
+        with console.status(f"selfcheck: {name} on {where} ..."):
+            for row in make_rows():
+                results.upsert(row)
+        console.print(f"[green]done[/] {name}")
+    frame = results.load() if results.path.exists() else pd.DataFrame()
+    failed = _print_summary(console, frame, where)
+    console.print(f"rows written to {results.path}")
+    if failed and plan.device == "cuda":
+        raise typer.Exit(code=1)
+
+
+def _print_summary(console: Console, frame: pd.DataFrame, where: str) -> bool:
+    """Summary tables; returns True when a bf16 verification failed."""
+    if frame.empty:
+        return False
+    failed = False
+    grads = frame[frame.metric == "grad_rel_err"]
+    if not grads.empty:
+        table = Table(title=f"bf16 gradients vs fp32 plain ({where})", title_justify="left")
+        for column in ("objective", "method", "max rel err", "status"):
+            table.add_column(column)
+        for row in grads.itertuples():
+            table.add_row(row.objective, row.method, f"{row.value:.3e}", row.status)
+        failed = bool((grads.status != "ok").any())
+        console.print(table)
+    console.print(_memory_table(frame, where))
+    console.print(_time_table(frame, where))
+    return failed
+
+
+def _memory_table(frame: pd.DataFrame, where: str) -> Table:
+    table = Table(title=f"peak GiB: simulated vs measured ({where})", title_justify="left")
+    for column in ("method", "tokens", "measured", "simulated", "sim/measured"):
+        table.add_column(column, justify="right")
+    memory = frame[frame.metric == "peak_memory"]
+    measured = memory[memory.source != "simulated"].set_index(["method", "seq_len_tokens"])
+    simulated = memory[memory.source == "simulated"].set_index(["method", "seq_len_tokens"])
+    for key, row in measured.iterrows():
+        sim = simulated.loc[key, "value"] if key in simulated.index else None
+        ratio = f"{sim / row.value:.3f}" if sim is not None and row.value else "-"
+        table.add_row(key[0], str(key[1]), _gib(row.value), _gib(sim), ratio)
+    return table
+
+
+def _time_table(frame: pd.DataFrame, where: str) -> Table:
+    table = Table(title=f"step time ms, median ({where})", title_justify="left")
+    for column in ("tokens", "checkpoint", "streambp", "streambp/checkpoint"):
+        table.add_column(column, justify="right")
+    times = frame[frame.metric == "step_time"].pivot_table(index="seq_len_tokens", columns="method",
+                                                           values="value")
+    for tokens, row in times.iterrows():
+        ckpt, sbp = row.get("checkpoint"), row.get("streambp")
+        ratio = f"{sbp / ckpt:.3f}" if ckpt and sbp else "-"
+        table.add_row(str(tokens), f"{ckpt:.1f}", f"{sbp:.1f}", ratio)
+    return table
+
+
+def _gib(value) -> str:
+    return "-" if value is None or pd.isna(value) else f"{value:.3f}"

@@ -1,0 +1,151 @@
+"""The GPU self-check: bf16 exactness, measured vs simulated peak memory, and step time, as result rows.
+
+Steps, each writing rows to one results CSV:
+1. verify in bfloat16 on the verify model for every objective and attention kernel (flash-attn only when
+   importable): a method passes when its gradient error against an fp32 plain reference is at most 2x
+   plain bf16's error against the same reference.
+2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
+   the simulator's prediction for the same settings.
+3. time: median step time of checkpoint and streambp at the same lengths (CUDA events; warm-up first).
+Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from streambp_bench.results import ResultRow, provenance
+from streambp_core.measure.cuda import cuda_available, device_info, median, time_cuda_ms
+from streambp_core.measure.probe import ProbeSpec, measure_step
+from streambp_core.models.load import build_model
+from streambp_core.verify import VerifySpec, verify_spec
+
+METHODS = ("plain", "checkpoint", "mst", "streambp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckPlan:
+    """Models, lengths and precisions of one self-check."""
+
+    device: str
+    verify_model: str
+    verify_dtype: str
+    verify_seq_len: int
+    memory_model: str
+    dtype: str
+    lengths: tuple[int, ...]
+    objectives: tuple[str, ...] = ("sft", "grpo", "dpo")
+    partition_size: int = 500
+    head_partition_size: int = 100
+
+
+GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype="bfloat16",
+                     verify_seq_len=1024, memory_model="Qwen/Qwen3-1.7B", dtype="bfloat16",
+                     lengths=(4096, 8192, 16384))
+CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=48,
+                     memory_model="tiny/qwen3", dtype="float32", lengths=(64, 128, 256),
+                     partition_size=32, head_partition_size=16)
+
+
+def default_plan() -> CheckPlan:
+    """The GPU plan when CUDA is present, else the CPU dry run."""
+    return GPU_PLAN if cuda_available() else CPU_PLAN
+
+
+def device_name(plan: CheckPlan) -> str:
+    """The GPU's name (NVML when installed), or 'cpu'."""
+    return device_info().name if plan.device == "cuda" else "cpu"
+
+
+def attention_kernels(plan: CheckPlan) -> tuple[str, ...]:
+    """Kernels to check: sdpa always; flash when flash-attn is importable on CUDA."""
+    from streambp_core.engine.attention import flash_attn_available
+
+    return ("flash", "sdpa") if plan.device == "cuda" and flash_attn_available() else ("sdpa",)
+
+
+def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
+    """Step 1: one row per (objective, kernel, method), metric grad_rel_err."""
+    for objective in plan.objectives:
+        for attn in attention_kernels(plan):
+            spec = VerifySpec(model=plan.verify_model, seq_len=plan.verify_seq_len, batch_size=2,
+                              dtype=plan.verify_dtype, padding="right", device=plan.device,
+                              objective=objective, attn=attn, partition_size=256, head_partition_size=100)
+            report = verify_spec(spec)
+            for result in report.results:
+                yield ResultRow(
+                    method=result.method, model=plan.verify_model, objective=objective,
+                    seq_len_tokens=plan.verify_seq_len, batch_size=2, partition_size=256,
+                    head_partition_size=100, dtype=plan.verify_dtype, status="ok" if result.ok else "error",
+                    metric="grad_rel_err", value=result.max_rel_err,
+                    error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
+                    **provenance(f"measured-{plan.device}", where),
+                )
+
+
+def memory_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
+    """Step 2: measured and simulated peak of every method at every length (metric peak_memory)."""
+    for method in METHODS:
+        spec = ProbeSpec(model=plan.memory_model, method=method, dtype=plan.dtype,
+                         partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
+        for seq_len in plan.lengths:
+            measured = measure_step(model, spec, seq_len, plan.device)
+            simulated = spec.simulate(seq_len)
+            yield _memory_row(plan, spec, seq_len, f"measured-{plan.device}", measured.status,
+                              measured.peak_bytes, measured.breakdown_bytes, where, measured.message)
+            yield _memory_row(plan, spec, seq_len, "simulated", "ok", simulated.peak_bytes,
+                              simulated.breakdown_bytes, where, "")
+
+
+def _memory_row(plan, spec, seq_len, source, status, peak_bytes, breakdown, where, message) -> ResultRow:
+    gib = {f"{k}_gib": v / 2**30 for k, v in (breakdown or {}).items()}
+    peak = None if peak_bytes is None else peak_bytes / 2**30
+    return ResultRow(
+        method=spec.method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
+        partition_size=plan.partition_size, head_partition_size=plan.head_partition_size, dtype=plan.dtype,
+        status=status, metric="peak_memory", value=peak, peak_allocated_gib=peak, error=message or "",
+        **gib, **provenance(source, where),
+    )
+
+
+def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
+    """Step 3: median step time of checkpoint and streambp (metric step_time, ms)."""
+    import streambp_core
+
+    for seq_len in plan.lengths:
+        ids = torch.randint(model.config.vocab_size, (1, seq_len), device=plan.device)
+        for method in ("checkpoint", "streambp"):
+            with streambp_core.prepare(model, method, partition_size=plan.partition_size,
+                                       head_partition_size=plan.head_partition_size,
+                                       baseline_attention="engine") as run:
+                times = _time_step(plan, lambda run=run, ids=ids: run.loss(ids).backward(), repeats)
+            model.zero_grad(set_to_none=True)
+            ms = median(times)
+            yield ResultRow(
+                method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
+                partition_size=plan.partition_size, head_partition_size=plan.head_partition_size,
+                dtype=plan.dtype, metric="step_time", value=ms, step_time_ms=ms,
+                **provenance(f"measured-{plan.device}", where),
+            )
+
+
+def _time_step(plan: CheckPlan, step: Callable[[], None], repeats: int) -> list[float]:
+    if plan.device == "cuda":
+        return time_cuda_ms(step, warmup=1, repeats=repeats)
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def memory_model(plan: CheckPlan):
+    """The memory/time model on the check's device, random weights, in the check's dtype."""
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[plan.dtype]
+    return build_model(plan.memory_model, dtype=dtype, device=plan.device, seed=0)
