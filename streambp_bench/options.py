@@ -61,3 +61,30 @@ Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead
 def split_list(value: str) -> tuple[str, ...]:
     """'a, b,,c' -> ('a', 'b', 'c')."""
     return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+class Objective(str, Enum):
+    """Training objective of the step."""
+
+    sft = "sft"
+    grpo = "grpo"
+    dpo = "dpo"
+
+
+class Attn(str, Enum):
+    """Attention kernel on CUDA."""
+
+    auto = "auto"
+    sdpa = "sdpa"
+    flash = "flash"
+
+
+ObjectiveOption = Annotated[
+    Objective, typer.Option("--objective", help="sft (cross-entropy), grpo (clipped policy gradient) or dpo.")
+]
+LoraRank = Annotated[
+    int, typer.Option("--lora-rank", help="0: full-parameter gradients; R > 0: LoRA adapters of rank R.")
+]
+AttnOption = Annotated[
+    Attn, typer.Option("--attn", help="Attention kernel on CUDA: flash (flash-attn), sdpa, or auto.")
+]

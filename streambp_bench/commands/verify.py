@@ -31,6 +31,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m Qwen/Qwen3-8B --device cuda --dtype bfloat16[/]
 
 [cyan]streambp-bench verify -m ./my-model-dir --method streambp --ps 64 --json[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
 """
 
 DEFAULT_METHOD_LIST = ",".join(DEFAULT_METHODS)
@@ -64,7 +66,8 @@ def describe(report: VerifyReport) -> str:
     text = (
         f"{spec.source}: {spec.model}, {spec.dtype}, seq_len {spec.seq_len}, batch {spec.batch_size}, "
         f"ps {spec.partition_size}, ps-head {spec.head_partition_size}, padding {spec.padding}, "
-        f"seed {spec.seed}; reference loss {report.reference_loss:.6f}"
+        f"seed {spec.seed}, objective {spec.objective}, lora rank {spec.lora_rank}, attn {spec.attn}; "
+        f"reference loss {report.reference_loss:.6f}"
     )
     if report.reference_dtype != spec.dtype:
         baseline = report.results[0].baseline_rel_err if report.results else None
@@ -101,6 +104,9 @@ def verify(
     padding: opt.PaddingOption = opt.Padding.none,
     seed: opt.Seed = 0,
     device: opt.DeviceOption = opt.Device.cpu,
+    objective: opt.ObjectiveOption = opt.Objective.sft,
+    lora_rank: opt.LoraRank = 0,
+    attn: opt.AttnOption = opt.Attn.auto,
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -115,6 +121,9 @@ def verify(
         padding=padding.value,
         seed=seed,
         device=device.value,
+        objective=objective.value,
+        lora_rank=lora_rank,
+        attn=attn.value,
     )
     report = verify_spec(spec)
     print_report(report, as_json=as_json)
