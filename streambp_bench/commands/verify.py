@@ -45,8 +45,12 @@ def _fmt(value: float | None) -> str:
 def render_table(report: VerifyReport) -> Table:
     """The report as a rich table: one row per method."""
     table = Table(title=f"gradients vs {report.reference} ({report.reference_dtype})", title_justify="left")
-    for column in ("method", "max rel err", "worst parameter", "loss abs err", "tolerance", "ok"):
-        table.add_column(column, justify="right" if "err" in column or column == "tolerance" else "left")
+    table.add_column("method")
+    table.add_column("max rel err", justify="right")
+    table.add_column("worst parameter", overflow="fold")
+    for column in ("loss abs err", "tolerance"):
+        table.add_column(column, justify="right")
+    table.add_column("ok")
     for result in report.results:
         verdict = "[green]pass[/]" if result.ok else "[bold red]FAIL[/]"
         table.add_row(
