@@ -6,7 +6,8 @@ Steps, each writing rows to one results CSV:
    plain bf16's error against the same reference.
 2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
    the simulator's prediction for the same settings.
-3. time: median step time of checkpoint and streambp at the same lengths (CUDA events; warm-up first).
+3. time: median step time of checkpoint and streambp at the same lengths (CUDA events; warm-up first),
+   with the layer partition T/3 of the paper's timing runs (Table 1).
 Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
 """
 
@@ -113,13 +114,14 @@ def _memory_row(plan, spec, seq_len, source, status, peak_bytes, breakdown, wher
 
 
 def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
-    """Step 3: median step time of checkpoint and streambp (metric step_time, ms)."""
+    """Step 3: median step time of checkpoint and streambp (metric step_time, ms), partition T/3."""
     import streambp_core
 
     for seq_len in plan.lengths:
         ids = torch.randint(model.config.vocab_size, (1, seq_len), device=plan.device)
+        partition = -(-seq_len // 3)
         for method in ("checkpoint", "streambp"):
-            with streambp_core.prepare(model, method, partition_size=plan.partition_size,
+            with streambp_core.prepare(model, method, partition_size=partition,
                                        head_partition_size=plan.head_partition_size,
                                        baseline_attention="engine") as run:
                 times = _time_step(plan, lambda run=run, ids=ids: run.loss(ids).backward(), repeats)
@@ -127,7 +129,7 @@ def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[
             ms = median(times)
             yield ResultRow(
                 method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
-                partition_size=plan.partition_size, head_partition_size=plan.head_partition_size,
+                partition_size=partition, head_partition_size=plan.head_partition_size,
                 dtype=plan.dtype, metric="step_time", value=ms, step_time_ms=ms,
                 **provenance(f"measured-{plan.device}", where),
             )

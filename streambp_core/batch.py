@@ -107,8 +107,8 @@ def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch
     if objective == "dpo":
         if rows % 2:
             raise ConfigError(f"dpo needs an even batch (chosen rows then rejected rows), got {rows}")
-        ref = -12.0 * (labels != IGNORE_INDEX).sum(dim=1).float() + torch.randn(rows, generator=generator)
-        ref = ref.to(device)
+        noise = torch.randn(rows, generator=generator).to(device)
+        ref = -12.0 * (labels != IGNORE_INDEX).sum(dim=1).float() + noise
         inputs = {"ref_chosen_logps": ref[: rows // 2], "ref_rejected_logps": ref[rows // 2:], "beta": 0.1}
         return labels, inputs
     raise ConfigError(f"unknown objective {objective!r}")

@@ -68,7 +68,10 @@ def _print_summary(console: Console, frame: pd.DataFrame, where: str) -> bool:
     failed = False
     grads = frame[frame.metric == "grad_rel_err"]
     if not grads.empty:
-        table = Table(title=f"bf16 gradients vs fp32 plain ({where})", title_justify="left")
+        dtype = grads.dtype.iloc[0]
+        reference = "fp32 plain (2x plain-bf16 rule)" if dtype == "bfloat16" else "plain"
+        title = f"{dtype} gradients vs {reference}"
+        table = Table(title=f"{title} ({where})", title_justify="left")
         for column in ("objective", "method", "max rel err", "status"):
             table.add_column(column)
         for row in grads.itertuples():
@@ -108,4 +111,4 @@ def _time_table(frame: pd.DataFrame, where: str) -> Table:
 
 
 def _gib(value) -> str:
-    return "-" if value is None or pd.isna(value) else f"{value:.3f}"
+    return "-" if value is None or pd.isna(value) else f"{value:.4g}"

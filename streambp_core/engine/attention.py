@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def prefix_attention(
@@ -54,13 +55,20 @@ def _cuda_attention(q, k, v, key_valid, scale, backend):
         return out.transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
     if key_valid is None:
-        bias = causal_lower_right(q.shape[2], k.shape[2])
+        bias = lower_right_bias(q.shape[2], k.shape[2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
     mask = allowed_mask(q.shape[2], key_valid)[:, None]
     if gqa:  # SDPA's masked CUDA kernels do not take GQA: expand K/V to the query heads.
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def lower_right_bias(num_queries: int, num_keys: int):
+    """torch's lower-right causal bias. It is a tensor subclass, built with dispatch modes (a memory
+    tracker) suspended: a mode that has already wrapped the raw tensor would make its construction fail."""
+    with _disable_current_modes():
+        return causal_lower_right(num_queries, num_keys)
 
 
 def allowed_mask(num_queries: int, key_valid: Tensor | None, num_keys: int | None = None) -> Tensor:

@@ -1,0 +1,95 @@
+"""The chunk-against-prefix attention: lower-right causal alignment, key padding, GQA, fully masked
+rows, its CUDA code path (SDPA with torch's lower-right bias, exercised here on CPU tensors), and its
+fake kernels on the meta device."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streambp_core.engine import attention
+from streambp_core.engine.attention import allowed_mask, prefix_attention
+from streambp_core.measure.fastmeta import SimulationMode
+from streambp_core.measure.tracker import MemoryTracker
+
+
+def qkv(batch=2, heads=4, kv_heads=2, queries=3, keys=7, dim=8, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()  # noqa: E731
+    kv_shape = (batch, kv_heads, keys, dim)
+    return make(batch, heads, queries, dim), make(*kv_shape), make(*kv_shape)
+
+
+def reference(q, k, v, key_valid, scale):
+    """Dense SDPA with K/V expanded to the query heads and an explicit lower-right mask."""
+    groups = q.shape[1] // k.shape[1]
+    mask = allowed_mask(q.shape[2], key_valid, k.shape[2])[:, None]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                          attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_custom_op_matches_dense_sdpa(kv_heads, padded):
+    q, k, v = qkv(kv_heads=kv_heads)
+    valid = None
+    if padded:
+        valid = torch.ones(2, 7, dtype=torch.bool)
+        valid[1, :5] = False  # row 1: the first query sees only padding -> a fully masked row
+    out = prefix_attention(q, k, v, valid, 0.3)
+    ref = reference(q, k, v, valid, 0.3)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    assert torch.allclose(out, ref, atol=1e-13)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-13)
+    if padded:
+        assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
+
+
+def test_lower_right_is_not_top_left():
+    """With fewer queries than keys, query i sees keys up to e - c + i (not up to i)."""
+    mask = allowed_mask(2, None, 5)[0]
+    assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cuda_code_path_matches_and_runs_under_a_tracker(padded):
+    """`_cuda_attention` (SDPA; lower-right bias when unpadded) gives the custom op's result, also while
+    a memory tracker's dispatch modes are active (the bias is a tensor subclass built outside them)."""
+    q, k, v = qkv()
+    valid = torch.ones(2, 7, dtype=torch.bool) if padded else None
+    if padded:
+        valid[0, -2:] = False
+    expected = prefix_attention(q, k, v, valid, 0.25)
+    with MemoryTracker(), SimulationMode(vocab_size=None):
+        got = attention._cuda_attention(q, k, v, valid, 0.25, "sdpa")
+        got.sum().backward()
+    assert torch.allclose(got, expected, atol=1e-12)
+    assert q.grad is not None and k.grad.shape == k.shape
+
+
+def test_flash_request_without_flash_attn_warns(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    q, k, v = qkv(dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attention._cuda_attention(q, k, v, None, 0.3, "flash")
+    assert any("flash-attn is not importable" in str(w.message) for w in caught)
+
+
+def test_fake_kernels_allocate_output_and_lse_only():
+    """On meta, forward+backward allocate q/k/v-sized gradients, the output and a float32 LSE: never a
+    (queries x keys) score matrix."""
+    tensors = qkv(dtype=torch.bfloat16, queries=64, keys=4096)
+    q, k, v = (t.detach().to("meta").requires_grad_() for t in tensors)
+    with MemoryTracker(device="meta") as tracker:
+        out = prefix_attention(q, k, v, None, 0.1)
+        out.backward(torch.empty_like(out))
+    scores_bytes = q.shape[0] * q.shape[1] * 64 * 4096 * 4
+    assert tracker.result().peak_bytes < scores_bytes / 4
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
