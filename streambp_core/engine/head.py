@@ -71,10 +71,48 @@ class StreamedHead(torch.autograd.Function):
         plan, objective = ctx.plan, ctx.objective
         d_stats = stats_grad(objective, stats, grad_loss)
         grad_hidden = torch.empty_like(hidden)
+        chunk_backward = _linear_chunk_backward if _plain_linear(plan.lm_head) else _autograd_chunk_backward
         for start, end in chunk_bounds(hidden.shape[1], plan.partition_size):
             h = leaf(hidden[:, start:end])
-            with torch.enable_grad():
-                weighted = (_chunk_terms(plan, objective, h, start, end).sum(dim=1) * d_stats).sum()
-            backward_into([weighted], [torch.ones_like(weighted)], [h], ctx.params)
+            chunk_backward(plan, objective, h, start, end, d_stats, ctx.params)
             grad_hidden[:, start:end] = grad_or_zeros(h)
         return (grad_hidden, None, None, *([None] * len(ctx.params)))
+
+
+def _autograd_chunk_backward(plan, objective, h, start, end, d_stats, params) -> None:
+    """Any head (LoRA, bias, ...): recompute the chunk's terms with grad and back-propagate them."""
+    with torch.enable_grad():
+        weighted = (_chunk_terms(plan, objective, h, start, end).sum(dim=1) * d_stats).sum()
+    backward_into([weighted], [torch.ones_like(weighted)], [h], params)
+
+
+def _linear_chunk_backward(plan, objective, h, start, end, d_stats, params) -> None:
+    """A bias-free nn.Linear head, by hand: dW += dlogits^T x in place (one GEMM that accumulates into
+    `.grad`, instead of a vocab x hidden temporary per chunk), dx = dlogits W, then the norm by autograd.
+    """
+    weight = plan.lm_head.weight
+    with torch.no_grad():
+        x = h if plan.norm is None else plan.norm(h)
+        with memory_category("logits"):
+            logits = leaf(torch.nn.functional.linear(x, weight))
+    with torch.enable_grad(), memory_category("logits"):
+        terms = objective.token_terms(logits.to(objective.logits_dtype(logits.dtype)), start, end)
+        (d_logits,) = torch.autograd.grad((terms.sum(dim=1) * d_stats).sum(), logits)
+    del logits, terms
+    d_logits_2d, x_2d = d_logits.flatten(0, 1), x.flatten(0, 1)
+    if weight.requires_grad:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.addmm_(d_logits_2d.t(), x_2d)
+    d_x = (d_logits_2d @ weight).view_as(x)
+    del d_logits, d_logits_2d
+    if plan.norm is None:
+        h.grad = d_x
+        return
+    with torch.enable_grad():
+        normed = plan.norm(h)
+    backward_into([normed], [d_x], [h], [p for p in params if p is not weight])
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.bias is None
