@@ -47,8 +47,8 @@ class CheckPlan:
 GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype="bfloat16",
                      verify_seq_len=1024, memory_model="Qwen/Qwen3-1.7B", dtype="bfloat16",
                      lengths=(4096, 8192, 16384))
-CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=48,
-                     memory_model="tiny/qwen3", dtype="float32", lengths=(64, 128, 256),
+CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=32,
+                     memory_model="tiny/qwen3", dtype="float32", lengths=(48, 96, 144),
                      partition_size=32, head_partition_size=16)
 
 
