@@ -1,0 +1,107 @@
+"""`streambp-bench sweep` through the real app: rows, resume after an interruption, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from streambp_bench import experiments
+from streambp_bench.cli import app
+from streambp_bench.results import ResultsFile
+
+TINY = ["-m", "tiny/llama", "--seq-len", "64,128", "--ps", "16,32", "--ps-head", "16", "--device", "sim"]
+
+
+def _sweep(out: Path, *extra: str):
+    return CliRunner().invoke(
+        app, ["sweep", *TINY, "--method", "checkpoint,streambp", "--out", str(out), *extra]
+    )
+
+
+def test_sweep_writes_one_row_per_point(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.csv"
+    result = _sweep(out)
+    assert result.exit_code == 0, result.output
+    rows = ResultsFile(out).rows()
+    assert len(rows) == 2 + 4  # checkpoint: one per length; streambp: lengths x partition sizes
+    assert {(r.method, r.seq_len_tokens, r.partition_size) for r in rows} >= {
+        ("streambp", 128, 32),
+        ("checkpoint", 64, None),
+    }
+    assert all(r.source == "simulated" and r.status == "ok" and r.metric == "peak_memory" for r in rows)
+
+
+def test_rerun_skips_done_points_and_force_replaces_them(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.csv"
+    _sweep(out)
+    stamps = {row.key(): row.timestamp for row in ResultsFile(out).rows()}
+    again = _sweep(out)
+    assert "6 already done" in again.output
+    forced = _sweep(out, "--force")
+    assert forced.exit_code == 0 and "6 points run" in forced.output
+    assert {row.key() for row in ResultsFile(out).rows()} == set(stamps)
+
+
+def test_interrupted_sweep_resumes_without_lost_or_duplicated_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sweep.csv"
+    real = experiments.run_point
+    calls: list[experiments.Point] = []
+
+    def interrupted_after_three(point, where):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(point)
+        return real(point, where)
+
+    monkeypatch.setattr(experiments, "run_point", interrupted_after_three)
+    first = _sweep(out)
+    assert first.exit_code == 130 and "interrupted" in first.output
+    assert len(ResultsFile(out).rows()) == 3
+    monkeypatch.setattr(experiments, "run_point", real)
+    second = _sweep(out)
+    assert second.exit_code == 0 and "3 points run, 3 already done" in second.output
+    keys = [row.key() for row in ResultsFile(out).rows()]
+    assert len(keys) == len(set(keys)) == 6
+
+
+def test_csv_of_another_schema_is_a_one_line_error(tmp_path: Path) -> None:
+    out = tmp_path / "other.csv"
+    out.write_text("a,b\n1,2\n")
+    result = _sweep(out)
+    assert result.exit_code == 2
+    assert "not a streambp-bench results CSV" in result.output and "Traceback" not in result.output
+    assert out.read_text() == "a,b\n1,2\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seq-len", "4x"], "bad length"),
+        (["--method", "nope"], "unknown method"),
+        (["--ps", "0"], "partition size"),
+        (["--device", "tpu"], "device must be"),
+        (["-m", "no/such-model"], "unknown model"),
+        (["--optimizer", "sgd"], "optimizer"),
+        (["--lora-rank", "-1"], "lora rank"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    base = [
+        "sweep",
+        "-m",
+        "tiny/llama",
+        "--seq-len",
+        "64",
+        "--device",
+        "sim",
+        "--out",
+        str(tmp_path / "x.csv"),
+    ]
+    result = CliRunner().invoke(app, [*base, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x.csv").exists()

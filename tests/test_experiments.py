@@ -1,0 +1,100 @@
+"""Grid parsing and expansion, and one simulated point -> its result row."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambp_bench import experiments as exp
+from streambp_core.config import ConfigError
+
+
+def test_token_lists_accept_k_suffix_and_inclusive_ranges() -> None:
+    assert exp.parse_token_list("1k,2048") == (1024, 2048)
+    assert exp.parse_token_list("4k:16k:4k") == (4096, 8192, 12288, 16384)
+    assert exp.parse_token_list("100, 100,1.5k") == (100, 1536)
+
+
+@pytest.mark.parametrize("text", ["", "4x", "0", "8k:4k:1k", "1:2", "-5"])
+def test_bad_token_lists_raise_config_error(text: str) -> None:
+    with pytest.raises(ConfigError):
+        exp.parse_token_list(text)
+
+
+def test_grid_gives_partition_sizes_only_to_partitioned_methods() -> None:
+    points = exp.expand_grid(
+        methods=("checkpoint", "streambp"),
+        models=("tiny/llama",),
+        seq_lens=(64, 128),
+        partition_sizes=(16, 32),
+    )
+    checkpoint = [p for p in points if p.method == "checkpoint"]
+    streambp = [p for p in points if p.method == "streambp"]
+    assert len(checkpoint) == 2 and {p.partition_size for p in checkpoint} == {None}
+    assert len(streambp) == 4 and {p.partition_size for p in streambp} == {16, 32}
+
+
+def test_simulated_point_row_has_peak_and_breakdown() -> None:
+    where = exp.resolve_where("sim", 1.0)
+    point = exp.Point(
+        method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32, head_partition_size=16
+    )
+    (row,) = exp.run_point(point, where)
+    assert row.source == "simulated" and row.status == "ok" and row.metric == "peak_memory"
+    parts = [
+        row.weights_gib,
+        row.grads_gib,
+        row.optimizer_gib,
+        row.checkpoints_gib,
+        row.kv_gib,
+        row.logits_gib,
+        row.temporaries_gib,
+    ]
+    assert row.value == pytest.approx(sum(parts))
+    assert row.key() in exp.point_keys(point, where)
+
+
+def test_simulated_point_over_budget_is_oom() -> None:
+    where = exp.resolve_where("sim", 1e-6)
+    (row,) = exp.run_point(
+        exp.Point(
+            method="checkpoint",
+            model="tiny/llama",
+            seq_len_tokens=256,
+            partition_size=None,
+            head_partition_size=None,
+        ),
+        where,
+    )
+    assert row.status == "oom" and row.value is None and row.peak_allocated_gib > 1e-6
+
+
+def test_training_step_with_optimizer_counts_optimizer_state() -> None:
+    where = exp.resolve_where("sim")
+    point = exp.Point(
+        method="streambp",
+        model="tiny/llama",
+        seq_len_tokens=128,
+        partition_size=32,
+        head_partition_size=16,
+        objective="grpo",
+        batch_size=2,
+        lora_rank=4,
+        optimizer="adamw",
+    )
+    (row,) = exp.run_point(point, where)
+    assert row.status == "ok" and row.optimizer_gib > 0 and row.lora_rank == 4
+
+
+def test_cpu_point_measures_step_time() -> None:
+    where = exp.resolve_where("cpu")
+    point = exp.Point(
+        method="streambp",
+        model="tiny/llama",
+        seq_len_tokens=64,
+        partition_size=16,
+        head_partition_size=16,
+        dtype="float32",
+    )
+    memory, time = exp.run_point(point, where)
+    assert memory.source == time.source == "measured-cpu"
+    assert time.metric == "step_time" and time.value == memory.step_time_ms > 0
