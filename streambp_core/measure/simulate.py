@@ -50,6 +50,7 @@ from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.measure.units import bytes_to_gib
 from streambp_core.methods import prepare
+from streambp_core.models.adapters import decoder_parts
 from streambp_core.models.load import build_model, load_config
 
 GRADS_MODES = ("resident", "fresh")
@@ -140,11 +141,12 @@ def simulate_step(
     )
     measured = [_peak_at_depth(_with_depth(config, n), **step) for n in depths]
     if len(depths) == 1:
-        peak, by_category = measured[0]
+        peak, by_category = _largest(measured[0])
     else:
-        (p2, c2), (p3, c3) = measured
-        peak = p2 + (total - 2) * (p3 - p2)
-        by_category = {k: c2[k] + (total - 2) * (c3[k] - c2[k]) for k in CATEGORIES}
+        peak, by_category = _extrapolate(measured[0], measured[1], total)
+        if min(by_category.values()) < 0:  # the peak moved between sub-phases: simulate every layer
+            peak, by_category = _largest(_peak_at_depth(config, **step))
+            depths = (total,)
     return SimResult(
         model=name,
         method=method,
@@ -167,8 +169,31 @@ def weights_and_grads_bytes(model: str | PretrainedConfig, dtype: torch.dtype | 
     return sum(p.nbytes for p in params) + sum(p.nbytes for p in params if p.requires_grad)
 
 
+def _largest(phases: list[tuple[int, dict[str, int]]]) -> tuple[int, dict[str, int]]:
+    """The phase with the highest peak."""
+    return max(phases, key=lambda phase: phase[0])
+
+
+def _extrapolate(two: list, three: list, total: int) -> tuple[int, dict[str, int]]:
+    """Each phase's peak and breakdown extrapolated linearly from 2 and 3 layers; the highest wins.
+
+    Phases (see `_peak_at_depth`) keep the same shape at every depth, so within a phase the peak is
+    affine in depth; across phases it is not (a shallow model may peak in the embedding's backward, a
+    deep one while its checkpoints are alive), which is why phases are extrapolated separately.
+    """
+    phases = []
+    for (p2, c2), (p3, c3) in zip(two, three, strict=True):
+        grown = {k: c2[k] + (total - 2) * (c3[k] - c2[k]) for k in CATEGORIES}
+        phases.append((p2 + (total - 2) * (p3 - p2), grown))
+    return _largest(phases)
+
+
 def _peak_at_depth(config, *, method, seq_len, batch_size, dtype, grads, protocol, thin, cache, **options):
-    """(peak bytes, bytes by category at the peak) of one simulated step of the model `config`."""
+    """Per phase, (peak bytes, bytes by category at that peak) of one simulated step of `config`.
+
+    Phases: the forward; the backward down to the embedding's output gradient; the rest (the embedding's
+    backward, whose dense vocab x hidden gradient does not grow with depth).
+    """
     model = build_model(config, dtype=dtype, device="meta")
     if grads == "resident":
         for param in model.parameters():
@@ -179,14 +204,48 @@ def _peak_at_depth(config, *, method, seq_len, batch_size, dtype, grads, protoco
     try:
         with _thinned_chunk_loops() if thin else nullcontext(), step_protocol(run, protocol):
             with MemoryTracker(model, device="meta") as tracker:
-                with SimulationMode(config.vocab_size, cache), checkpoint_tags(model, tracker) as forward:
+                with (
+                    SimulationMode(config.vocab_size, cache, tracker),
+                    checkpoint_tags(model, tracker) as forward,
+                    _phase_cuts(model, tracker) as phases,
+                ):
                     loss = run.loss(input_ids)
                     forward.done = True
+                    phases.cut()
                     loss.backward()
+                    phases.cut()
     finally:
         run.close()
-    result = tracker.result()
-    return result.peak_bytes, dict(result.peak_breakdown_bytes)
+    return phases.peaks
+
+
+class _Phases:
+    """Peaks of consecutive phases of a tracked step: `cut()` closes one and starts the next."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+        self.peaks: list[tuple[int, dict[str, int]]] = []
+
+    def cut(self, *_args) -> None:
+        result = self.tracker.result()
+        self.peaks.append((result.peak_bytes, dict(result.peak_breakdown_bytes)))
+        self.tracker.reset_peak()
+
+
+@contextmanager
+def _phase_cuts(model, tracker: MemoryTracker) -> Iterator[_Phases]:
+    """Cut a phase when the gradient of the embedding's output arrives (see `_peak_at_depth`)."""
+    phases = _Phases(tracker)
+
+    def on_embedding(module, inputs, output) -> None:
+        if output.requires_grad:
+            output.register_hook(phases.cut)
+
+    handle = decoder_parts(model).embed.register_forward_hook(on_embedding)
+    try:
+        yield phases
+    finally:
+        handle.remove()
 
 
 def _with_depth(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
