@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from streambp_bench.commands import plot, presets, selfcheck, sweep, verify
+from streambp_bench.commands import plot, presets, reproduce, selfcheck, sweep, verify
 from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error
 from streambp_core.config import ConfigError
 
@@ -22,6 +22,7 @@ app.command("verify", help=verify.HELP, epilog=verify.EPILOG)(verify.verify)
 app.command("presets", help=presets.HELP, epilog=presets.EPILOG)(presets.presets)
 app.command("plot")(plot.plot)
 app.command("sweep", help=sweep.HELP, epilog=sweep.EPILOG)(sweep.sweep)
+app.command("reproduce", help=reproduce.HELP, epilog=reproduce.EPILOG)(reproduce.reproduce)
 app.command("selfcheck", help=selfcheck.HELP, epilog=selfcheck.EPILOG)(selfcheck.selfcheck)
 
 

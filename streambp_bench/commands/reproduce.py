@@ -1,0 +1,91 @@
+"""`streambp-bench reproduce ITEM`: regenerate one of the paper's figures or tables under results/."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from streambp_bench import readme
+from streambp_bench import reproduce_items as items
+from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error, user_errors
+from streambp_bench.results import SchemaError
+from streambp_core.measure.cuda import cuda_available
+
+HELP = (
+    "Reproduce a figure or table of the StreamBP paper: run what it needs, write [bold]<item>.csv[/] and "
+    "PNGs under --out, and regenerate [bold]<out>/README.md[/] with our numbers next to the paper's.\n\n"
+    "fig3: BP-only max length (simulated search) and memory-vs-length curves, Qwen3-8B, 14B, 32B LoRA r32. "
+    "fig5: partition-size ablation of memory (simulated, Qwen3-8B, ps 500/1k/2k/5k). "
+    "table1: step time — measured on a GPU (Qwen3-4B); without one, CPU-measured step time of a tiny model "
+    "(a streambp/checkpoint ratio). table3: simulated max length with AdamW for SFT, GRPO (group 8), DPO. "
+    "table4: waits for multi-GPU support. table6: gradient precision on the CPU "
+    "(fp32 vs fp64, bf16 vs fp32). "
+    "all: every item. Memory items are simulated everywhere; time items measure."
+)
+
+EPILOG = """[bold]Examples[/]
+
+[cyan]streambp-bench reproduce fig3[/]    (about 5 minutes on 2 CPU cores)
+
+[cyan]streambp-bench reproduce all --out results/[/]
+
+[cyan]streambp-bench reproduce table6 --quick --out /tmp/r[/]    (tiny settings, seconds)
+"""
+
+
+class Item(str, Enum):
+    """A paper item."""
+
+    fig3 = "fig3"
+    fig5 = "fig5"
+    table1 = "table1"
+    table3 = "table3"
+    table4 = "table4"
+    table6 = "table6"
+    all = "all"
+
+
+@user_errors
+def reproduce(
+    item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6 or all.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for CSVs, PNGs and README.md.")] = Path(
+        "results"
+    ),
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Tiny models, budgets and lengths: a smoke test, not the paper's.")
+    ] = False,
+) -> None:
+    """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
+    console = Console(stderr=True, highlight=False)
+    settings = items.Settings(out_dir=out, quick=quick, device="cuda" if cuda_available() else "sim")
+    chosen = list(items.ITEMS) if item is Item.all else [item.value]
+    if item is Item.table4:
+        chosen = []
+        console.print(
+            "table4 (DeepSpeed ZeRO-2 across 3-8 GPUs) waits for multi-GPU support; README row says so"
+        )
+    if "table1" in chosen and settings.device != "cuda":
+        console.print(
+            "table1 needs a GPU (none here): measuring CPU step-time ratios of a tiny model instead"
+        )
+    written: list[Path] = []
+    try:
+        for name in chosen:
+            start = time.perf_counter()
+            console.print(f"reproducing {name} ...")
+            written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
+            console.print(f"{name}: done in {time.perf_counter() - start:.0f} s")
+        out.mkdir(parents=True, exist_ok=True)
+        readme_path = out / "README.md"
+        readme_path.write_text(readme.render(out), encoding="utf-8")
+    except SchemaError as error:
+        print_error(error)
+        raise typer.Exit(code=USER_ERROR_EXIT_CODE) from None
+    for path in [*dict.fromkeys(written), readme_path]:
+        console.print(f"  {escape(str(path))}", soft_wrap=True)

@@ -1,0 +1,249 @@
+"""What `streambp-bench reproduce ITEM` runs: one function per paper item, each writing `<item>.csv` (+ PNG).
+
+Memory items (fig3, fig5 memory, table3) are simulated on meta tensors everywhere (80 GiB, the paper's
+A800); time items (table1, fig5 time) need a GPU: on CUDA they measure Qwen3-4B, on a CPU they measure a
+tiny model's step time instead (a streambp/checkpoint ratio, not the paper's seconds). `quick` swaps in
+tiny models, budgets and lengths so the tests can drive every item in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from streambp_bench import experiments as exp
+from streambp_bench import paper, plots
+from streambp_bench.precision import precision_rows
+from streambp_bench.results import ResultRow, ResultsFile, provenance, rows_to_frame
+from streambp_core.measure.training_step import TrainSpec, simulated_training_probe
+from streambp_core.measure.units import GIB
+from streambp_core.search import max_trainable_length
+
+FIG3_METHODS = ("plain", "checkpoint", "streambp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Where results go, whether to run the tiny variants, and the resolved device for measured items."""
+
+    out_dir: Path
+    quick: bool = False
+    device: str = "sim"
+    """'cuda' when a GPU is present, else 'sim' (time items then measure on the CPU)."""
+
+    def budget_gib(self) -> float:
+        return 0.005 if self.quick else exp.DEFAULT_BUDGET_GIB
+
+    def csv(self, item: str) -> ResultsFile:
+        return ResultsFile(self.out_dir / f"{item}.csv")
+
+
+def max_len_row(spec: TrainSpec, budget_gib: float, key_model: str | None = None) -> ResultRow:
+    """Search the simulated max length of `spec` within `budget_gib` and return it as a max_len row."""
+    search = max_trainable_length(simulated_training_probe(spec), int(budget_gib * GIB))
+    point = exp.Point(
+        method=spec.method,
+        model=key_model or spec.model,
+        seq_len_tokens=0,
+        objective=spec.objective,
+        batch_size=spec.batch_size,
+        partition_size=spec.partition_size if spec.method in exp.PARTITIONED else None,
+        head_partition_size=spec.head_partition_size if spec.method in exp.PARTITIONED else None,
+        dtype=spec.dtype,
+        lora_rank=spec.lora_rank,
+        optimizer=spec.optimizer,
+    )
+    peak = search.peak_at_max
+    columns = {} if peak is None else exp._columns(peak.peak_bytes or 0, peak.breakdown_bytes)
+    return ResultRow(
+        **point.key_fields(),
+        **provenance("simulated", "meta"),
+        **columns,
+        metric="max_len",
+        value=search.max_len_tokens,
+        budget_gib=budget_gib,
+        status="ok" if search.max_len_tokens else "oom",
+    )
+
+
+def _curve(points: list[exp.Point], where: exp.Where, results: ResultsFile) -> None:
+    """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
+    series: dict[tuple, list[exp.Point]] = {}
+    for point in points:
+        series.setdefault((point.method, point.model, point.partition_size, point.lora_rank), []).append(
+            point
+        )
+    for members in series.values():
+        for point in sorted(members, key=lambda p: p.seq_len_tokens):
+            rows = exp.run_point(point, where)
+            results.append_many(rows)
+            if rows[0].status != "ok":
+                break
+
+
+def fig3(settings: Settings) -> list[Path]:
+    """Fig. 3: BP-only max length (simulated search) and memory-vs-length curves, plain/ckpt/streambp."""
+    models = {"tiny": ("tiny/llama", 0)} if settings.quick else paper.FIG3_MODELS
+    lengths = (64, 256, 1024) if settings.quick else (1024, 2048, *range(4096, 131072 + 1, 8192))
+    results, budget = settings.csv("fig3"), settings.budget_gib()
+    sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
+    rows = [
+        max_len_row(TrainSpec(model=model, method=method, lora_rank=rank, **sizes), budget)
+        for model, rank in models.values()
+        for method in FIG3_METHODS
+    ]
+    results.append_many(rows)
+    where = exp.resolve_where("sim", budget)
+    points = [
+        exp.Point(
+            method=method,
+            model=model,
+            seq_len_tokens=length,
+            lora_rank=rank,
+            partition_size=sizes.get("partition_size", 500) if method in exp.PARTITIONED else None,
+            head_partition_size=sizes.get("head_partition_size", 100) if method in exp.PARTITIONED else None,
+        )
+        for model, rank in models.values()
+        for method in FIG3_METHODS
+        for length in lengths
+    ]
+    _curve(points, where, results)
+    frame = results.load()
+    paper_frame = pd.DataFrame(
+        [
+            {
+                "model": models[label][0],
+                "lora_rank": models[label][1] or None,
+                "method": method,
+                "value": k * 1000,
+            }
+            for label, values in paper.FIG3_MAX_LEN_K.items()
+            if label in models
+            for method, k in values.items()
+        ]
+    )
+    return [
+        plots.save(plots.memory_vs_length(frame), settings.out_dir / "fig3-memory.png"),
+        plots.save(
+            plots.max_length_bars(frame, paper_frame if len(paper_frame) else None),
+            settings.out_dir / "fig3-maxlen.png",
+        ),
+    ]
+
+
+def fig5(settings: Settings) -> list[Path]:
+    """Fig. 5 memory: streambp on Qwen3-8B at layer partitions 500/1k/2k/5k (simulated)."""
+    model = "tiny/llama" if settings.quick else "Qwen/Qwen3-8B"
+    sizes = (16, 32) if settings.quick else paper.FIG5_PARTITION_SIZES
+    lengths = (64, 128) if settings.quick else (4096, *range(16384, 131072 + 1, 16384))
+    results = settings.csv("fig5")
+    where = exp.resolve_where("sim", settings.budget_gib() if settings.quick else None)
+    points = exp.expand_grid(
+        methods=("streambp",),
+        models=(model,),
+        seq_lens=lengths,
+        partition_sizes=sizes,
+        head_partition_size=16 if settings.quick else 100,
+    )
+    exp.run_points(points, where, results, force=True)
+    return [plots.save(plots.partition_ablation(results.load()), settings.out_dir / "fig5-memory.png")]
+
+
+def table1(settings: Settings) -> list[Path]:
+    """Table 1 step time: Qwen3-4B on CUDA (paper lengths, capped), else a tiny model on the CPU."""
+    if settings.device == "cuda":
+        model, dtype, lengths, methods = "Qwen/Qwen3-4B", "bfloat16", (6144, 9216, 12288), paper.TABLE1_TIME_S
+        where = exp.resolve_where("cuda")
+    else:
+        model, dtype, methods = "tiny/llama", "float32", ("checkpoint", "streambp")
+        lengths = (64, 128) if settings.quick else (1024, 2048, 4096)
+        where = exp.resolve_where("cpu")
+    points = [
+        exp.Point(
+            method=method,
+            model=model,
+            seq_len_tokens=length,
+            dtype=dtype,
+            partition_size=max(length // 3, 1) if method in exp.PARTITIONED else None,
+            head_partition_size=100 if method in exp.PARTITIONED else None,
+        )
+        for method in methods
+        for length in lengths
+    ]
+    results = settings.csv("table1")
+    exp.run_points(points, where, results, force=True)
+    return [plots.save(plots.time_vs_length(results.load()), settings.out_dir / "table1-time.png")]
+
+
+def table3(settings: Settings) -> list[Path]:
+    """Table 3: simulated max length with AdamW for SFT, GRPO (group 8) and DPO on the paper's cells."""
+    cells = (
+        {"tiny full": ("tiny/llama", 0), "tiny LoRA": ("tiny/llama", 4)}
+        if settings.quick
+        else paper.TABLE3_CELLS
+    )
+    sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
+    group = 2 if settings.quick else paper.TABLE3_GROUP_SIZE
+    results = settings.csv("table3")
+    rows = []
+    for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1)):
+        for model, rank in cells.values():
+            for method in FIG3_METHODS:
+                spec = TrainSpec(
+                    model=model,
+                    method=method,
+                    objective=objective,
+                    lora_rank=rank,
+                    optimizer="adamw",
+                    batch_size=batch,
+                    **sizes,
+                )
+                rows.append(max_len_row(spec, settings.budget_gib()))
+    results.append_many(rows)
+    frame = results.load()
+    paper_frame = pd.DataFrame(
+        [
+            {
+                "model": cells[cell][0],
+                "lora_rank": cells[cell][1] or None,
+                "objective": objective,
+                "optimizer": "adamw",
+                "method": method,
+                "value": k * 1000,
+            }
+            for (objective, method, cell), k in paper.TABLE3_MAX_LEN_K.items()
+            if k and cell in cells
+        ]
+    )
+    written = []
+    for objective in ("sft", "grpo", "dpo"):
+        part = frame[frame["objective"] == objective]
+        fig = plots.max_length_bars(part, paper_frame if len(paper_frame) else None)
+        written.append(plots.save(fig, settings.out_dir / f"table3-{objective}.png"))
+    return written
+
+
+def table6(settings: Settings) -> list[Path]:
+    """Table 6: gradient precision of streambp vs references (see `precision.precision_rows`)."""
+    rows = precision_rows("tiny/llama", seq_len=128 if settings.quick else 1024, partition_size=100)
+    results = settings.csv("table6")
+    results.append_many(rows)
+    return [results.path]
+
+
+ITEMS: dict[str, Callable[[Settings], list[Path]]] = {
+    "fig3": fig3,
+    "fig5": fig5,
+    "table1": table1,
+    "table3": table3,
+    "table6": table6,
+}
+"""Items with something to run; table4 waits for multi-GPU support (its README row says so)."""
+
+
+def frame_of(path: Path) -> pd.DataFrame | None:
+    """The rows of a results CSV, or None when it does not exist."""
+    return rows_to_frame(ResultsFile(path).rows()) if path.exists() else None

@@ -1,0 +1,50 @@
+"""`streambp-bench reproduce` through the real app, on tiny settings (--quick)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from streambp_bench.cli import app
+from streambp_bench.results import ResultsFile
+
+
+def test_reproduce_fig5_quick_writes_csv_png_and_readme(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["reproduce", "fig5", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = ResultsFile(tmp_path / "fig5.csv").rows()
+    assert {row.partition_size for row in rows} == {16, 32} and all(r.source == "simulated" for r in rows)
+    assert (tmp_path / "fig5-memory.png").stat().st_size > 10_000
+    readme = (tmp_path / "README.md").read_text()
+    assert "## Fig. 5" in readme and "ps 16" in readme and "(simulated)" in readme
+    assert "waits for multi-GPU support" in readme
+
+
+def test_reproduce_fig3_quick_puts_max_len_next_to_slopes(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["reproduce", "fig3", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = ResultsFile(tmp_path / "fig3.csv").rows()
+    max_len = {row.method: row.value for row in rows if row.metric == "max_len"}
+    assert set(max_len) == {"plain", "checkpoint", "streambp"}
+    assert max_len["streambp"] > max_len["checkpoint"] > 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "## Fig. 3" in readme and "| tiny/llama | streambp |" in readme
+    assert (tmp_path / "fig3-memory.png").exists() and (tmp_path / "fig3-maxlen.png").exists()
+
+
+def test_reproduce_table4_says_it_waits(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["reproduce", "table4", "--out", str(tmp_path)])
+    assert result.exit_code == 0 and "multi-GPU" in result.output
+    assert "waits for multi-GPU support" in (tmp_path / "README.md").read_text()
+
+
+def test_reproduce_into_a_foreign_csv_is_a_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "fig5.csv").write_text("a,b\n1,2\n")
+    result = CliRunner().invoke(app, ["reproduce", "fig5", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "not a streambp-bench results CSV" in result.output
+
+
+def test_unknown_item_exits_2(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["reproduce", "fig9", "--out", str(tmp_path)])
+    assert result.exit_code == 2
