@@ -66,6 +66,7 @@ def max_trainable_length(
     budget_bytes: int,
     *,
     start: int = 4096,
+    second_len: int | None = None,
     tolerance: Callable[[int], int] = default_tolerance,
     min_len: int = 2,
     max_len: int = 10_000_000,
@@ -81,10 +82,12 @@ def max_trainable_length(
     2. Refine: while the bracket (ok, fail) is wider than `tolerance(ok)`, probe where the line through
        the peaks at its ends meets the budget, offset by half a tolerance towards the nearer end so the
        next probe can close it; after a step that does not halve the bracket, bisect.
+    `second_len`: where to probe after `start` when `start` fits (default: the secant's aim), e.g. the
+    failing end of a simulated search's bracket when a measured search starts at its fitting end.
     `on_probe(result, ok_len, fail_len)` is called after each probe (e.g. for a progress bar).
     """
     search = _Search(probe, budget_bytes, tolerance, min_len, max_len, on_probe)
-    search.bracket(max(min(start, max_len), min_len))
+    search.bracket(max(min(start, max_len), min_len), second_len)
     while search.open() and len(search.probes) < max_probes:
         search.refine()
     return search.result()
@@ -126,7 +129,7 @@ class _Search:
     def fail_len(self) -> int | None:
         return self.fail.seq_len_tokens if self.fail else None
 
-    def bracket(self, start: int) -> None:
+    def bracket(self, start: int, second_len: int | None) -> None:
         """Find one fitting and one failing length (or hit `min_len` / `max_len`)."""
         length = start
         while len(self.probes) < 40:
@@ -136,7 +139,9 @@ class _Search:
             if self.ok is not None and self.fail is not None:
                 return
             guess = self._secant()
-            if fits:
+            if fits and len(self.probes) == 1 and second_len is not None and second_len > length:
+                length = min(self.max_len, second_len)
+            elif fits:
                 aim = length * 2 if guess is None else guess + self.tolerance(int(guess)) // 2
                 length = min(self.max_len, max(length + 1, min(int(aim), length * 8)))
             else:

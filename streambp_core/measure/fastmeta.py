@@ -14,8 +14,8 @@ step repeats the same ops on the same shapes hundreds of times. Outputs that `em
 reproduce byte for byte (an offset, a storage larger than the view) or that share an input's storage
 although the schema does not say so (`_unsafe_view`) are never memoised: those ops run.
 
-On other devices (a measured CPU step) it only categorises: the outputs' shapes come from the same
-memo, filled by running the op on meta stand-ins of the arguments, and the real op then runs.
+On other devices (a measured CPU or CUDA step) it only categorises: given the tracker, it runs the op
+with every mode disabled and files the op's new storages with `tracker.track` under their category.
 
 Category: an output whose last dimension is the vocabulary and which has a token dimension (the lm_head
 output, its float32 copy, log-softmax, their gradients) is filed under `logits` whatever the active
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from streambp_core.measure.tags import CHECKPOINTS, LOGITS, memory_category
+from streambp_core.measure.tags import CHECKPOINTS, LOGITS, current_category, memory_category
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.models.adapters import decoder_parts
 
@@ -47,12 +47,17 @@ class SimulationMode(TorchDispatchMode):
         vocab_size: outputs with >= 2 dims whose last one is this count as logits; None: no categories.
         cache: a memo to share between steps in one process (its keys hold everything that determines
             its values, so sharing is safe); None starts an empty one.
+        tracker: the tracker underneath; off the meta device, an op then runs untracked and this mode
+            files its fresh outputs with `tracker.track` under their category. None: such ops pass through.
     """
 
-    def __init__(self, vocab_size: int | None = None, cache: dict | None = None) -> None:
+    def __init__(
+        self, vocab_size: int | None = None, cache: dict | None = None, tracker: MemoryTracker | None = None
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.cache: dict[Any, Any] = {} if cache is None else cache
+        self.tracker = tracker
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -64,15 +69,29 @@ class SimulationMode(TorchDispatchMode):
             entry = self.cache.get(key)
         except TypeError:  # an unhashable argument
             return func(*args, **kwargs)
-        on_meta = devices <= {_META} and kwargs.get("device", _META) == _META
+        if not (devices <= {_META} and kwargs.get("device", _META) == _META):
+            return self._run_and_file(func, args, kwargs)
         if entry is None:
-            entry = self.cache[key] = _outputs_spec(func, args, kwargs, on_meta)
+            entry = self.cache[key] = _outputs_spec(func, args, kwargs)
         returns_tuple, first_shape, specs = entry
         with memory_category(LOGITS) if self._is_logits(first_shape) else nullcontext():
-            if specs is None or not on_meta:
+            if specs is None:
                 return func(*args, **kwargs)
             outs = tuple(_empty(spec) for spec in specs)
         return outs if returns_tuple else outs[0]
+
+    def _run_and_file(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Off the meta device: run the op untracked, then file its new storages under their category."""
+        if self.tracker is None:
+            return func(*args, **kwargs)
+        with _disable_current_modes():
+            out = func(*args, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        taken = _storages((args, kwargs))
+        fresh = [t for t in outs if isinstance(t, torch.Tensor) and not _storages(t) & taken]
+        logits = bool(outs) and self._is_logits(tuple(outs[0].shape))
+        self.tracker.track(fresh, LOGITS if logits else current_category())
+        return out
 
     def _is_logits(self, shape: tuple[int, ...]) -> bool:
         return self.vocab_size is not None and len(shape) >= 2 and shape[-1] == self.vocab_size
@@ -138,20 +157,13 @@ def _key(values: Any, devices: set[torch.device]) -> tuple:
     return tuple(out)
 
 
-def _outputs_spec(func: Any, args: tuple, kwargs: dict, on_meta: bool) -> tuple[bool, tuple, list | None]:
+def _outputs_spec(func: Any, args: tuple, kwargs: dict) -> tuple[bool, tuple, list | None]:
     """(returns a tuple, first output's shape, [spec, ...] or None) from one untracked meta run.
 
-    Specs are None when the op cannot run on meta stand-ins, or `empty_strided` cannot reproduce one of
-    its outputs; such an op always runs for real.
+    Specs are None when `empty_strided` cannot reproduce an output; such an op always runs for real.
     """
-    if not on_meta:
-        args = _to_meta(args)
-        kwargs = {k: _META if k == "device" else _to_meta(v) for k, v in kwargs.items()}
-    try:
-        with _disable_current_modes():
-            out = func(*args, **kwargs)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False, (), None
+    with _disable_current_modes():
+        out = func(*args, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     first_shape = tuple(outs[0].shape) if outs else ()
     taken = _storages((args, kwargs))
@@ -168,17 +180,6 @@ def _storages(tree: Any) -> set[int]:
     if isinstance(tree, (list, tuple)):
         return set().union(*(_storages(item) for item in tree)) if tree else set()
     return set()
-
-
-def _to_meta(value: Any) -> Any:
-    """A meta stand-in with the same metadata for each tensor; devices become meta."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_META)
-    if isinstance(value, torch.device):
-        return _META
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
 
 
 def _spec(tensor: Any) -> _Spec | None:

@@ -18,7 +18,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -30,7 +30,7 @@ from streambp_core.measure.simulate import GRADS_MODES, _as_dtype, simulate_step
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config
-from streambp_core.search import OK, OOM, REFUSED, ProbeResult
+from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, max_trainable_length
 
 CPU_RAM_FRACTION = 0.8
 """A CPU probe may use at most this fraction of the RAM available when the search starts."""
@@ -65,7 +65,7 @@ class ProbeSpec:
         """The model with random (seeded) weights on `device`."""
         return build_model(self.model, dtype=_as_dtype(self.dtype), device=device, seed=self.seed)
 
-    def simulate(self, seq_len: int, cache: dict | None = None):
+    def simulate(self, seq_len: int, cache: dict | None = None, depth: str = "extrapolate"):
         """`simulate_step` with these settings."""
         return simulate_step(
             self.model,
@@ -77,16 +77,17 @@ class ProbeSpec:
             head_partition_size=self.head_partition_size,
             grads=self.grads,
             protocol=self.protocol,
+            depth=depth,
             cache=cache,
         )
 
 
-def simulated_probe(spec: ProbeSpec) -> Callable[[int], ProbeResult]:
+def simulated_probe(spec: ProbeSpec, depth: str = "extrapolate") -> Callable[[int], ProbeResult]:
     """probe(seq_len) -> the simulated peak (one memo shared by all of this probe's steps)."""
     cache: dict = {}
 
     def probe(seq_len: int) -> ProbeResult:
-        sim = spec.simulate(seq_len, cache)
+        sim = spec.simulate(seq_len, cache, depth)
         return ProbeResult(
             seq_len_tokens=seq_len,
             status=OK,
@@ -97,6 +98,28 @@ def simulated_probe(spec: ProbeSpec) -> Callable[[int], ProbeResult]:
         )
 
     return probe
+
+
+def simulated_max_len(
+    spec: ProbeSpec, budget_bytes: int, on_probe: Callable[[ProbeResult, int, int | None], None] | None = None
+) -> SearchResult:
+    """Max length by simulation, its bracket confirmed at full depth.
+
+    Steps: search with depth-extrapolated probes (cheap: 2 and 3 layers); then search again with
+    full-depth probes, starting at that bracket's ends. Extrapolation is exact while the same phase of
+    the step holds the peak at 2, 3 and all layers; where phases cross (e.g. an embedding/head phase
+    that does not grow with depth against a layer phase that does) the peak is convex in depth and
+    extrapolation under-estimates it, so the second search moves the bracket. Its probes are exact.
+    The result lists both searches' probes.
+    """
+    guide = max_trainable_length(simulated_probe(spec), budget_bytes, on_probe=on_probe)
+    if load_config(spec.model).num_hidden_layers <= 3:  # already simulated at full depth
+        return guide
+    start, second = max(guide.max_len_tokens, 2), guide.bracket[1]
+    full = max_trainable_length(
+        simulated_probe(spec, "full"), budget_bytes, start=start, second_len=second, on_probe=on_probe
+    )
+    return replace(full, probes=guide.probes + full.probes)
 
 
 def cpu_probe(spec: ProbeSpec, available_bytes: int | None = None) -> Callable[[int], ProbeResult]:
@@ -171,7 +194,10 @@ def measure_step(model: torch.nn.Module, spec: ProbeSpec, seq_len: int, device: 
     )
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, device=device) as tracker:
-            with SimulationMode(model.config.vocab_size), checkpoint_tags(model, tracker) as forward:
+            with (
+                SimulationMode(model.config.vocab_size, tracker=tracker),
+                checkpoint_tags(model, tracker) as forward,
+            ):
                 loss = run.loss(input_ids.to(device))
                 forward.done = True
                 loss.backward()

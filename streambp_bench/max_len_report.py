@@ -1,0 +1,162 @@
+"""Output of `streambp-bench max-len`: a table with provenance lines, a JSON document, results-CSV rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from streambp_bench.max_len import MethodResult, Plan
+from streambp_bench.results import ResultRow, ResultsFile, provenance
+from streambp_core.measure.tags import CATEGORIES
+from streambp_core.measure.units import GIB
+
+CHUNKED = ("mst", "streambp")
+"""Methods that use the partition sizes."""
+
+
+def peak_gib(result: MethodResult) -> float | None:
+    """Peak at the maximum length in GiB (None when nothing fits)."""
+    best = result.search.peak_at_max
+    return None if best is None or best.peak_bytes is None else best.peak_bytes / GIB
+
+
+def breakdown_gib(result: MethodResult) -> dict[str, float]:
+    """Bytes per category at the maximum length's peak, in GiB (empty when nothing fits)."""
+    best = result.search.peak_at_max
+    return {} if best is None else {k: v / GIB for k, v in best.breakdown_bytes.items()}
+
+
+def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> float | None:
+    """Max length over checkpointing's (None without a checkpoint result that fits)."""
+    reference = next((r for r in results if r.method == "checkpoint"), None)
+    if reference is None or reference.search.max_len_tokens == 0:
+        return None
+    return result.search.max_len_tokens / reference.search.max_len_tokens
+
+
+def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
+    """The JSON document: model, budget, source, settings and one entry per method."""
+    return {
+        "model": plan.model,
+        "budget_gib": plan.budget_bytes / GIB,
+        "source": plan.source,
+        "device": plan.device_name,
+        "settings": dict(plan.spec),
+        "weights_grads_gib": plan.weights_grads_bytes / GIB,
+        "results": [
+            {
+                "method": r.method,
+                "max_len_tokens": r.search.max_len_tokens,
+                "peak_gib": peak_gib(r),
+                "breakdown_gib": breakdown_gib(r),
+                "bracket_tokens": list(r.search.bracket),
+                "ratio_to_checkpoint": ratio_to_checkpoint(results, r),
+                "probes": len(r.search.probes),
+                "refused_probes": [p.message for p in r.search.refused],
+                "how": r.how,
+            }
+            for r in results
+        ],
+    }
+
+
+def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table]:
+    """(lengths, breakdown): max length, bracket, peak, source, ratio; then GiB per category at the peak."""
+    title = (
+        f"max trainable length: {plan.model}, budget {plan.budget_bytes / GIB:g} GiB, "
+        f"{plan.spec['dtype']}, batch {plan.spec['batch_size']}"
+    )
+    lengths = Table(title=title, title_justify="left")
+    for column in ("method", "max length", "bracket (fits, fails)", "peak GiB", "source", "x ckpt"):
+        lengths.add_column(column, justify="left" if column in ("method", "source") else "right")
+    shown = [c for c in CATEGORIES if any(breakdown_gib(r).get(c, 0) > 0 for r in results)]
+    breakdown = Table(title="memory at that peak by category, GiB", title_justify="left")
+    for column in ("method", *shown):
+        breakdown.add_column(column, justify="left" if column == "method" else "right")
+    for r in results:
+        lo, hi = r.search.bracket
+        peak, parts, ratio = peak_gib(r), breakdown_gib(r), ratio_to_checkpoint(results, r)
+        lengths.add_row(
+            r.method,
+            f"{r.search.max_len_tokens:,}",
+            f"{lo:,}, {'-' if hi is None else f'{hi:,}'}",
+            "-" if peak is None else f"{peak:.2f}",
+            plan.source,
+            "-" if ratio is None else f"{ratio:.2f}",
+        )
+        breakdown.add_row(r.method, *(f"{parts[c]:.2f}" if c in parts else "-" for c in shown))
+    return lengths, breakdown
+
+
+def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
+    """Lines saying how every number in the tables was obtained."""
+    spec = plan.spec
+    how = next((r.how for r in results if r.search.peak_at_max is not None), "")
+    where = {
+        "sim": "the real training step on meta tensors, "
+        + how.removeprefix("simulated on meta tensors").lstrip(", ")
+        + " (the search is guided by 2- and 3-layer simulations extrapolated in depth)",
+        "cpu": f"a real step on CPU tensors ({plan.device_name})",
+        "cuda": f"a real step on {plan.device_name}, one child process per probe",
+    }[plan.device]
+    peak = (
+        "the caching allocator's max_memory_allocated, breakdown from the live-tensor tracker"
+        if plan.device == "cuda"
+        else "the most bytes of live tensors (live-tensor tracker)"
+    )
+    lines = [
+        f"{plan.source}: {where}; peak = {peak}; GiB = 2^30 B.",
+        f"Step: protocol {spec['protocol']}, grads {spec['grads']}, random ids without padding, "
+        f"ps {spec['partition_size']} (streambp, mst), ps-head {spec['head_partition_size']} (streambp, "
+        f"mst); weights + grads {plan.weights_grads_bytes / GIB:.2f} GiB.",
+        "Search: secant-guided bracket, then secant/bisection until fails - fits <= max(1%, 128 tokens); "
+        "max length = the longest probe that fits; x ckpt = max length / checkpoint's.",
+    ]
+    for r in results:
+        if r.search.refused:
+            lines.append(
+                f"[yellow]{r.method}: probes were refused ({escape(r.search.refused[0].message)}); "
+                "its max length is a lower bound set by RAM, not by the budget.[/]"
+            )
+    return lines
+
+
+def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:
+    """The table and the provenance lines on stdout."""
+    console = Console(highlight=False)
+    for table in render_tables(plan, results):
+        console.print(table)
+    for line in describe(plan, results):
+        console.print(line if line.startswith("[yellow]") else escape(line), soft_wrap=True)
+    if out is not None:
+        console.print(f"rows upserted into {escape(str(out))}", soft_wrap=True)
+
+
+def write_rows(plan: Plan, results: list[MethodResult], path: Path) -> None:
+    """Upsert one `max_len` row per method into the results CSV at `path`."""
+    spec, stamp = plan.spec, provenance(plan.source, plan.device_name)
+    rows = []
+    for r in results:
+        chunked = r.method in CHUNKED
+        parts = {f"{c}_gib": v for c, v in breakdown_gib(r).items()}
+        rows.append(
+            ResultRow(
+                method=r.method,
+                model=plan.model,
+                seq_len_tokens=0,
+                batch_size=spec["batch_size"],
+                partition_size=spec["partition_size"] if chunked else None,
+                head_partition_size=spec["head_partition_size"] if chunked else None,
+                dtype=spec["dtype"],
+                metric="max_len",
+                value=float(r.search.max_len_tokens),
+                peak_allocated_gib=peak_gib(r),
+                budget_gib=plan.budget_bytes / GIB,
+                **parts,
+                **stamp,
+            )
+        )
+    ResultsFile(path).append_many(rows)

@@ -1,0 +1,123 @@
+"""`streambp-bench max-len` through Typer's CliRunner on the tiny preset with a small budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from streambp_bench import max_len as max_len_module
+from streambp_bench.cli import app
+from streambp_bench.results import ResultsFile
+
+TINY = ["max-len", "--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]
+SIM = [*TINY, "--device", "sim"]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def _one_line_error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output and lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_json_reports_every_method_with_its_breakdown(runner):
+    result = runner.invoke(app, [*SIM, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["model"] == "tiny/qwen3" and doc["source"] == "simulated"
+    assert doc["budget_gib"] == pytest.approx(0.003)
+    by_method = {r["method"]: r for r in doc["results"]}
+    assert list(by_method) == ["plain", "checkpoint", "mst", "streambp"]
+    for entry in by_method.values():
+        lo, hi = entry["bracket_tokens"]
+        assert entry["max_len_tokens"] == lo > 0 and hi - lo <= max(128, lo // 100 + 1)
+        assert entry["peak_gib"] <= 0.003
+        assert sum(entry["breakdown_gib"].values()) == pytest.approx(entry["peak_gib"])
+    assert by_method["streambp"]["max_len_tokens"] > by_method["checkpoint"]["max_len_tokens"]
+    assert by_method["checkpoint"]["ratio_to_checkpoint"] == 1.0
+
+
+def test_table_says_how_numbers_were_obtained(runner):
+    result = runner.invoke(app, [*SIM, "--method", "checkpoint,streambp"])
+    assert result.exit_code == 0, result.output
+    for text in (
+        "max trainable length",
+        "simulated",
+        "x ckpt",
+        "checkpoints",
+        "max(1%, 128 tokens)",
+        "meta tensors",
+        "streambp",
+    ):
+        assert text in result.stdout
+    assert "plain" not in result.stdout.split("memory at that peak")[0]
+
+
+def test_out_upserts_one_max_len_row_per_method(runner, tmp_path):
+    path = tmp_path / "maxlen.csv"
+    for methods in ("plain,streambp", "plain"):  # the rerun of plain replaces its row
+        result = runner.invoke(app, [*SIM, "--method", methods, "--out", str(path)])
+        assert result.exit_code == 0, result.output
+    rows = ResultsFile(path).rows()
+    assert [(r.method, r.metric, r.source) for r in rows] == [
+        ("plain", "max_len", "simulated"),
+        ("streambp", "max_len", "simulated"),
+    ]
+    assert rows[1].value > rows[0].value > 0
+    assert rows[1].partition_size == 32 and rows[0].partition_size is None
+
+
+def test_cpu_measures_real_tensors_near_the_simulated_bracket(runner):
+    args = ["max-len", "-m", "tiny/qwen3", "--device", "cpu", "--method", "streambp"]
+    args += ["--dtype", "float32", "--ps", "128", "--ps-head", "64", "--budget-gib", "0.003", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["source"] == "measured-cpu"
+    for entry in doc["results"]:
+        assert entry["max_len_tokens"] > 0 and entry["peak_gib"] <= 0.003
+        assert entry["probes"] <= 4  # aimed at the simulated bracket first
+
+
+def test_help_has_examples(runner):
+    result = runner.invoke(app, ["max-len", "--help"])
+    assert result.exit_code == 0
+    assert "Examples" in result.output and "streambp-bench max-len" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--method", "plain,adam"], "unknown method 'adam'"),
+        (["--model", "no/such-model"], "unknown model"),
+        (["--ps", "0"], "partition_size"),
+        (["--ps-head", "-3"], "head_partition_size"),
+        (["--batch-size", "0"], "batch_size"),
+        (["--budget-gib", "0.0001"], "below the weights + grads of tiny/qwen3 (0.00"),
+        (["--budget-gib", "-1"], "must be positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(runner, args, expected):
+    result = runner.invoke(app, [*SIM, *args])
+    assert expected in _one_line_error(result)
+
+
+def test_budget_below_weights_and_grads_gives_the_figure(runner):
+    result = runner.invoke(
+        app, ["max-len", "--model", "Qwen/Qwen3-8B", "--budget-gib", "24", "--device", "sim"]
+    )
+    assert "30.51 GiB in bfloat16" in _one_line_error(result)
+
+
+def test_cuda_without_a_gpu_is_one_line(runner, monkeypatch):
+    monkeypatch.setattr(max_len_module, "cuda_available", lambda: False)
+    result = runner.invoke(app, [*TINY, "--device", "cuda"])
+    assert "no CUDA device" in _one_line_error(result)
