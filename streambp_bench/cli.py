@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from streambp_bench.commands import plot, presets, reproduce, selfcheck, sweep, verify
+from streambp_bench.commands import max_len, plot, presets, reproduce, selfcheck, sweep, verify
 from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error
 from streambp_core.config import ConfigError
 
@@ -18,6 +18,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
 )
+app.command("max-len", help=max_len.HELP, epilog=max_len.EPILOG)(max_len.max_len)
 app.command("verify", help=verify.HELP, epilog=verify.EPILOG)(verify.verify)
 app.command("presets", help=presets.HELP, epilog=presets.EPILOG)(presets.presets)
 app.command("plot")(plot.plot)
