@@ -40,8 +40,15 @@ from streambp_core.batch import objective_inputs, random_batch
 from streambp_core.config import OBJECTIVES, ConfigError, check_method
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.probe import ProbeSpec, simulated_probe
-from streambp_core.measure.simulate import SimResult, _as_dtype, _thinned_chunk_loops, _with_depth
-from streambp_core.measure.tags import CATEGORIES
+from streambp_core.measure.simulate import (
+    SimResult,
+    _as_dtype,
+    _extrapolate,
+    _largest,
+    _phase_cuts,
+    _thinned_chunk_loops,
+    _with_depth,
+)
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config
@@ -150,11 +157,11 @@ def _run_options(spec: TrainSpec) -> dict:
 
 
 def _tracked_step(model, optimizer, spec, inputs, device, vocab_size, cache=None, fast=False):
-    """One step under the tracker; returns the tracker's result."""
+    """One step under the tracker; returns the tracker's result (peak over the whole step)."""
     run = prepare(model, spec.method, **_run_options(spec))
-    fast_mode = SimulationMode(vocab_size, cache) if fast else nullcontext()
     try:
         with MemoryTracker(model, optimizer, device=device) as tracker:
+            fast_mode = SimulationMode(vocab_size, cache, tracker) if fast else nullcontext()
             with fast_mode, checkpoint_tags(model, tracker) as forward:
                 loss = run.loss(**inputs)
                 forward.done = True
@@ -167,19 +174,42 @@ def _tracked_step(model, optimizer, spec, inputs, device, vocab_size, cache=None
     return tracker.result()
 
 
-def _peak_at_depth(spec: TrainSpec, config: PretrainedConfig, seq_len: int, cache: dict):
+def _peaks_at_depth(spec: TrainSpec, config: PretrainedConfig, seq_len: int, cache: dict) -> list:
+    """Per phase, (peak bytes, bytes by category) of one simulated step of `config`.
+
+    Phases as `simulate_step`'s (forward; backward to the embedding's output gradient; the rest of the
+    backward), plus the optimizer step, so each is extrapolated in depth on its own.
+    """
     model, optimizer = build_training_model(spec, "meta", config)
     inputs = step_inputs(spec, config.vocab_size, seq_len, "meta")
-    with _thinned_chunk_loops():
-        result = _tracked_step(model, optimizer, spec, inputs, "meta", config.vocab_size, cache, fast=True)
-    return result.peak_bytes, dict(result.peak_breakdown_bytes)
+    run = prepare(model, spec.method, **_run_options(spec))
+    try:
+        with _thinned_chunk_loops(), MemoryTracker(model, optimizer, device="meta") as tracker:
+            with (
+                SimulationMode(config.vocab_size, cache, tracker),
+                checkpoint_tags(model, tracker) as forward,
+                _phase_cuts(model, tracker) as phases,
+            ):
+                loss = run.loss(**inputs)
+                forward.done = True
+                phases.cut()
+                loss.backward()
+                phases.cut()
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    phases.cut()
+    finally:
+        run.close()
+    return phases.peaks
 
 
 def simulate_training_step(spec: TrainSpec, seq_len: int, cache: dict | None = None) -> SimResult:
     """Peak memory of one training step of `spec` at `seq_len` tokens, simulated on meta tensors.
 
-    Steps: load the config; simulate at 2 and 3 decoder layers (full depth for models of <= 3 layers);
-    extrapolate the peak and each category linearly in depth (see `simulate_step`).
+    Steps: load the config; simulate at 2 and 3 decoder layers (full depth for models of <= 3 layers),
+    cutting the step into phases; extrapolate each phase's peak and categories linearly in depth; the
+    highest phase is the step's peak (as `simulate_step` does).
     """
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ConfigError(f"seq_len must be an integer >= 2, got {seq_len!r}")
@@ -187,13 +217,11 @@ def simulate_training_step(spec: TrainSpec, seq_len: int, cache: dict | None = N
     total = config.num_hidden_layers
     depths = (total,) if total <= 3 else (2, 3)
     cache = {} if cache is None else cache
-    measured = [_peak_at_depth(spec, _with_depth(config, n), seq_len, cache) for n in depths]
+    measured = [_peaks_at_depth(spec, _with_depth(config, n), seq_len, cache) for n in depths]
     if len(depths) == 1:
-        peak, by_category = measured[0]
+        peak, by_category = _largest(measured[0])
     else:
-        (p2, c2), (p3, c3) = measured
-        peak = p2 + (total - 2) * (p3 - p2)
-        by_category = {k: c2[k] + (total - 2) * (c3[k] - c2[k]) for k in CATEGORIES}
+        peak, by_category = _extrapolate(measured[0], measured[1], total)
     return SimResult(
         model=spec.model,
         method=spec.method,
