@@ -63,6 +63,17 @@ def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len
     assert thin.breakdown_bytes == every.breakdown_bytes
 
 
+def test_thinning_keeps_the_event_where_a_chunk_meets_its_predecessors_leftovers() -> None:
+    """A GQA shape (16 heads on 4 KV heads) whose peak is the third backward chunk's start, while the
+    second chunk's prefix concatenation is still held: 2 kept chunks per end missed it, 4 do not."""
+    config = tiny_config("qwen3", hidden_size=128, num_attention_heads=16, num_key_value_heads=4, head_dim=8,
+                         intermediate_size=384)  # fmt: skip
+    options = dict(partition_size=16, head_partition_size=16)
+    thin = simulate_step(config, "streambp", 1042, **options)
+    every = simulate_step(config, "streambp", 1042, thin_chunks=False, **options)
+    assert thin.peak_bytes == every.peak_bytes and thin.breakdown_bytes == every.breakdown_bytes
+
+
 def test_memoised_meta_kernels_give_the_same_peak_as_plain_meta_kernels() -> None:
     """An empty memo per op call (every op runs its real meta kernel) vs one shared memo."""
 

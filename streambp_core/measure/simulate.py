@@ -17,15 +17,20 @@ float32 copy, log-softmax, their gradients), temporaries (everything else; for `
 every activation autograd saves, K/V included, since transformers does not tag them).
 
 Speed (what makes `streambp-bench max-len` run in seconds):
-- Depth: decoder layers are identical, so by default the step is simulated with 2 and 3 layers and every
-  figure extrapolated linearly, f(L) = f(2) + (L - 2) * (f(3) - f(2)); exact to the byte against a
-  full-depth simulation in the tests (`depth="full"` simulates every layer).
+- Depth: decoder layers are identical, so by default the step is simulated with 2 and 3 layers and each
+  phase's figures are extrapolated linearly, f(L) = f(2) + (L - 2) * (f(3) - f(2)) (see `_extrapolate`);
+  exact to the byte against a full-depth simulation in the tests (`depth="full"` simulates every
+  layer). `probe.simulated_max_len` re-checks a max-length bracket at full depth.
 - Chunk loops: a streamed loop's chunks differ only in position; the engine preallocates what outlives
   a chunk, and a chunk's memory grows with its prefix (largest for the first chunks the backward
   processes). So by default every engine chunk loop (`engine.chunks.chunk_bounds`) runs only its first
-  two and last two chunks; the peak equals the all-chunks run's to the byte in the tests
-  (`thin_chunks=False` runs every chunk). This patches `chunk_bounds` in the engine modules for the
-  duration of the simulation, under a lock: do not run engine code in other threads meanwhile.
+  and last `KEEP_CHUNKS` (4) chunks. Why 4: a chunk's peak can include what the previous chunk's
+  variables still hold (a `torch.cat` of the prefix K/V is built before the old one is released), and
+  the first chunk the backward processes is partial, so the largest event can be the third chunk's
+  start; 2 kept chunks missed it (Qwen3-8B, 40k tokens: 3.1 MiB low), 3 are the least that find it.
+  The peak equals the all-chunks run's to the byte in the tests (`thin_chunks=False` runs every chunk).
+  This patches `chunk_bounds` in the engine modules for the duration of the simulation, under a lock:
+  do not run engine code in other threads meanwhile.
 - Meta kernels: `fastmeta.SimulationMode` memoises their output metadata.
 """
 
@@ -54,7 +59,7 @@ from streambp_core.models.adapters import decoder_parts
 from streambp_core.models.load import build_model, load_config
 
 GRADS_MODES = ("resident", "fresh")
-KEEP_CHUNKS = 2
+KEEP_CHUNKS = 4
 """Chunks kept at each end of an engine chunk loop when thinning."""
 
 _THIN_LOCK = threading.Lock()
