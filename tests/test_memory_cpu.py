@@ -1,0 +1,49 @@
+"""Tracked memory of a real CPU step where the logits dominate: the methods' ordering, and the logits
+and checkpoint bytes computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streambp_core.measure.probe import ProbeSpec, measure_step
+from streambp_core.models.load import build_model, tiny_config
+
+SEQ_LEN, VOCAB, LAYERS, HEAD_CHUNK = 512, 8192, 2, 32
+F32 = 4
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    config = tiny_config("qwen3", vocab_size=VOCAB, num_hidden_layers=LAYERS)
+    model = build_model(config, dtype=torch.float32)
+    results = {}
+    for method in ("plain", "checkpoint", "mst", "streambp"):
+        spec = ProbeSpec(model="tiny/qwen3", method=method, dtype="float32", partition_size=64,
+                         head_partition_size=HEAD_CHUNK)
+        results[method] = measure_step(model, spec, SEQ_LEN, "cpu")
+    return results, config.hidden_size
+
+
+def test_ordering(peaks):
+    results, _ = peaks
+    order = [results[m].peak_bytes for m in ("streambp", "mst", "checkpoint", "plain")]
+    assert order == sorted(order) and len(set(order)) == 4, order
+
+
+def test_full_logits_versus_one_chunk(peaks):
+    results, _ = peaks
+    full = SEQ_LEN * VOCAB * F32  # one float32 (T, V) tensor
+    for method in ("plain", "checkpoint"):  # logits, their log-softmax and its gradient, all (T, V)
+        assert results[method].breakdown_bytes["logits"] == 3 * full
+    chunk = HEAD_CHUNK * VOCAB * F32
+    for method in ("mst", "streambp"):  # never more than a few (chunk, V) tensors
+        assert results[method].breakdown_bytes["logits"] <= 4 * chunk + 1024
+        assert results["plain"].peak_bytes - results[method].peak_bytes >= 2 * full
+
+
+def test_checkpoints_are_the_layer_inputs(peaks):
+    results, hidden = peaks
+    per_layer_input = SEQ_LEN * hidden * F32
+    for method in ("checkpoint", "mst", "streambp"):  # embedding output + each layer's output
+        assert results[method].breakdown_bytes["checkpoints"] == (LAYERS + 1) * per_layer_input
