@@ -29,6 +29,8 @@ from streambp_core.models import load_config
 PARTITIONED = ("streambp", "mst")
 """Methods that take partition sizes; the others get empty partition cells."""
 SOURCE = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
+MEASURE_REPEATS = 5
+"""Timed steps per measured point (after one warm-up); the median is its step time."""
 DEFAULT_BUDGET_GIB = 80.0
 """Budget a simulated point is judged against without a GPU (the paper's A800-80GB)."""
 
@@ -200,7 +202,9 @@ def run_point(point: Point, where: Where) -> list[ResultRow]:
     try:
         if where.device == "sim":
             return [_simulated_row(point, base, where.budget_gib)]
-        measured = measure_training_step(point.spec(), point.seq_len_tokens, where.device)
+        measured = measure_training_step(
+            point.spec(), point.seq_len_tokens, where.device, repeats=MEASURE_REPEATS
+        )
     except Exception as error:  # an OOM is a data point; any other failure is recorded as an error row
         status = "oom" if is_oom(error) else "error"
         message = " ".join(str(error).split())[:300]

@@ -25,18 +25,22 @@ the completion tokens, reference log-probs given as inputs (no reference model r
 """
 
 GAPS = """\
-Where checkpoint differs from the paper by more than 15% in Table 3 (GRPO and DPO cells), the protocols
-differ in the baseline's loss, not in the method: our baselines compute the objective from full logits
-(bf16 logits, their fp32 copy and its gradient: ~10 bytes x vocab x tokens, see the logits column of
-`table3.csv`), for every position of every row. TRL's trainers, which the paper used, compute logits
-only for the completion (`logits_to_keep`) and take per-token log-probs row by row (`selective_log_softmax`),
-so at equal length they hold fewer logit bytes; GRPO (8 rows) and DPO (2 rows) multiply the gap, SFT
-(1 row) barely shows it. StreamBP never holds full logits, so its cells are unaffected.
+The likely cause of checkpoint cells far from the paper's (not verified on the paper's code) is a
+protocol difference in the baseline's loss, not in the method: our baselines compute the objective
+from the full logits of every position of every row (bf16 logits, an fp32 copy, their gradients:
+about 12 bytes per vocabulary entry per token at the peak; see the logits_gib column of table3.csv).
+TRL's trainers, which the paper used, compute logits only for the completion (`logits_to_keep`) and
+take per-token log-probs row by row (`selective_log_softmax`), so at equal length they hold fewer logit
+bytes; GRPO (8 rows) and DPO (2 rows) multiply the gap, SFT (1 row) barely shows it. The paper may also
+run a GRPO group in micro-batches, which we do not. StreamBP never holds full logits, so its cells are
+unaffected.
 """
 
 
 def _k(tokens: float | None) -> str:
-    return "–" if tokens is None or pd.isna(tokens) else f"{tokens / 1000:.1f}k"
+    if tokens is None or pd.isna(tokens):
+        return "–"
+    return f"{tokens / 1000:.1f}k" if tokens >= 1000 else f"{tokens / 1000:.2f}k"
 
 
 def _label(rows: pd.DataFrame) -> str:
@@ -112,9 +116,12 @@ def table1_section(frame: pd.DataFrame) -> list[str]:
     lines = ["## Table 1 — step time (" + source + ")", ""]
     if "measured-cuda" not in source:
         lines += [
-            "Table 1 needs a GPU (Qwen3-4B, bf16): none here. Instead, CPU-measured step time (median of 3 "
+            "Table 1 needs a GPU (Qwen3-4B, bf16): none here. Instead, CPU-measured step time (median of 5 "
             "after 1 warm-up) of a tiny model in float32, partition T/3, and the ratio streambp / checkpoint "
-            "(the paper's ratio at 6k..24k tokens: 1.04, 1.00, 0.95, 0.93, 0.90, 0.89, 0.87).",
+            "(the paper's ratio at 6k..24k tokens: 1.04, 1.00, 0.95, 0.93, 0.90, 0.89, 0.87). "
+            "Wall-clock times on a shared 2-core machine swing several-fold with other processes' load "
+            "(torch's threads contend for the cores); rerun `reproduce table1` on an idle machine before "
+            "reading anything into these ratios.",
             "",
         ]
     lines += [
@@ -150,14 +157,33 @@ def table3_section(frame: pd.DataFrame) -> list[str]:
             text.append(f"{_k(ours)} ({_k(theirs and theirs * 1000)})")
         lines.append(f"| {objective} | {method} | " + " | ".join(text) + " |")
     figures = [f"![](table3-{o}.png)" for o in ("sft", "grpo", "dpo")]
-    return lines + ["", GAPS, *figures, ""]
+    return lines + ["", *_checkpoint_gaps(data), "", GAPS, *figures, ""]
+
+
+def _checkpoint_gaps(data: pd.DataFrame) -> list[str]:
+    """One line per objective: the range of checkpoint's ours/paper - 1 over the cells the paper has."""
+    lines = ["Checkpoint vs the paper (ours / paper - 1, over the cells the paper reports):", ""]
+    for objective, rows in data[data["method"] == "checkpoint"].groupby("objective", sort=False):
+        gaps = []
+        for cell, (model, rank) in paper.TABLE3_CELLS.items():
+            theirs = paper.TABLE3_MAX_LEN_K.get((objective, "checkpoint", cell))
+            match = rows[(rows["model"] == model) & (rows["lora_rank"].fillna(0) == rank)]
+            if theirs and len(match):
+                gaps.append(match["value"].iloc[0] / (theirs * 1000) - 1)
+        if gaps:
+            within = sum(abs(g) <= 0.15 for g in gaps)
+            lines.append(
+                f"- {objective}: {min(gaps):+.0%} to {max(gaps):+.0%}; {within} of {len(gaps)} within ±15%"
+            )
+    return lines
 
 
 def table6_section(frame: pd.DataFrame) -> list[str]:
     lines = [
         "## Table 6 — gradient precision (" + _label(frame) + ")",
         "",
-        "Relative error ||g - g_ref|| / ||g_ref|| per parameter group. Paper (Qwen3, real weights): "
+        "Relative error ||g - g_ref|| / ||g_ref|| per parameter group (a fraction: 1e-2 = 1%). "
+        "Paper (Qwen3, real weights): "
         "streambp fp32 0.04%; bf16 streambp = bf16 baseline (1.5% lm_head, 6.6% layers).",
         "",
         "| model | tokens | method | dtype | reference | lm_head | layers |",
@@ -169,7 +195,7 @@ def table6_section(frame: pd.DataFrame) -> list[str]:
         err = {r["metric"].removeprefix("grad_rel_err_"): r["value"] for _, r in rows.iterrows()}
         reference = rows["error"].iloc[0].removeprefix("reference: ")
         head, layers = err.get("lm_head", float("nan")), err.get("layers", float("nan"))
-        cells = f"{method} | {dtype} | {reference} | {head:.2%} | {layers:.2%}"
+        cells = f"{method} | {dtype} | {reference} | {head:.1e} | {layers:.1e}"
         lines.append(f"| {model} | {length:,} | {cells} |")
     return lines + [""]
 

@@ -25,7 +25,7 @@ from streambp_bench.results import ResultRow, ResultsFile, SchemaError
 HELP = (
     "Run a grid of training steps and write one results row per point: the peak memory and the memory "
     "by category (weights, grads, optimizer, checkpoints, K/V, logits, temporaries); on cpu/cuda also the "
-    "step time (median of 3 timed steps after 1 warm-up, wall clock) as a second row (metric step_time).\n\n"
+    "step time (median of 5 timed steps after 1 warm-up, wall clock) as a second row (metric step_time).\n\n"
     "[bold]--device sim[/] (the default without a GPU) simulates each step on meta tensors; a simulated "
     "peak above --budget-gib is written with status oom. [bold]cpu[/] / [bold]cuda[/] run real steps.\n\n"
     "Each point is written as soon as it finishes (atomic rewrite of the CSV), so Ctrl-C or a kill loses "
