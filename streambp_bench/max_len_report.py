@@ -98,7 +98,8 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
     where = {
         "sim": "the real training step on meta tensors, "
         + how.removeprefix("simulated on meta tensors").lstrip(", ")
-        + " (the search is guided by 2- and 3-layer simulations extrapolated in depth)",
+        + " at the max length (the search probes 2- and 3-layer simulations extrapolated in depth, which can"
+        " only under-estimate a peak, so its failing lengths fail at full depth too)",
         "cpu": f"a real step on CPU tensors ({plan.device_name})",
         "cuda": f"a real step on {plan.device_name}, one child process per probe",
     }[plan.device]

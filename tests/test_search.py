@@ -125,3 +125,30 @@ def test_progress_callback_sees_every_probe_and_the_bracket() -> None:
     result = max_trainable_length(peaks(lambda t: t * 1000), 50_000_000, on_probe=on_probe)
     assert [s[0] for s in seen] == [p.seq_len_tokens for p in result.probes]
     assert seen[-1][1:] == result.bracket
+
+
+@pytest.mark.parametrize("full_extra_gib", [0.0, 3.0])
+def test_simulated_max_len_rechecks_the_fitting_end_at_full_depth(monkeypatch, full_extra_gib):
+    """Full depth may peak higher than 2/3-layer extrapolation (never lower); the bracket must hold there."""
+    from streambp_core.measure import probe as probe_module
+
+    def fake_probe(spec, depth="extrapolate"):
+        extra = full_extra_gib * GIB if depth == "full" else 0
+
+        def probe(t):
+            return ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=int(30 * GIB + extra + 300_000 * t),
+                               message=depth)  # fmt: skip
+
+        return probe
+
+    monkeypatch.setattr(probe_module, "simulated_probe", fake_probe)
+    spec = probe_module.ProbeSpec(model="Qwen/Qwen3-8B", method="streambp")
+    budget = 80 * GIB
+    result = probe_module.simulated_max_len(spec, budget)
+
+    def full(t):
+        return 30 * GIB + full_extra_gib * GIB + 300_000 * t
+
+    lo, hi = result.bracket
+    assert full(lo) <= budget < full(hi) and hi - lo <= default_tolerance(lo)
+    assert result.peak_at_max.message == "full" and result.peak_at_max.seq_len_tokens == lo

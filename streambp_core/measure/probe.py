@@ -103,23 +103,26 @@ def simulated_probe(spec: ProbeSpec, depth: str = "extrapolate") -> Callable[[in
 def simulated_max_len(
     spec: ProbeSpec, budget_bytes: int, on_probe: Callable[[ProbeResult, int, int | None], None] | None = None
 ) -> SearchResult:
-    """Max length by simulation, its bracket confirmed at full depth.
+    """Max length by simulation, the fitting end of its bracket re-checked at full depth.
 
-    Steps: search with depth-extrapolated probes (cheap: 2 and 3 layers); then search again with
-    full-depth probes, starting at that bracket's ends. Extrapolation is exact while the same phase of
-    the step holds the peak at 2, 3 and all layers; where phases cross (e.g. an embedding/head phase
-    that does not grow with depth against a layer phase that does) the peak is convex in depth and
-    extrapolation under-estimates it, so the second search moves the bracket. Its probes are exact.
-    The result lists both searches' probes.
+    Steps: search with depth-extrapolated probes (cheap: 2 and 3 layers); simulate the bracket's fitting
+    end with every layer; if it fits, keep the bracket with that exact probe; if not, search again
+    with full-depth probes from there. Why only that end: every phase's peak is affine in depth, so the
+    step's peak (their maximum) is convex in depth and extrapolating it from 2 and 3 layers can only
+    under-estimate (when the highest phase changes with depth); a length that fails extrapolated fails
+    at full depth too, but a length that fits extrapolated must be checked. The result lists every probe.
     """
     guide = max_trainable_length(simulated_probe(spec), budget_bytes, on_probe=on_probe)
-    if load_config(spec.model).num_hidden_layers <= 3:  # already simulated at full depth
-        return guide
-    start, second = max(guide.max_len_tokens, 2), guide.bracket[1]
-    full = max_trainable_length(
-        simulated_probe(spec, "full"), budget_bytes, start=start, second_len=second, on_probe=on_probe
-    )
-    return replace(full, probes=guide.probes + full.probes)
+    if load_config(spec.model).num_hidden_layers <= 3 or guide.peak_at_max is None:
+        return guide  # simulated at full depth already, or nothing fits even extrapolated
+    full_probe = simulated_probe(spec, "full")
+    check = full_probe(guide.max_len_tokens)
+    if on_probe is not None:
+        on_probe(check, guide.max_len_tokens if check.fits(budget_bytes) else 0, guide.bracket[1])
+    if check.fits(budget_bytes):
+        return replace(guide, peak_at_max=check, probes=[*guide.probes, check])
+    full = max_trainable_length(full_probe, budget_bytes, start=guide.max_len_tokens, on_probe=on_probe)
+    return replace(full, probes=[*guide.probes, check, *full.probes])
 
 
 def cpu_probe(spec: ProbeSpec, available_bytes: int | None = None) -> Callable[[int], ProbeResult]:
