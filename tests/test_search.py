@@ -152,3 +152,31 @@ def test_simulated_max_len_rechecks_the_fitting_end_at_full_depth(monkeypatch, f
     lo, hi = result.bracket
     assert full(lo) <= budget < full(hi) and hi - lo <= default_tolerance(lo)
     assert result.peak_at_max.message == "full" and result.peak_at_max.seq_len_tokens == lo
+
+
+def test_child_process_probe_reports_one_json_line(tmp_path):
+    """The plumbing `cuda_probe` uses, run on CPU: a fresh interpreter measures one step and prints JSON."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from streambp_core.measure.probe import ProbeSpec, parse_child_output
+
+    spec = ProbeSpec(model="tiny/qwen3", method="streambp", dtype="float32", partition_size=32,
+                     head_partition_size=16)  # fmt: skip
+    command = [sys.executable, "-m", "streambp_core.measure.probe", "--spec", json.dumps(asdict(spec)),
+               "--seq-len", "100", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = parse_child_output(100, done.returncode, done.stdout, done.stderr)
+    assert result.status == OK and result.source == "measured-cpu" and result.peak_bytes > 0
+
+
+def test_child_failures_are_oom_data_points_or_errors():
+    from streambp_core.measure.probe import parse_child_output
+
+    oom = parse_child_output(9000, 1, "", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
+    killed = parse_child_output(9000, -9, "", "")
+    assert oom.status == OOM and killed.status == OOM
+    with pytest.raises(RuntimeError, match="probe at 9000 tokens failed"):
+        parse_child_output(9000, 1, "", "ImportError: no module named flash_attn")

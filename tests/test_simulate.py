@@ -68,7 +68,7 @@ def test_thinning_keeps_the_event_where_a_chunk_meets_its_predecessors_leftovers
     second chunk's prefix concatenation is still held: 2 kept chunks per end missed it, 4 do not."""
     config = tiny_config("qwen3", hidden_size=128, num_attention_heads=16, num_key_value_heads=4, head_dim=8,
                          intermediate_size=384)  # fmt: skip
-    options = dict(partition_size=16, head_partition_size=16)
+    options = dict(partition_size=64, head_partition_size=64)
     thin = simulate_step(config, "streambp", 1042, **options)
     every = simulate_step(config, "streambp", 1042, thin_chunks=False, **options)
     assert thin.peak_bytes == every.peak_bytes and thin.breakdown_bytes == every.breakdown_bytes
