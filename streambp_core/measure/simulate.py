@@ -21,16 +21,12 @@ Speed (what makes `streambp-bench max-len` run in seconds):
   phase's figures are extrapolated linearly, f(L) = f(2) + (L - 2) * (f(3) - f(2)) (see `_extrapolate`);
   exact to the byte against a full-depth simulation in the tests (`depth="full"` simulates every
   layer). `probe.simulated_max_len` re-checks a max-length bracket at full depth.
-- Chunk loops: a streamed loop's chunks differ only in position; the engine preallocates what outlives
-  a chunk, and a chunk's memory grows with its prefix (largest for the first chunks the backward
-  processes). So by default every engine chunk loop (`engine.chunks.chunk_bounds`) runs only its first
-  and last `KEEP_CHUNKS` (4) chunks. Why 4: a chunk's peak can include what the previous chunk's
-  variables still hold (a `torch.cat` of the prefix K/V is built before the old one is released), and
-  the first chunk the backward processes is partial, so the largest event can be the third chunk's
-  start; 2 kept chunks missed it (Qwen3-8B, 40k tokens: 3.1 MiB low), 3 are the least that find it.
-  The peak equals the all-chunks run's to the byte in the tests (`thin_chunks=False` runs every chunk).
-  This patches `chunk_bounds` in the engine modules for the duration of the simulation, under a lock:
-  do not run engine code in other threads meanwhile.
+- Chunk loops: every engine chunk loop (`engine.chunks.chunk_bounds`) runs only its first and last
+  `KEEP_CHUNKS` (4) chunks: chunks differ only in position, what outlives a chunk is preallocated, and
+  a chunk's memory grows with its prefix. 4 because a chunk can peak while the previous one's prefix
+  `torch.cat` is still held and the backward's first chunk is partial (2 missed Qwen3-8B at 40k tokens
+  by 3.1 MiB; 3 is the least that does not). Equal to all chunks to the byte in the tests
+  (`thin_chunks=False`). Patches `chunk_bounds` in the engine modules under a lock meanwhile.
 - Meta kernels: `fastmeta.SimulationMode` memoises their output metadata.
 """
 
