@@ -26,7 +26,7 @@ from streambp_core.config import ConfigError, check_method
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
-from streambp_core.measure.simulate import GRADS_MODES, _as_dtype, simulate_step
+from streambp_core.measure.simulate import GRADS_MODES, SimResult, _as_dtype, simulate_step
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config
@@ -84,10 +84,15 @@ class ProbeSpec:
 
 def simulated_probe(spec: ProbeSpec, depth: str = "extrapolate") -> Callable[[int], ProbeResult]:
     """probe(seq_len) -> the simulated peak (one memo shared by all of this probe's steps)."""
+    return probe_from_simulation(lambda seq_len, cache: spec.simulate(seq_len, cache, depth))
+
+
+def probe_from_simulation(simulate: Callable[[int, dict], SimResult]) -> Callable[[int], ProbeResult]:
+    """probe(seq_len) from `simulate(seq_len, cache)`, with one memo shared by all of its steps."""
     cache: dict = {}
 
     def probe(seq_len: int) -> ProbeResult:
-        sim = spec.simulate(seq_len, cache, depth)
+        sim = simulate(seq_len, cache)
         return ProbeResult(
             seq_len_tokens=seq_len,
             status=OK,

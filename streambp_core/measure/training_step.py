@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 from streambp_core.batch import objective_inputs, random_batch
 from streambp_core.config import OBJECTIVES, ConfigError, check_method
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
-from streambp_core.measure.probe import ProbeSpec, simulated_probe
+from streambp_core.measure.probe import ProbeSpec, probe_from_simulation, simulated_probe
 from streambp_core.measure.simulate import (
     SimResult,
     _as_dtype,
@@ -54,7 +54,7 @@ from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config
 from streambp_core.models.lora import apply_lora
 from streambp_core.optim import OPTIMIZERS, make_optimizer
-from streambp_core.search import OK, ProbeResult
+from streambp_core.search import ProbeResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,17 +287,4 @@ def simulated_training_probe(spec: TrainSpec) -> Callable[[int], ProbeResult]:
                 model=spec.model, method=spec.method, batch_size=spec.batch_size, dtype=spec.dtype, **sizes
             )
         )
-    cache: dict = {}
-
-    def probe(seq_len: int) -> ProbeResult:
-        sim = simulate_training_step(spec, seq_len, cache)
-        return ProbeResult(
-            seq_len_tokens=seq_len,
-            status=OK,
-            peak_bytes=sim.peak_bytes,
-            breakdown_bytes=sim.breakdown_bytes,
-            source="simulated",
-            message=sim.how,
-        )
-
-    return probe
+    return probe_from_simulation(lambda seq_len, cache: simulate_training_step(spec, seq_len, cache))
