@@ -106,7 +106,8 @@ def _prefix_attn_fwd(
 ) -> tuple[Tensor, Tensor]:
     probs, lse = _probabilities(q, k, key_valid, scale)
     out = probs @ v.to(probs.dtype)[:, :, None]  # (B, Hkv, g, c, hd)
-    return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3]).to(_lse_dtype(q))
+    laid_out_like_q = torch.empty_like(q).copy_(out.reshape(q.shape))  # the fake kernel's layout
+    return laid_out_like_q, lse.reshape(q.shape[:3]).to(_lse_dtype(q))
 
 
 @_prefix_attn_fwd.register_fake

@@ -118,6 +118,7 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params) -> Tens
         if start > 0:
             d_keys[:, :, :start] += grad_or_zeros(prefix_k)
             d_values[:, :, :start] += grad_or_zeros(prefix_v)
+        del q, k, v, all_k, all_v, out  # before the next chunk allocates its own
     return grad_in
 
 
