@@ -16,6 +16,7 @@ from streambp_core.config import METHODS, ConfigError, check_method
 from streambp_core.measure.cuda import cuda_available, device_info
 from streambp_core.measure.probe import ProbeSpec, cpu_probe, cuda_probe, simulated_max_len, simulated_probe
 from streambp_core.measure.simulate import weights_and_grads_bytes
+from streambp_core.measure.training_step import TrainSpec, simulated_training_probe
 from streambp_core.measure.units import GIB
 from streambp_core.models import load_config
 from streambp_core.search import ProbeResult, SearchResult, max_trainable_length
@@ -47,6 +48,12 @@ class Plan:
     num_layers: int
     spec: dict = field(default_factory=dict)
     """ProbeSpec fields except model and method."""
+    training: dict = field(default_factory=dict)
+    """objective, lora_rank, optimizer: a full training step when any differs from sft / 0 / none."""
+
+    @property
+    def is_training_step(self) -> bool:
+        return self.training not in ({}, {"objective": "sft", "lora_rank": 0, "optimizer": "none"})
 
     @property
     def source(self) -> str:
@@ -63,7 +70,9 @@ class MethodResult:
     """How the peak at the maximum was obtained, in words."""
 
 
-def make_plan(model: str, methods: str, device: Where, budget_gib: float | None, **spec) -> Plan:
+def make_plan(
+    model: str, methods: str, device: Where, budget_gib: float | None, training: dict | None = None, **spec
+) -> Plan:
     """Check every input (ConfigError, one line) and resolve the device, the budget and the method list."""
     chosen = METHODS if methods.strip() == "all" else opt.split_list(methods)
     if not chosen:
@@ -71,6 +80,9 @@ def make_plan(model: str, methods: str, device: Where, budget_gib: float | None,
     for method in chosen:
         check_method(method)
     ProbeSpec(model=model, method=chosen[0], **spec)  # validates sizes, dtype, grads, protocol
+    training = training or {}
+    if training:
+        _train_spec(model, chosen[0], training, spec)  # validates objective, LoRA rank, optimizer
     config = load_config(model)
     where = device.value
     if where == "auto":
@@ -83,6 +95,8 @@ def make_plan(model: str, methods: str, device: Where, budget_gib: float | None,
     if budget_gib <= 0:
         raise ConfigError(f"--budget-gib must be positive, got {budget_gib}")
     needed = weights_and_grads_bytes(config, spec.get("dtype", "bfloat16"))
+    if training.get("lora_rank"):  # frozen base weights: no gradients to hold for them
+        needed //= 2
     if needed >= budget_gib * GIB:
         raise ConfigError(
             f"budget {budget_gib:g} GiB is below the weights + grads of {model} ({needed / GIB:.2f} GiB in "
@@ -98,6 +112,7 @@ def make_plan(model: str, methods: str, device: Where, budget_gib: float | None,
         weights_grads_bytes=needed,
         num_layers=config.num_hidden_layers,
         spec=spec,
+        training=training,
     )
 
 
@@ -111,7 +126,9 @@ def run_plan(plan: Plan, on_probe: Callable[[str, ProbeResult, int, int | None],
     for method in plan.methods:
         report = functools.partial(on_probe, method)
         spec = ProbeSpec(model=plan.model, method=method, **plan.spec)
-        if plan.device == "sim":
+        if plan.is_training_step:
+            search = _training_search(plan, method, report)
+        elif plan.device == "sim":
             search = simulated_max_len(spec, plan.budget_bytes, report)
         else:
             guide = max_trainable_length(simulated_probe(spec), plan.budget_bytes, on_probe=report)
@@ -122,5 +139,26 @@ def run_plan(plan: Plan, on_probe: Callable[[str, ProbeResult, int, int | None],
             )
         best = search.peak_at_max
         how = best.message if best is not None and plan.device == "sim" else plan.source
+        if plan.is_training_step and best is not None:
+            how = f"{how}; {_training_words(plan.training)}"
         results.append(MethodResult(method=method, search=search, how=how))
     return results
+
+
+def _train_spec(model: str, method: str, training: dict, spec: dict) -> TrainSpec:
+    shared = ("batch_size", "dtype", "partition_size", "head_partition_size")
+    sizes = {k: spec[k] for k in shared if k in spec}
+    return TrainSpec(model=model, method=method, **training, **sizes)
+
+
+def _training_search(plan: Plan, method: str, report) -> SearchResult:
+    """A full training step (objective, LoRA, optimizer): simulated only."""
+    if plan.device != "sim":
+        raise ConfigError("--objective/--lora-rank/--optimizer are simulated only for now: use --device sim")
+    probe = simulated_training_probe(_train_spec(plan.model, method, plan.training, plan.spec))
+    return max_trainable_length(probe, plan.budget_bytes, on_probe=report)
+
+
+def _training_words(training: dict) -> str:
+    lora = f"LoRA rank {training['lora_rank']}" if training["lora_rank"] else "full parameters"
+    return f"objective {training['objective']}, {lora}, optimizer {training['optimizer']}"

@@ -121,3 +121,30 @@ def test_cuda_without_a_gpu_is_one_line(runner, monkeypatch):
     monkeypatch.setattr(max_len_module, "cuda_available", lambda: False)
     result = runner.invoke(app, [*TINY, "--device", "cuda"])
     assert "no CUDA device" in _one_line_error(result)
+
+
+def test_training_step_options_search_a_full_step(runner):
+    """--objective/--lora-rank/--optimizer: a GRPO group with AdamW costs more than backprop alone."""
+    base = [*SIM, "--method", "checkpoint,streambp", "--budget-gib", "0.02", "--json"]
+    plain_bp = json.loads(runner.invoke(app, base).stdout)
+    training = runner.invoke(app, [*base, "--objective", "grpo", "--batch-size", "4", "--optimizer", "adamw"])
+    assert training.exit_code == 0, training.output
+    full = json.loads(training.stdout)
+    for before, after in zip(plain_bp["results"], full["results"], strict=True):
+        assert 0 < after["max_len_tokens"] < before["max_len_tokens"]
+        assert after["breakdown_gib"]["optimizer"] > 0
+    lora = json.loads(runner.invoke(app, [*base, "--lora-rank", "4", "--optimizer", "adamw"]).stdout)
+    assert all(r["breakdown_gib"]["grads"] < 0.001 for r in lora["results"])  # adapters only
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--lora-rank", "-1"], "lora rank"),
+        (["--optimizer", "sgd"], "optimizer must be one of none, adamw"),
+        (["--objective", "grpo", "--device", "cpu"], "simulated only"),
+    ],
+)
+def test_bad_training_options(runner, args, expected):
+    result = runner.invoke(app, [*TINY, *([] if "--device" in args else ["--device", "sim"]), *args])
+    assert expected in _one_line_error(result)

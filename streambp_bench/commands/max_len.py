@@ -106,6 +106,11 @@ def max_len(
             "--protocol", help="default: this project's step; paper: the paper's script (transformers 4.51)."
         ),
     ] = Protocol.default,
+    objective: opt.ObjectiveOption = opt.Objective.sft,
+    lora_rank: opt.LoraRank = 0,
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="none (backprop only) or adamw (a full training step).")
+    ] = "none",
     as_json: opt.Json = False,
     out: Annotated[
         Path | None,
@@ -124,6 +129,7 @@ def max_len(
         head_partition_size=ps_head,
         grads=grads.value,
         protocol=protocol.value,
+        training={"objective": objective.value, "lora_rank": lora_rank, "optimizer": optimizer},
     )
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
