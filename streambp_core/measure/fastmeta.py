@@ -25,6 +25,7 @@ is not matched: its last dimension is the hidden size. `checkpoint_tags` files l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -125,22 +126,19 @@ def checkpoint_tags(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[
             handle.remove()
 
 
-_FRESH: dict[Any, bool] = {}
-
-
+@functools.cache
 def _returns_fresh(func: Any) -> bool:
-    """Whether `func`'s schema returns only new tensors: no alias annotations, only `Tensor` returns."""
-    known = _FRESH.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = (
-            schema is not None
-            and len(schema.returns) > 0
-            and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
-            and all(a.alias_info is None for a in schema.arguments)
-        )
-        _FRESH[func] = known
-    return known
+    """Whether `func`'s schema returns only new tensors: no alias annotations, only `Tensor` returns.
+
+    A pure function of the op's schema, memoised per op overload.
+    """
+    schema = getattr(func, "_schema", None)
+    return (
+        schema is not None
+        and len(schema.returns) > 0
+        and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+        and all(a.alias_info is None for a in schema.arguments)
+    )
 
 
 def _key(values: Any, devices: set[torch.device]) -> tuple:
