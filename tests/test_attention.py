@@ -93,3 +93,25 @@ def test_fake_kernels_allocate_output_and_lse_only():
     scores_bytes = q.shape[0] * q.shape[1] * 64 * 4096 * 4
     assert tracker.result().peak_bytes < scores_bytes / 4
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_baselines_take_the_kernel_choice(monkeypatch):
+    """`attn` reaches the baselines' engine attention: the registered function carries the backend."""
+    import streambp_core
+    from streambp_core.engine import hf_attention
+    from streambp_core.models.load import build_model, tiny_config
+
+    seen = []
+    real = hf_attention.prefix_attention
+
+    def spy(q, k, v, key_valid, scale, backend="auto"):
+        seen.append(backend)
+        return real(q, k, v, key_valid, scale, backend)
+
+    monkeypatch.setattr(hf_attention, "prefix_attention", spy)
+    model = build_model(tiny_config("llama"), dtype=torch.float64)
+    with streambp_core.prepare(model, "checkpoint", attn="sdpa", baseline_attention="engine") as run:
+        assert model.config._attn_implementation == "streambp_prefix_sdpa"
+        run.loss(torch.randint(0, 512, (1, 12))).backward()
+    assert seen and set(seen) == {"sdpa"}
+    assert model.config._attn_implementation == "sdpa"

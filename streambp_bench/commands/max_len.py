@@ -106,6 +106,7 @@ def max_len(
             "--protocol", help="default: this project's step; paper: the paper's script (transformers 4.51)."
         ),
     ] = Protocol.default,
+    attn: opt.AttnOption = opt.Attn.auto,
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
     optimizer: Annotated[
@@ -129,6 +130,7 @@ def max_len(
         head_partition_size=ps_head,
         grads=grads.value,
         protocol=protocol.value,
+        attn=attn.value,
         training={"objective": objective.value, "lora_rank": lora_rank, "optimizer": optimizer},
     )
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())

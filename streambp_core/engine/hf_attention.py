@@ -7,6 +7,7 @@ skips building its 4D mask and hands each layer the (B, T) key-validity tensor (
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 from torch import Tensor, nn
@@ -24,31 +25,36 @@ def engine_attention_forward(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    backend: str = "auto",
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers' attention-function signature over `prefix_attention`; returns (B, T, H, hd)."""
+    """transformers' attention-function signature over `prefix_attention`; returns (B, T, H, hd).
+
+    `backend` is the CUDA kernel choice (auto, sdpa, flash), bound when the function is registered.
+    """
     if dropout:
         raise ValueError("the engine attention has no dropout; build the model with attention_dropout=0")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("the engine attention takes a (batch, seq_len) key mask, not a 4D mask")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = prefix_attention(query, key, value, attention_mask, scale, kwargs.get("engine_backend", "auto"))
+    out = prefix_attention(query, key, value, attention_mask, scale, backend)
     return out.transpose(1, 2), None
 
 
-def register_engine_attention() -> str:
-    """Register the engine attention with transformers (idempotent); returns its name."""
+def register_engine_attention(backend: str = "auto") -> str:
+    """Register the engine attention with `backend` with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ENGINE_ATTENTION, engine_attention_forward)
-    return ENGINE_ATTENTION
+    name = ENGINE_ATTENTION if backend == "auto" else f"{ENGINE_ATTENTION}_{backend}"
+    AttentionInterface.register(name, functools.partial(engine_attention_forward, backend=backend))
+    return name
 
 
 @contextmanager
-def engine_attention(model: nn.Module):
+def engine_attention(model: nn.Module, backend: str = "auto"):
     """Within the block, `model` attends through the engine kernel; its own setting is restored after."""
     original = model.config._attn_implementation
-    model.set_attn_implementation(register_engine_attention())
+    model.set_attn_implementation(register_engine_attention(backend))
     try:
         yield model
     finally:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from streambp_core.config import ConfigError, check_method
+from streambp_core.config import ATTN_BACKENDS, ConfigError, check_method
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
@@ -49,9 +49,13 @@ class ProbeSpec:
     grads: str = "resident"
     protocol: str = "default"
     seed: int = 0
+    attn: str = "auto"
+    """Attention kernel on CUDA (auto, sdpa, flash); simulation always uses the flash-like fake kernel."""
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        if self.attn not in ATTN_BACKENDS:
+            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
         _as_dtype(self.dtype)
         check_protocol(self.protocol)
         if self.grads not in GRADS_MODES:
@@ -199,6 +203,7 @@ def measure_step(model: torch.nn.Module, spec: ProbeSpec, seq_len: int, device: 
         partition_size=spec.partition_size,
         head_partition_size=spec.head_partition_size,
         baseline_attention="engine",
+        attn=spec.attn,
     )
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, device=device) as tracker:

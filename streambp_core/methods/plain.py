@@ -16,7 +16,7 @@ class PlainRun(Run):
     def _setup(self) -> None:
         self._attention = ExitStack()
         if self.uses_engine_attention:
-            self._attention.enter_context(engine_attention(self.model))
+            self._attention.enter_context(engine_attention(self.model, self.config.attn))
 
     def _teardown(self) -> None:
         self._attention.close()
