@@ -40,9 +40,9 @@ class StreamConfig:
             choices = ", ".join(BASELINE_ATTENTION)
             raise ConfigError(f"baseline_attention must be one of {choices}, got {self.baseline_attention!r}")
         for name in ("partition_size", "head_partition_size"):
-            _require_positive(name, getattr(self, name))
+            require_positive(name, getattr(self, name))
         if self.mlp_chunk_size is not None:
-            _require_positive("mlp_chunk_size", self.mlp_chunk_size)
+            require_positive("mlp_chunk_size", self.mlp_chunk_size)
         if self.attn not in ATTN_BACKENDS:
             raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
 
@@ -51,7 +51,8 @@ class StreamConfig:
         return self.mlp_chunk_size or self.partition_size
 
 
-def _require_positive(name: str, value: int) -> None:
+def require_positive(name: str, value: int) -> None:
+    """Raise ConfigError unless `value` is a positive integer (bools are not integers here)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 

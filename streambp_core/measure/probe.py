@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from streambp_core.config import ATTN_BACKENDS, ConfigError, check_method
+from streambp_core.config import ATTN_BACKENDS, ConfigError, check_method, require_positive
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
@@ -61,9 +61,7 @@ class ProbeSpec:
         if self.grads not in GRADS_MODES:
             raise ConfigError(f"grads must be one of {', '.join(GRADS_MODES)}, got {self.grads!r}")
         for name in ("batch_size", "partition_size", "head_partition_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            require_positive(name, getattr(self, name))
 
     def build(self, device: str) -> torch.nn.Module:
         """The model with random (seeded) weights on `device`."""

@@ -37,7 +37,7 @@ import torch
 from transformers import PretrainedConfig
 
 from streambp_core.batch import objective_inputs, random_batch
-from streambp_core.config import OBJECTIVES, ConfigError, check_method
+from streambp_core.config import OBJECTIVES, ConfigError, check_method, require_positive
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.probe import ProbeSpec, probe_from_simulation, simulated_probe
 from streambp_core.measure.simulate import (
@@ -84,9 +84,7 @@ class TrainSpec:
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         for name in ("batch_size", "partition_size", "head_partition_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            require_positive(name, getattr(self, name))
 
     @property
     def sequences(self) -> int:
