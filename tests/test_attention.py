@@ -1,18 +1,13 @@
 """The chunk-against-prefix attention: lower-right causal alignment, key padding, GQA, fully masked
-rows, its CUDA code path (SDPA with torch's lower-right bias, exercised here on CPU tensors), and its
-fake kernels on the meta device."""
+rows and its fake kernels on the meta device (the CUDA kernels: tests/test_cuda_attention.py)."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from streambp_core.engine import attention
 from streambp_core.engine.attention import allowed_mask, prefix_attention
-from streambp_core.measure.fastmeta import SimulationMode
 from streambp_core.measure.tracker import MemoryTracker
 
 
@@ -55,31 +50,6 @@ def test_lower_right_is_not_top_left():
     """With fewer queries than keys, query i sees keys up to e - c + i (not up to i)."""
     mask = allowed_mask(2, None, 5)[0]
     assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
-
-
-@pytest.mark.parametrize("padded", [False, True])
-def test_cuda_code_path_matches_and_runs_under_a_tracker(padded):
-    """`_cuda_attention` (SDPA; lower-right bias when unpadded) gives the custom op's result, also while
-    a memory tracker's dispatch modes are active (the bias is a tensor subclass built outside them)."""
-    q, k, v = qkv()
-    valid = torch.ones(2, 7, dtype=torch.bool) if padded else None
-    if padded:
-        valid[0, -2:] = False
-    expected = prefix_attention(q, k, v, valid, 0.25)
-    with MemoryTracker(), SimulationMode(vocab_size=None):
-        got = attention._cuda_attention(q, k, v, valid, 0.25, "sdpa")
-        got.sum().backward()
-    assert torch.allclose(got, expected, atol=1e-12)
-    assert q.grad is not None and k.grad.shape == k.shape
-
-
-def test_flash_request_without_flash_attn_warns(monkeypatch):
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
-    q, k, v = qkv(dtype=torch.float32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        attention._cuda_attention(q, k, v, None, 0.3, "flash")
-    assert any("flash-attn is not importable" in str(w.message) for w in caught)
 
 
 def test_fake_kernels_allocate_output_and_lse_only():

@@ -5,8 +5,8 @@ keys 0 .. e - c + i (flash-attn's `causal=True`; SDPA's `causal_lower_right`, ne
 top-left). Keys and values stay at the KV-head count (GQA/MQA) throughout.
 
 Kernels:
-- CUDA: flash-attn when importable and chosen, otherwise SDPA (lower-right bias keeps its flash kernel; a
-  padded batch needs a boolean mask).
+- CUDA: `cuda_attention.py`: flash-attn when importable and chosen (varlen for a padded batch), otherwise
+  SDPA (the lower-right bias keeps its flash kernel; a padded batch needs a boolean mask).
 - CPU and meta: the `streambp::prefix_attn_fwd/_bwd` custom ops. Their CPU kernels are exact math in the
   input precision (float64 stays float64); their fake kernels allocate what a flash kernel allocates (the
   output and a float32 log-sum-exp, never a score matrix), so a simulated step on the meta device sees the
@@ -15,14 +15,13 @@ Kernels:
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
-from torch.utils._python_dispatch import _disable_current_modes
+
+from streambp_core.engine.chunks import allowed_mask
+from streambp_core.engine.cuda_attention import cuda_attention, flash_attn_available
+
+__all__ = ["allowed_mask", "flash_attn_available", "prefix_attention"]
 
 
 def prefix_attention(
@@ -34,52 +33,9 @@ def prefix_attention(
     sees no valid key outputs zeros, as torch SDPA does for a fully masked row.
     """
     if q.device.type == "cuda":
-        return _cuda_attention(q, k, v, key_valid, scale, backend)
+        return cuda_attention(q, k, v, key_valid, scale, backend)
     out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale)
     return out
-
-
-def flash_attn_available() -> bool:
-    """True when the optional flash-attn package is importable."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def _cuda_attention(q, k, v, key_valid, scale, backend):
-    if backend == "flash" and not flash_attn_available():
-        warnings.warn("flash-attn is not importable; attention falls back to torch SDPA", stacklevel=3)
-    if key_valid is None and backend != "sdpa" and flash_attn_available():
-        from flash_attn import flash_attn_func
-
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              softmax_scale=scale, causal=True)
-        return out.transpose(1, 2)
-    gqa = q.shape[1] != k.shape[1]
-    if key_valid is None:
-        bias = lower_right_bias(q.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-    mask = allowed_mask(q.shape[2], key_valid)[:, None]
-    if gqa:  # SDPA's masked CUDA kernels do not take GQA: expand K/V to the query heads.
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-def lower_right_bias(num_queries: int, num_keys: int):
-    """torch's lower-right causal bias. It is a tensor subclass, built with dispatch modes (a memory
-    tracker) suspended: a mode that has already wrapped the raw tensor would make its construction fail."""
-    with _disable_current_modes():
-        return causal_lower_right(num_queries, num_keys)
-
-
-def allowed_mask(num_queries: int, key_valid: Tensor | None, num_keys: int | None = None) -> Tensor:
-    """Boolean (B or 1, c, e) mask: lower-right causal and, when given, the key padding."""
-    e = key_valid.shape[1] if key_valid is not None else num_keys
-    device = key_valid.device if key_valid is not None else None
-    q_pos = torch.arange(e - num_queries, e, device=device)
-    causal = q_pos[:, None] >= torch.arange(e, device=device)[None, :]  # (c, e)
-    if key_valid is None:
-        return causal[None]
-    return causal[None] & key_valid[:, None, :]
 
 
 def _grouped(q: Tensor, num_kv_heads: int) -> Tensor:

@@ -48,3 +48,15 @@ def backward_into(
 def grad_or_zeros(tensor: Tensor) -> Tensor:
     """The gradient a leaf collected, or zeros when nothing reached it."""
     return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+
+
+def allowed_mask(num_queries: int, key_valid: Tensor | None, num_keys: int | None = None) -> Tensor:
+    """Boolean (B or 1, c, e) mask of a query chunk, the last c of e positions: lower-right causal and,
+    when given, the key padding `key_valid` (B, e)."""
+    e = key_valid.shape[1] if key_valid is not None else num_keys
+    device = key_valid.device if key_valid is not None else None
+    q_pos = torch.arange(e - num_queries, e, device=device)
+    causal = q_pos[:, None] >= torch.arange(e, device=device)[None, :]  # (c, e)
+    if key_valid is None:
+        return causal[None]
+    return causal[None] & key_valid[:, None, :]

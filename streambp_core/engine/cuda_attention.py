@@ -1,0 +1,131 @@
+"""The CUDA kernels behind `prefix_attention`: flash-attn when it is importable and can take the inputs,
+torch SDPA otherwise. Every function here also runs on CPU tensors (the tests drive them there, with a
+stand-in `flash_attn` module), so only the kernels themselves need a GPU.
+
+Kernel choice (`choose_kernel`), the same for every method because all of them attend through here:
+- `sdpa`: torch SDPA. Unpadded: torch's lower-right causal bias, which keeps SDPA on its flash kernel.
+  Padded: a boolean (B, 1, c, e) mask, K/V expanded to the query heads (the masked kernels take no GQA).
+- `flash`: flash-attn. Unpadded: `flash_attn_func(causal=True)`, whose causal mask is aligned to the end
+  of the keys when there are fewer queries than keys. Padded: `flash_attn_varlen_func` on the packed
+  real tokens (below). flash-attn takes float16/bfloat16 only.
+- `auto`: flash when flash-attn is importable and takes the inputs, else sdpa.
+Whenever the choice is not flash-attn although flash-attn was asked for (or `auto` finds it missing),
+a warning says why; Python shows each such warning once per process.
+
+Varlen packing of a padded chunk (queries = the last c of e positions, `key_valid` (B, e)):
+1. keep the real keys of each row, in order: (sum of real keys, Hkv, hd), cu_seqlens_k from their counts;
+2. keep the real queries likewise: (sum of real queries, H, hd), cu_seqlens_q;
+3. flash-attn's causal varlen aligns each row's queries to the end of its keys: the j-th real query of a
+   row whose chunk starts after n real keys sees the first n + j + 1 real keys, exactly the real keys at
+   or before its position, whatever the padding pattern (right, left, or holes);
+4. scatter the outputs back to (B, H, c, hd); a padding query row outputs zeros, as transformers'
+   flash-attention path gives padding positions. Real positions never attend to padding ones, so this
+   changes nothing a loss that ignores padding positions can see.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
+
+from streambp_core.engine.chunks import allowed_mask
+
+FLASH_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+"""Input precisions flash-attn accepts."""
+FLASH_MAX_HEAD_DIM = 256
+"""Largest head dimension flash-attn 2 supports."""
+
+
+def flash_attn_available() -> bool:
+    """True when the optional flash-attn package is importable."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def choose_kernel(backend: str, q: Tensor) -> str:
+    """'flash' or 'sdpa' for queries `q` under the requested `backend` (auto, sdpa, flash)."""
+    if backend == "sdpa":
+        return "sdpa"
+    reason = _flash_unusable(q)
+    if reason is None:
+        return "flash"
+    warnings.warn(f"attention: {reason}; using torch SDPA (attn={backend})", stacklevel=2)
+    return "sdpa"
+
+
+def _flash_unusable(q: Tensor) -> str | None:
+    """Why flash-attn cannot take `q` here, or None when it can."""
+    if not flash_attn_available():
+        return "flash-attn is not importable (pip install 'streambp-bench[cuda]')"
+    if q.dtype not in FLASH_DTYPES:
+        return f"flash-attn takes float16/bfloat16, not {str(q.dtype).removeprefix('torch.')}"
+    if q.shape[-1] > FLASH_MAX_HEAD_DIM or q.shape[-1] % 8:
+        return f"flash-attn takes head dimensions that are multiples of 8 up to 256, not {q.shape[-1]}"
+    return None
+
+
+def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
+                   backend: str) -> Tensor:
+    """`prefix_attention` on CUDA: (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values."""
+    if choose_kernel(backend, q) == "flash":
+        if key_valid is None:
+            return flash_attention(q, k, v, scale)
+        return flash_varlen_attention(q, k, v, key_valid, scale)
+    return sdpa_attention(q, k, v, key_valid, scale)
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """flash-attn on an unpadded chunk; its causal mask is lower-right when c < e."""
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          softmax_scale=scale, causal=True)  # (B, c, H, hd)
+    return out.transpose(1, 2)
+
+
+def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+    """flash-attn's varlen kernel on the real tokens of a padded chunk (module docstring, steps 1-4)."""
+    from flash_attn import flash_attn_varlen_func
+
+    b, h, c, hd = q.shape
+    query_valid = key_valid[:, -c:]
+    packed_q, cu_q, max_q = _pack(q.transpose(1, 2), query_valid)  # (nq, H, hd)
+    packed_k, cu_k, max_k = _pack(k.transpose(1, 2), key_valid)  # (nk, Hkv, hd)
+    packed_v = v.transpose(1, 2)[key_valid]
+    packed_out = flash_attn_varlen_func(packed_q, packed_k, packed_v, cu_q, cu_k, max_q, max_k,
+                                        softmax_scale=scale, causal=True)
+    out = q.new_zeros(b, c, h, hd).index_put((query_valid,), packed_out)
+    return out.transpose(1, 2)
+
+
+def _pack(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Rows (B, n, heads, hd) -> their valid positions packed (sum valid, heads, hd), int32 cumulative
+    lengths (B + 1,), longest row."""
+    lengths = valid.sum(dim=1, dtype=torch.int32)
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return x[valid], cu_seqlens, int(lengths.max())
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+    """torch SDPA: the lower-right bias when unpadded, else a boolean mask with K/V expanded."""
+    gqa = q.shape[1] != k.shape[1]
+    if key_valid is None:
+        bias = lower_right_bias(q.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    mask = allowed_mask(q.shape[2], key_valid)[:, None]
+    if gqa:  # SDPA's masked CUDA kernels do not take GQA: expand K/V to the query heads.
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def lower_right_bias(num_queries: int, num_keys: int):
+    """torch's lower-right causal bias. It is a tensor subclass, built with dispatch modes (a memory
+    tracker) suspended: a mode that has already wrapped the raw tensor would make its construction fail."""
+    with _disable_current_modes():
+        return causal_lower_right(num_queries, num_keys)
