@@ -8,6 +8,10 @@ METHODS = ("plain", "checkpoint", "mst", "streambp")
 OBJECTIVES = ("sft", "grpo", "dpo")
 ATTN_BACKENDS = ("auto", "sdpa", "flash")
 BASELINE_ATTENTION = ("auto", "engine", "model")
+PROTOCOLS = ("default", "paper")
+"""Step protocols of a memory figure (see `streambp_core.measure.protocol`)."""
+GRADS_MODES = ("resident", "fresh")
+"""Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
 
 
 class ConfigError(ValueError):

@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from streambp_core.config import ATTN_BACKENDS, ConfigError, check_method, require_positive
+from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, ConfigError, check_method, require_positive
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
-from streambp_core.measure.simulate import GRADS_MODES, SimResult, _as_dtype, simulate_step
+from streambp_core.measure.simulate import SimResult, _as_dtype, simulate_step
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config

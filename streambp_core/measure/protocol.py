@@ -20,12 +20,11 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-from streambp_core.config import ConfigError
+from streambp_core.config import PROTOCOLS, ConfigError
 from streambp_core.engine.hf_attention import engine_attention_forward
 from streambp_core.methods.base import Run
 from streambp_core.models.adapters import decoder_parts
 
-PROTOCOLS = ("default", "paper")
 REPEAT_KV_ATTENTION = "streambp_prefix_repeat_kv"
 HOLDS_LOGITS = ("plain", "checkpoint")
 """Methods whose model forward returns full logits (the output object would hold them)."""

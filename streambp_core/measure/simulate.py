@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from streambp_core.config import ConfigError, check_method
+from streambp_core.config import GRADS_MODES, ConfigError, check_method
 from streambp_core.engine import chunks
 from streambp_core.measure.breakdown import Breakdown
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
@@ -54,7 +54,6 @@ from streambp_core.methods import prepare
 from streambp_core.models.adapters import decoder_parts
 from streambp_core.models.load import build_model, load_config
 
-GRADS_MODES = ("resident", "fresh")
 KEEP_CHUNKS = 4
 """Chunks kept at each end of an engine chunk loop when thinning."""
 
