@@ -28,6 +28,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from streambp_bench.schema_history import complete_schema_1, is_schema_1
+from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, PROTOCOLS
+
 SOURCES = ("simulated", "measured-cuda", "measured-cpu")
 STATUSES = ("ok", "oom", "error")
 METRICS = ("peak_memory", "step_time", "max_len", "grad_rel_err")
@@ -61,6 +64,12 @@ class ResultRow:
     """LoRA rank; empty for full-parameter training."""
     optimizer: str = "none"
     """Optimizer whose state is resident ('none': backprop only)."""
+    attn: str = "auto"
+    """Attention kernel asked for: auto, sdpa or flash (a simulation uses its flash-like fake kernel)."""
+    protocol: str = "default"
+    """Step protocol: default or paper (`streambp_core.measure.protocol`)."""
+    grads: str = "resident"
+    """Gradients allocated before the step (resident) or made by it (fresh)."""
     source: str
     """One of SOURCES: how the numbers were obtained."""
     status: str = "ok"
@@ -72,6 +81,10 @@ class ResultRow:
     peak_reserved_gib: float | None = None
     step_time_ms: float | None = None
     """Median step time; measured runs only."""
+    alloc_retries: int | None = None
+    """The CUDA caching allocator's `num_alloc_retries` over the measured region; empty off CUDA."""
+    num_ooms: int | None = None
+    """The CUDA caching allocator's `num_ooms` over the measured region; empty off CUDA."""
     weights_gib: float | None = None
     grads_gib: float | None = None
     optimizer_gib: float | None = None
@@ -92,8 +105,8 @@ class ResultRow:
     def __post_init__(self) -> None:
         for field in fields(self):
             object.__setattr__(self, field.name, _coerce(field.name, getattr(self, field.name)))
-        _require_one_of("source", self.source, SOURCES)
-        _require_one_of("status", self.status, STATUSES)
+        for name, allowed in _CHOICES.items():
+            _require_one_of(name, getattr(self, name), allowed)
         for name in ("method", "model", "metric", "device_name"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
@@ -130,8 +143,12 @@ COLUMNS: tuple[str, ...] = tuple(field.name for field in fields(ResultRow))
 """The CSV header, in order."""
 KEY_COLUMNS: tuple[str, ...] = (
     "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
-    "head_partition_size", "dtype", "lora_rank", "optimizer", "source", "metric", "device_name",
+    "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "source",
+    "metric", "device_name",
 )  # fmt: skip
+_CHOICES = {
+    "source": SOURCES, "status": STATUSES, "attn": ATTN_BACKENDS, "protocol": PROTOCOLS, "grads": GRADS_MODES,
+}  # fmt: skip
 _HINTS = typing.get_type_hints(ResultRow)
 _OPTIONAL = {name for name, hint in _HINTS.items() if type(None) in typing.get_args(hint)}
 _TYPES = {name: next((a for a in typing.get_args(h) if a is not type(None)), h) for name, h in _HINTS.items()}
@@ -246,11 +263,14 @@ class ResultsFile:
         self._write([row.to_record() for row in by_key.values()])
 
     def _records(self) -> list[dict[str, str]]:
-        """The raw CSV records (cell text), header checked; [] when the file does not exist."""
+        """The raw CSV records (cell text), header checked, schema-1 records completed (`schema_history`);
+        [] when the file does not exist."""
         if not self.path.exists():
             return []
         with self.path.open(newline="", encoding="utf-8") as handle:
             reader = csv.DictReader(handle)
+            if is_schema_1(reader.fieldnames):
+                return [complete_schema_1(record) for record in reader]
             check_header(reader.fieldnames, self.path)
             return list(reader)
 
@@ -273,7 +293,8 @@ class ResultsFile:
 
 
 def check_header(header: typing.Sequence[str] | None, path: Path) -> None:
-    """Raise SchemaError naming the missing and unexpected columns unless `header` is this schema's."""
+    """Raise SchemaError naming the missing and unexpected columns unless `header` is this schema's
+    (a schema-1 header, still read, is checked by `schema_history.is_schema_1` before this)."""
     if not header:
         raise SchemaError(f"{path} is empty: no CSV header")
     missing = [name for name in COLUMNS if name not in header]

@@ -16,6 +16,7 @@ import pytest
 
 from streambp_bench import results
 from streambp_bench.results import COLUMNS, KEY_COLUMNS, ResultRow, ResultsFile, SchemaError, provenance
+from streambp_bench.schema_history import SCHEMA_1_COLUMNS
 
 DEVICE = "simulated A800-SXM4-80GB"
 REPO = Path(__file__).resolve().parents[1]
@@ -49,14 +50,17 @@ def make_row(seq_len_tokens: int = 4096, method: str = "streambp", **overrides: 
 
 def test_columns_hold_the_contract_in_order() -> None:
     required = {"method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
-                "head_partition_size", "dtype", "lora_rank", "optimizer", "source", "status", "metric",
-                "value", "peak_allocated_gib", "peak_reserved_gib", "step_time_ms", "weights_gib",
+                "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads",
+                "source", "status", "metric", "value", "peak_allocated_gib", "peak_reserved_gib",
+                "step_time_ms", "alloc_retries", "num_ooms", "weights_gib",
                 "grads_gib", "optimizer_gib", "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib",
                 "budget_gib", "error", "device_name", "torch_version", "transformers_version",
                 "package_version", "git_sha", "timestamp"}  # fmt: skip
     assert set(COLUMNS) == required
     assert COLUMNS[0] == "method" and COLUMNS[-1] == "timestamp"
     assert set(KEY_COLUMNS) <= set(COLUMNS) and "value" not in KEY_COLUMNS and "timestamp" not in KEY_COLUMNS
+    assert {"attn", "protocol", "grads"} <= set(KEY_COLUMNS) and "alloc_retries" not in KEY_COLUMNS
+    assert set(COLUMNS) - set(SCHEMA_1_COLUMNS) == {"attn", "protocol", "grads", "alloc_retries", "num_ooms"}
 
 
 @pytest.mark.parametrize(
@@ -70,6 +74,11 @@ def test_columns_hold_the_contract_in_order() -> None:
         ({"step_time_ms": 12.5}, "measured runs only"),
         ({"method": ""}, "method must not be empty"),
         ({"seq_len_tokens": 4096.5}, "integer"),
+        ({"attn": "xformers"}, "attn must be one of auto, sdpa, flash"),
+        ({"protocol": "paper-ish"}, "protocol must be one of default, paper"),
+        ({"grads": "lazy"}, "grads must be one of resident, fresh"),
+        ({"alloc_retries": -1}, "alloc_retries must be >= 0"),
+        ({"num_ooms": 1.5}, "integer"),
     ],
 )
 def test_invalid_rows_are_refused(overrides: dict, message: str) -> None:
@@ -102,6 +111,19 @@ def test_key_is_the_point_not_the_measurement() -> None:
     assert ResultRow.key_of(**point) == row.key()  # defaults fill objective, dtype, batch_size
     with pytest.raises(TypeError, match="value"):
         ResultRow.key_of(**point, value=1.0)
+
+
+@pytest.mark.parametrize("setting", [{"protocol": "paper"}, {"attn": "flash"}, {"grads": "fresh"}])
+def test_rows_differing_only_in_protocol_attn_or_grads_are_different_points(
+    tmp_path: Path, setting: dict
+) -> None:
+    file = ResultsFile(tmp_path / "r.csv")
+    file.upsert(make_row(value=30.0))
+    file.upsert(make_row(value=40.0, **setting))
+    rows = file.rows()
+    assert [(row.value, row.key() == make_row().key()) for row in rows] == [(30.0, True), (40.0, False)]
+    point = {name: getattr(make_row(**setting), name) for name in KEY_COLUMNS}
+    assert ResultRow.key_of(**point) in file.done_keys()
 
 
 def test_provenance_fills_versions_sha_and_utc_time() -> None:
@@ -239,6 +261,54 @@ def test_other_schema_is_a_clear_one_line_error(tmp_path: Path) -> None:
     assert "liger.csv is not a streambp-bench results CSV" in message
     assert "missing columns: model, objective" in message and "more" in message
     assert "unexpected columns: kernel_name, metric_name, x_value, y_value_50, gpu_name" in message
+
+
+def _schema_1_file(path: Path, rows: list[ResultRow]) -> None:
+    """Write `rows` as the previous schema did: its header, without the five later columns."""
+    lines = [",".join(SCHEMA_1_COLUMNS)]
+    for row in rows:
+        record = row.to_record()
+        lines.append(",".join(record[name] for name in SCHEMA_1_COLUMNS))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_schema_1_file_loads_and_an_upsert_rewrites_it_in_the_current_schema(tmp_path: Path) -> None:
+    path = tmp_path / "old.csv"
+    _schema_1_file(path, [make_row(4096), make_row(8192, optimizer="adamw", grads="fresh")])
+    file = ResultsFile(path)
+    rows = file.rows()
+    assert [(r.attn, r.protocol, r.grads, r.alloc_retries, r.num_ooms) for r in rows] == [
+        ("auto", "default", "resident", None, None),
+        ("auto", "default", "fresh", None, None),  # an optimizer step made its gradients
+    ]
+    assert rows == [make_row(4096), make_row(8192, optimizer="adamw", grads="fresh")]
+    assert str(file.load()["alloc_retries"].dtype) == "Int64"
+    file.upsert(make_row(4096, value=1.0))  # the same point: replaces the old row
+    file.upsert(make_row(4096, protocol="paper", value=2.0))  # a new point
+    assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
+    assert [(r.seq_len_tokens, r.protocol, r.value) for r in file.rows()] == [
+        (4096, "default", 1.0),
+        (8192, "default", 32.194),
+        (4096, "paper", 2.0),
+    ]
+
+
+def test_committed_results_of_schema_1_still_load() -> None:
+    paths = sorted((REPO / "results").glob("**/*.csv"))
+    assert paths
+    for path in paths:
+        frame = ResultsFile(path).load()
+        assert len(frame) and frame["alloc_retries"].isna().all() and set(frame["protocol"]) == {"default"}
+        assert (frame["grads"] == frame["optimizer"].map({"none": "resident", "adamw": "fresh"})).all()
+
+
+def test_a_header_neither_schema_is_an_error_naming_the_columns(tmp_path: Path) -> None:
+    path = tmp_path / "r.csv"
+    header = [name for name in SCHEMA_1_COLUMNS if name != "timestamp"] + ["attn"]
+    path.write_text(",".join(header) + "\n")
+    missing = "protocol, grads, alloc_retries, num_ooms, timestamp"
+    with pytest.raises(SchemaError, match=rf"\(missing columns: {missing}\)$"):
+        ResultsFile(path).rows()
 
 
 def test_one_extra_column_is_named(tmp_path: Path) -> None:

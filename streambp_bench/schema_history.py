@@ -1,0 +1,42 @@
+"""Results CSVs written by an earlier schema: the headers still read, and how their rows are completed.
+
+Schema 1 (up to the `attn`, `protocol` and `grads` key columns and the CUDA allocator counters) lacks
+five columns. A schema-1 row is read as what its producers ran:
+- attn "auto" and protocol "default" (a schema-1 `max-len --protocol paper` row cannot be told apart
+  from a default one: it reads as default);
+- grads "fresh" when the row has an optimizer (a training step with an optimizer sets the gradients to
+  None after each step), else "resident";
+- alloc_retries and num_ooms empty.
+Rewriting such a file (any upsert) writes the current header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SCHEMA_1_COLUMNS: tuple[str, ...] = (
+    "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
+    "head_partition_size", "dtype", "lora_rank", "optimizer", "source", "status", "metric", "value",
+    "peak_allocated_gib", "peak_reserved_gib", "step_time_ms", "weights_gib", "grads_gib", "optimizer_gib",
+    "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib", "budget_gib", "error", "device_name",
+    "torch_version", "transformers_version", "package_version", "git_sha", "timestamp",
+)  # fmt: skip
+"""The header of schema 1, exactly (committed results/*.csv carry it)."""
+
+
+def is_schema_1(header: Sequence[str] | None) -> bool:
+    """Whether `header` is schema 1's: the same columns, each once (in any order)."""
+    return header is not None and sorted(header) == sorted(SCHEMA_1_COLUMNS)
+
+
+def complete_schema_1(record: dict[str, str]) -> dict[str, str]:
+    """A schema-1 record (column -> cell text) with the five later columns filled (module docstring)."""
+    optimizer = record.get("optimizer") or "none"
+    return {
+        **record,
+        "attn": "auto",
+        "protocol": "default",
+        "grads": "resident" if optimizer == "none" else "fresh",
+        "alloc_retries": "",
+        "num_ooms": "",
+    }
