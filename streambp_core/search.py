@@ -32,6 +32,12 @@ class ProbeResult:
     source: str = ""
     """'simulated', 'measured-cuda' or 'measured-cpu'."""
     message: str = ""
+    peak_reserved_bytes: int | None = None
+    """The CUDA caching allocator's `max_memory_reserved` over the step; None off CUDA."""
+    alloc_retries: int | None = None
+    """The allocator's `num_alloc_retries` over the step (frees of its cache to retry a cudaMalloc)."""
+    num_ooms: int | None = None
+    """The allocator's `num_ooms` over the step; None off CUDA."""
 
     def fits(self, budget_bytes: int) -> bool:
         """Whether the step ran and its peak is within `budget_bytes`."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import sys
 import types
 from collections.abc import Iterator
@@ -19,8 +22,10 @@ from streambp_core.measure import (
     device_info,
     is_oom,
     median,
+    probe,
     time_cuda_ms,
 )
+from streambp_core.measure.probe import ProbeSpec
 
 
 class _NVMLError(Exception):
@@ -253,3 +258,64 @@ def test_tracker_leaves_torch_cuda_alone_for_cpu_and_fake_cuda_models() -> None:
             pass
         sync.assert_not_called()
     assert tracker.result().end_breakdown_bytes["weights"] == 4 * 4 * 4
+
+
+def test_tracker_reports_the_allocators_retries_and_ooms_over_the_region() -> None:
+    stats = [{"num_alloc_retries": 4, "num_ooms": 1}, {"num_alloc_retries": 6, "num_ooms": 1}]
+    with _allocator(2 * GIB, 4 * GIB, stats), MemoryTracker(cuda=True) as tracker:
+        pass
+    result = tracker.result()
+    assert (result.cuda_num_alloc_retries, result.cuda_num_ooms) == (2, 0)
+    with MemoryTracker(torch.nn.Linear(2, 2)) as cpu_tracker:
+        pass
+    assert (cpu_tracker.result().cuda_num_alloc_retries, cpu_tracker.result().cuda_num_ooms) == (None, None)
+
+
+@pytest.fixture
+def tiny_probe() -> tuple[torch.nn.Module, ProbeSpec]:
+    spec = ProbeSpec(model="tiny/qwen3", method="streambp", dtype="float32", partition_size=32,
+                     head_partition_size=16)  # fmt: skip
+    return spec.build("cpu"), spec
+
+
+def test_measure_step_reports_the_allocators_figures_and_they_survive_the_child_json(
+    monkeypatch: pytest.MonkeyPatch, tiny_probe: tuple[torch.nn.Module, ProbeSpec]
+) -> None:
+    """A real CPU step whose tracker also reads a (mocked) CUDA allocator reporting 2 retries, 0 OOMs."""
+    model, spec = tiny_probe
+    monkeypatch.setattr(probe, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
+    stats = [{"num_alloc_retries": 1, "num_ooms": 3}, {"num_alloc_retries": 3, "num_ooms": 3}]
+    with _allocator(3 * GIB, 5 * GIB, stats):
+        result = probe.measure_step(model, spec, 48, "cpu")
+    assert result.status == "ok" and 0 < result.peak_bytes < GIB  # the tracker's peak on CPU
+    assert (result.peak_reserved_bytes, result.alloc_retries, result.num_ooms) == (5 * GIB, 2, 0)
+    line = json.dumps(dataclasses.asdict(result))
+    assert probe.parse_child_output(48, 0, f"noise\n{line}\n", "") == result
+
+
+def test_an_oom_step_reports_the_allocators_oom_count(
+    monkeypatch: pytest.MonkeyPatch, tiny_probe: tuple[torch.nn.Module, ProbeSpec]
+) -> None:
+    model, spec = tiny_probe
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fake_run = types.SimpleNamespace(loss=out_of_memory, close=lambda: None)
+    monkeypatch.setattr(probe, "prepare", lambda *args, **kwargs: fake_run)
+    monkeypatch.setattr(probe, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
+    stats = [{"num_alloc_retries": 0, "num_ooms": 0}, {"num_alloc_retries": 1, "num_ooms": 1}]
+    with _allocator(3 * GIB, 5 * GIB, stats):
+        result = probe.measure_step(model, spec, 48, "cpu")
+    assert result.status == "oom" and result.message.startswith("CUDA out of memory")
+    assert (result.alloc_retries, result.num_ooms, result.peak_bytes) == (1, 1, None)
+
+
+def test_measure_step_on_cpu_leaves_the_allocator_figures_empty(
+    tiny_probe: tuple[torch.nn.Module, ProbeSpec],
+) -> None:
+    model, spec = tiny_probe
+    with _cuda_forbidden():
+        result = probe.measure_step(model, spec, 48, "cpu")
+    assert result.status == "ok" and result.peak_bytes > 0
+    assert (result.peak_reserved_bytes, result.alloc_retries, result.num_ooms) == (None, None, None)

@@ -26,6 +26,7 @@ from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, ConfigError, check_
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
+from streambp_core.measure.result import TrackerResult
 from streambp_core.measure.simulate import SimResult, _as_dtype, simulate_step
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
@@ -189,7 +190,11 @@ def parse_child_output(seq_len: int, returncode: int, stdout: str, stderr: str) 
 
 
 def measure_step(model: torch.nn.Module, spec: ProbeSpec, seq_len: int, device: str) -> ProbeResult:
-    """One tracked step of `spec.method` on a real `model`; an OOM becomes status 'oom'."""
+    """One tracked step of `spec.method` on a real `model`; an OOM becomes status 'oom'.
+
+    The peak is the tracker's (CPU) or the caching allocator's (CUDA); on CUDA the allocator's reserved
+    peak, alloc retries and OOM count over the step come with it, also for an OOM.
+    """
     source = f"measured-{device}"
     for param in model.parameters():
         param.grad = torch.zeros_like(param) if spec.grads == "resident" and param.requires_grad else None
@@ -203,32 +208,46 @@ def measure_step(model: torch.nn.Module, spec: ProbeSpec, seq_len: int, device: 
         baseline_attention="engine",
         attn=spec.attn,
     )
+    tracker = MemoryTracker(model, device=device)
     try:
-        with step_protocol(run, spec.protocol), MemoryTracker(model, device=device) as tracker:
-            with (
-                SimulationMode(model.config.vocab_size, tracker=tracker),
-                checkpoint_tags(model, tracker) as forward,
-            ):
-                loss = run.loss(input_ids.to(device))
-                forward.done = True
-                loss.backward()
+        with step_protocol(run, spec.protocol), tracker:
+            _tracked_step(model, run, input_ids.to(device), tracker)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source=source, message=str(exc).split("\n")[0])
+        message = str(exc).split("\n")[0]
+        counters = _allocator_figures(tracker.result())
+        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source=source, message=message, **counters)
     finally:
         run.close()
         for param in model.parameters():
             param.grad = None
     result = tracker.result()
-    peak = result.cuda_peak_allocated_bytes if device == "cuda" else result.peak_bytes
     return ProbeResult(
         seq_len_tokens=seq_len,
         status=OK,
-        peak_bytes=peak,
+        peak_bytes=result.cuda_peak_allocated_bytes if device == "cuda" else result.peak_bytes,
         breakdown_bytes=dict(result.peak_breakdown_bytes),
         source=source,
+        **_allocator_figures(result),
     )
+
+
+def _tracked_step(model: torch.nn.Module, run, input_ids: torch.Tensor, tracker: MemoryTracker) -> None:
+    """Forward and backward inside an active `tracker`, checkpoints tagged, logits sized fast."""
+    with SimulationMode(model.config.vocab_size, tracker=tracker), checkpoint_tags(model, tracker) as forward:
+        loss = run.loss(input_ids)
+        forward.done = True
+        loss.backward()
+
+
+def _allocator_figures(result: TrackerResult) -> dict[str, int | None]:
+    """The CUDA allocator's reserved peak, alloc retries and OOM count (None each without CUDA)."""
+    return {
+        "peak_reserved_bytes": result.cuda_peak_reserved_bytes,
+        "alloc_retries": result.cuda_num_alloc_retries,
+        "num_ooms": result.cuda_num_ooms,
+    }
 
 
 def cpu_attention_workspace_bytes(spec: ProbeSpec, seq_len: int) -> int:

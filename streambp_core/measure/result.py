@@ -25,6 +25,11 @@ class TrackerResult:
     """The CUDA caching allocator's `max_memory_allocated` over the region; None without CUDA."""
     cuda_peak_reserved_bytes: int | None = None
     """The CUDA caching allocator's `max_memory_reserved` over the region; None without CUDA."""
+    cuda_num_alloc_retries: int | None = None
+    """Times over the region the allocator's cudaMalloc failed and it freed its cache to retry (its
+    `num_alloc_retries`: a sign of fragmentation near the limit); None without CUDA."""
+    cuda_num_ooms: int | None = None
+    """Out-of-memory errors the allocator raised over the region (its `num_ooms`); None without CUDA."""
 
     @property
     def peak_gib(self) -> float:

@@ -300,6 +300,8 @@ class MemoryTracker:
             device=device,
             cuda_peak_allocated_bytes=None if cuda_peak is None else cuda_peak.peak_allocated_bytes,
             cuda_peak_reserved_bytes=None if cuda_peak is None else cuda_peak.peak_reserved_bytes,
+            cuda_num_alloc_retries=None if cuda_peak is None else cuda_peak.num_alloc_retries,
+            cuda_num_ooms=None if cuda_peak is None else cuda_peak.num_ooms,
         )
 
 

@@ -37,7 +37,7 @@ import torch
 from transformers import PretrainedConfig
 
 from streambp_core.batch import objective_inputs, random_batch
-from streambp_core.config import OBJECTIVES, ConfigError, check_method, require_positive
+from streambp_core.config import ATTN_BACKENDS, OBJECTIVES, ConfigError, check_method, require_positive
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.probe import ProbeSpec, probe_from_simulation, simulated_probe
 from streambp_core.measure.simulate import (
@@ -73,10 +73,14 @@ class TrainSpec:
     partition_size: int = 500
     head_partition_size: int = 100
     seed: int = 0
+    attn: str = "auto"
+    """Attention kernel on CUDA (auto, sdpa, flash); simulation always uses the flash-like fake kernel."""
 
     def __post_init__(self) -> None:
         check_method(self.method)
         _as_dtype(self.dtype)
+        if self.attn not in ATTN_BACKENDS:
+            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -91,6 +95,11 @@ class TrainSpec:
         """Rows of the step's batch: 2 x batch_size for DPO (chosen + rejected), else batch_size."""
         return 2 * self.batch_size if self.objective == "dpo" else self.batch_size
 
+    @property
+    def grads(self) -> str:
+        """'fresh' with an optimizer (its step sets the gradients to None), else 'resident' (protocol 2)."""
+        return "resident" if self.optimizer == "none" else "fresh"
+
 
 @dataclass(frozen=True, kw_only=True)
 class MeasuredStep:
@@ -100,6 +109,10 @@ class MeasuredStep:
     peak_reserved_bytes: int | None
     breakdown_bytes: dict[str, int]
     step_times_ms: tuple[float, ...]
+    alloc_retries: int | None = None
+    """The CUDA allocator's `num_alloc_retries` over the tracked step; None off CUDA."""
+    num_ooms: int | None = None
+    """The CUDA allocator's `num_ooms` over the tracked step; None off CUDA."""
 
     @property
     def step_time_ms(self) -> float:
@@ -151,6 +164,7 @@ def _run_options(spec: TrainSpec) -> dict:
         "partition_size": spec.partition_size,
         "head_partition_size": spec.head_partition_size,
         "baseline_attention": "engine",
+        "attn": spec.attn,
     }
 
 
@@ -239,18 +253,14 @@ def measure_training_step(
     """A real step on `device` ('cpu' or 'cuda'): tracked peak, then `repeats` timed steps (median).
 
     The timed steps run without the tracker, after `warmup` untimed ones; CUDA is synchronised around
-    each. On CUDA the peak is the allocator's after a reset (`max_memory_allocated`).
+    each. On CUDA the peak is the allocator's after a reset (`max_memory_allocated`, read by the tracker),
+    with its reserved peak, alloc retries and OOM count over the tracked step.
     """
     config = load_config(spec.model)
     model, optimizer = build_training_model(spec, device, config)
     inputs = step_inputs(spec, config.vocab_size, seq_len, device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     result = _tracked_step(model, optimizer, spec, inputs, device, config.vocab_size)
-    peak, reserved = result.peak_bytes, None
-    if device == "cuda":
-        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    peak = result.peak_bytes if result.cuda_peak_allocated_bytes is None else result.cuda_peak_allocated_bytes
     times = []
     with prepare(model, spec.method, **_run_options(spec)) as run:
         for index in range(warmup + repeats):
@@ -264,9 +274,11 @@ def measure_training_step(
                 param.grad = None
     return MeasuredStep(
         peak_bytes=peak,
-        peak_reserved_bytes=reserved,
+        peak_reserved_bytes=result.cuda_peak_reserved_bytes,
         breakdown_bytes=dict(result.peak_breakdown_bytes),
         step_times_ms=tuple(times),
+        alloc_retries=result.cuda_num_alloc_retries,
+        num_ooms=result.cuda_num_ooms,
     )
 
 
