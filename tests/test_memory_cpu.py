@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import streambp_core
 from streambp_core.measure.probe import ProbeSpec, measure_step
 from streambp_core.models.load import build_model, tiny_config
 
@@ -47,3 +48,28 @@ def test_checkpoints_are_the_layer_inputs(peaks):
     per_layer_input = SEQ_LEN * hidden * F32
     for method in ("checkpoint", "mst", "streambp"):  # embedding output + each layer's output
         assert results[method].breakdown_bytes["checkpoints"] == (LAYERS + 1) * per_layer_input
+
+
+def test_streambp_backward_keeps_one_layer_gradient(monkeypatch):
+    """Writing dL/dH_in over dL/dH_out (LayerPlan.reuse_grad_out) lowers a layer-bound peak by exactly one
+    (B, T, d) gradient, and changes no gradient."""
+    from streambp_core.engine.layer import LayerPlan
+    from streambp_core.methods import streambp
+
+    config = tiny_config("llama", vocab_size=96, num_hidden_layers=3)  # vocab != any hidden width
+    model = build_model(config, dtype=torch.float32)
+    spec = ProbeSpec(model="tiny/llama", method="streambp", dtype="float32", partition_size=256,
+                     head_partition_size=64)
+    seq_len = 4096
+    results, grads = {}, {}
+    for reuse in (True, False):
+        monkeypatch.setattr(streambp, "LayerPlan",
+                            lambda *a, reuse=reuse, **k: LayerPlan(*a, **{**k, "reuse_grad_out": reuse}))
+        results[reuse] = measure_step(model, spec, seq_len, "cpu")
+        with streambp_core.prepare(model, "streambp", partition_size=256, head_partition_size=64) as run:
+            model.zero_grad(set_to_none=True)
+            run.loss(torch.arange(seq_len)[None] % 96).backward()
+        grads[reuse] = [p.grad.clone() for p in model.parameters()]
+    saved = results[False].peak_bytes - results[True].peak_bytes
+    assert saved == seq_len * config.hidden_size * F32
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))

@@ -3,11 +3,12 @@ backward that recomputes the layer chunk by chunk along the sequence (PAPER.md s
 
 Backward, per layer:
 1. From the saved input H_in, compute K and V of the whole sequence once, without grad (B, Hkv, T, hd).
-2. For each query chunk s..e, last chunk first: recompute norm, Q, and the chunk's own k/v with grad;
-   attend to [K(:s), k(s:e)] lower-right causally; o_proj, residual, norm, MLP, residual; back-propagate
-   dH_out(s:e) together with the dK/dV that later chunks have accumulated for positions s..e. Because
-   chunks run last to first, those are complete, so the K/V projections are differentiated once per
-   position. Weight gradients accumulate in `.grad`; dK/dV of the prefix accumulate for earlier chunks.
+2. For each query chunk s..e, last chunk first: recompute norm and Q with grad; attend to the cached
+   K(:e), V(:e) (views, no copy) lower-right causally; o_proj, residual, norm, MLP, residual;
+   back-propagate dH_out(s:e) and add the attention's dK/dV of positions 0..e to the accumulated ones.
+   Because chunks run last to first, those of positions s..e are then complete: back-propagate them
+   through the chunk's own k/v projections (recomputed with grad), so the K/V projections are
+   differentiated once per position. Weight gradients accumulate in `.grad`.
 Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) for K, V and their grads.
 """
 
@@ -32,6 +33,9 @@ class LayerPlan:
     parts: LayerParts
     partition_size: int
     attn: str
+    reuse_grad_out: bool = False
+    """Write dL/dH_in over dL/dH_out in backward. Only for a caller that owns the layer's output: it feeds
+    nothing but the next streamed layer or head (no hooks, no retained grads), as in `StreamBPRun`."""
 
 
 def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -96,30 +100,63 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
 
 
 def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params) -> Tensor:
-    """Accumulate the layer's weight gradients in `.grad` and return dL/dH_in (see module docstring)."""
+    """Accumulate the layer's weight gradients in `.grad` and return dL/dH_in (see module docstring).
+
+    With `plan.reuse_grad_out`, dL/dH_in is written over dL/dH_out chunk by chunk (chunk s..e reads only
+    its own slice of dL/dH_out, and chunks run last to first), so one (B, T, d) gradient is alive, not two.
+    """
     keys, values = _kv_cache(plan, h_in, cos, sin)
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
-    grad_in = torch.empty_like(h_in)
+    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size)):
-        h = leaf(h_in[:, start:end])
-        prefix_k, prefix_v = leaf(keys[:, :, :start]), leaf(values[:, :, :start])
-        with torch.enable_grad():
-            q, k, v = project_qkv(plan.parts, plan.parts.input_norm(h), *_rope(cos, sin, start, end))
-            all_k, all_v = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
-            out = finish_chunk(plan, h, q, all_k, all_v, _valid(key_valid, end))
-        backward_into(
-            [out, k, v],
-            [grad_out[:, start:end], d_keys[:, :, start:end], d_values[:, :, start:end]],
-            [h, prefix_k, prefix_v],
-            params,
-        )
-        grad_in[:, start:end] = grad_or_zeros(h)
-        if start > 0:
-            d_keys[:, :, :start] += grad_or_zeros(prefix_k)
-            d_values[:, :, :start] += grad_or_zeros(prefix_v)
-        del q, k, v, all_k, all_v, out  # before the next chunk allocates its own
+        kv = _KVState(keys[:, :, :end], values[:, :, :end], d_keys[:, :, :end], d_values[:, :, :end])
+        chunk_grad = _chunk_backward(plan, h_in[:, start:end], *_rope(cos, sin, start, end),
+                                     _valid(key_valid, end), kv, grad_out[:, start:end], params)
+        grad_in[:, start:end] = chunk_grad
+        del kv, chunk_grad
     return grad_in
+
+
+@dataclass(frozen=True)
+class _KVState:
+    """Views of one chunk's key/value prefix 0..e and of their accumulated gradients."""
+
+    keys: Tensor
+    values: Tensor
+    d_keys: Tensor
+    d_values: Tensor
+
+
+def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk, params) -> Tensor:
+    """Back-propagate one chunk; returns its dL/dH_in. Three passes, so the prefix needs no copy:
+    1. the chunk's output against the cached K/V prefix (views, no concatenation) -> dQ path, o_proj, MLP,
+       residual, and dK/dV of positions 0..e, added to the accumulated ones;
+    2. the chunk's own k/v (recomputed from the normed input) with their now complete dK/dV;
+    3. the input norm, with the normed input's gradient from passes 1 and 2.
+    """
+    parts = plan.parts
+    h = leaf(h_in_chunk)
+    prefix_k, prefix_v = leaf(kv.keys), leaf(kv.values)
+    with torch.enable_grad():
+        x = parts.input_norm(h)
+        x_leaf = leaf(x)
+        q, k, v = project_qkv(parts, x_leaf, cos, sin)
+        out = finish_chunk(plan, h, q, prefix_k, prefix_v, valid)
+    backward_into([out], [grad_chunk], [h, x_leaf, prefix_k, prefix_v], params)
+    del out, q
+    kv.d_keys.add_(grad_or_zeros(prefix_k))
+    kv.d_values.add_(grad_or_zeros(prefix_v))
+    del prefix_k, prefix_v  # their gradients, (B, Hkv, e, hd) each, before pass 2 allocates
+    c = h.shape[1]
+    backward_into([k, v], [kv.d_keys[:, :, -c:], kv.d_values[:, :, -c:]], [x_leaf], params)
+    backward_into([x], [grad_or_zeros(x_leaf)], [h], params)
+    return grad_or_zeros(h)
+
+
+def _overwritable(grad_out: Tensor, h_in: Tensor) -> bool:
+    """Whether dL/dH_in can be written into grad_out's storage: same shape and dtype, dense."""
+    return grad_out.shape == h_in.shape and grad_out.dtype == h_in.dtype and grad_out.is_contiguous()
 
 
 class StreamedLayer(torch.autograd.Function):

@@ -25,7 +25,8 @@ class StreamBPRun(Run):
     def _setup(self) -> None:
         cfg = self.config
         self._layers = [
-            (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn), trainable_parameters([layer]))
+            (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True),
+             trainable_parameters([layer]))
             for layer in self.parts.layers
         ]
         head_modules = [self.parts.norm, self.parts.lm_head]
