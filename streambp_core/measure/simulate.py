@@ -23,9 +23,9 @@ Speed (what makes `streambp-bench max-len` run in seconds):
   layer). `probe.simulated_max_len` re-checks a max-length bracket at full depth.
 - Chunk loops: every engine chunk loop (`engine.chunks.chunk_bounds`) runs only its first and last
   `KEEP_CHUNKS` (4) chunks: chunks differ only in position, what outlives a chunk is preallocated, and
-  a chunk's memory grows with its prefix. 4 because a chunk can peak while the previous one's prefix
-  `torch.cat` is still held and the backward's first chunk is partial (2 missed Qwen3-8B at 40k tokens
-  by 3.1 MiB; 3 is the least that does not). Equal to all chunks to the byte in the tests
+  a chunk's memory grows with its prefix. 4 because a chunk can peak while what the previous one left
+  is still held and the backward's first chunk is partial (when the backward still concatenated each
+  chunk's K/V prefix, 2 missed Qwen3-8B at 40k tokens by 3.1 MiB and 3 was the least that did not). Equal to all chunks to the byte in the tests
   (`thin_chunks=False`). Patches `chunk_bounds` in the engine modules under a lock meanwhile.
 - Meta kernels: `fastmeta.SimulationMode` memoises their output metadata.
 """
