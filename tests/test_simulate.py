@@ -64,8 +64,8 @@ def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len
 
 
 def test_thinning_keeps_the_event_where_a_chunk_meets_its_predecessors_leftovers() -> None:
-    """A GQA shape (16 heads on 4 KV heads) whose peak is the third backward chunk's start, while the
-    second chunk's prefix concatenation is still held: 2 kept chunks per end missed it, 4 do not."""
+    """A GQA shape (16 heads on 4 KV heads) whose peak fell at the third backward chunk's start while the
+    second chunk's leftovers were held (2 kept chunks per end missed it): 4 per end give every chunk's."""
     config = tiny_config("qwen3", hidden_size=128, num_attention_heads=16, num_key_value_heads=4, head_dim=8,
                          intermediate_size=384)  # fmt: skip
     options = dict(partition_size=64, head_partition_size=64)
