@@ -1,11 +1,15 @@
 """Grid points of a sweep: parse and expand the grid, run one point, write its rows, resume.
 
 A `Point` is one training step's settings (method, model, objective, length, batch, partition sizes,
-dtype, LoRA rank, optimizer). `run_point(point, where)` turns it into result rows:
+dtype, LoRA rank, optimizer, attention kernel). `run_point(point, where)` turns it into result rows:
 - where "sim": the peak simulated on meta tensors (`simulate_step` for plain SFT backprop, else
   `simulate_training_step`); a peak above the budget is status "oom" (value empty, peak kept);
 - where "cpu" / "cuda": a real step (`measure_training_step`): the tracked (CPU) or allocator (CUDA)
-  peak, and a second row, metric step_time, with the median of the timed repeats.
+  peak (on CUDA with the reserved peak, alloc retries and OOM count), and a second row, metric
+  step_time, with the median of the timed repeats.
+Every row records the step's protocol ("default") and gradients (`TrainSpec.grads`: fresh with an
+optimizer, else resident), and the attention kernel asked for (a simulation uses its flash-like fake
+kernel whatever it is).
 `run_points` writes each point's rows as soon as it finishes (atomic upsert), so Ctrl-C or a kill
 loses no finished point, and skips points already in the file unless `force` (resume).
 """
@@ -49,6 +53,8 @@ class Point:
     dtype: str = "bfloat16"
     lora_rank: int = 0
     optimizer: str = "none"
+    attn: str = "auto"
+    """Attention kernel on CUDA: auto, sdpa or flash."""
 
     def spec(self) -> TrainSpec:
         """The step as a `TrainSpec` (validates every field; ConfigError)."""
@@ -62,6 +68,7 @@ class Point:
             dtype=self.dtype,
             partition_size=self.partition_size or 500,
             head_partition_size=self.head_partition_size or 100,
+            attn=self.attn,
         )
 
     def key_fields(self) -> dict:
@@ -77,6 +84,9 @@ class Point:
             "dtype": self.dtype,
             "lora_rank": self.lora_rank or None,
             "optimizer": self.optimizer,
+            "attn": self.attn,
+            "protocol": "default",
+            "grads": self.spec().grads,
         }
 
 
@@ -218,6 +228,8 @@ def run_point(point: Point, where: Where) -> list[ResultRow]:
         value=columns["peak_allocated_gib"],
         peak_reserved_gib=reserved,
         step_time_ms=measured.step_time_ms,
+        alloc_retries=measured.alloc_retries,
+        num_ooms=measured.num_ooms,
     )
     return [row, replace(row, metric="step_time", value=measured.step_time_ms)]
 

@@ -59,6 +59,18 @@ class Plan:
     def source(self) -> str:
         return SOURCE[self.device]
 
+    def step_settings(self) -> dict:
+        """What the searched step ran, as results-row fields: objective, LoRA rank, optimizer, attention
+        kernel, protocol and gradients (a training step runs the default protocol, grads as
+        `TrainSpec.grads` says; a backprop-only step runs --protocol and --grads)."""
+        training = {"objective": "sft", "lora_rank": 0, "optimizer": "none", **self.training}
+        protocol, grads = self.spec.get("protocol", "default"), self.spec.get("grads", "resident")
+        if self.is_training_step:
+            protocol, grads = "default", _train_spec(self.model, self.methods[0], training, self.spec).grads
+        lora_rank = training["lora_rank"] or None
+        attn = self.spec.get("attn", "auto")
+        return {**training, "lora_rank": lora_rank, "attn": attn, "protocol": protocol, "grads": grads}
+
 
 @dataclass(frozen=True, kw_only=True)
 class MethodResult:

@@ -152,12 +152,23 @@ def write_rows(plan: Plan, results: list[MethodResult], path: Path) -> None:
                 partition_size=spec["partition_size"] if chunked else None,
                 head_partition_size=spec["head_partition_size"] if chunked else None,
                 dtype=spec["dtype"],
+                **plan.step_settings(),
                 metric="max_len",
                 value=float(r.search.max_len_tokens),
                 peak_allocated_gib=peak_gib(r),
+                **_allocator_columns(r),
                 budget_gib=plan.budget_bytes / GIB,
                 **parts,
                 **stamp,
             )
         )
     ResultsFile(path).append_many(rows)
+
+
+def _allocator_columns(result: MethodResult) -> dict:
+    """The CUDA allocator's reserved peak (GiB), retries and OOMs of the probe at the max length."""
+    best = result.search.peak_at_max
+    if best is None:
+        return {}
+    reserved = None if best.peak_reserved_bytes is None else best.peak_reserved_bytes / GIB
+    return {"peak_reserved_gib": reserved, "alloc_retries": best.alloc_retries, "num_ooms": best.num_ooms}

@@ -75,6 +75,24 @@ def test_out_upserts_one_max_len_row_per_method(runner, tmp_path):
     assert rows[1].partition_size == 32 and rows[0].partition_size is None
 
 
+def test_out_rows_of_another_protocol_grads_attn_or_optimizer_are_other_points(runner, tmp_path):
+    path = tmp_path / "maxlen.csv"
+    variants = [[], ["--protocol", "paper"], ["--grads", "fresh"], ["--attn", "sdpa"]]
+    variants += [["--optimizer", "adamw"]]
+    for extra in (*variants, []):  # the last run replaces the first one's row
+        result = runner.invoke(app, [*SIM, "--method", "plain", "--out", str(path), *extra])
+        assert result.exit_code == 0, result.output
+    rows = ResultsFile(path).rows()
+    assert [(r.protocol, r.grads, r.attn, r.optimizer) for r in rows] == [
+        ("default", "resident", "auto", "none"),
+        ("paper", "resident", "auto", "none"),
+        ("default", "fresh", "auto", "none"),
+        ("default", "resident", "sdpa", "none"),
+        ("default", "fresh", "auto", "adamw"),  # a training step with an optimizer makes its gradients
+    ]
+    assert rows[1].value < rows[0].value  # the paper's protocol holds the logits through backward
+
+
 def test_cpu_measures_real_tensors_near_the_simulated_bracket(runner):
     args = ["max-len", "-m", "tiny/qwen3", "--device", "cpu", "--method", "streambp"]
     args += ["--dtype", "float32", "--ps", "128", "--ps-head", "64", "--budget-gib", "0.003", "--json"]

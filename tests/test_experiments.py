@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from streambp_bench import experiments as exp
+from streambp_bench.results import ResultsFile
+from streambp_bench.schema_history import SCHEMA_1_COLUMNS
 from streambp_core.config import ConfigError
 
 
@@ -83,6 +85,22 @@ def test_training_step_with_optimizer_counts_optimizer_state() -> None:
     )
     (row,) = exp.run_point(point, where)
     assert row.status == "ok" and row.optimizer_gib > 0 and row.lora_rank == 4
+    assert (row.grads, row.protocol, row.attn) == ("fresh", "default", "auto")
+
+
+def test_a_rerun_point_replaces_its_schema_1_row(tmp_path) -> None:
+    """A point written before the attn/protocol/grads columns is the same point when run again."""
+    where = exp.resolve_where("sim")
+    sizes = {"partition_size": 32, "head_partition_size": 16}
+    points = [exp.Point(method="streambp", model="tiny/llama", seq_len_tokens=128, optimizer=name, **sizes)
+              for name in ("none", "adamw")]  # fmt: skip
+    rows = [row for point in points for row in exp.run_point(point, where)]
+    path = tmp_path / "old.csv"
+    lines = [",".join(r.to_record()[c] for c in SCHEMA_1_COLUMNS) for r in rows]
+    path.write_text("\n".join([",".join(SCHEMA_1_COLUMNS), *lines]) + "\n")
+    results = ResultsFile(path)
+    assert all(exp.point_keys(point, where) <= results.done_keys() for point in points)
+    assert exp.run_points(points, where, results) == []  # both already done
 
 
 def test_cpu_point_measures_step_time() -> None:
