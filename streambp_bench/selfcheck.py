@@ -5,9 +5,11 @@ Steps, each writing rows to one results CSV:
    importable): a method passes when its gradient error against an fp32 plain reference is at most 2x
    plain bf16's error against the same reference.
 2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
-   the simulator's prediction for the same settings.
+   the simulator's prediction for the same settings; on CUDA with the reserved peak, and the allocator's
+   alloc retries and OOM count over the step.
 3. time: median step time of checkpoint and streambp at the same lengths (CUDA events; warm-up first),
-   with the layer partition T/3 of the paper's timing runs (Table 1).
+   with the layer partition T/3 of the paper's timing runs (Table 1); on CUDA with the allocator's
+   retries and OOM count over the timed steps.
 Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
 """
 
@@ -20,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from streambp_bench.results import ResultRow, provenance
-from streambp_core.measure.cuda import cuda_available, device_info, median, time_cuda_ms
+from streambp_core.measure.cuda import CudaPeak, cuda_available, device_info, median, time_cuda_ms
 from streambp_core.measure.probe import ProbeSpec, measure_step
+from streambp_core.measure.units import GIB
 from streambp_core.models.load import build_model
+from streambp_core.search import OK, ProbeResult
 from streambp_core.verify import VerifySpec, verify_spec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
@@ -81,7 +85,8 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
                 yield ResultRow(
                     method=result.method, model=plan.verify_model, objective=objective,
                     seq_len_tokens=plan.verify_seq_len, batch_size=2, partition_size=256,
-                    head_partition_size=100, dtype=plan.verify_dtype, status="ok" if result.ok else "error",
+                    head_partition_size=100, dtype=plan.verify_dtype, attn=attn,
+                    status="ok" if result.ok else "error",
                     metric="grad_rel_err", value=result.max_rel_err,
                     error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
                     **provenance(f"measured-{plan.device}", where),
@@ -94,22 +99,24 @@ def memory_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
         spec = ProbeSpec(model=plan.memory_model, method=method, dtype=plan.dtype,
                          partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
         for seq_len in plan.lengths:
-            measured = measure_step(model, spec, seq_len, plan.device)
+            yield _memory_row(plan, spec, measure_step(model, spec, seq_len, plan.device), where)
             simulated = spec.simulate(seq_len)
-            yield _memory_row(plan, spec, seq_len, f"measured-{plan.device}", measured.status,
-                              measured.peak_bytes, measured.breakdown_bytes, where, measured.message)
-            yield _memory_row(plan, spec, seq_len, "simulated", "ok", simulated.peak_bytes,
-                              simulated.breakdown_bytes, where, "")
+            yield _memory_row(plan, spec, ProbeResult(seq_len_tokens=seq_len, status=OK, source="simulated",
+                                                      peak_bytes=simulated.peak_bytes,
+                                                      breakdown_bytes=simulated.breakdown_bytes), where)
 
 
-def _memory_row(plan, spec, seq_len, source, status, peak_bytes, breakdown, where, message) -> ResultRow:
-    gib = {f"{k}_gib": v / 2**30 for k, v in (breakdown or {}).items()}
-    peak = None if peak_bytes is None else peak_bytes / 2**30
+def _memory_row(plan: CheckPlan, spec: ProbeSpec, probe: ProbeResult, where: str) -> ResultRow:
+    """A peak_memory row of one probe (measured or simulated), with the allocator's figures it has."""
+    gib = {f"{k}_gib": v / GIB for k, v in probe.breakdown_bytes.items()}
+    peak = None if probe.peak_bytes is None else probe.peak_bytes / GIB
+    reserved = None if probe.peak_reserved_bytes is None else probe.peak_reserved_bytes / GIB
     return ResultRow(
-        method=spec.method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
+        method=spec.method, model=plan.memory_model, seq_len_tokens=probe.seq_len_tokens, batch_size=1,
         partition_size=plan.partition_size, head_partition_size=plan.head_partition_size, dtype=plan.dtype,
-        status=status, metric="peak_memory", value=peak, peak_allocated_gib=peak, error=message or "",
-        **gib, **provenance(source, where),
+        attn=spec.attn, protocol=spec.protocol, grads=spec.grads, status=probe.status, metric="peak_memory",
+        value=peak, peak_allocated_gib=peak, peak_reserved_gib=reserved, alloc_retries=probe.alloc_retries,
+        num_ooms=probe.num_ooms, error=probe.message, **gib, **provenance(probe.source, where),
     )
 
 
@@ -124,27 +131,41 @@ def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[
             with streambp_core.prepare(model, method, partition_size=partition,
                                        head_partition_size=plan.head_partition_size,
                                        baseline_attention="engine") as run:
-                times = _time_step(plan, lambda run=run, ids=ids: run.loss(ids).backward(), repeats)
+                timing = time_steps(plan, lambda run=run, ids=ids: run.loss(ids).backward(), repeats)
             model.zero_grad(set_to_none=True)
-            ms = median(times)
+            ms = median(timing.times_ms)
             yield ResultRow(
                 method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
                 partition_size=partition, head_partition_size=plan.head_partition_size,
                 dtype=plan.dtype, metric="step_time", value=ms, step_time_ms=ms,
+                alloc_retries=timing.alloc_retries, num_ooms=timing.num_ooms,
                 **provenance(f"measured-{plan.device}", where),
             )
 
 
-def _time_step(plan: CheckPlan, step: Callable[[], None], repeats: int) -> list[float]:
-    if plan.device == "cuda":
-        return time_cuda_ms(step, warmup=1, repeats=repeats)
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    """Timed steps (ms), and the CUDA allocator's retries and OOMs over them (None on CPU)."""
+
+    times_ms: list[float]
+    alloc_retries: int | None = None
+    num_ooms: int | None = None
+
+
+def time_steps(plan: CheckPlan, step: Callable[[], None], repeats: int) -> Timing:
+    """One untimed warm-up step, then `repeats` timed ones: CUDA events inside a `CudaPeak` on CUDA (for
+    the allocator's counters over the timed steps only), else the wall clock."""
     step()
+    if plan.device == "cuda":
+        with CudaPeak() as peak:
+            times = time_cuda_ms(step, warmup=0, repeats=repeats)
+        return Timing(times_ms=times, alloc_retries=peak.num_alloc_retries, num_ooms=peak.num_ooms)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)
-    return times
+    return Timing(times_ms=times)
 
 
 def memory_model(plan: CheckPlan):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pandas as pd
+from rich.console import Console
 from typer.testing import CliRunner
 
 from streambp_bench import selfcheck as check
 from streambp_bench.cli import app
-from streambp_bench.results import ResultsFile
+from streambp_bench.commands import selfcheck as command
+from streambp_bench.results import ResultsFile, rows_to_frame
+from streambp_core.measure.units import GIB
+from streambp_core.search import ProbeResult
 
 
 def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
@@ -32,6 +37,9 @@ def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     assert set(times.method) == {"checkpoint", "streambp"} and (times.step_time_ms > 0).all()
     assert (times.partition_size == [-(-n // 3) for n in times.seq_len_tokens]).all()
     assert "sim/measured" in result.output and "streambp/checkpoint" in result.output
+    assert frame[["peak_reserved_gib", "alloc_retries", "num_ooms"]].isna().all().all()  # no CUDA allocator
+    assert "alloc retries" not in result.output
+    assert set(grads.attn) == {"sdpa"} and set(memory.attn) == {"auto"}
 
 
 def test_gpu_plan_is_chosen_when_cuda_is_present():
@@ -57,3 +65,71 @@ def test_committed_gpu_results_meet_the_checks():
     memory = frame[frame.metric == "peak_memory"]
     pairs = memory.pivot_table(index=["method", "seq_len_tokens"], columns="source", values="value")
     assert ((pairs["simulated"] / pairs["measured-cuda"] - 1).abs() <= 0.03).all()
+
+
+def _measured_on_a_fake_gpu(model, spec, seq_len, device) -> ProbeResult:
+    """What `measure_step` returns on CUDA: the allocator's peak, reserved peak, 2 retries, no OOM."""
+    return ProbeResult(seq_len_tokens=seq_len, status="ok", peak_bytes=GIB // 4, source="measured-cuda",
+                       peak_reserved_bytes=GIB // 2, alloc_retries=2, num_ooms=0)  # fmt: skip
+
+
+def test_memory_rows_carry_the_allocators_reserved_peak_retries_and_ooms():
+    plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,))
+    with mock.patch.object(check, "measure_step", _measured_on_a_fake_gpu):
+        rows = list(check.memory_rows(plan, None, "NVIDIA H200"))
+    measured = [r for r in rows if r.source == "measured-cuda"]
+    simulated = [r for r in rows if r.source == "simulated"]
+    assert len(measured) == len(simulated) == len(check.METHODS)
+    assert {(r.alloc_retries, r.num_ooms, r.peak_reserved_gib) for r in measured} == {(2, 0, 0.5)}
+    assert {(r.alloc_retries, r.num_ooms, r.peak_reserved_gib) for r in simulated} == {(None, None, None)}
+    console = Console(record=True, width=200)
+    console.print(command._memory_table(rows_to_frame(rows), "NVIDIA H200"))
+    table = console.export_text()
+    assert "alloc retries" in table and "OOMs" in table
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if "│" in line]
+    assert [row[-3:] for row in cells] == [["0.5", "2", "0"]] * len(check.METHODS)
+
+
+class _FakeCudaPeak:
+    """A `CudaPeak` whose region saw 2 alloc retries and no OOM; logs when it is entered and left."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def __call__(self) -> _FakeCudaPeak:
+        return self
+
+    def __enter__(self) -> _FakeCudaPeak:
+        self.log.append("enter")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.append("exit")
+        self.num_alloc_retries, self.num_ooms = 2, 0
+
+
+def test_cuda_timing_counts_retries_over_the_timed_steps_only():
+    log: list[str] = []
+
+    def events_timed(step, warmup, repeats):
+        assert warmup == 0
+        return [float(step() or 5 + i) for i in range(repeats)]
+
+    with (
+        mock.patch.object(check, "CudaPeak", _FakeCudaPeak(log)),
+        mock.patch.object(check, "time_cuda_ms", events_timed),
+    ):
+        timing = check.time_steps(check.GPU_PLAN, lambda: log.append("step"), repeats=3)
+    assert log == ["step", "enter", "step", "step", "step", "exit"]  # the warm-up is outside the region
+    assert (timing.times_ms, timing.alloc_retries, timing.num_ooms) == ([5.0, 6.0, 7.0], 2, 0)
+
+
+def test_time_rows_record_the_timings_allocator_counters():
+    plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,))
+    timing = check.Timing(times_ms=[3.0, 1.0, 2.0], alloc_retries=2, num_ooms=0)
+    with mock.patch.object(check, "time_steps", return_value=timing):
+        rows = list(check.time_rows(plan, check.memory_model(plan), "NVIDIA H200"))
+    assert [(r.method, r.step_time_ms, r.alloc_retries, r.num_ooms) for r in rows] == [
+        ("checkpoint", 2.0, 2, 0),
+        ("streambp", 2.0, 2, 0),
+    ]

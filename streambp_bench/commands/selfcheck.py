@@ -72,10 +72,10 @@ def _print_summary(console: Console, frame: pd.DataFrame, where: str) -> bool:
         reference = "fp32 plain (2x plain-bf16 rule)" if dtype == "bfloat16" else "plain"
         title = f"{dtype} gradients vs {reference}"
         table = Table(title=f"{title} ({where})", title_justify="left")
-        for column in ("objective", "method", "max rel err", "status"):
+        for column in ("objective", "attn", "method", "max rel err", "status"):
             table.add_column(column)
         for row in grads.itertuples():
-            table.add_row(row.objective, row.method, f"{row.value:.3e}", row.status)
+            table.add_row(row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
         failed = bool((grads.status != "ok").any())
         console.print(table)
     console.print(_memory_table(frame, where))
@@ -84,16 +84,21 @@ def _print_summary(console: Console, frame: pd.DataFrame, where: str) -> bool:
 
 
 def _memory_table(frame: pd.DataFrame, where: str) -> Table:
+    """Measured vs simulated peak per method and length; with the CUDA allocator's reserved peak, alloc
+    retries and OOMs when the measured rows have them (a CUDA run)."""
     table = Table(title=f"peak GiB: simulated vs measured ({where})", title_justify="left")
-    for column in ("method", "tokens", "measured", "simulated", "sim/measured"):
-        table.add_column(column, justify="right")
     memory = frame[frame.metric == "peak_memory"]
     measured = memory[memory.source != "simulated"].set_index(["method", "seq_len_tokens"])
     simulated = memory[memory.source == "simulated"].set_index(["method", "seq_len_tokens"])
+    allocator = bool(measured.alloc_retries.notna().any())
+    extra = ("reserved", "alloc retries", "OOMs") if allocator else ()
+    for column in ("method", "tokens", "measured", "simulated", "sim/measured", *extra):
+        table.add_column(column, justify="right")
     for key, row in measured.iterrows():
         sim = simulated.loc[key, "value"] if key in simulated.index else None
         ratio = f"{sim / row.value:.3f}" if sim is not None and row.value else "-"
-        table.add_row(key[0], str(key[1]), _gib(row.value), _gib(sim), ratio)
+        counts = (_gib(row.peak_reserved_gib), _count(row.alloc_retries), _count(row.num_ooms))
+        table.add_row(key[0], str(key[1]), _gib(row.value), _gib(sim), ratio, *counts[: len(extra)])
     return table
 
 
@@ -112,3 +117,7 @@ def _time_table(frame: pd.DataFrame, where: str) -> Table:
 
 def _gib(value) -> str:
     return "-" if value is None or pd.isna(value) else f"{value:.4g}"
+
+
+def _count(value) -> str:
+    return "-" if value is None or pd.isna(value) else str(int(value))
