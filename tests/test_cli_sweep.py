@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from streambp_bench import experiments
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
+from streambp_core.measure import training_step
 
 TINY = ["-m", "tiny/llama", "--seq-len", "64,128", "--ps", "16,32", "--ps-head", "16", "--device", "sim"]
 
@@ -66,6 +67,49 @@ def test_interrupted_sweep_resumes_without_lost_or_duplicated_rows(
     assert second.exit_code == 0 and "3 points run, 3 already done" in second.output
     keys = [row.key() for row in ResultsFile(out).rows()]
     assert len(keys) == len(set(keys)) == 6
+
+
+def test_attn_is_recorded_and_a_resume_with_another_kernel_runs_its_own_points(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.csv"
+    assert _sweep(out).exit_code == 0
+    flash = _sweep(out, "--attn", "flash")
+    assert flash.exit_code == 0 and "6 points run, 0 already done" in flash.output
+    again = _sweep(out, "--attn", "flash")
+    assert "0 points run, 6 already done" in again.output
+    rows = ResultsFile(out).rows()
+    assert len(rows) == 12 and sorted(r.attn for r in rows) == ["auto"] * 6 + ["flash"] * 6
+    assert {(r.protocol, r.grads) for r in rows} == {("default", "resident")}
+    values = {kernel: sorted(r.value for r in rows if r.attn == kernel) for kernel in ("auto", "flash")}
+    assert values["auto"] == values["flash"]  # the simulator's fake kernel is the same for both
+
+
+def test_attn_reaches_the_measured_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_prepare = training_step.prepare
+    kernels: list[str] = []
+
+    def recording_prepare(model, method, **options):
+        kernels.append(options["attn"])
+        return real_prepare(model, method, **options)
+
+    monkeypatch.setattr(training_step, "prepare", recording_prepare)
+    out = tmp_path / "cpu.csv"
+    args = ["sweep", "-m", "tiny/llama", "--device", "cpu", "--dtype", "float32", "--seq-len", "64", "--ps",
+            "32", "--ps-head", "16", "--method", "streambp", "--attn", "sdpa", "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert kernels and set(kernels) == {"sdpa"}  # the tracked step and the timed steps
+    rows = ResultsFile(out).rows()
+    assert [(r.metric, r.attn, r.alloc_retries) for r in rows] == [
+        ("peak_memory", "sdpa", None),  # no CUDA allocator on a CPU
+        ("step_time", "sdpa", None),
+    ]
+
+
+def test_help_names_attn_with_an_example() -> None:
+    result = CliRunner().invoke(app, ["sweep", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.replace("│", " ").split())  # the option panel wraps its help
+    assert "--attn <auto|sdpa|flash>" in text and "flash-like fake kernel" in text and "--attn sdpa" in text
 
 
 def test_csv_of_another_schema_is_a_one_line_error(tmp_path: Path) -> None:

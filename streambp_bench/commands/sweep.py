@@ -31,7 +31,9 @@ HELP = (
     "Each point is written as soon as it finishes (atomic rewrite of the CSV), so Ctrl-C or a kill loses "
     "no finished point; running the same sweep again skips the points already in the file (resume) and "
     "runs the rest. --force re-runs every point and replaces its rows. Lengths take a k suffix (1k = 1024 "
-    "tokens) and ranges START:STOP:STEP (inclusive)."
+    "tokens) and ranges START:STOP:STEP (inclusive).\n\n"
+    "Each row records the attention kernel (--attn), the step protocol and whether gradients existed "
+    "before the step, so a sweep with another --attn is other points: it runs them, it does not skip them."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -43,6 +45,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench sweep -m Qwen/Qwen3-4B --objective grpo -b 8 --lora-rank 32 --optimizer adamw[/]
 
 [cyan]streambp-bench sweep -m tiny/llama --device cpu --dtype float32 --seq-len 256,512 --ps 64 --out r.csv[/]
+
+[cyan]streambp-bench sweep -m Qwen/Qwen3-4B --device cuda --attn sdpa --seq-len 8k,16k --out sdpa.csv[/]
 """
 
 
@@ -99,6 +103,15 @@ def sweep(
         int, typer.Option("--batch-size", "-b", help="Sequences (sft), group size (grpo) or pairs (dpo).")
     ] = 1,
     dtype: opt.DtypeOption = opt.Dtype.bfloat16,
+    attn: Annotated[
+        opt.Attn,
+        typer.Option(
+            "--attn",
+            help="Attention kernel of a CUDA step: flash (flash-attn), sdpa, or auto; recorded in each row. "
+            "A simulated point uses the simulator's flash-like fake kernel whatever this is (a cpu point, "
+            "the exact CPU kernel).",
+        ),
+    ] = opt.Attn.auto,
     device: Annotated[
         str, typer.Option("--device", help="auto (cuda if present, else sim), cuda, cpu or sim.")
     ] = "auto",
@@ -123,6 +136,7 @@ def sweep(
         dtype=dtype.value,
         lora_rank=lora_rank,
         optimizer=optimizer,
+        attn=attn.value,
     )
     try:
         results = open_results(out)
