@@ -22,13 +22,17 @@ KINDS = ("memory", "time", "ablation", "maxlen")
 """Figure kinds, in the order `available_kinds` lists them."""
 METHOD_ORDER = ("plain", "checkpoint", "mst", "streambp")
 METHOD_COLORS = {"plain": "tab:red", "checkpoint": "tab:blue", "mst": "tab:green", "streambp": "tab:orange"}
-VARIANT_COLUMNS = ("source", "objective", "dtype", "lora_rank", "optimizer", "batch_size", "device_name")
+VARIANT_COLUMNS = (
+    "source", "objective", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "batch_size",
+    "device_name",
+)  # fmt: skip
 """Columns that split a method's rows into separate lines when they vary within the method."""
 PARTITION_COLUMNS = ("partition_size", "head_partition_size")
 DPI = 150
 _PREFIXES = dict(
-    partition_size="ps ", head_partition_size="ps-head ", batch_size="batch ", lora_rank="LoRA r"
-)
+    partition_size="ps ", head_partition_size="ps-head ", batch_size="batch ", lora_rank="LoRA r",
+    attn="attn ", protocol="protocol ", grads="grads ",
+)  # fmt: skip
 
 
 def memory_vs_length(

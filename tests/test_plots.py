@@ -79,6 +79,15 @@ def test_error_rows_are_left_out_and_mixed_sources_are_told_apart(memory_df: pd.
     assert fig.get_suptitle() == "Peak memory vs sequence length (measured-cuda + simulated)"
 
 
+def test_rows_of_another_protocol_or_kernel_are_other_lines(memory_df: pd.DataFrame) -> None:
+    paper = memory_df.assign(protocol="paper", value=memory_df["value"] + 1.0)
+    labels = list(lines_by_label(plots.memory_vs_length(pd.concat([memory_df, paper]))))
+    assert labels[:2] == ["plain protocol default", "plain protocol paper"]
+    sdpa = memory_df[memory_df["method"] == "streambp"].assign(attn="sdpa")
+    labels = set(lines_by_label(plots.memory_vs_length(pd.concat([memory_df, sdpa]))))
+    assert {"streambp attn auto", "streambp attn sdpa", "checkpoint attn auto"} <= labels
+
+
 def test_time_figure_is_in_seconds_per_partition_size() -> None:
     fig = plots.time_vs_length(load("cpu_measured.csv"))
     lines = lines_by_label(fig)
