@@ -100,10 +100,14 @@ def memory_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
                          partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
         for seq_len in plan.lengths:
             yield _memory_row(plan, spec, measure_step(model, spec, seq_len, plan.device), where)
-            simulated = spec.simulate(seq_len)
-            yield _memory_row(plan, spec, ProbeResult(seq_len_tokens=seq_len, status=OK, source="simulated",
-                                                      peak_bytes=simulated.peak_bytes,
-                                                      breakdown_bytes=simulated.breakdown_bytes), where)
+            yield _memory_row(plan, spec, _simulated(spec, seq_len), where)
+
+
+def _simulated(spec: ProbeSpec, seq_len: int) -> ProbeResult:
+    """The simulator's prediction for `spec` at `seq_len`, as a probe result."""
+    sim = spec.simulate(seq_len)
+    return ProbeResult(seq_len_tokens=seq_len, status=OK, peak_bytes=sim.peak_bytes,
+                       breakdown_bytes=sim.breakdown_bytes, source="simulated")
 
 
 def _memory_row(plan: CheckPlan, spec: ProbeSpec, probe: ProbeResult, where: str) -> ResultRow:
