@@ -25,8 +25,9 @@ Speed (what makes `streambp-bench max-len` run in seconds):
   `KEEP_CHUNKS` (4) chunks: chunks differ only in position, what outlives a chunk is preallocated, and
   a chunk's memory grows with its prefix. 4 because a chunk can peak while what the previous one left
   is still held and the backward's first chunk is partial (when the backward still concatenated each
-  chunk's K/V prefix, 2 missed Qwen3-8B at 40k tokens by 3.1 MiB and 3 was the least that did not). Equal to all chunks to the byte in the tests
-  (`thin_chunks=False`). Patches `chunk_bounds` in the engine modules under a lock meanwhile.
+  chunk's K/V prefix, 2 missed Qwen3-8B at 40k tokens by 3.1 MiB and 3 was the least that did not).
+  Equal to all chunks to the byte in the tests (`thin_chunks=False`). Patches `chunk_bounds` in the
+  engine modules under a lock meanwhile.
 - Meta kernels: `fastmeta.SimulationMode` memoises their output metadata.
 """
 
