@@ -24,7 +24,7 @@ from streambp_core.measure.kernels import kernel_time_by_class
 from streambp_core.models.load import build_model
 
 COLUMNS = ("device_name", "model", "method", "seq_len_tokens", "partition_size", "head_partition_size",
-           "step_time_ms", "kernel_class", "device_time_ms", "launches")
+           "step_time_ms", "kernel_class", "self_time_ms", "launches")
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,10 +70,10 @@ def main() -> None:
             print(f"== {method}, ps-head {head_partition or '-'}: {ms:.1f} ms per step at {args.seq_len} "
                   f"tokens (partition {partition}, {gpu})")
             for item in classes:
-                print(f"   {item.kernel_class:18s} {item.device_time_ms:9.1f} ms {item.launches:7d} launches")
+                print(f"   {item.kernel_class:18s} {item.self_time_ms:9.1f} ms {item.launches:7d} launches")
                 rows.append(dict(zip(COLUMNS, (gpu, args.model, method, args.seq_len, partition,
                                                head_partition or "", f"{ms:.2f}", item.kernel_class,
-                                               f"{item.device_time_ms:.2f}", item.launches), strict=True)))
+                                               f"{item.self_time_ms:.2f}", item.launches), strict=True)))
             if args.top:
                 print(averages.table(sort_by="cuda_time_total", row_limit=args.top,
                                      max_name_column_width=70))

@@ -24,17 +24,38 @@ def test_kernel_names_fall_in_their_class(name, expected):
     assert kernel_class(name) == expected
 
 
-def test_device_events_summed_per_class_cpu_ops_skipped():
-    def event(key, device_type, us, count):
-        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us, count=count)
+def event(key, device_type, self_us, count):
+    cpu = device_type.endswith("CPU")
+    return SimpleNamespace(key=key, device_type=device_type, count=count, self_cpu_time_total=self_us * cpu,
+                           self_device_time_total=self_us * (not cpu))
 
-    events = [
-        event("aten::mm", "DeviceType.CPU", 0, 10),  # its kernels are listed on their own
-        event("aten::_flash_attention_backward", "DeviceType.CPU", 900, 2),
-        event("sm90_xmma_gemm_bf16bf16", "DeviceType.CUDA", 1500, 6),
-        event("nvjet_tst_128x256", "DeviceType.CUDA", 500, 4),
-        event("flash_bwd_dq_dk_dv_loop_kernel", "DeviceType.CUDA", 2000, 2),
-        event("vectorized_elementwise_kernel", "DeviceType.CUDA", 250, 40),
-    ]
-    got = {t.kernel_class: (t.device_time_ms, t.launches) for t in kernel_time_by_class(events)}
+
+EVENTS = [
+    event("aten::mm", "DeviceType.CPU", 300, 10),  # on CUDA its kernels are listed on their own
+    event("streambp::prefix_attn_bwd", "DeviceType.CPU", 900, 2),
+    event("sm90_xmma_gemm_bf16bf16", "DeviceType.CUDA", 1500, 6),
+    event("nvjet_tst_128x256", "DeviceType.CUDA", 500, 4),
+    event("flash_bwd_dq_dk_dv_loop_kernel", "DeviceType.CUDA", 2000, 2),
+    event("vectorized_elementwise_kernel", "DeviceType.CUDA", 250, 40),
+]
+
+
+def test_device_events_summed_per_class_cpu_ops_skipped():
+    got = {t.kernel_class: (t.self_time_ms, t.launches) for t in kernel_time_by_class(EVENTS)}
     assert got == {"attention_bwd": (2.0, 2), "gemm": (2.0, 10), OTHER: (0.25, 40)}
+
+
+def test_a_cpu_run_sums_the_ops_self_time():
+    got = {t.kernel_class: (t.self_time_ms, t.launches) for t in kernel_time_by_class(EVENTS, "cpu")}
+    assert got == {"attention_bwd": (0.9, 2), "gemm": (0.3, 10)}
+
+
+def test_profiling_a_cpu_step_finds_its_matmuls():
+    import torch
+
+    from streambp_core.measure.kernels import profile_kernel_time
+
+    a = torch.randn(64, 64)
+    classes = {t.kernel_class: t for t in profile_kernel_time(lambda: (a @ a).relu(), "cpu")}
+    assert classes["gemm"].launches == 2 and classes["gemm"].self_time_ms > 0  # aten::matmul, aten::mm
+    assert classes[OTHER].launches >= 1  # relu
