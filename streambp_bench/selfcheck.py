@@ -8,8 +8,12 @@ Steps, each writing rows to one results CSV:
    the simulator's prediction for the same settings; on CUDA with the reserved peak, and the allocator's
    alloc retries and OOM count over the step.
 3. time: median step time of checkpoint and streambp at the same lengths (CUDA events; warm-up first),
-   with the layer partition T/3 of the paper's timing runs (Table 1); on CUDA with the allocator's
-   retries and OOM count over the timed steps.
+   with the layer partition T/3 of the paper's timing runs (Table 1), streambp at each of the plan's
+   timed LM-head partitions (the paper's 100, and a wider one: a 100-token head chunk re-reads the
+   vocab x hidden weight and its gradient once per 100 tokens); on CUDA with the allocator's retries
+   and OOM count over the timed steps.
+4. profile: at the longest length, one profiled step of each timed variant, kernel time by class
+   (attention forward/backward, GEMM, copy, other; metric `kernel_ms_<class>`): where the time goes.
 Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
 """
 
@@ -23,8 +27,10 @@ import torch
 
 from streambp_bench.results import ResultRow, provenance
 from streambp_core.measure.cuda import CudaPeak, cuda_available, device_info, median, time_cuda_ms
+from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.measure.probe import ProbeSpec, measure_step
 from streambp_core.measure.units import GIB
+from streambp_core.methods import prepare
 from streambp_core.models.load import build_model
 from streambp_core.search import OK, ProbeResult
 from streambp_core.verify import VerifySpec, verify_spec
@@ -46,6 +52,8 @@ class CheckPlan:
     objectives: tuple[str, ...] = ("sft", "grpo", "dpo")
     partition_size: int = 500
     head_partition_size: int = 100
+    timed_head_partitions: tuple[int, ...] = (100, 1024)
+    """LM-head partitions of the streambp step-time and profile rows."""
 
 
 GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype="bfloat16",
@@ -53,7 +61,7 @@ GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype
                      lengths=(4096, 8192, 16384))
 CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=32,
                      memory_model="tiny/qwen3", dtype="float32", lengths=(48, 96, 144),
-                     partition_size=32, head_partition_size=16)
+                     partition_size=32, head_partition_size=16, timed_head_partitions=(16, 48))
 
 
 def default_plan() -> CheckPlan:
@@ -124,27 +132,60 @@ def _memory_row(plan: CheckPlan, spec: ProbeSpec, probe: ProbeResult, where: str
     )
 
 
-def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
-    """Step 3: median step time of checkpoint and streambp (metric step_time, ms), partition T/3."""
-    import streambp_core
+def timed_variants(plan: CheckPlan) -> list[tuple[str, int]]:
+    """(method, LM-head partition) pairs of the time and profile steps: checkpoint (its head is whole;
+    the plan's partition is only recorded), then streambp at each timed head partition."""
+    return [("checkpoint", plan.head_partition_size)] + [("streambp", p) for p in plan.timed_head_partitions]
 
+
+def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_partition: int):
+    """(layer partition T/3, the prepared run, step()) of one timed variant on random ids; the caller
+    enters the run (a context manager) around its steps."""
+    ids = torch.randint(model.config.vocab_size, (1, seq_len), device=plan.device)
+    partition = -(-seq_len // 3)
+    run = prepare(model, method, partition_size=partition, head_partition_size=head_partition,
+                                baseline_attention="engine")
+    return partition, run, lambda: run.loss(ids).backward()
+
+
+def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
+    """Step 3: median step time of each timed variant (metric step_time, ms), partition T/3."""
     for seq_len in plan.lengths:
-        ids = torch.randint(model.config.vocab_size, (1, seq_len), device=plan.device)
-        partition = -(-seq_len // 3)
-        for method in ("checkpoint", "streambp"):
-            with streambp_core.prepare(model, method, partition_size=partition,
-                                       head_partition_size=plan.head_partition_size,
-                                       baseline_attention="engine") as run:
-                timing = time_steps(plan, lambda run=run, ids=ids: run.loss(ids).backward(), repeats)
+        for method, head_partition in timed_variants(plan):
+            partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
+            with run:
+                timing = time_steps(plan, step, repeats)
             model.zero_grad(set_to_none=True)
             ms = median(timing.times_ms)
             yield ResultRow(
                 method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
-                partition_size=partition, head_partition_size=plan.head_partition_size,
+                partition_size=partition, head_partition_size=head_partition,
                 dtype=plan.dtype, metric="step_time", value=ms, step_time_ms=ms,
                 alloc_retries=timing.alloc_retries, num_ooms=timing.num_ooms,
                 **provenance(f"measured-{plan.device}", where),
             )
+
+
+def profile_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
+    """Step 4: kernel time by class of one profiled step per timed variant at the longest length."""
+    seq_len = max(plan.lengths)
+    for method, head_partition in timed_variants(plan):
+        partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
+        common = dict(method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
+                      partition_size=partition, head_partition_size=head_partition, dtype=plan.dtype,
+                      **provenance(f"measured-{plan.device}", where))
+        with run:
+            step()  # warm-up: the profile sees a steady-state step
+            message = "the profiler recorded no kernels"
+            try:
+                classes = profile_kernel_time(step, plan.device)
+            except RuntimeError as error:  # e.g. a profiler that cannot start must not sink the check
+                classes, message = [], str(error).split("\n")[0]
+        model.zero_grad(set_to_none=True)
+        if not classes:
+            yield ResultRow(metric="kernel_ms_total", status="error", error=message, **common)
+        for item in classes:
+            yield ResultRow(metric=f"kernel_ms_{item.kernel_class}", value=item.self_time_ms, **common)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,16 @@ def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     times = frame[frame.metric == "step_time"]
     assert set(times.method) == {"checkpoint", "streambp"} and (times.step_time_ms > 0).all()
     assert (times.partition_size == [-(-n // 3) for n in times.seq_len_tokens]).all()
-    assert "sim/measured" in result.output and "streambp/checkpoint" in result.output
+    variants = set(zip(times.method, times.head_partition_size, strict=True))
+    assert variants == {("checkpoint", plan.head_partition_size)} | {
+        ("streambp", p) for p in plan.timed_head_partitions}
+    profiled = frame[frame.metric.str.startswith("kernel_ms_")]
+    assert set(profiled.seq_len_tokens) == {max(plan.lengths)}
+    assert set(zip(profiled.method, profiled.head_partition_size, strict=True)) == variants
+    assert {"kernel_ms_gemm", "kernel_ms_attention_fwd", "kernel_ms_attention_bwd"} <= set(profiled.metric)
+    assert (profiled.value >= 0).all() and (profiled[profiled.metric == "kernel_ms_gemm"].value > 0).all()
+    assert "sim/measured" in result.output and "/checkpoint" in result.output
+    assert "kernel time ms of one step by class" in result.output
     assert frame[["peak_reserved_gib", "alloc_retries", "num_ooms"]].isna().all().all()  # no CUDA allocator
     assert "alloc retries" not in result.output
     assert set(grads.attn) == {"sdpa"} and set(memory.attn) == {"auto"}
@@ -129,7 +138,19 @@ def test_time_rows_record_the_timings_allocator_counters():
     timing = check.Timing(times_ms=[3.0, 1.0, 2.0], alloc_retries=2, num_ooms=0)
     with mock.patch.object(check, "time_steps", return_value=timing):
         rows = list(check.time_rows(plan, check.memory_model(plan), "NVIDIA H200"))
-    assert [(r.method, r.step_time_ms, r.alloc_retries, r.num_ooms) for r in rows] == [
-        ("checkpoint", 2.0, 2, 0),
-        ("streambp", 2.0, 2, 0),
+    heads = plan.timed_head_partitions
+    assert [(r.method, r.head_partition_size, r.step_time_ms, r.alloc_retries, r.num_ooms) for r in rows] == [
+        ("checkpoint", plan.head_partition_size, 2.0, 2, 0),
+        ("streambp", heads[0], 2.0, 2, 0),
+        ("streambp", heads[1], 2.0, 2, 0),
+    ]
+
+
+def test_a_profiler_that_fails_leaves_an_error_row_not_a_failed_check():
+    plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,), timed_head_partitions=(16,))
+    with mock.patch.object(check, "profile_kernel_time", side_effect=RuntimeError("CUPTI unavailable\nmore")):
+        rows = list(check.profile_rows(plan, check.memory_model(plan), "NVIDIA H200"))
+    assert [(r.method, r.metric, r.status, r.error) for r in rows] == [
+        ("checkpoint", "kernel_ms_total", "error", "CUPTI unavailable"),
+        ("streambp", "kernel_ms_total", "error", "CUPTI unavailable"),
     ]

@@ -16,8 +16,10 @@ from streambp_bench.results import ResultsFile
 
 HELP = (
     "Check the GPU path in a few minutes: bf16 gradients of every method and objective against the "
-    "2x-plain-error rule, measured peak memory next to the simulator's prediction, and step time of "
-    "streambp vs checkpoint. Writes [bold]selfcheck.csv[/] into --out and prints a summary.\n\n"
+    "2x-plain-error rule, measured peak memory next to the simulator's prediction, step time of "
+    "streambp (LM-head partitions 100 and 1024) vs checkpoint, and one profiled step of each at the "
+    "longest length, kernel time by class. Writes [bold]selfcheck.csv[/] into --out and prints a "
+    "summary.\n\n"
     "Without a GPU it says so and runs the same code paths on CPU with a tiny preset (exit 0)."
 )
 
@@ -25,7 +27,7 @@ EPILOG = """[bold]Examples[/]
 
 [cyan]streambp-bench selfcheck[/]    (results/gpu/selfcheck.csv)
 
-[cyan]streambp-bench selfcheck --out /tmp/check --skip-time[/]
+[cyan]streambp-bench selfcheck --out /tmp/check --skip-time --skip-profile[/]
 """
 
 
@@ -35,6 +37,7 @@ def selfcheck(
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Skip the bf16 gradient check.")] = False,
     skip_memory: Annotated[bool, typer.Option("--skip-memory", help="Skip the memory comparison.")] = False,
     skip_time: Annotated[bool, typer.Option("--skip-time", help="Skip the step-time comparison.")] = False,
+    skip_profile: Annotated[bool, typer.Option("--skip-profile", help="Skip the kernel profile.")] = False,
 ) -> None:
     """Run the self-check (see the command help)."""
     console = Console()
@@ -44,9 +47,10 @@ def selfcheck(
     where = check.device_name(plan)
     results = ResultsFile(out / ("selfcheck.csv" if plan.device == "cuda" else "selfcheck-cpu-dry-run.csv"))
     steps = [("verify", skip_verify, lambda: check.verify_rows(plan, where))]
-    model = None if (skip_memory and skip_time) else check.memory_model(plan)
+    model = None if (skip_memory and skip_time and skip_profile) else check.memory_model(plan)
     steps += [("memory", skip_memory, lambda: check.memory_rows(plan, model, where)),
-              ("time", skip_time, lambda: check.time_rows(plan, model, where))]
+              ("time", skip_time, lambda: check.time_rows(plan, model, where)),
+              ("profile", skip_profile, lambda: check.profile_rows(plan, model, where))]
     for name, skipped, make_rows in steps:
         if skipped:
             continue
@@ -80,6 +84,7 @@ def _print_summary(console: Console, frame: pd.DataFrame, where: str) -> bool:
         console.print(table)
     console.print(_memory_table(frame, where))
     console.print(_time_table(frame, where))
+    console.print(_profile_table(frame, where))
     return failed
 
 
@@ -102,17 +107,56 @@ def _memory_table(frame: pd.DataFrame, where: str) -> Table:
     return table
 
 
+def _variant(method: str, head_partition) -> str:
+    return method if method == "checkpoint" else f"{method} head {head_partition}"
+
+
 def _time_table(frame: pd.DataFrame, where: str) -> Table:
+    """Median step time per length: checkpoint, then streambp per LM-head partition and its ratio."""
     table = Table(title=f"step time ms, median ({where})", title_justify="left")
-    for column in ("tokens", "checkpoint", "streambp", "streambp/checkpoint"):
-        table.add_column(column, justify="right")
-    times = frame[frame.metric == "step_time"].pivot_table(index="seq_len_tokens", columns="method",
-                                                           values="value")
-    for tokens, row in times.iterrows():
-        ckpt, sbp = row.get("checkpoint"), row.get("streambp")
-        ratio = f"{sbp / ckpt:.3f}" if ckpt and sbp else "-"
-        table.add_row(str(tokens), f"{ckpt:.1f}", f"{sbp:.1f}", ratio)
+    times = frame[frame.metric == "step_time"]
+    times = times.assign(variant=[_variant(m, h) for m, h in zip(times.method, times.head_partition_size,
+                                                                    strict=True)])
+    grid = times.pivot_table(index="seq_len_tokens", columns="variant", values="value")
+    variants = [v for v in grid.columns if v != "checkpoint"]
+    table.add_column("tokens", justify="right")
+    table.add_column("checkpoint", justify="right")
+    for variant in variants:
+        table.add_column(variant, justify="right")
+        table.add_column("/checkpoint", justify="right")
+    for tokens, row in grid.iterrows():
+        ckpt = row.get("checkpoint")
+        cells = []
+        for variant in variants:
+            ms = row.get(variant)
+            cells += [_ms(ms), f"{ms / ckpt:.3f}" if ckpt and ms and not pd.isna(ms) else "-"]
+        table.add_row(str(tokens), _ms(ckpt), *cells)
     return table
+
+
+def _profile_table(frame: pd.DataFrame, where: str) -> Table:
+    """Kernel time by class (rows) per profiled variant (columns), ms of one step."""
+    profiled = frame[frame.metric.str.startswith("kernel_ms_")]
+    tokens = ", ".join(str(t) for t in sorted(set(profiled.seq_len_tokens)))
+    table = Table(title=f"kernel time ms of one step by class, {tokens or '-'} tokens ({where})",
+                  title_justify="left")
+    profiled = profiled.assign(
+        variant=[_variant(m, h) for m, h in zip(profiled.method, profiled.head_partition_size, strict=True)],
+        kernel_class=profiled.metric.str.removeprefix("kernel_ms_"),
+    )
+    grid = profiled.pivot_table(index="kernel_class", columns="variant", values="value", sort=False)
+    table.add_column("class")
+    for variant in grid.columns:
+        table.add_column(variant, justify="right")
+    for kernel_class, row in grid.iterrows():
+        table.add_row(kernel_class, *(_ms(row.get(v)) for v in grid.columns))
+    if not grid.empty:
+        table.add_row("total", *(_ms(grid[v].sum()) for v in grid.columns))
+    return table
+
+
+def _ms(value) -> str:
+    return "-" if value is None or pd.isna(value) else f"{value:.1f}"
 
 
 def _gib(value) -> str:
