@@ -5,11 +5,37 @@
     loss = run.loss(input_ids, attention_mask=attention_mask, labels=labels)
     loss.backward()
     run.close()
+
+`prepare` and `Run` are loaded on first use (PEP 562), so importing a light submodule such as
+`streambp_core.config` does not import torch or transformers.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from streambp_core.config import METHODS, OBJECTIVES, ConfigError, StreamConfig
-from streambp_core.methods import Run, prepare
+
+if TYPE_CHECKING:
+    from streambp_core.methods import Run, prepare
 
 __version__ = "0.1.0"
 
 __all__ = ["METHODS", "OBJECTIVES", "ConfigError", "Run", "StreamConfig", "prepare", "__version__"]
+
+_LAZY = {"Run": "streambp_core.methods", "prepare": "streambp_core.methods"}
+"""Public names imported from their module on first access."""
+
+
+def __getattr__(name: str) -> object:
+    """Import a lazy public name's module, cache the name in this module's globals, and return it."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
