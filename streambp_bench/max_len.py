@@ -9,7 +9,6 @@ import functools
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
 from streambp_bench import options as opt
 from streambp_core.config import METHODS, ConfigError, check_method
@@ -20,16 +19,6 @@ from streambp_core.measure.training_step import TrainSpec, simulated_training_pr
 from streambp_core.measure.units import GIB
 from streambp_core.models import load_config
 from streambp_core.search import ProbeResult, SearchResult, max_trainable_length
-
-
-class Where(str, Enum):
-    """Where the probes run: auto (cuda when present, else sim), cuda, cpu or sim."""
-
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-    sim = "sim"
-
 
 SOURCE = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 
@@ -83,7 +72,12 @@ class MethodResult:
 
 
 def make_plan(
-    model: str, methods: str, device: Where, budget_gib: float | None, training: dict | None = None, **spec
+    model: str,
+    methods: str,
+    device: opt.Where,
+    budget_gib: float | None,
+    training: dict | None = None,
+    **spec,
 ) -> Plan:
     """Check every input (ConfigError, one line) and resolve the device, the budget and the method list."""
     chosen = METHODS if methods.strip() == "all" else opt.split_list(methods)

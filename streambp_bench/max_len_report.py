@@ -1,4 +1,4 @@
-"""Output of `streambp-bench max-len`: a table with provenance lines, a JSON document, results-CSV rows."""
+"""Output of `streambp-bench max-len`: progress lines, a table with provenance, JSON, results-CSV rows."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress
 from rich.table import Table
 
 from streambp_bench.max_len import MethodResult, Plan
 from streambp_bench.results import ResultRow, ResultsFile, provenance
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB
+from streambp_core.search import ProbeResult
 
 CHUNKED = ("mst", "streambp")
 """Methods that use the partition sizes."""
@@ -172,3 +174,20 @@ def _allocator_columns(result: MethodResult) -> dict:
         return {}
     reserved = None if best.peak_reserved_bytes is None else best.peak_reserved_bytes / GIB
     return {"peak_reserved_gib": reserved, "alloc_retries": best.alloc_retries, "num_ooms": best.num_ooms}
+
+
+class ProgressView:
+    """A rich progress line per method on stderr, updated after every probe."""
+
+    def __init__(self, plan: Plan, progress: Progress) -> None:
+        self.budget, self.progress = plan.budget_bytes, progress
+        self.tasks = {m: progress.add_task(f"{m:<10} waiting", total=None) for m in plan.methods}
+
+    def __call__(self, method: str, result: ProbeResult, lo: int, hi: int | None) -> None:
+        peak = "no peak" if result.peak_bytes is None else f"{result.peak_bytes / GIB:.2f} GiB"
+        verdict = "fits" if result.fits(self.budget) else result.status if result.status != "ok" else "over"
+        text = (
+            f"{method:<10} {result.source} probe {result.seq_len_tokens:>10,} tokens: {peak} ({verdict}); "
+            f"bracket [{lo:,}, {'-' if hi is None else f'{hi:,}'}]"
+        )
+        self.progress.update(self.tasks[method], description=text)

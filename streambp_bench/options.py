@@ -31,6 +31,15 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Where(str, Enum):
+    """Where max-len probes run: auto (cuda when present, else sim), cuda, cpu or sim."""
+
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    sim = "sim"
+
+
 Model = Annotated[
     str,
     typer.Option(

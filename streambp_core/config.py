@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
+VERIFY_METHODS = ("checkpoint", "mst", "streambp")
+"""The methods `verify` compares with plain when none are named."""
 OBJECTIVES = ("sft", "grpo", "dpo")
 ATTN_BACKENDS = ("auto", "sdpa", "flash")
 BASELINE_ATTENTION = ("auto", "engine", "model")

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 import streambp_core
 from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
 from streambp_core.compare import Gradients, max_rel_err
-from streambp_core.config import ATTN_BACKENDS, OBJECTIVES, ConfigError, check_method
+from streambp_core.config import ATTN_BACKENDS, OBJECTIVES, VERIFY_METHODS, ConfigError, check_method
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
 
@@ -42,16 +42,13 @@ LOW_PRECISION_LOSS_EPS = 2.0**-10
 """bfloat16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon): one scalar's
 baseline error can be near zero by chance, unlike the max over many gradient elements."""
 
-DEFAULT_METHODS = ("checkpoint", "mst", "streambp")
-
-
 @dataclass(frozen=True, kw_only=True)
 class VerifySpec:
     """What to verify: one model, the methods, and the shape, precision and padding of the batch."""
 
     model: str
     """Preset name or local directory with config.json."""
-    methods: tuple[str, ...] = DEFAULT_METHODS
+    methods: tuple[str, ...] = VERIFY_METHODS
     seq_len: int = 256
     batch_size: int = 1
     partition_size: int = 100
@@ -288,7 +285,7 @@ def verify_spec(spec: VerifySpec) -> VerifyReport:
 def verify_methods(
     model_name: str,
     *,
-    methods: tuple[str, ...] = DEFAULT_METHODS,
+    methods: tuple[str, ...] = VERIFY_METHODS,
     seq_len: int = 256,
     batch_size: int = 1,
     partition_size: int = 100,

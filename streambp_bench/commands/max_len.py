@@ -11,12 +11,8 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from streambp_bench import max_len_report as report
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
-from streambp_bench.max_len import Plan, Where, make_plan, run_plan
-from streambp_core.measure.units import GIB
-from streambp_core.search import ProbeResult
 
 HELP = (
     "Find the longest sequence each method can back-propagate within a memory budget, and show where the "
@@ -62,30 +58,15 @@ class Protocol(str, Enum):
     paper = "paper"
 
 
-class _ProgressView:
-    """A rich progress line per method on stderr, updated after every probe."""
-
-    def __init__(self, plan: Plan, progress: Progress) -> None:
-        self.budget, self.progress = plan.budget_bytes, progress
-        self.tasks = {m: progress.add_task(f"{m:<10} waiting", total=None) for m in plan.methods}
-
-    def __call__(self, method: str, result: ProbeResult, lo: int, hi: int | None) -> None:
-        peak = "no peak" if result.peak_bytes is None else f"{result.peak_bytes / GIB:.2f} GiB"
-        verdict = "fits" if result.fits(self.budget) else result.status if result.status != "ok" else "over"
-        text = (
-            f"{method:<10} {result.source} probe {result.seq_len_tokens:>10,} tokens: {peak} ({verdict}); "
-            f"bracket [{lo:,}, {'-' if hi is None else f'{hi:,}'}]"
-        )
-        self.progress.update(self.tasks[method], description=text)
-
-
 @user_errors
 def max_len(
     model: opt.Model = "Qwen/Qwen3-8B",
     method: Annotated[
         str, typer.Option("--method", help="'all', or a comma list of plain, checkpoint, mst, streambp.")
     ] = "all",
-    device: Annotated[Where, typer.Option("--device", help="auto: cuda if present, else sim.")] = Where.auto,
+    device: Annotated[
+        opt.Where, typer.Option("--device", help="auto: cuda if present, else sim.")
+    ] = opt.Where.auto,
     budget_gib: Annotated[
         float | None,
         typer.Option(
@@ -119,6 +100,9 @@ def max_len(
     ] = None,
 ) -> None:
     """Search every method's maximum length and print it (help text: `HELP`)."""
+    from streambp_bench import max_len_report as report
+    from streambp_bench.max_len import make_plan, run_plan
+
     plan = make_plan(
         model,
         method,
@@ -136,7 +120,7 @@ def max_len(
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         try:
-            results = run_plan(plan, _ProgressView(plan, progress))
+            results = run_plan(plan, report.ProgressView(plan, progress))
         except RuntimeError as error:  # a measured probe that failed for another reason than OOM
             progress.stop()
             print_error(error)

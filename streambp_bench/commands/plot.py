@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import pandas as pd
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from streambp_bench import plots
 from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error
-from streambp_bench.results import ResultsFile, SchemaError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class Kind(str, Enum):
@@ -32,6 +32,10 @@ class PlotInputError(ValueError):
 
 def read_results(paths: list[Path]) -> pd.DataFrame:
     """The rows of every CSV, concatenated; PlotInputError when a file is missing, empty or foreign."""
+    import pandas as pd
+
+    from streambp_bench.results import ResultsFile, SchemaError
+
     frames = []
     for path in paths:
         try:
@@ -54,6 +58,8 @@ def _os_message(path: Path, error: OSError) -> str:
 
 def choose_kinds(df: pd.DataFrame, kind: Kind) -> list[str]:
     """The figure kinds to draw: all available ones for auto, else `kind` if the rows support it."""
+    from streambp_bench import plots
+
     available = plots.available_kinds(df)
     metrics = ", ".join(sorted(set(df["metric"]))) or "none"
     if kind is Kind.auto:
@@ -72,6 +78,8 @@ def write_figures(
     df: pd.DataFrame, kinds: list[str], out_dir: Path, name: str, budget_gib: float | None
 ) -> list[Path]:
     """Draw and save each kind as `<out_dir>/<name>-<kind>.png`; return the paths written."""
+    from streambp_bench import plots
+
     return [
         plots.save(plots.make_figure(kind, df, budget_gib=budget_gib), out_dir / f"{name}-{kind}.png")
         for kind in kinds

@@ -10,7 +10,6 @@ from rich.table import Table
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
-from streambp_core.models import build_model, count_parameters, list_presets, load_config
 
 HELP = (
     "List the model presets usable as [bold]--model[/], with their shapes and parameter counts.\n\n"
@@ -28,6 +27,8 @@ EPILOG = """[bold]Examples[/]
 
 def preset_rows() -> list[dict]:
     """One dict per preset: name, family, layers, hidden, heads, kv heads, vocab, tied, parameter count."""
+    from streambp_core.models import build_model, count_parameters, list_presets, load_config
+
     rows = []
     for name in list_presets():
         config = load_config(name)

@@ -11,11 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from streambp_bench import readme
-from streambp_bench import reproduce_items as items
 from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error, user_errors
-from streambp_bench.results import SchemaError
-from streambp_core.measure.cuda import cuda_available
 
 HELP = (
     "Reproduce a figure or table of the StreamBP paper: run what it needs, write [bold]<item>.csv[/] and "
@@ -62,6 +58,11 @@ def reproduce(
     ] = False,
 ) -> None:
     """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
+    from streambp_bench import readme
+    from streambp_bench import reproduce_items as items
+    from streambp_bench.results import SchemaError
+    from streambp_core.measure.cuda import cuda_available
+
     console = Console(stderr=True, highlight=False)
     settings = items.Settings(out_dir=out, quick=quick, device="cuda" if cuda_available() else "sim")
     chosen = list(items.ITEMS) if item is Item.all else [item.value]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -17,10 +17,12 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from streambp_bench import experiments as exp
 from streambp_bench import options as opt
 from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error, user_errors
-from streambp_bench.results import ResultRow, ResultsFile, SchemaError
+
+if TYPE_CHECKING:
+    from streambp_bench import experiments as exp
+    from streambp_bench.results import ResultRow, ResultsFile
 
 HELP = (
     "Run a grid of training steps and write one results row per point: the peak memory and the memory "
@@ -76,6 +78,8 @@ def _describe(point: exp.Point, rows: list[ResultRow] | None) -> str:
 
 def open_results(out: Path) -> ResultsFile:
     """The results file at `out`, its existing rows checked (SchemaError for another schema)."""
+    from streambp_bench.results import ResultsFile
+
     results = ResultsFile(out)
     results.rows()
     return results
@@ -124,6 +128,9 @@ def sweep(
     force: Annotated[bool, typer.Option("--force", help="Re-run points already in --out.")] = False,
 ) -> None:
     """Run the grid and upsert its rows into --out (help text: `HELP`)."""
+    from streambp_bench import experiments as exp
+    from streambp_bench.results import SchemaError
+
     where = exp.resolve_where(device, budget_gib)
     points = exp.expand_grid(
         methods=opt.split_list(method) or ("",),

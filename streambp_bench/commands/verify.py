@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -10,7 +11,10 @@ from rich.table import Table
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
-from streambp_core.verify import DEFAULT_METHODS, VerifyReport, VerifySpec, verify_spec
+from streambp_core.config import VERIFY_METHODS
+
+if TYPE_CHECKING:
+    from streambp_core.verify import VerifyReport
 
 HELP = (
     "Check that each method's loss and every parameter gradient equal plain backprop's.\n\n"
@@ -35,7 +39,7 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
 """
 
-DEFAULT_METHOD_LIST = ",".join(DEFAULT_METHODS)
+DEFAULT_METHOD_LIST = ",".join(VERIFY_METHODS)
 
 
 def _fmt(value: float | None) -> str:
@@ -114,6 +118,8 @@ def verify(
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
+    from streambp_core.verify import VerifySpec, verify_spec
+
     spec = VerifySpec(
         model=model,
         methods=opt.split_list(method),
