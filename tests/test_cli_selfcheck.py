@@ -10,8 +10,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from streambp_bench import selfcheck as check
+from streambp_bench import selfcheck_report
 from streambp_bench.cli import app
-from streambp_bench.commands import selfcheck as command
 from streambp_bench.results import ResultsFile, rows_to_frame
 from streambp_core.measure.units import GIB
 from streambp_core.search import ProbeResult
@@ -92,7 +92,7 @@ def test_memory_rows_carry_the_allocators_reserved_peak_retries_and_ooms():
     assert {(r.alloc_retries, r.num_ooms, r.peak_reserved_gib) for r in measured} == {(2, 0, 0.5)}
     assert {(r.alloc_retries, r.num_ooms, r.peak_reserved_gib) for r in simulated} == {(None, None, None)}
     console = Console(record=True, width=200)
-    console.print(command._memory_table(rows_to_frame(rows), "NVIDIA H200"))
+    console.print(selfcheck_report._memory_table(rows_to_frame(rows), "NVIDIA H200"))
     table = console.export_text()
     assert "alloc retries" in table and "OOMs" in table
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if "│" in line]

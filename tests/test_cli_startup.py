@@ -16,9 +16,6 @@ import streambp_core
 
 HEAVY = ("torch", "transformers", "pandas", "matplotlib")
 
-STILL_HEAVY = {"selfcheck": "imports pandas and streambp_bench.selfcheck at module level (its own task)"}
-"""Command modules known to import heavy modules at import time; remove an entry once it is converted."""
-
 COMMANDS = sorted(module.name for module in pkgutil.iter_modules(streambp_bench.commands.__path__))
 
 
@@ -38,7 +35,7 @@ def test_the_commands_are_found():
     assert {"max_len", "plot", "presets", "reproduce", "selfcheck", "sweep", "verify"} <= set(COMMANDS)
 
 
-@pytest.mark.parametrize("command", [name for name in COMMANDS if name not in STILL_HEAVY])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_importing_a_command_module_imports_no_heavy_module(command):
     assert heavy_modules_after(f"import streambp_bench.commands.{command}") == []
 
@@ -50,11 +47,6 @@ def test_importing_a_light_module_imports_no_heavy_module(module):
     assert heavy_modules_after(f"import {module}") == []
 
 
-@pytest.mark.xfail(
-    condition=bool(STILL_HEAVY),
-    reason="; ".join(f"commands.{name} {why}" for name, why in STILL_HEAVY.items()),
-    strict=True,
-)
 def test_importing_the_cli_imports_no_heavy_module():
     assert heavy_modules_after("import streambp_bench.cli") == []
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from streambp_bench import selfcheck as check
 from streambp_bench.errors import user_errors
-from streambp_bench.results import ResultsFile
 
 HELP = (
     "Check the GPU path in a few minutes: bf16 gradients of every method and objective against the "
@@ -40,6 +36,10 @@ def selfcheck(
     skip_profile: Annotated[bool, typer.Option("--skip-profile", help="Skip the kernel profile.")] = False,
 ) -> None:
     """Run the self-check (see the command help)."""
+    from streambp_bench import selfcheck as check
+    from streambp_bench.results import ResultsFile
+    from streambp_bench.selfcheck_report import print_summary
+
     console = Console()
     plan = check.default_plan()
     if plan.device == "cpu":
@@ -58,110 +58,7 @@ def selfcheck(
             for row in make_rows():
                 results.upsert(row)
         console.print(f"[green]done[/] {name}")
-    frame = results.load() if results.path.exists() else pd.DataFrame()
-    failed = _print_summary(console, frame, where)
+    failed = print_summary(console, results.load() if results.path.exists() else None, where)
     console.print(f"rows written to {results.path}")
     if failed and plan.device == "cuda":
         raise typer.Exit(code=1)
-
-
-def _print_summary(console: Console, frame: pd.DataFrame, where: str) -> bool:
-    """Summary tables; returns True when a bf16 verification failed."""
-    if frame.empty:
-        return False
-    failed = False
-    grads = frame[frame.metric == "grad_rel_err"]
-    if not grads.empty:
-        dtype = grads.dtype.iloc[0]
-        reference = "fp32 plain (2x plain-bf16 rule)" if dtype == "bfloat16" else "plain"
-        title = f"{dtype} gradients vs {reference}"
-        table = Table(title=f"{title} ({where})", title_justify="left")
-        for column in ("objective", "attn", "method", "max rel err", "status"):
-            table.add_column(column)
-        for row in grads.itertuples():
-            table.add_row(row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
-        failed = bool((grads.status != "ok").any())
-        console.print(table)
-    console.print(_memory_table(frame, where))
-    console.print(_time_table(frame, where))
-    console.print(_profile_table(frame, where))
-    return failed
-
-
-def _memory_table(frame: pd.DataFrame, where: str) -> Table:
-    """Measured vs simulated peak per method and length; with the CUDA allocator's reserved peak, alloc
-    retries and OOMs when the measured rows have them (a CUDA run)."""
-    table = Table(title=f"peak GiB: simulated vs measured ({where})", title_justify="left")
-    memory = frame[frame.metric == "peak_memory"]
-    measured = memory[memory.source != "simulated"].set_index(["method", "seq_len_tokens"])
-    simulated = memory[memory.source == "simulated"].set_index(["method", "seq_len_tokens"])
-    allocator = bool(measured.alloc_retries.notna().any())
-    extra = ("reserved", "alloc retries", "OOMs") if allocator else ()
-    for column in ("method", "tokens", "measured", "simulated", "sim/measured", *extra):
-        table.add_column(column, justify="right")
-    for key, row in measured.iterrows():
-        sim = simulated.loc[key, "value"] if key in simulated.index else None
-        ratio = f"{sim / row.value:.3f}" if sim is not None and row.value else "-"
-        counts = (_gib(row.peak_reserved_gib), _count(row.alloc_retries), _count(row.num_ooms))
-        table.add_row(key[0], str(key[1]), _gib(row.value), _gib(sim), ratio, *counts[: len(extra)])
-    return table
-
-
-def _variant(method: str, head_partition) -> str:
-    return method if method == "checkpoint" else f"{method} head {head_partition}"
-
-
-def _time_table(frame: pd.DataFrame, where: str) -> Table:
-    """Median step time per length: checkpoint, then streambp per LM-head partition and its ratio."""
-    table = Table(title=f"step time ms, median ({where})", title_justify="left")
-    times = frame[frame.metric == "step_time"]
-    times = times.assign(variant=[_variant(m, h) for m, h in zip(times.method, times.head_partition_size,
-                                                                    strict=True)])
-    grid = times.pivot_table(index="seq_len_tokens", columns="variant", values="value")
-    variants = [v for v in grid.columns if v != "checkpoint"]
-    table.add_column("tokens", justify="right")
-    table.add_column("checkpoint", justify="right")
-    for variant in variants:
-        table.add_column(variant, justify="right")
-        table.add_column("/checkpoint", justify="right")
-    for tokens, row in grid.iterrows():
-        ckpt = row.get("checkpoint")
-        cells = []
-        for variant in variants:
-            ms = row.get(variant)
-            cells += [_ms(ms), f"{ms / ckpt:.3f}" if ckpt and ms and not pd.isna(ms) else "-"]
-        table.add_row(str(tokens), _ms(ckpt), *cells)
-    return table
-
-
-def _profile_table(frame: pd.DataFrame, where: str) -> Table:
-    """Kernel time by class (rows) per profiled variant (columns), ms of one step."""
-    profiled = frame[frame.metric.str.startswith("kernel_ms_")]
-    tokens = ", ".join(str(t) for t in sorted(set(profiled.seq_len_tokens)))
-    table = Table(title=f"kernel time ms of one step by class, {tokens or '-'} tokens ({where})",
-                  title_justify="left")
-    profiled = profiled.assign(
-        variant=[_variant(m, h) for m, h in zip(profiled.method, profiled.head_partition_size, strict=True)],
-        kernel_class=profiled.metric.str.removeprefix("kernel_ms_"),
-    )
-    grid = profiled.pivot_table(index="kernel_class", columns="variant", values="value", sort=False)
-    table.add_column("class")
-    for variant in grid.columns:
-        table.add_column(variant, justify="right")
-    for kernel_class, row in grid.iterrows():
-        table.add_row(kernel_class, *(_ms(row.get(v)) for v in grid.columns))
-    if not grid.empty:
-        table.add_row("total", *(_ms(grid[v].sum()) for v in grid.columns))
-    return table
-
-
-def _ms(value) -> str:
-    return "-" if value is None or pd.isna(value) else f"{value:.1f}"
-
-
-def _gib(value) -> str:
-    return "-" if value is None or pd.isna(value) else f"{value:.4g}"
-
-
-def _count(value) -> str:
-    return "-" if value is None or pd.isna(value) else str(int(value))
