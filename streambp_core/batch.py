@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, require_choice
 
 PADDINGS = ("none", "right", "left")
 PAD_FRACTION = 0.2
@@ -69,8 +69,7 @@ def random_batch(
     With `padding` "right" or "left", about 20% of the positions are padding (different per row),
     masked in `attention_mask` and set to -100 in `labels`.
     """
-    if padding not in PADDINGS:
-        raise ConfigError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
+    require_choice("padding", padding, PADDINGS)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
     labels = input_ids.clone()

@@ -42,19 +42,22 @@ class StreamConfig:
     T x T mask, as the meta device needs); 'auto' is 'engine' on the meta device and 'model' elsewhere."""
 
     def __post_init__(self) -> None:
-        if self.baseline_attention not in BASELINE_ATTENTION:
-            choices = ", ".join(BASELINE_ATTENTION)
-            raise ConfigError(f"baseline_attention must be one of {choices}, got {self.baseline_attention!r}")
+        require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
         for name in ("partition_size", "head_partition_size"):
             require_positive(name, getattr(self, name))
         if self.mlp_chunk_size is not None:
             require_positive("mlp_chunk_size", self.mlp_chunk_size)
-        if self.attn not in ATTN_BACKENDS:
-            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
+        require_choice("attn", self.attn, ATTN_BACKENDS)
 
     @property
     def mlp_chunk_tokens(self) -> int:
         return self.mlp_chunk_size or self.partition_size
+
+
+def require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ConfigError unless `value` is one of `choices` (the message lists them)."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def require_positive(name: str, value: int) -> None:

@@ -20,7 +20,14 @@ from transformers import PreTrainedModel
 import streambp_core
 from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
 from streambp_core.compare import Gradients, max_rel_err
-from streambp_core.config import ATTN_BACKENDS, OBJECTIVES, VERIFY_METHODS, ConfigError, check_method
+from streambp_core.config import (
+    ATTN_BACKENDS,
+    OBJECTIVES,
+    VERIFY_METHODS,
+    ConfigError,
+    check_method,
+    require_choice,
+)
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
 
@@ -67,10 +74,8 @@ class VerifySpec:
     """0: full-parameter gradients; > 0: LoRA adapters of this rank (peft), adapter gradients only."""
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.attn not in ATTN_BACKENDS:
-            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
+        require_choice("objective", self.objective, OBJECTIVES)
+        require_choice("attn", self.attn, ATTN_BACKENDS)
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"lora_rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         if self.objective == "dpo" and self.batch_size % 2:
@@ -82,10 +87,8 @@ class VerifySpec:
         _require_at_least("seq_len", self.seq_len, 2)
         for name in ("batch_size", "partition_size", "head_partition_size"):
             _require_at_least(name, getattr(self, name), 1)
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.padding not in PADDINGS:
-            raise ConfigError(f"padding must be one of {', '.join(PADDINGS)}, got {self.padding!r}")
+        require_choice("dtype", self.dtype, DTYPES)
+        require_choice("padding", self.padding, PADDINGS)
         _check_device(self.device)
 
     @property

@@ -22,7 +22,13 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, ConfigError, check_method, require_positive
+from streambp_core.config import (
+    ATTN_BACKENDS,
+    GRADS_MODES,
+    check_method,
+    require_choice,
+    require_positive,
+)
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
@@ -55,12 +61,10 @@ class ProbeSpec:
 
     def __post_init__(self) -> None:
         check_method(self.method)
-        if self.attn not in ATTN_BACKENDS:
-            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
+        require_choice("attn", self.attn, ATTN_BACKENDS)
         _as_dtype(self.dtype)
         check_protocol(self.protocol)
-        if self.grads not in GRADS_MODES:
-            raise ConfigError(f"grads must be one of {', '.join(GRADS_MODES)}, got {self.grads!r}")
+        require_choice("grads", self.grads, GRADS_MODES)
         for name in ("batch_size", "partition_size", "head_partition_size"):
             require_positive(name, getattr(self, name))
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-from streambp_core.config import PROTOCOLS, ConfigError
+from streambp_core.config import PROTOCOLS, require_choice
 from streambp_core.engine.hf_attention import engine_attention_forward
 from streambp_core.methods.base import Run
 from streambp_core.models.adapters import decoder_parts
@@ -32,8 +32,7 @@ HOLDS_LOGITS = ("plain", "checkpoint")
 
 def check_protocol(protocol: str) -> str:
     """Return `protocol` if known, else raise ConfigError listing them."""
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    require_choice("protocol", protocol, PROTOCOLS)
     return protocol
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from streambp_core.config import GRADS_MODES, ConfigError, check_method
+from streambp_core.config import GRADS_MODES, ConfigError, check_method, require_choice
 from streambp_core.engine import chunks
 from streambp_core.measure.breakdown import Breakdown
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
@@ -299,7 +299,6 @@ def _check(method: str, seq_len: int, batch_size: int, grads: str, depth: str) -
         raise ConfigError(f"seq_len must be an integer >= 2, got {seq_len!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if grads not in GRADS_MODES:
-        raise ConfigError(f"grads must be one of {', '.join(GRADS_MODES)}, got {grads!r}")
+    require_choice("grads", grads, GRADS_MODES)
     if depth not in ("extrapolate", "full"):
         raise ConfigError(f"depth must be 'extrapolate' or 'full', got {depth!r}")

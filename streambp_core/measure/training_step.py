@@ -37,7 +37,14 @@ import torch
 from transformers import PretrainedConfig
 
 from streambp_core.batch import objective_inputs, random_batch
-from streambp_core.config import ATTN_BACKENDS, OBJECTIVES, ConfigError, check_method, require_positive
+from streambp_core.config import (
+    ATTN_BACKENDS,
+    OBJECTIVES,
+    ConfigError,
+    check_method,
+    require_choice,
+    require_positive,
+)
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.probe import ProbeSpec, probe_from_simulation, simulated_probe
 from streambp_core.measure.simulate import (
@@ -79,12 +86,9 @@ class TrainSpec:
     def __post_init__(self) -> None:
         check_method(self.method)
         _as_dtype(self.dtype)
-        if self.attn not in ATTN_BACKENDS:
-            raise ConfigError(f"attn must be one of {', '.join(ATTN_BACKENDS)}, got {self.attn!r}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        require_choice("attn", self.attn, ATTN_BACKENDS)
+        require_choice("objective", self.objective, OBJECTIVES)
+        require_choice("optimizer", self.optimizer, OPTIMIZERS)
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         for name in ("batch_size", "partition_size", "head_partition_size"):
