@@ -42,7 +42,7 @@ class Plan:
 
     @property
     def is_training_step(self) -> bool:
-        return self.training not in ({}, {"objective": "sft", "lora_rank": 0, "optimizer": "none"})
+        return is_training_step(self.training)
 
     @property
     def source(self) -> str:
@@ -89,6 +89,7 @@ def make_plan(
     training = training or {}
     if training:
         _train_spec(model, chosen[0], training, spec)  # validates objective, LoRA rank, optimizer
+    _check_step_options(training, spec)
     config = load_config(model)
     where = device.value
     if where == "auto":
@@ -149,6 +150,20 @@ def run_plan(plan: Plan, on_probe: Callable[[str, ProbeResult, int, int | None],
             how = f"{how}; {_training_words(plan.training)}"
         results.append(MethodResult(method=method, search=search, how=how))
     return results
+
+
+def is_training_step(training: dict) -> bool:
+    """Whether objective, lora_rank and optimizer ask for a full training step (not sft / 0 / none)."""
+    return training not in ({}, {"objective": "sft", "lora_rank": 0, "optimizer": "none"})
+
+
+def _check_step_options(training: dict, spec: dict) -> None:
+    """--protocol and --grads size the backprop-only step; a training step has its own (ConfigError)."""
+    protocol, grads = spec.get("protocol", "default"), spec.get("grads", "resident")
+    if is_training_step(training) and (protocol != "default" or grads != "resident"):
+        raise ConfigError("--protocol and --grads apply to the backprop-only step; with --objective, "
+                          "--lora-rank or --optimizer the step runs the default protocol and the optimizer "
+                          "decides the gradients: leave them at their defaults")
 
 
 def _train_spec(model: str, method: str, training: dict, spec: dict) -> TrainSpec:

@@ -161,6 +161,8 @@ def test_training_step_options_search_a_full_step(runner):
         (["--lora-rank", "-1"], "lora rank"),
         (["--optimizer", "sgd"], "optimizer must be one of none, adamw"),
         (["--objective", "grpo", "--device", "cpu"], "simulated only"),
+        (["--optimizer", "adamw", "--protocol", "paper"], "apply to the backprop-only step"),
+        (["--lora-rank", "4", "--grads", "fresh"], "apply to the backprop-only step"),
     ],
 )
 def test_bad_training_options(runner, args, expected):
