@@ -18,7 +18,7 @@ def print_summary(console: Console, frame: pd.DataFrame | None, where: str) -> b
         dtype = grads.dtype.iloc[0]
         reference = "fp32 plain (2x plain-bf16 rule)" if dtype == "bfloat16" else "plain"
         title = f"{dtype} gradients vs {reference}"
-        table = Table(title=f"{title} ({where})", title_justify="left")
+        table = Table(title=f"{title}, {_sources(grads)} ({where})", title_justify="left")
         for column in ("objective", "attn", "method", "max rel err", "status"):
             table.add_column(column)
         for row in grads.itertuples():
@@ -56,8 +56,8 @@ def _variant(method: str, head_partition) -> str:
 
 def _time_table(frame: pd.DataFrame, where: str) -> Table:
     """Median step time per length: checkpoint, then streambp per LM-head partition and its ratio."""
-    table = Table(title=f"step time ms, median ({where})", title_justify="left")
     times = frame[frame.metric == "step_time"]
+    table = Table(title=f"step time ms, median, {_sources(times)} ({where})", title_justify="left")
     times = times.assign(variant=[_variant(m, h) for m, h in zip(times.method, times.head_partition_size,
                                                                     strict=True)])
     grid = times.pivot_table(index="seq_len_tokens", columns="variant", values="value")
@@ -81,8 +81,8 @@ def _profile_table(frame: pd.DataFrame, where: str) -> Table:
     """Kernel time by class (rows) per profiled variant (columns), ms of one step."""
     profiled = frame[frame.metric.str.startswith("kernel_ms_")]
     tokens = ", ".join(str(t) for t in sorted(set(profiled.seq_len_tokens)))
-    table = Table(title=f"kernel time ms of one step by class, {tokens or '-'} tokens ({where})",
-                  title_justify="left")
+    table = Table(title=f"kernel time ms of one step by class, {tokens or '-'} tokens, {_sources(profiled)} "
+                        f"({where})", title_justify="left")
     profiled = profiled.assign(
         variant=[_variant(m, h) for m, h in zip(profiled.method, profiled.head_partition_size, strict=True)],
         kernel_class=profiled.metric.str.removeprefix("kernel_ms_"),
@@ -96,6 +96,11 @@ def _profile_table(frame: pd.DataFrame, where: str) -> Table:
     if not grid.empty:
         table.add_row("total", *(_ms(grid[v].sum()) for v in grid.columns))
     return table
+
+
+def _sources(rows: pd.DataFrame) -> str:
+    """How the rows' numbers were obtained (measured-cuda, measured-cpu, simulated), comma-separated."""
+    return ", ".join(sorted(set(rows.source))) or "no rows"
 
 
 def _ms(value) -> str:

@@ -46,6 +46,7 @@ def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     assert (profiled.value >= 0).all() and (profiled[profiled.metric == "kernel_ms_gemm"].value > 0).all()
     assert "sim/measured" in result.output and "/checkpoint" in result.output
     assert "kernel time ms of one step by class" in result.output
+    assert "step time ms, median, measured-cpu" in result.output  # every table says how it was obtained
     assert frame[["peak_reserved_gib", "alloc_retries", "num_ooms"]].isna().all().all()  # no CUDA allocator
     assert "alloc retries" not in result.output
     assert set(grads.attn) == {"sdpa"} and set(memory.attn) == {"auto"}
