@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from streambp_bench.results import ResultRow, ResultsFile, provenance
+from streambp_bench.results import ResultRow, ResultsFile, allocator_columns, provenance
 from streambp_core.config import ConfigError
 from streambp_core.measure.cuda import cuda_available, device_info, is_oom
 from streambp_core.measure.simulate import simulate_step
@@ -220,16 +220,13 @@ def run_point(point: Point, where: Where) -> list[ResultRow]:
         message = " ".join(str(error).split())[:300]
         return [ResultRow(**base, metric=m, status=status, error=message) for m in where.metrics()]
     columns = _columns(measured.peak_bytes, measured.breakdown_bytes)
-    reserved = None if measured.peak_reserved_bytes is None else measured.peak_reserved_bytes / GIB
     row = ResultRow(
         **base,
         **columns,
         metric="peak_memory",
         value=columns["peak_allocated_gib"],
-        peak_reserved_gib=reserved,
         step_time_ms=measured.step_time_ms,
-        alloc_retries=measured.alloc_retries,
-        num_ooms=measured.num_ooms,
+        **allocator_columns(measured),
     )
     return [row, replace(row, metric="step_time", value=measured.step_time_ms)]
 

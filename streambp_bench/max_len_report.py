@@ -10,7 +10,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from streambp_bench.max_len import MethodResult, Plan
-from streambp_bench.results import ResultRow, ResultsFile, provenance
+from streambp_bench.results import ResultRow, ResultsFile, allocator_columns, provenance
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB
 from streambp_core.search import ProbeResult
@@ -172,8 +172,7 @@ def _allocator_columns(result: MethodResult) -> dict:
     best = result.search.peak_at_max
     if best is None:
         return {}
-    reserved = None if best.peak_reserved_bytes is None else best.peak_reserved_bytes / GIB
-    return {"peak_reserved_gib": reserved, "alloc_retries": best.alloc_retries, "num_ooms": best.num_ooms}
+    return allocator_columns(best)
 
 
 class ProgressView:

@@ -195,6 +195,17 @@ def _parse(name: str, text: str) -> object:
     return float(text) if kind is float else text
 
 
+def allocator_columns(measured: object) -> dict[str, float | int | None]:
+    """The CUDA allocator's columns of a measurement (a ProbeResult or MeasuredStep: anything with
+    `peak_reserved_bytes`, `alloc_retries`, `num_ooms`): reserved peak (GiB), retries, OOMs; None off CUDA."""
+    reserved = measured.peak_reserved_bytes
+    return {
+        "peak_reserved_gib": None if reserved is None else reserved / 2**30,
+        "alloc_retries": measured.alloc_retries,
+        "num_ooms": measured.num_ooms,
+    }
+
+
 def provenance(source: str, device_name: str) -> dict[str, str]:
     """Provenance columns of a new row: source, device, versions, git sha ("unknown" if unfound), UTC time."""
     _require_one_of("source", source, SOURCES)

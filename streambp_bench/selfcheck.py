@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streambp_bench.results import ResultRow, provenance
+from streambp_bench.results import ResultRow, allocator_columns, provenance
 from streambp_core.measure.cuda import CudaPeak, cuda_available, device_info, median, time_cuda_ms
 from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.measure.probe import ProbeSpec, measure_step
@@ -122,13 +122,12 @@ def _memory_row(plan: CheckPlan, spec: ProbeSpec, probe: ProbeResult, where: str
     """A peak_memory row of one probe (measured or simulated), with the allocator's figures it has."""
     gib = {f"{k}_gib": v / GIB for k, v in probe.breakdown_bytes.items()}
     peak = None if probe.peak_bytes is None else probe.peak_bytes / GIB
-    reserved = None if probe.peak_reserved_bytes is None else probe.peak_reserved_bytes / GIB
     return ResultRow(
         method=spec.method, model=plan.memory_model, seq_len_tokens=probe.seq_len_tokens, batch_size=1,
         partition_size=plan.partition_size, head_partition_size=plan.head_partition_size, dtype=plan.dtype,
         attn=spec.attn, protocol=spec.protocol, grads=spec.grads, status=probe.status, metric="peak_memory",
-        value=peak, peak_allocated_gib=peak, peak_reserved_gib=reserved, alloc_retries=probe.alloc_retries,
-        num_ooms=probe.num_ooms, error=probe.message, **gib, **provenance(probe.source, where),
+        value=peak, peak_allocated_gib=peak, error=probe.message, **allocator_columns(probe), **gib,
+        **provenance(probe.source, where),
     )
 
 
