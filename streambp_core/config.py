@@ -41,8 +41,15 @@ class StreamConfig:
     implementation; 'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no
     T x T mask, as the meta device needs); 'auto' is 'engine' on the meta device and 'model' elsewhere."""
 
+    keep_chunks: int | None = None
+    """Simulation only (meta device): every chunk loop runs just its first and last `keep_chunks` chunks.
+    A chunk's memory depends only on its position, so the peak is unchanged while the step is not a
+    real step; `prepare` refuses it on a model whose parameters are not on the meta device."""
+
     def __post_init__(self) -> None:
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
+        if self.keep_chunks is not None:
+            require_positive("keep_chunks", self.keep_chunks)
         for name in ("partition_size", "head_partition_size"):
             require_positive(name, getattr(self, name))
         if self.mlp_chunk_size is not None:

@@ -137,3 +137,19 @@ def test_bad_input_is_a_config_error(kwargs: dict, message: str) -> None:
     call = dict(model=TINY, method="streambp", seq_len=64) | kwargs
     with pytest.raises(ConfigError, match=message):
         simulate_step(call.pop("model"), call.pop("method"), call.pop("seq_len"), **call)
+
+
+def test_chunk_bounds_keep_only_thins_loops_longer_than_both_ends() -> None:
+    from streambp_core.engine.chunks import chunk_bounds
+
+    assert chunk_bounds(10, 3, keep=1) == [(0, 3), (9, 10)]
+    assert chunk_bounds(10, 3, keep=2) == chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def test_keep_chunks_is_refused_on_a_real_model() -> None:
+    import streambp_core
+    from streambp_core.models import build_model
+
+    model = build_model("tiny/llama", dtype=torch.float32, device="cpu")
+    with pytest.raises(ConfigError, match="only on the meta device"):
+        streambp_core.prepare(model, "streambp", keep_chunks=4)

@@ -8,9 +8,16 @@ import torch
 from torch import Tensor, nn
 
 
-def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
-    """[(start, end), ...] covering 0..length in pieces of at most `size` tokens."""
-    return [(start, min(start + size, length)) for start in range(0, length, size)]
+def chunk_bounds(length: int, size: int, keep: int | None = None) -> list[tuple[int, int]]:
+    """[(start, end), ...] covering 0..length in pieces of at most `size` tokens.
+
+    `keep` (simulation only, see `StreamConfig.keep_chunks`): only the first and last `keep` pieces, so
+    the loop does not cover the whole length; None keeps every piece.
+    """
+    bounds = [(start, min(start + size, length)) for start in range(0, length, size)]
+    if keep is None or len(bounds) <= 2 * keep:
+        return bounds
+    return bounds[:keep] + bounds[-keep:]
 
 
 def trainable_parameters(modules: Iterable[nn.Module | None]) -> tuple[nn.Parameter, ...]:

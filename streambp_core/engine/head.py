@@ -26,6 +26,8 @@ class HeadPlan:
     norm: nn.Module | None
     lm_head: nn.Module
     partition_size: int
+    keep_chunks: int | None = None
+    """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
 
 
 def _chunk_terms(plan: HeadPlan, objective, hidden: Tensor, start: int, end: int) -> Tensor:
@@ -41,7 +43,7 @@ def sequence_stats(plan: HeadPlan, objective, hidden: Tensor) -> Tensor:
     """Per-sequence sums S (B,) of the objective's token terms, without grad, chunk by chunk."""
     stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
     stats = hidden.new_zeros(hidden.shape[0], dtype=stats_dtype)
-    for start, end in chunk_bounds(hidden.shape[1], plan.partition_size):
+    for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):
         stats += _chunk_terms(plan, objective, hidden[:, start:end], start, end).sum(dim=1).to(stats_dtype)
     return stats
 
@@ -72,7 +74,7 @@ class StreamedHead(torch.autograd.Function):
         d_stats = stats_grad(objective, stats, grad_loss)
         grad_hidden = torch.empty_like(hidden)
         chunk_backward = _linear_chunk_backward if _plain_linear(plan.lm_head) else _autograd_chunk_backward
-        for start, end in chunk_bounds(hidden.shape[1], plan.partition_size):
+        for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):
             h = leaf(hidden[:, start:end])
             chunk_backward(plan, objective, h, start, end, d_stats, ctx.params)
             grad_hidden[:, start:end] = grad_or_zeros(h)

@@ -36,6 +36,8 @@ class LayerPlan:
     reuse_grad_out: bool = False
     """Write dL/dH_in over dL/dH_out in backward. Only for a caller that owns the layer's output: it feeds
     nothing but the next streamed layer or head (no hooks, no retained grads), as in `StreamBPRun`."""
+    keep_chunks: int | None = None
+    """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
 
 
 def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -74,7 +76,7 @@ def _kv_cache(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor) -> tuple[
     shape = (b, parts.num_kv_heads, t, parts.head_dim)
     with memory_category("kv"):
         keys, values = h_in.new_empty(shape), h_in.new_empty(shape)
-    for start, end in chunk_bounds(t, plan.partition_size):
+    for start, end in chunk_bounds(t, plan.partition_size, plan.keep_chunks):
         x = parts.input_norm(h_in[:, start:end])
         _, k, v = project_qkv(parts, x, *_rope(cos, sin, start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
@@ -90,7 +92,7 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
         keys, values = h_in.new_empty(shape), h_in.new_empty(shape)
     with memory_category("checkpoints"):
         h_out = torch.empty_like(h_in)
-    for start, end in chunk_bounds(t, plan.partition_size):
+    for start, end in chunk_bounds(t, plan.partition_size, plan.keep_chunks):
         h = h_in[:, start:end]
         q, k, v = project_qkv(parts, parts.input_norm(h), *_rope(cos, sin, start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
@@ -109,7 +111,7 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params) -> Tens
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
-    for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size)):
+    for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         kv = _KVState(keys[:, :, :end], values[:, :, :end], d_keys[:, :, :end], d_values[:, :, :end])
         chunk_grad = _chunk_backward(plan, h_in[:, start:end], *_rope(cos, sin, start, end),
                                      _valid(key_valid, end), kv, grad_out[:, start:end], params)

@@ -18,11 +18,11 @@ class ChunkedMLP(torch.autograd.Function):
     """autograd.Function: x (B, T, d) -> mlp(x), computed and differentiated `chunk` tokens at a time."""
 
     @staticmethod
-    def forward(ctx, x, mlp: nn.Module, forward_fn, chunk: int, *params):
-        ctx.mlp_fn, ctx.chunk, ctx.params = forward_fn, chunk, params
+    def forward(ctx, x, mlp: nn.Module, forward_fn, chunk: int, keep: int | None, *params):
+        ctx.mlp_fn, ctx.chunk, ctx.keep, ctx.params = forward_fn, chunk, keep, params
         ctx.save_for_backward(x)
         out = torch.empty_like(x)
-        for start, end in chunk_bounds(x.shape[1], chunk):
+        for start, end in chunk_bounds(x.shape[1], chunk, keep):
             out[:, start:end] = forward_fn(x[:, start:end])
         return out
 
@@ -30,24 +30,25 @@ class ChunkedMLP(torch.autograd.Function):
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         grad_x = torch.empty_like(x)
-        for start, end in chunk_bounds(x.shape[1], ctx.chunk):
+        for start, end in chunk_bounds(x.shape[1], ctx.chunk, ctx.keep):
             piece = leaf(x[:, start:end])
             with torch.enable_grad():
                 out = ctx.mlp_fn(piece)
             backward_into([out], [grad_out[:, start:end]], [piece], ctx.params)
             grad_x[:, start:end] = grad_or_zeros(piece)
-        return (grad_x, None, None, None, *([None] * len(ctx.params)))
+        return (grad_x, None, None, None, None, *([None] * len(ctx.params)))
 
 
-def chunk_mlp(mlp: nn.Module, chunk: int) -> None:
-    """Make `mlp` run in chunks (instance-level override of `forward`); undo with `unchunk_mlp`."""
+def chunk_mlp(mlp: nn.Module, chunk: int, keep_chunks: int | None = None) -> None:
+    """Make `mlp` run in chunks (instance-level override of `forward`); undo with `unchunk_mlp`.
+    `keep_chunks`: simulation only (see `StreamConfig.keep_chunks`)."""
     original = mlp.forward
     params = trainable_parameters([mlp])
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             return original(x)
-        return ChunkedMLP.apply(x, self, original, chunk, *params)
+        return ChunkedMLP.apply(x, self, original, chunk, keep_chunks, *params)
 
     mlp.forward = types.MethodType(forward, mlp)
 

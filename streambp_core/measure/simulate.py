@@ -26,25 +26,22 @@ Speed (what makes `streambp-bench max-len` run in seconds):
   a chunk's memory grows with its prefix. 4 because a chunk can peak while what the previous one left
   is still held and the backward's first chunk is partial (when the backward still concatenated each
   chunk's K/V prefix, 2 missed Qwen3-8B at 40k tokens by 3.1 MiB and 3 was the least that did not).
-  Equal to all chunks to the byte in the tests (`thin_chunks=False`). Patches `chunk_bounds` in the
-  engine modules under a lock meanwhile.
+  Equal to all chunks to the byte in the tests (`thin_chunks=False`). Passed to the run as
+  `StreamConfig.keep_chunks` (meta device only), so nothing outside this step is thinned.
 - Meta kernels: `fastmeta.SimulationMode` memoises their output metadata.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
 from streambp_core.config import GRADS_MODES, ConfigError, check_method, require_choice
-from streambp_core.engine import chunks
 from streambp_core.measure.breakdown import Breakdown
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import check_protocol, step_protocol
@@ -57,9 +54,6 @@ from streambp_core.models.load import build_model, load_config
 
 KEEP_CHUNKS = 4
 """Chunks kept at each end of an engine chunk loop when thinning."""
-
-_THIN_LOCK = threading.Lock()
-
 
 @dataclass(frozen=True, kw_only=True)
 class SimResult:
@@ -201,9 +195,9 @@ def _peak_at_depth(config, *, method, seq_len, batch_size, dtype, grads, protoco
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
     input_ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    run = prepare(model, method, **options)
+    run = prepare(model, method, keep_chunks=KEEP_CHUNKS if thin else None, **options)
     try:
-        with _thinned_chunk_loops() if thin else nullcontext(), step_protocol(run, protocol):
+        with step_protocol(run, protocol):
             with MemoryTracker(model, device="meta") as tracker:
                 with (
                     SimulationMode(config.vocab_size, cache, tracker),
@@ -258,30 +252,6 @@ def _with_depth(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
     if isinstance(getattr(shallow, "layer_types", None), list):
         shallow.layer_types = shallow.layer_types[:num_layers]
     return shallow
-
-
-@contextmanager
-def _thinned_chunk_loops(keep: int = KEEP_CHUNKS) -> Iterator[None]:
-    """Make every engine chunk loop run only its first and last `keep` chunks (see module docstring)."""
-    original = chunks.chunk_bounds
-
-    def thinned(length: int, size: int) -> list[tuple[int, int]]:
-        bounds = original(length, size)
-        return bounds if len(bounds) <= 2 * keep else bounds[:keep] + bounds[-keep:]
-
-    with _THIN_LOCK:
-        modules = [
-            m
-            for name, m in list(sys.modules.items())
-            if name.startswith("streambp_core.") and getattr(m, "chunk_bounds", None) is original
-        ]
-        for module in modules:
-            module.chunk_bounds = thinned
-        try:
-            yield
-        finally:
-            for module in modules:
-                module.chunk_bounds = original
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

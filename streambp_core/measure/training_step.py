@@ -48,12 +48,12 @@ from streambp_core.config import (
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.probe import ProbeSpec, probe_from_simulation, simulated_probe
 from streambp_core.measure.simulate import (
+    KEEP_CHUNKS,
     SimResult,
     _as_dtype,
     _extrapolate,
     _largest,
     _phase_cuts,
-    _thinned_chunk_loops,
     _with_depth,
 )
 from streambp_core.measure.tracker import MemoryTracker
@@ -198,9 +198,9 @@ def _peaks_at_depth(spec: TrainSpec, config: PretrainedConfig, seq_len: int, cac
     """
     model, optimizer = build_training_model(spec, "meta", config)
     inputs = step_inputs(spec, config.vocab_size, seq_len, "meta")
-    run = prepare(model, spec.method, **_run_options(spec))
+    run = prepare(model, spec.method, keep_chunks=KEEP_CHUNKS, **_run_options(spec))
     try:
-        with _thinned_chunk_loops(), MemoryTracker(model, optimizer, device="meta") as tracker:
+        with MemoryTracker(model, optimizer, device="meta") as tracker:
             with (
                 SimulationMode(config.vocab_size, cache, tracker),
                 checkpoint_tags(model, tracker) as forward,

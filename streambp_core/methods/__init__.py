@@ -30,6 +30,8 @@ def prepare(model: nn.Module, method: str, *, objective: str = "sft", **options)
         config = StreamConfig(**options)
     except TypeError as err:
         raise ConfigError(f"unknown option for prepare(): {err}") from None
+    if config.keep_chunks is not None and any(p.device.type != "meta" for p in model.parameters()):
+        raise ConfigError("keep_chunks thins the chunk loops for simulation: only on the meta device")
     return RUN_CLASSES[method](model, config, objective=objective)
 
 

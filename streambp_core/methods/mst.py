@@ -17,7 +17,7 @@ class MstRun(CheckpointRun):
     def _setup(self) -> None:
         super()._setup()
         for layer in self.parts.layers:
-            chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens)
+            chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens, self.config.keep_chunks)
 
     def _teardown(self) -> None:
         for layer in self.parts.layers:
@@ -28,7 +28,8 @@ class MstRun(CheckpointRun):
         mask = self.mask_argument(attention_mask)
         outputs = self.parts.backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
         hidden = outputs.last_hidden_state
-        plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size)
+        plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
+                        keep_chunks=self.config.keep_chunks)
         params = trainable_parameters([self.parts.lm_head])
         objective = self.make_objective(labels, **objective_inputs)
         return StreamedHead.apply(hidden, objective, plan, *params)

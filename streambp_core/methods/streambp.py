@@ -25,12 +25,13 @@ class StreamBPRun(Run):
     def _setup(self) -> None:
         cfg = self.config
         self._layers = [
-            (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True),
+            (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
+                       keep_chunks=cfg.keep_chunks),
              trainable_parameters([layer]))
             for layer in self.parts.layers
         ]
         head_modules = [self.parts.norm, self.parts.lm_head]
-        self._head = (HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size),
+        self._head = (HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks),
                       trainable_parameters(head_modules))
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
