@@ -12,6 +12,8 @@ ATTN_BACKENDS = ("auto", "sdpa", "flash")
 BASELINE_ATTENTION = ("auto", "engine", "model")
 PROTOCOLS = ("default", "paper")
 """Step protocols of a memory figure (see `streambp_core.measure.protocol`)."""
+HEAD_MODES = ("auto", "fused", "recompute")
+"""How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
 GRADS_MODES = ("resident", "fresh")
 """Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
 
@@ -29,6 +31,12 @@ class StreamConfig:
 
     head_partition_size: int = 100
     """Tokens per chunk of the streamed LM head and loss."""
+
+    head_mode: str = "auto"
+    """streambp's LM head: 'fused' takes each chunk's gradients in the forward pass from the logits it
+    already has (3 head GEMMs per chunk, not 4; one vocab x hidden gradient buffer from forward to
+    backward; sft and grpo only), 'recompute' recomputes the logits in backward (least memory, every
+    objective), 'auto' fuses wherever the objective allows it."""
 
     mlp_chunk_size: int | None = None
     """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""
@@ -55,6 +63,7 @@ class StreamConfig:
         if self.mlp_chunk_size is not None:
             require_positive("mlp_chunk_size", self.mlp_chunk_size)
         require_choice("attn", self.attn, ATTN_BACKENDS)
+        require_choice("head_mode", self.head_mode, HEAD_MODES)
 
     @property
     def mlp_chunk_tokens(self) -> int:

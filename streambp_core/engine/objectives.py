@@ -51,6 +51,8 @@ class SFTObjective:
     targets: Tensor  # (B, T) shifted labels
 
     name = "sft"
+    linear_reduce = True
+    """`reduce` is linear in S, so dL/dS is known before S is: the head can take gradients in its forward."""
 
     @staticmethod
     def logits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,6 +101,7 @@ class GRPOObjective:
     epsilon_high: float
 
     name = "grpo"
+    linear_reduce = True
     logits_dtype = staticmethod(at_least_float32)
 
     def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
@@ -162,6 +165,7 @@ class DPOObjective:
     beta: float
 
     name = "dpo"
+    linear_reduce = False
     logits_dtype = staticmethod(at_least_float32)
 
     def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
@@ -174,6 +178,11 @@ class DPOObjective:
         ref_rejected = self.ref_rejected_logps.to(stats.dtype)
         margin = (chosen - ref_chosen) - (rejected - ref_rejected)
         return -F.logsigmoid(self.beta * margin).mean()
+
+
+LINEAR_REDUCE_OBJECTIVES = tuple(cls.name for cls in (SFTObjective, GRPOObjective, DPOObjective)
+                                 if cls.linear_reduce)
+"""Objectives whose loss is linear in the per-sequence sums (the fused LM head serves them)."""
 
 
 def dpo_objective(labels: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, *,

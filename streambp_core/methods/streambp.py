@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from streambp_core.engine.chunks import trainable_parameters
-from streambp_core.engine.head import HeadPlan, StreamedHead
+from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods.base import Run, key_padding
@@ -33,6 +33,8 @@ class StreamBPRun(Run):
         head_modules = [self.parts.norm, self.parts.lm_head]
         self._head = (HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks),
                       trainable_parameters(head_modules))
+        fused = head_mode(cfg.head_mode, self.objective_name) == "fused"
+        self._head_function = FusedHead if fused else StreamedHead
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
@@ -44,4 +46,4 @@ class StreamBPRun(Run):
         for plan, params in self._layers:
             hidden = StreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
         head_plan, head_params = self._head
-        return StreamedHead.apply(hidden, objective, head_plan, *head_params)
+        return self._head_function.apply(hidden, objective, head_plan, *head_params)

@@ -1,0 +1,92 @@
+"""Backward steps of a layer's linear pieces taken by hand, so a streamed layer's backward multiplies no
+more matrices than checkpointing does.
+
+- K/V projections: the accumulated dK/dV of a chunk go back through RoPE's transpose (a rotation by the
+  opposite angle), the k-norm's backward (autograd, from the pre-norm keys the cache pass kept) and the
+  projections' backward (dW += dY^T x, dx = dY W) without projecting the chunk a third time.
+- Gated MLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, the form of every supported family): the
+  chunk's graph stops at the down projection's input; the down projection's backward is taken by hand,
+  so its forward (whose output only feeds the gradient's residual sum) is not recomputed, as torch's
+  non-reentrant checkpoint skips it too.
+
+Each applies only to plain `nn.Linear` projections; a wrapped one (peft LoRA) keeps the autograd path.
+Weight gradients accumulate in `.grad` in place, as `backward_into` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import rotate_half
+
+from streambp_core.engine.chunks import backward_into, leaf
+
+GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
+"""MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is a bare `nn.Linear` (bias or not), whose backward this module takes by hand."""
+    return type(module) is nn.Linear
+
+
+def gated_mlp(mlp: nn.Module) -> bool:
+    """Whether `mlp` is a known gated MLP with a plain down projection."""
+    return type(mlp).__name__ in GATED_MLP_CLASSES and plain_linear(mlp.down_proj)
+
+
+def linear_backward(module: nn.Linear, x: Tensor, grad_y: Tensor) -> Tensor:
+    """dL/dx of y = module(x) for dL/dy = grad_y (both (..., features)); dW and db accumulate in `.grad`."""
+    grad_2d, x_2d = grad_y.flatten(0, -2), x.flatten(0, -2)
+    weight, bias = module.weight, module.bias
+    if weight.requires_grad:
+        _accumulate_mm(weight, grad_2d.t(), x_2d)
+    if bias is not None and bias.requires_grad:
+        bias_grad = grad_2d.sum(dim=0)
+        if bias.grad is None:
+            bias.grad = bias_grad
+        else:
+            bias.grad.add_(bias_grad)
+    return (grad_2d @ weight).view(*grad_y.shape[:-1], weight.shape[1])
+
+
+def _accumulate_mm(param: Tensor, a: Tensor, b: Tensor) -> None:
+    if param.grad is None:
+        param.grad = a @ b
+    else:
+        param.grad.addmm_(a, b)
+
+
+def rope_transpose(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1, cos/sin (B, c, hd))."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return grad * cos - rotate_half(grad * sin)
+
+
+def mlp_inner(mlp: nn.Module, x: Tensor) -> Tensor:
+    """act_fn(gate_proj(x)) * up_proj(x): a gated MLP up to its down projection's input."""
+    return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Tensor, d_values: Tensor,
+                           cos: Tensor, sin: Tensor, params) -> Tensor:
+    """dL/dx (B, c, d) through a chunk's k/v projections from its complete dK, dV (B, Hkv, c, hd).
+
+    `x` is the chunk's normed input; `raw_keys` (B, c, Hkv, hd) its keys before the k-norm, needed only
+    when the layer has one.
+    """
+    b, c, _ = x.shape
+    d_k = rope_transpose(d_keys, cos, sin).transpose(1, 2)  # (B, c, Hkv, hd), after the k-norm
+    if parts.k_norm is not None:
+        raw = leaf(raw_keys)
+        with torch.enable_grad():
+            normed = parts.k_norm(raw)
+        backward_into([normed], [d_k], [raw], params)
+        d_k = raw.grad
+    grad_x = linear_backward(parts.k_proj, x, d_k.reshape(b, c, -1))
+    return grad_x.add_(linear_backward(parts.v_proj, x, d_values.transpose(1, 2).reshape(b, c, -1)))
+
+
+def down_projection_backward(mlp: nn.Module, inner: Tensor, grad_out: Tensor) -> Tensor:
+    """dL/d(inner) of out = down_proj(inner) for dL/dout = grad_out; the down projection's `.grad` too."""
+    return linear_backward(mlp.down_proj, inner.detach(), grad_out)
