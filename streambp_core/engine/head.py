@@ -182,7 +182,7 @@ def fused_pass(plan: HeadPlan, objective, hidden: Tensor, d_stats: Tensor, param
     with memory_category(GRADS):
         param_grads = [torch.zeros_like(p) for p in params]
     chunk_pass = _fused_linear_chunk if _plain_linear(plan.lm_head) else _fused_autograd_chunk
-    for start, end in chunk_bounds(hidden.shape[1], plan.partition_size):
+    for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):
         h = leaf(hidden[:, start:end])
         terms = chunk_pass(plan, objective, h, start, end, d_stats, params, param_grads)
         stats += terms.to(stats.dtype)

@@ -2,13 +2,16 @@
 backward that recomputes the layer chunk by chunk along the sequence (PAPER.md section 1).
 
 Backward, per layer:
-1. From the saved input H_in, compute K and V of the whole sequence once, without grad (B, Hkv, T, hd).
+1. From the saved input H_in, compute K and V of the whole sequence once, without grad (B, Hkv, T, hd)
+   (and, for a layer with a k-norm, the keys before it, B x T x kv_dim).
 2. For each query chunk s..e, last chunk first: recompute norm and Q with grad; attend to the cached
    K(:e), V(:e) (views, no copy) lower-right causally; o_proj, residual, norm, MLP, residual;
    back-propagate dH_out(s:e) and add the attention's dK/dV of positions 0..e to the accumulated ones.
    Because chunks run last to first, those of positions s..e are then complete: back-propagate them
-   through the chunk's own k/v projections (recomputed with grad), so the K/V projections are
-   differentiated once per position. Weight gradients accumulate in `.grad`.
+   through RoPE's transpose, the k-norm and the chunk's k/v projections (by hand for plain linear
+   projections, `linear_grads.py`; recomputed with grad for wrapped ones), so the K/V projections are
+   computed twice per position (forward and cache), as checkpointing does. Weight gradients accumulate
+   in `.grad`.
 Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) for K, V and their grads.
 """
 
@@ -22,6 +25,14 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from streambp_core.engine.attention import prefix_attention
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.linear_grads import (
+    down_projection_backward,
+    gated_mlp,
+    kv_projection_backward,
+    mlp_inner,
+    plain_linear,
+    rotate,
+)
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import LayerParts
 
@@ -52,13 +63,36 @@ def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple
     return q, k, v.transpose(1, 2)
 
 
-def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
-    """Layer output for the chunk whose input is h (B, c, d), given its queries and its K/V prefix."""
+def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
+    """The chunk's hidden states after attention and its residual (B, c, d)."""
     parts = plan.parts
     attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn)  # (B, H, c, hd)
     attn = attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)
-    h = h + parts.o_proj(attn)
-    return h + parts.mlp(parts.post_norm(h))
+    return h + parts.o_proj(attn)
+
+
+def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
+    """Layer output for the chunk whose input is h (B, c, d), given its queries and its K/V prefix."""
+    h = attend(plan, h, q, k, v, valid)
+    return h + plan.parts.mlp(plan.parts.post_norm(h))
+
+
+def project_q(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Normed input x (B, c, d) -> rotated q (B, H, c, hd)."""
+    b, c, _ = x.shape
+    q = parts.q_proj(x).view(b, c, parts.num_heads, parts.head_dim)
+    if parts.q_norm is not None:
+        q = parts.q_norm(q)
+    return rotate(q.transpose(1, 2), cos, sin)
+
+
+def project_kv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Normed input x (B, c, d) -> rotated k, v (B, Hkv, c, hd) and k before its norm (B, c, Hkv, hd)."""
+    b, c, _ = x.shape
+    raw_k = parts.k_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
+    v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
+    k = raw_k if parts.k_norm is None else parts.k_norm(raw_k)
+    return rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2), raw_k
 
 
 def _rope(cos: Tensor, sin: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
@@ -69,18 +103,28 @@ def _valid(key_valid: Tensor | None, end: int) -> Tensor | None:
     return None if key_valid is None else key_valid[:, :end]
 
 
-def _kv_cache(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotated K and V of the whole sequence (B, Hkv, T, hd), computed chunk by chunk, without grad."""
+def _kv_cache(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor):
+    """Rotated K and V of the whole sequence (B, Hkv, T, hd), computed chunk by chunk, without grad, and
+    the keys before the k-norm (B, T, Hkv, hd) when the backward takes a k-norm's gradient from them."""
     parts = plan.parts
     b, t, _ = h_in.shape
     shape = (b, parts.num_kv_heads, t, parts.head_dim)
     with memory_category("kv"):
         keys, values = h_in.new_empty(shape), h_in.new_empty(shape)
+        keep_raw = _kv_by_hand(parts) and parts.k_norm is not None
+        raw_keys = h_in.new_empty((b, t, parts.num_kv_heads, parts.head_dim)) if keep_raw else None
     for start, end in chunk_bounds(t, plan.partition_size, plan.keep_chunks):
         x = parts.input_norm(h_in[:, start:end])
-        _, k, v = project_qkv(parts, x, *_rope(cos, sin, start, end))
+        k, v, raw_k = project_kv(parts, x, *_rope(cos, sin, start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
-    return keys, values
+        if raw_keys is not None:
+            raw_keys[:, start:end] = raw_k
+    return keys, values, raw_keys
+
+
+def _kv_by_hand(parts: LayerParts) -> bool:
+    """Whether the K/V projections' backward is taken by hand (plain linear projections)."""
+    return plain_linear(parts.k_proj) and plain_linear(parts.v_proj)
 
 
 def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, key_valid: Tensor | None):
@@ -107,12 +151,13 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params) -> Tens
     With `plan.reuse_grad_out`, dL/dH_in is written over dL/dH_out chunk by chunk (chunk s..e reads only
     its own slice of dL/dH_out, and chunks run last to first), so one (B, T, d) gradient is alive, not two.
     """
-    keys, values = _kv_cache(plan, h_in, cos, sin)
+    keys, values, raw_keys = _kv_cache(plan, h_in, cos, sin)
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
-        kv = _KVState(keys[:, :, :end], values[:, :, :end], d_keys[:, :, :end], d_values[:, :, :end])
+        kv = _KVState(keys[:, :, :end], values[:, :, :end], d_keys[:, :, :end], d_values[:, :, :end],
+                      None if raw_keys is None else raw_keys[:, start:end])
         chunk_grad = _chunk_backward(plan, h_in[:, start:end], *_rope(cos, sin, start, end),
                                      _valid(key_valid, end), kv, grad_out[:, start:end], params)
         grad_in[:, start:end] = chunk_grad
@@ -128,32 +173,61 @@ class _KVState:
     values: Tensor
     d_keys: Tensor
     d_values: Tensor
+    raw_keys: Tensor | None
+    """The chunk's own keys before the k-norm (B, c, Hkv, hd), or None."""
 
 
 def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk, params) -> Tensor:
     """Back-propagate one chunk; returns its dL/dH_in. Three passes, so the prefix needs no copy:
     1. the chunk's output against the cached K/V prefix (views, no concatenation) -> dQ path, o_proj, MLP,
        residual, and dK/dV of positions 0..e, added to the accumulated ones;
-    2. the chunk's own k/v (recomputed from the normed input) with their now complete dK/dV;
+    2. the chunk's own k/v with their now complete dK/dV (see the module docstring);
     3. the input norm, with the normed input's gradient from passes 1 and 2.
     """
     parts = plan.parts
+    by_hand = _kv_by_hand(parts)
     h = leaf(h_in_chunk)
     prefix_k, prefix_v = leaf(kv.keys), leaf(kv.values)
     with torch.enable_grad():
         x = parts.input_norm(h)
         x_leaf = leaf(x)
-        q, k, v = project_qkv(parts, x_leaf, cos, sin)
-        out = finish_chunk(plan, h, q, prefix_k, prefix_v, valid)
-    backward_into([out], [grad_chunk], [h, x_leaf, prefix_k, prefix_v], params)
-    del out, q
+        if by_hand:
+            q = project_q(parts, x_leaf, cos, sin)
+        else:
+            q, k, v = project_qkv(parts, x_leaf, cos, sin)
+        outputs = _chunk_outputs(plan, h, q, prefix_k, prefix_v, valid)
+    backward_into(outputs, _output_grads(plan, outputs, grad_chunk), [h, x_leaf, prefix_k, prefix_v], params)
+    del outputs, q
     kv.d_keys.add_(grad_or_zeros(prefix_k))
     kv.d_values.add_(grad_or_zeros(prefix_v))
     del prefix_k, prefix_v  # their gradients, (B, Hkv, e, hd) each, before pass 2 allocates
     c = h.shape[1]
-    backward_into([k, v], [kv.d_keys[:, :, -c:], kv.d_values[:, :, -c:]], [x_leaf], params)
-    backward_into([x], [grad_or_zeros(x_leaf)], [h], params)
+    d_k, d_v = kv.d_keys[:, :, -c:], kv.d_values[:, :, -c:]
+    if by_hand:
+        grad_x = grad_or_zeros(x_leaf)
+        grad_x.add_(kv_projection_backward(parts, x_leaf.detach(), kv.raw_keys, d_k, d_v, cos, sin, params))
+    else:
+        backward_into([k, v], [d_k, d_v], [x_leaf], params)
+        grad_x = grad_or_zeros(x_leaf)
+    backward_into([x], [grad_x], [h], params)
     return grad_or_zeros(h)
+
+
+def _chunk_outputs(plan: LayerPlan, h, q, k, v, valid) -> list[Tensor]:
+    """The chunk's recomputed graph ends: [output], or for a gated MLP taken by hand [the hidden states
+    after attention, the down projection's input] (the down projection's forward is not needed)."""
+    if not gated_mlp(plan.parts.mlp):
+        return [finish_chunk(plan, h, q, k, v, valid)]
+    attended = attend(plan, h, q, k, v, valid)
+    return [attended, mlp_inner(plan.parts.mlp, plan.parts.post_norm(attended))]
+
+
+def _output_grads(plan: LayerPlan, outputs: list[Tensor], grad_chunk: Tensor) -> list[Tensor]:
+    """Gradients for `_chunk_outputs`: dL/dout, or the residual's dL/dout and the down projection's input
+    gradient (its weight gradient accumulates in `.grad` here)."""
+    if len(outputs) == 1:
+        return [grad_chunk]
+    return [grad_chunk, down_projection_backward(plan.parts.mlp, outputs[1], grad_chunk)]
 
 
 def _overwritable(grad_out: Tensor, h_in: Tensor) -> bool:

@@ -37,7 +37,12 @@ def gated_mlp(mlp: nn.Module) -> bool:
 
 def linear_backward(module: nn.Linear, x: Tensor, grad_y: Tensor) -> Tensor:
     """dL/dx of y = module(x) for dL/dy = grad_y (both (..., features)); dW and db accumulate in `.grad`."""
-    grad_2d, x_2d = grad_y.flatten(0, -2), x.flatten(0, -2)
+    with torch.no_grad():
+        return _linear_backward(module, x.flatten(0, -2), grad_y.flatten(0, -2)).view(
+            *grad_y.shape[:-1], module.weight.shape[1])
+
+
+def _linear_backward(module: nn.Linear, x_2d: Tensor, grad_2d: Tensor) -> Tensor:
     weight, bias = module.weight, module.bias
     if weight.requires_grad:
         _accumulate_mm(weight, grad_2d.t(), x_2d)
@@ -47,7 +52,7 @@ def linear_backward(module: nn.Linear, x: Tensor, grad_y: Tensor) -> Tensor:
             bias.grad = bias_grad
         else:
             bias.grad.add_(bias_grad)
-    return (grad_2d @ weight).view(*grad_y.shape[:-1], weight.shape[1])
+    return grad_2d @ weight
 
 
 def _accumulate_mm(param: Tensor, a: Tensor, b: Tensor) -> None:
@@ -55,6 +60,12 @@ def _accumulate_mm(param: Tensor, a: Tensor, b: Tensor) -> None:
         param.grad = a @ b
     else:
         param.grad.addmm_(a, b)
+
+
+def rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return t * cos + rotate_half(t) * sin
 
 
 def rope_transpose(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -89,4 +100,4 @@ def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Te
 
 def down_projection_backward(mlp: nn.Module, inner: Tensor, grad_out: Tensor) -> Tensor:
     """dL/d(inner) of out = down_proj(inner) for dL/dout = grad_out; the down projection's `.grad` too."""
-    return linear_backward(mlp.down_proj, inner.detach(), grad_out)
+    return linear_backward(mlp.down_proj, inner.detach(), grad_out).view_as(inner)

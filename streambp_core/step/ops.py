@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm", "aten.baddbmm", "aten.baddbmm_"})
