@@ -212,7 +212,7 @@ def _fused_linear_chunk(plan, objective, h, start, end, d_stats, params, param_g
         logits = leaf(torch.nn.functional.linear(x.detach(), weight))
     with torch.enable_grad(), memory_category("logits"):
         sums = objective.token_terms(logits.to(objective.logits_dtype(logits.dtype)), start, end).sum(dim=1)
-        (d_logits,) = torch.autograd.grad((sums * d_stats).sum(), logits)
+        (d_logits,) = torch.autograd.grad(sums, logits, d_stats.to(sums.dtype))
     del logits
     d_logits_2d = d_logits.flatten(0, 1)
     index = {id(p): i for i, p in enumerate(params)}

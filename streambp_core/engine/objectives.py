@@ -35,10 +35,15 @@ def default_labels(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
 
 
+def token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """-log p(target) per token (B, c) from logits (B, c, V); 0 where the target is ignored."""
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return ce.view(targets.shape)
+
+
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """log p(target) per token (B, c) from logits (B, c, V); 0 where the target is ignored."""
-    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return -ce.view(targets.shape)
+    return -token_cross_entropy(logits, targets)
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +70,7 @@ class SFTObjective:
 
     def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
         """Per-token cross-entropy (B, c) for positions start..end."""
-        return -token_logprobs(logits, self.targets[:, start:end])
+        return token_cross_entropy(logits, self.targets[:, start:end])
 
     def reduce(self, stats: Tensor) -> Tensor:
         """Sum of per-sequence cross-entropy sums over the number of valid targets."""

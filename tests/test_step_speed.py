@@ -1,0 +1,119 @@
+"""The engine's speed paths stay exact: the fused LM head (gradients from the forward's logits), the layer
+backward's by-hand K/V and down projections, and the matmul count they exist for (ops of a step on meta
+tensors, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streambp_core
+from streambp_core.config import ConfigError, StreamConfig
+from streambp_core.engine.linear_grads import linear_backward, rope_transpose, rotate
+from streambp_core.models.load import build_model, tiny_config
+from streambp_core.step.ops import OpRecorder
+from tests.test_exactness import assert_matches_plain, batch, model_of, relative_errors
+from tests.test_objectives import grpo_inputs
+
+DPO_INPUTS = {"ref_chosen_logps": torch.tensor([-40.0, -35.0]),
+              "ref_rejected_logps": torch.tensor([-38.0, -37.0]), "beta": 0.5}
+
+
+@pytest.mark.parametrize("head_mode", ["fused", "recompute"])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_head_modes_exact(family, head_mode):
+    model = model_of(family, tie_word_embeddings=family == "llama")
+    ids, mask = batch(model.config.vocab_size, 2, 17, "right")
+    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=4, head_partition_size=5,
+                         head_mode=head_mode)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_fused_and_recomputing_heads_agree(objective):
+    """grpo fuses under 'auto'; dpo recomputes; both equal the recomputing head to float64 rounding."""
+    model = model_of("qwen3")
+    ids, mask = batch(model.config.vocab_size, 4, 13, "left")
+    inputs = grpo_inputs(ids, mask) if objective == "grpo" else DPO_INPUTS
+    grads = {}
+    for mode in ("auto", "recompute"):
+        model.zero_grad(set_to_none=True)
+        with streambp_core.prepare(model, "streambp", objective=objective, partition_size=4,
+                                   head_partition_size=3, head_mode=mode) as run:
+            run.loss(ids, attention_mask=mask, **inputs).backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert max(relative_errors(grads["auto"], grads["recompute"]).values()) <= 1e-12
+
+
+def test_fused_head_touches_grad_only_in_backward_and_scales_by_incoming_gradient():
+    model = model_of("qwen3")
+    ids, _ = batch(model.config.vocab_size, 2, 11, "none")
+    grads = {}
+    for mode, scale in (("fused", 1.0), ("fused", 4.0), ("recompute", 4.0)):
+        model.zero_grad(set_to_none=True)
+        with streambp_core.prepare(model, "streambp", head_partition_size=4, head_mode=mode) as run:
+            loss = run.loss(ids)
+            assert all(p.grad is None for p in model.parameters())
+            (scale * loss).backward()
+        grads[mode, scale] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # a power of two, so scaling commutes with the float32 steps of the model (its RMSNorm, sft's logits)
+    scaled = {n: 4.0 * g for n, g in grads["fused", 1.0].items()}
+    assert max(relative_errors(grads["fused", 4.0], scaled).values()) == 0.0
+    assert max(relative_errors(grads["fused", 4.0], grads["recompute", 4.0]).values()) <= 1e-12
+
+
+def test_fused_head_refuses_a_second_backward():
+    model = model_of("llama")
+    ids, _ = batch(model.config.vocab_size, 1, 9, "none")
+    with streambp_core.prepare(model, "streambp", head_mode="fused") as run:
+        loss = run.loss(ids)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="applies its gradients once"):
+            loss.backward()
+
+
+def test_head_mode_choices():
+    with pytest.raises(ConfigError, match="head_mode"):
+        StreamConfig(head_mode="fast")
+    model = model_of("llama")
+    with pytest.raises(ConfigError, match="dpo takes 'recompute'"):
+        streambp_core.prepare(model, "streambp", objective="dpo", head_mode="fused")
+
+
+def test_rope_transpose_is_the_vjp_of_rope():
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    cos, sin = torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=gen).unbind(1)
+    grad = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=gen)
+    (expected,) = torch.autograd.grad(rotate(k, cos, sin), k, grad)
+    torch.testing.assert_close(rope_transpose(grad, cos, sin), expected, rtol=1e-14, atol=1e-14)
+
+
+def test_linear_backward_accumulates_like_autograd():
+    gen = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(6, 4, dtype=torch.float64)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, generator=gen)
+    grad = torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)
+    x_leaf = x.clone().requires_grad_(True)
+    layer(x_leaf).backward(grad)
+    expected = (x_leaf.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
+    grad_x = linear_backward(layer, x, grad)  # accumulates onto the grads autograd left
+    torch.testing.assert_close(grad_x, expected[0])
+    torch.testing.assert_close(layer.weight.grad, 2 * expected[1])
+    torch.testing.assert_close(layer.bias.grad, 2 * expected[2])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("partition_size", [16, 7])
+def test_streambp_multiplies_no_more_than_checkpointing(family, partition_size):
+    """Matmul FLOPs of one step on meta tensors: streambp (fused head) <= checkpoint."""
+    model = build_model(tiny_config(family), dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(1, 48, dtype=torch.long, device="meta")
+    flops = {}
+    for method in ("checkpoint", "streambp"):
+        options = {"partition_size": partition_size, "head_partition_size": 8}
+        with streambp_core.prepare(model, method, **options) as run:
+            with OpRecorder() as recorder:
+                run.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        flops[method] = recorder.matmul_flops()
+    assert 0 < flops["streambp"] <= flops["checkpoint"]
