@@ -17,6 +17,7 @@ Bytes: every tensor an op reads or writes, counted once per op; views and metada
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +117,24 @@ def _tensor_bytes(args: tuple, kwargs: dict, out) -> int:
             seen.add(id(item))
             total += item.numel() * item.element_size()
     return total
+
+
+def meta_step_ops(config, method: str, seq_len_tokens: int, *, batch_size: int = 1,
+                  num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                  **options) -> list[OpRecord]:
+    """The ops of one training step (loss and backward) of `method` on meta tensors.
+
+    `config` is a transformers config or a model name (`load_config`); `num_layers` cuts the model to
+    that depth; `options` go to `prepare` (partition sizes, objective, head_mode, ...).
+    """
+    import streambp_core
+    from streambp_core.models.load import build_model, load_config
+
+    config = copy.deepcopy(load_config(config) if isinstance(config, str) else config)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    model = build_model(config, dtype=dtype, device="meta")
+    ids = torch.zeros(batch_size, seq_len_tokens, dtype=torch.long, device="meta")
+    with streambp_core.prepare(model, method, **options) as run, OpRecorder() as recorder:
+        run.loss(ids).backward()
+    return recorder.records

@@ -1,0 +1,124 @@
+"""Estimated step time (roofline, `streambp_core.step.estimate`) next to measured CUDA step times.
+
+    python benchmarks/step_time_estimate.py --measured results/gpu/selfcheck-h200.csv \\
+        --out results/step_time_estimate.csv
+    python benchmarks/step_time_estimate.py --gpu h100 --model Qwen/Qwen3-4B --seq-len 16384,32768 \\
+        --methods checkpoint,streambp --ps-head 1024
+
+With `--measured`: every `measured-cuda` step_time row of the CSV is estimated with its own settings
+(model, method, length, batch, partitions, dtype; the GPU from the row's device name) and written with
+the ratio estimated / measured. Otherwise: an estimate for each method and length given (layer partition
+T/3 unless `--ps`). The ops come from one step on meta tensors of the model cut to one and to two
+layers, scaled to the full depth, with the code installed here: a measured row taken on other code is
+compared with what this code would do. Rows are labelled `estimated`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+COLUMNS = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size",
+           "head_partition_size", "head_mode", "estimated_ms", "matmul_ms", "attention_ms", "other_ms",
+           "launch_ms", "launches", "measured_ms", "estimated_vs_measured", "source")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--measured", type=Path,
+                        help="results CSV whose measured-cuda step_time rows to estimate")
+    parser.add_argument("--gpu", default="h200", help="h100, h200, a100 or a800 (without --measured)")
+    parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
+    parser.add_argument("--seq-len", default="16384,32768", help="comma-separated lengths")
+    parser.add_argument("--methods", default="checkpoint,streambp")
+    parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
+    parser.add_argument("--ps-head", type=int, default=1024)
+    parser.add_argument("--head-mode", default="auto", help="streambp's head: auto, fused or recompute")
+    parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")
+    return parser.parse_args(argv)
+
+
+def gpu_key(device_name: str) -> str:
+    """'NVIDIA H200' -> 'h200'; ValueError for a GPU without datasheet figures here."""
+    from streambp_core.step.estimate import GPU_MODELS
+
+    for key in GPU_MODELS:
+        if key in device_name.lower():
+            return key
+    raise ValueError(f"no datasheet figures for {device_name!r}")
+
+
+def measured_settings(path: Path) -> list[dict]:
+    """Settings and time of each measured-cuda step_time row of a results CSV."""
+    with path.open() as handle:
+        rows = [r for r in csv.DictReader(handle)
+                if r["metric"] == "step_time" and r["source"] == "measured-cuda" and r["status"] == "ok"]
+    return [dict(gpu=gpu_key(r["device_name"]), model=r["model"], method=r["method"],
+                 seq_len_tokens=int(r["seq_len_tokens"]), batch_size=int(r["batch_size"]),
+                 partition_size=int(r["partition_size"]), head_partition_size=int(r["head_partition_size"]),
+                 head_mode=r.get("head_mode") or "auto", dtype=r["dtype"],
+                 measured_ms=float(r["step_time_ms"]))
+            for r in rows]
+
+
+def requested_settings(args) -> list[dict]:
+    lengths = [int(length) for length in args.seq_len.split(",")]
+    return [dict(gpu=args.gpu, model=args.model, method=method, seq_len_tokens=length, batch_size=1,
+                 partition_size=args.ps or -(-length // 3), head_partition_size=args.ps_head,
+                 head_mode=args.head_mode, dtype="bfloat16", measured_ms=None)
+            for length in lengths for method in args.methods.split(",")]
+
+
+def estimate_row(settings: dict) -> dict:
+    """One output row (see COLUMNS) for one step's settings."""
+    import torch
+
+    from streambp_core.models.load import load_config
+    from streambp_core.step.estimate import estimate_by_depth, gpu_model
+    from streambp_core.step.ops import meta_step_ops
+
+    config = load_config(settings["model"])
+    options = {key: settings[key] for key in ("partition_size", "head_partition_size")}
+    if settings["method"] == "streambp":
+        options["head_mode"] = settings["head_mode"]
+    dtype = getattr(torch, settings["dtype"])
+
+    def record(depth: int):
+        return meta_step_ops(config, settings["method"], settings["seq_len_tokens"], num_layers=depth,
+                             batch_size=settings["batch_size"], dtype=dtype, **options)
+
+    est = estimate_by_depth(record, config.num_hidden_layers, gpu_model(settings["gpu"]))
+    measured = settings["measured_ms"]
+    ratio = f"{est.step_time_ms / measured:.3f}" if measured else ""
+    same = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size", "head_partition_size")
+    return dict(**{key: settings[key] for key in same},
+                head_mode=options.get("head_mode", ""), estimated_ms=f"{est.step_time_ms:.1f}",
+                matmul_ms=f"{1e3 * est.matmul_s:.1f}", attention_ms=f"{1e3 * est.attention_s:.1f}",
+                other_ms=f"{1e3 * est.other_s:.1f}", launch_ms=f"{1e3 * est.launch_s:.1f}",
+                launches=est.launches, measured_ms=f"{measured:.1f}" if measured else "",
+                estimated_vs_measured=ratio, source=est.source)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    settings = measured_settings(args.measured) if args.measured else requested_settings(args)
+    writer = csv.DictWriter(sys.stdout, COLUMNS)
+    writer.writeheader()
+    rows = []
+    for item in settings:
+        rows.append(estimate_row(item))
+        writer.writerow(rows[-1])
+        sys.stdout.flush()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as handle:
+            file_writer = csv.DictWriter(handle, COLUMNS)
+            file_writer.writeheader()
+            file_writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
