@@ -59,7 +59,7 @@ def measured_settings(path: Path) -> list[dict]:
     return [dict(gpu=gpu_key(r["device_name"]), model=r["model"], method=r["method"],
                  seq_len_tokens=int(r["seq_len_tokens"]), batch_size=int(r["batch_size"]),
                  partition_size=int(r["partition_size"]), head_partition_size=int(r["head_partition_size"]),
-                 head_mode=r.get("head_mode") or "auto", dtype=r["dtype"],
+                 head_mode=r.get("head_mode") or "", dtype=r["dtype"],
                  measured_ms=float(r["step_time_ms"]))
             for r in rows]
 
@@ -82,7 +82,7 @@ def estimate_row(settings: dict) -> dict:
 
     config = load_config(settings["model"])
     options = {key: settings[key] for key in ("partition_size", "head_partition_size")}
-    if settings["method"] == "streambp":
+    if settings["method"] == "streambp" and settings["head_mode"]:  # none given: the code's default
         options["head_mode"] = settings["head_mode"]
     dtype = getattr(torch, settings["dtype"])
 
