@@ -3,7 +3,7 @@
     python benchmarks/step_time_estimate.py --measured results/gpu/selfcheck-h200.csv \\
         --out results/step_time_estimate.csv
     python benchmarks/step_time_estimate.py --gpu h100 --model Qwen/Qwen3-4B --seq-len 16384,32768 \\
-        --methods checkpoint,streambp --ps-head 1024
+        --methods checkpoint,streambp --ps-head 100,1024
 
 With `--measured`: every `measured-cuda` step_time row of the CSV is estimated with its own settings
 (model, method, length, batch, partitions, dtype; the GPU from the row's device name) and written with
@@ -22,7 +22,7 @@ from pathlib import Path
 
 COLUMNS = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size",
            "head_partition_size", "head_mode", "estimated_ms", "matmul_ms", "attention_ms", "other_ms",
-           "launch_ms", "launches", "measured_ms", "estimated_vs_measured", "source")
+           "launch_ms", "launches", "measured_ms", "estimated_vs_measured", "code", "source")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,10 +35,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", default="16384,32768", help="comma-separated lengths")
     parser.add_argument("--methods", default="checkpoint,streambp")
     parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
-    parser.add_argument("--ps-head", type=int, default=1024)
+    parser.add_argument("--ps-head", default="1024", help="comma-separated LM-head partitions")
     parser.add_argument("--head-mode", default="auto", help="streambp's head: auto, fused or recompute")
     parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")
     return parser.parse_args(argv)
+
+
+def code_version() -> str:
+    """`git describe --always --dirty` of the streambp_core being run (the code whose ops are estimated)."""
+    import subprocess
+
+    import streambp_core
+
+    where = Path(streambp_core.__file__).parent
+    done = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"], capture_output=True,
+                          text=True, check=False)
+    return done.stdout.strip() or "unknown"
 
 
 def gpu_key(device_name: str) -> str:
@@ -66,10 +78,13 @@ def measured_settings(path: Path) -> list[dict]:
 
 def requested_settings(args) -> list[dict]:
     lengths = [int(length) for length in args.seq_len.split(",")]
+    heads = [int(size) for size in args.ps_head.split(",")]
+    variants = [(method, head) for method in args.methods.split(",")
+                for head in (heads[:1] if method == "checkpoint" else heads)]
     return [dict(gpu=args.gpu, model=args.model, method=method, seq_len_tokens=length, batch_size=1,
-                 partition_size=args.ps or -(-length // 3), head_partition_size=args.ps_head,
-                 head_mode=args.head_mode, dtype="bfloat16", measured_ms=None)
-            for length in lengths for method in args.methods.split(",")]
+                 partition_size=args.ps or -(-length // 3), head_partition_size=head,
+                 head_mode=args.head_mode if method == "streambp" else "", dtype="bfloat16", measured_ms=None)
+            for length in lengths for method, head in variants]
 
 
 def estimate_row(settings: dict) -> dict:
@@ -99,7 +114,7 @@ def estimate_row(settings: dict) -> dict:
                 matmul_ms=f"{1e3 * est.matmul_s:.1f}", attention_ms=f"{1e3 * est.attention_s:.1f}",
                 other_ms=f"{1e3 * est.other_s:.1f}", launch_ms=f"{1e3 * est.launch_s:.1f}",
                 launches=est.launches, measured_ms=f"{measured:.1f}" if measured else "",
-                estimated_vs_measured=ratio, source=est.source)
+                estimated_vs_measured=ratio, code=code_version(), source=est.source)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from streambp_bench import paper
+from streambp_bench.readme_step import step_sections
 from streambp_bench.reproduce_items import frame_of
 
 PROTOCOL = """\
@@ -233,4 +234,4 @@ def render(out_dir: Path) -> str:
         frame = frame_of(out_dir / f"{item}.csv")
         if frame is not None and len(frame):
             lines += section(frame)
-    return "\n".join(lines + TABLE4)
+    return "\n".join(lines + step_sections(out_dir) + TABLE4)

@@ -1,0 +1,75 @@
+"""The step-time sections of `results/README.md`, from the CSVs the step-time benchmarks write:
+`step_flops.csv` (benchmarks/step_flops.py) and `step_time_estimate*.csv` (benchmarks/step_time_estimate.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+FLOPS_TEXT = """\
+One training step (loss and backward) of two Qwen3-1.7B decoder layers at 16k tokens on meta tensors,
+every aten op recorded (`benchmarks/step_flops.py --out results/step_flops.csv`): matmul FLOPs by torch's
+formulas (in-place `addmm_` included), ops dispatched (views included) and kernels launched (ops that move
+data). Layer partition T/3 (the paper's timing protocol). Targets: FLOPs <= 1.00x checkpoint (met),
+dispatched ops <= 2x checkpoint (not met: each layer chunk dispatches about as many ops as a whole
+checkpointed layer, ~420, so three chunks per layer cost ~3x; fewer ops per chunk needs fused kernels,
+which only a GPU can show to be faster).
+"""
+
+ESTIMATE_TEXT = """\
+Roofline estimate (`streambp_core.step.estimate`): per op max(FLOPs / (datasheet bf16 peak x 0.70 for
+matmuls, x 0.35 for attention), bytes / (HBM bandwidth x 0.80)) plus 10 us per launched kernel, over the
+ops of one step on meta tensors at 1 and 2 layers, scaled to the full depth
+(`benchmarks/step_time_estimate.py --measured results/gpu/selfcheck-h200.csv`). The launch cost is the
+one constant chosen with these rows in view, so they are calibration points, not an independent test.
+`code` is the engine whose ops were estimated: the measured rows were taken on the engine of that
+commit; the estimator's files were added to a checkout of it to estimate the same code.
+"""
+
+
+def _frame(path: Path) -> pd.DataFrame | None:
+    return pd.read_csv(path) if path.exists() else None
+
+
+def flops_section(frame: pd.DataFrame) -> list[str]:
+    lines = ["## Step time proxies — matmul FLOPs and ops of one step (simulated)", "", FLOPS_TEXT,
+             "| method | head partition | head | matmul TFLOP | x checkpoint | ops | x checkpoint | launches "
+             "| x checkpoint |", "|---|---|---|---|---|---|---|---|---|"]
+    for _, row in frame.iterrows():
+        head = "–" if pd.isna(row["head_partition_size"]) else f"{int(row['head_partition_size'])}"
+        mode = "–" if pd.isna(row["head_mode"]) else row["head_mode"]
+        lines.append(f"| {row['method']} | {head} | {mode} | {row['matmul_tflop']:.1f} | "
+                     f"{row['flops_vs_checkpoint']:.3f} | {row['dispatched_ops']} | "
+                     f"{row['dispatched_vs_checkpoint']:.2f} | {row['launches']} | "
+                     f"{row['launches_vs_checkpoint']:.2f} |")
+    return lines + [""]
+
+
+def estimate_section(frames: list[pd.DataFrame]) -> list[str]:
+    lines = ["## Step time — estimated vs measured-cuda", "", ESTIMATE_TEXT,
+             "| GPU | model | method | tokens | partition | head partition | head | code | measured ms "
+             "| estimated ms | estimated / measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for frame in frames:
+        for _, row in frame.iterrows():
+            measured = "–" if pd.isna(row["measured_ms"]) else f"{row['measured_ms']:.0f}"
+            ratio = "–" if pd.isna(row["estimated_vs_measured"]) else f"{row['estimated_vs_measured']:.2f}"
+            mode = "default" if pd.isna(row["head_mode"]) else row["head_mode"]
+            lines.append(f"| {row['gpu']} | {row['model']} | {row['method']} | {row['seq_len_tokens']:,} | "
+                         f"{row['partition_size']} | {row['head_partition_size']} | {mode} | {row['code']} | "
+                         f"{measured} | {row['estimated_ms']:.0f} | {ratio} |")
+    return lines + [""]
+
+
+def step_sections(out_dir: Path) -> list[str]:
+    """README lines for the step-time CSVs present in `out_dir` (none: no lines)."""
+    lines = []
+    flops = _frame(out_dir / "step_flops.csv")
+    if flops is not None and len(flops):
+        lines += flops_section(flops)
+    estimates = [frame for path in sorted(out_dir.glob("step_time_estimate*.csv"))
+                 if (frame := _frame(path)) is not None and len(frame)]
+    if estimates:
+        lines += estimate_section(estimates)
+    return lines
