@@ -32,11 +32,11 @@ class StreamConfig:
     head_partition_size: int = 100
     """Tokens per chunk of the streamed LM head and loss."""
 
-    head_mode: str = "auto"
-    """streambp's LM head: 'fused' takes each chunk's gradients in the forward pass from the logits it
-    already has (3 head GEMMs per chunk, not 4; one vocab x hidden gradient buffer from forward to
-    backward; sft and grpo only), 'recompute' recomputes the logits in backward (least memory, every
-    objective), 'auto' fuses wherever the objective allows it."""
+    head_mode: str = "recompute"
+    """streambp's LM head: 'recompute' recomputes each chunk's logits in backward (least memory, every
+    objective); 'fused' takes each chunk's gradients in the forward pass from the logits it already has
+    (3 head GEMMs per chunk, not 4, and the logits' softmax once; costs one vocab x hidden gradient buffer
+    from forward to backward; sft and grpo only); 'auto' fuses wherever the objective allows it."""
 
     mlp_chunk_size: int | None = None
     """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""

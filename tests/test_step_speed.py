@@ -28,6 +28,16 @@ def test_head_modes_exact(family, head_mode):
                          head_mode=head_mode)
 
 
+def test_fused_head_of_any_module_exact():
+    """A head that is not a bias-free nn.Linear takes the fused path through autograd."""
+    model = model_of("llama")
+    config = model.config
+    model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True, dtype=torch.float64)
+    ids, mask = batch(config.vocab_size, 2, 13, "right")
+    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=4, head_partition_size=5,
+                         head_mode="fused")
+
+
 @pytest.mark.parametrize("objective", ["grpo", "dpo"])
 def test_fused_and_recomputing_heads_agree(objective):
     """grpo fuses under 'auto'; dpo recomputes; both equal the recomputing head to float64 rounding."""
@@ -105,12 +115,14 @@ def test_linear_backward_accumulates_like_autograd():
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("partition_size", [16, 7])
 def test_streambp_multiplies_no_more_than_checkpointing(family, partition_size):
-    """Matmul FLOPs of one step on meta tensors: streambp (fused head) <= checkpoint."""
+    """Matmul FLOPs of one step on meta tensors: streambp (fused head, as 'auto' gives sft) <= checkpoint."""
     model = build_model(tiny_config(family), dtype=torch.bfloat16, device="meta")
     ids = torch.zeros(1, 48, dtype=torch.long, device="meta")
     flops = {}
     for method in ("checkpoint", "streambp"):
         options = {"partition_size": partition_size, "head_partition_size": 8}
+        if method == "streambp":
+            options["head_mode"] = "auto"
         with streambp_core.prepare(model, method, **options) as run:
             with OpRecorder() as recorder:
                 run.loss(ids).backward()
