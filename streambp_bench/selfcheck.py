@@ -7,12 +7,13 @@ Steps, each writing rows to one results CSV:
 2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
    the simulator's prediction for the same settings; on CUDA with the reserved peak, and the allocator's
    alloc retries and OOM count over the step.
-3. time: median step time of checkpoint and streambp at the same lengths (CUDA events; warm-up first),
-   with the layer partition T/3 of the paper's timing runs (Table 1), streambp at each of the plan's
-   timed LM-head partitions (the paper's 100, and a wider one: a 100-token head chunk re-reads the
-   vocab x hidden weight and its gradient once per 100 tokens); on CUDA with the allocator's retries
-   and OOM count over the timed steps.
-4. profile: at the longest length, one profiled step of each timed variant, kernel time by class
+3. time: median step time of checkpoint and streambp at the plan's timed lengths (CUDA events; warm-up
+   first), with the layer partition T/3 of the paper's timing runs (Table 1), streambp at each of the
+   plan's timed LM-head partitions (the paper's 100, and a wider one: a 100-token head chunk re-reads
+   the vocab x hidden weight and its gradient once per 100 tokens), and streambp with both partitions
+   chosen automatically (the largest whose simulated peak fits the device); on CUDA with the
+   allocator's retries and OOM count over the timed steps.
+4. profile: at the longest timed length, one profiled step of each timed variant, kernel time by class
    (attention forward/backward, GEMM, copy, other; metric `kernel_ms_<class>`): where the time goes.
 Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
 """
@@ -31,11 +32,13 @@ from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.measure.probe import ProbeSpec, measure_step
 from streambp_core.measure.units import GIB
 from streambp_core.methods import prepare
-from streambp_core.models.load import build_model
+from streambp_core.models.load import build_model, load_config
 from streambp_core.search import OK, ProbeResult
+from streambp_core.step.partitions import auto_partitions
 from streambp_core.verify import VerifySpec, verify_spec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
+AUTO = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,16 +55,26 @@ class CheckPlan:
     objectives: tuple[str, ...] = ("sft", "grpo", "dpo")
     partition_size: int = 500
     head_partition_size: int = 100
-    timed_head_partitions: tuple[int, ...] = (100, 1024)
-    """LM-head partitions of the streambp step-time and profile rows."""
+    timed_head_partitions: tuple[int | str, ...] = (100, 1024, AUTO)
+    """LM-head partitions of the streambp step-time and profile rows; AUTO: both partitions chosen by
+    `auto_partitions` (the largest whose simulated peak fits the device's memory)."""
+    time_lengths: tuple[int, ...] = ()
+    """Lengths of the step-time rows (the profile runs the longest); none: `lengths`."""
+    budget_gib: float | None = None
+    """Memory the AUTO partitions may fill; None: the CUDA device's total memory."""
+
+    @property
+    def timed_lengths(self) -> tuple[int, ...]:
+        return self.time_lengths or self.lengths
 
 
 GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype="bfloat16",
                      verify_seq_len=1024, memory_model="Qwen/Qwen3-1.7B", dtype="bfloat16",
-                     lengths=(4096, 8192, 16384))
+                     lengths=(4096, 8192, 16384), time_lengths=(16384, 32768))
 CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=32,
                      memory_model="tiny/qwen3", dtype="float32", lengths=(48, 96, 144),
-                     partition_size=32, head_partition_size=16, timed_head_partitions=(16, 48))
+                     partition_size=32, head_partition_size=16, timed_head_partitions=(16, AUTO),
+                     budget_gib=1.0)
 
 
 def default_plan() -> CheckPlan:
@@ -131,34 +144,55 @@ def _memory_row(plan: CheckPlan, spec: ProbeSpec, probe: ProbeResult, where: str
     )
 
 
-def timed_variants(plan: CheckPlan) -> list[tuple[str, int]]:
+def timed_variants(plan: CheckPlan) -> list[tuple[str, int | str]]:
     """(method, LM-head partition) pairs of the time and profile steps: checkpoint (its head is whole;
-    the plan's partition is only recorded), then streambp at each timed head partition."""
+    the plan's partition is only recorded), then streambp at each timed head partition (or AUTO)."""
     return [("checkpoint", plan.head_partition_size)] + [("streambp", p) for p in plan.timed_head_partitions]
 
 
-def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_partition: int):
-    """(layer partition T/3, the prepared run, step()) of one timed variant on random ids; the caller
-    enters the run (a context manager) around its steps."""
+def _partitions(plan: CheckPlan, seq_len: int, head_partition: int | str) -> tuple[int, int]:
+    """(layer partition, head partition) of a timed variant: T/3 and the given head partition, or for
+    AUTO the largest pair whose simulated peak fits the plan's budget."""
+    if head_partition != AUTO:
+        return -(-seq_len // 3), head_partition
+    budget = (plan.budget_gib * GIB if plan.budget_gib is not None
+              else torch.cuda.get_device_properties(plan.device).total_memory)
+    config = load_config(plan.memory_model)
+    weight_bytes = torch.finfo(getattr(torch, plan.dtype)).bits // 8
+    budget -= config.vocab_size * config.hidden_size * weight_bytes  # the fused head's weight-gradient
+    cache: dict = {}  # buffer, which the simulated step (recomputing head) does not hold
+
+    def fits(partition: int, head: int) -> bool:
+        spec = ProbeSpec(model=plan.memory_model, method="streambp", dtype=plan.dtype,
+                         partition_size=partition, head_partition_size=head)
+        return spec.simulate(seq_len, cache).peak_bytes <= budget
+
+    return auto_partitions(seq_len, fits)
+
+
+def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_partition: int | str):
+    """(layer partition, head partition, the prepared run, step()) of one timed variant on random ids;
+    the caller enters the run (a context manager) around its steps."""
     ids = torch.randint(model.config.vocab_size, (1, seq_len), device=plan.device)
-    partition = -(-seq_len // 3)
-    run = prepare(model, method, partition_size=partition, head_partition_size=head_partition,
-                                baseline_attention="engine")
-    return partition, run, lambda: run.loss(ids).backward()
+    partition, head = _partitions(plan, seq_len, head_partition)
+    fused = {"head_mode": "auto"} if method == "streambp" else {}  # sft: the fused head
+    run = prepare(model, method, partition_size=partition, head_partition_size=head,
+                  baseline_attention="engine", **fused)
+    return partition, head, run, lambda: run.loss(ids).backward()
 
 
 def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
-    """Step 3: median step time of each timed variant (metric step_time, ms), partition T/3."""
-    for seq_len in plan.lengths:
+    """Step 3: median step time of each timed variant (metric step_time, ms)."""
+    for seq_len in plan.timed_lengths:
         for method, head_partition in timed_variants(plan):
-            partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
+            partition, head, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
             with run:
                 timing = time_steps(plan, step, repeats)
             model.zero_grad(set_to_none=True)
             ms = median(timing.times_ms)
             yield ResultRow(
                 method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
-                partition_size=partition, head_partition_size=head_partition,
+                partition_size=partition, head_partition_size=head,
                 dtype=plan.dtype, metric="step_time", value=ms, step_time_ms=ms,
                 alloc_retries=timing.alloc_retries, num_ooms=timing.num_ooms,
                 **provenance(f"measured-{plan.device}", where),
@@ -167,9 +201,9 @@ def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[
 
 def profile_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
     """Step 4: kernel time by class of one profiled step per timed variant at the longest length."""
-    seq_len = max(plan.lengths)
+    seq_len = max(plan.timed_lengths)
     for method, head_partition in timed_variants(plan):
-        partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
+        partition, head_partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
         common = dict(method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
                       partition_size=partition, head_partition_size=head_partition, dtype=plan.dtype,
                       **provenance(f"measured-{plan.device}", where))

@@ -50,16 +50,23 @@ def _memory_table(frame: pd.DataFrame, where: str) -> Table:
     return table
 
 
-def _variant(method: str, head_partition) -> str:
-    return method if method == "checkpoint" else f"{method} head {head_partition}"
+def _variant(method: str, head_partition, partition, tokens) -> str:
+    """'checkpoint', 'streambp head <n>' (layer partition T/3), or 'streambp auto' (partitions chosen)."""
+    if method == "checkpoint":
+        return method
+    return f"{method} head {head_partition}" if partition == -(-tokens // 3) else f"{method} auto"
+
+
+def _variants(rows: pd.DataFrame) -> list[str]:
+    return [_variant(*row) for row in zip(rows.method, rows.head_partition_size, rows.partition_size,
+                                          rows.seq_len_tokens, strict=True)]
 
 
 def _time_table(frame: pd.DataFrame, where: str) -> Table:
     """Median step time per length: checkpoint, then streambp per LM-head partition and its ratio."""
     times = frame[frame.metric == "step_time"]
     table = Table(title=f"step time ms, median, {_sources(times)} ({where})", title_justify="left")
-    times = times.assign(variant=[_variant(m, h) for m, h in zip(times.method, times.head_partition_size,
-                                                                    strict=True)])
+    times = times.assign(variant=_variants(times))
     grid = times.pivot_table(index="seq_len_tokens", columns="variant", values="value")
     variants = [v for v in grid.columns if v != "checkpoint"]
     table.add_column("tokens", justify="right")
@@ -84,7 +91,7 @@ def _profile_table(frame: pd.DataFrame, where: str) -> Table:
     table = Table(title=f"kernel time ms of one step by class, {tokens or '-'} tokens, {_sources(profiled)} "
                         f"({where})", title_justify="left")
     profiled = profiled.assign(
-        variant=[_variant(m, h) for m, h in zip(profiled.method, profiled.head_partition_size, strict=True)],
+        variant=_variants(profiled),
         kernel_class=profiled.metric.str.removeprefix("kernel_ms_"),
     )
     grid = profiled.pivot_table(index="kernel_class", columns="variant", values="value", sort=False)

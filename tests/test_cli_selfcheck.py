@@ -35,13 +35,19 @@ def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     assert ratio.between(0.9, 1.01).all(), ratio  # the simulator predicts the tracked CPU peak
     times = frame[frame.metric == "step_time"]
     assert set(times.method) == {"checkpoint", "streambp"} and (times.step_time_ms > 0).all()
-    assert (times.partition_size == [-(-n // 3) for n in times.seq_len_tokens]).all()
-    variants = set(zip(times.method, times.head_partition_size, strict=True))
+    third = times.partition_size == [-(-n // 3) for n in times.seq_len_tokens]
+    variants = set(zip(times[third].method, times[third].head_partition_size, strict=True))
     assert variants == {("checkpoint", plan.head_partition_size)} | {
-        ("streambp", p) for p in plan.timed_head_partitions}
+        ("streambp", p) for p in plan.timed_head_partitions if p != check.AUTO}
+    auto = times[~third]  # the tiny model fits its budget whole: one chunk per layer and for the head
+    assert set(auto.method) == {"streambp"} and set(auto.seq_len_tokens) == set(plan.timed_lengths)
+    assert (auto.partition_size == auto.seq_len_tokens).all()
+    assert (auto.head_partition_size == auto.seq_len_tokens).all()
     profiled = frame[frame.metric.str.startswith("kernel_ms_")]
-    assert set(profiled.seq_len_tokens) == {max(plan.lengths)}
-    assert set(zip(profiled.method, profiled.head_partition_size, strict=True)) == variants
+    longest = max(plan.timed_lengths)
+    assert set(profiled.seq_len_tokens) == {longest}
+    assert set(zip(profiled.method, profiled.head_partition_size, strict=True)) == variants | {
+        ("streambp", longest)}
     assert {"kernel_ms_gemm", "kernel_ms_attention_fwd", "kernel_ms_attention_bwd"} <= set(profiled.metric)
     assert (profiled.value >= 0).all() and (profiled[profiled.metric == "kernel_ms_gemm"].value > 0).all()
     assert "sim/measured" in result.output and "/checkpoint" in result.output
@@ -57,6 +63,7 @@ def test_gpu_plan_is_chosen_when_cuda_is_present():
         plan = check.default_plan()
     assert plan.device == "cuda" and plan.verify_dtype == "bfloat16"
     assert plan.verify_model == "Qwen/Qwen3-0.6B" and plan.memory_model == "Qwen/Qwen3-1.7B"
+    assert plan.timed_lengths == (16384, 32768) and check.AUTO in plan.timed_head_partitions
 
 
 def test_flash_kernel_is_checked_only_when_importable():
@@ -143,7 +150,7 @@ def test_time_rows_record_the_timings_allocator_counters():
     assert [(r.method, r.head_partition_size, r.step_time_ms, r.alloc_retries, r.num_ooms) for r in rows] == [
         ("checkpoint", plan.head_partition_size, 2.0, 2, 0),
         ("streambp", heads[0], 2.0, 2, 0),
-        ("streambp", heads[1], 2.0, 2, 0),
+        ("streambp", 48, 2.0, 2, 0),  # AUTO: the whole length fits, one chunk
     ]
 
 
