@@ -36,15 +36,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
     parser.add_argument("--ps-head", default="100", help="comma-separated LM-head partitions")
     parser.add_argument("--attn", default="auto", choices=("auto", "sdpa", "flash"))
+    parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
+                        help="streambp's LM head (auto: fused for sft)")
     parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten)")
     parser.add_argument("--top", type=int, default=0, help="also print the top N kernels")
     return parser.parse_args()
 
 
-def profile_one(model, ids, method: str, partition: int, head_partition: int, attn: str):
+def profile_one(model, ids, method: str, partition: int, head_partition: int, attn: str, head_mode: str):
     """(median step ms, per-class kernel times, profiler averages) of one prepared method."""
+    head = {"head_mode": head_mode} if method == "streambp" else {}
     with streambp_core.prepare(model, method, partition_size=partition, head_partition_size=head_partition,
-                               baseline_attention="engine", attn=attn) as run:
+                               baseline_attention="engine", attn=attn, **head) as run:
         step = lambda: run.loss(ids).backward()  # noqa: E731
         ms = median(time_cuda_ms(step, warmup=1, repeats=3))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -66,7 +69,7 @@ def main() -> None:
         head_partitions = [int(p) for p in args.ps_head.split(",")] if method != "checkpoint" else [0]
         for head_partition in head_partitions:
             ms, classes, averages = profile_one(model, ids, method, partition, head_partition or 100,
-                                                args.attn)
+                                                args.attn, args.head_mode)
             print(f"== {method}, ps-head {head_partition or '-'}: {ms:.1f} ms per step at {args.seq_len} "
                   f"tokens (partition {partition}, {gpu})")
             for item in classes:
