@@ -1,6 +1,6 @@
 """CPU proxies of step time: matmul FLOPs and ops dispatched by one training step, streambp vs checkpoint.
 
-    python benchmarks/step_flops.py --out results/step_flops.csv
+    python benchmarks/step_flops.py --out results/benchmarks/step_flops.csv
 
 Runs one step (loss and backward) per variant on meta tensors (no memory, no GPU, seconds on a CPU) of
 a model cut to a few decoder layers (default: two layers of Qwen3-1.7B at 16k tokens, layer partition

@@ -1,7 +1,7 @@
 """Estimated step time (roofline, `streambp_core.step.estimate`) next to measured CUDA step times.
 
     python benchmarks/step_time_estimate.py --measured results/gpu/selfcheck-h200.csv \\
-        --out results/step_time_estimate.csv
+        --out results/benchmarks/step_time_estimate.csv
     python benchmarks/step_time_estimate.py --gpu h100 --model Qwen/Qwen3-4B --seq-len 16384,32768 \\
         --methods checkpoint,streambp --ps-head 100,1024
 

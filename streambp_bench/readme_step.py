@@ -1,6 +1,6 @@
-"""The step-time sections of `results/README.md`, from the CSVs the step-time benchmarks write:
-`step_flops.csv` (benchmarks/step_flops.py) and `step_time_estimate*.csv` (benchmarks/step_time_estimate.py).
-"""
+"""The step-time sections of `results/README.md`, from the CSVs the step-time benchmarks write under
+`results/benchmarks/`: `step_flops.csv` (benchmarks/step_flops.py) and `step_time_estimate*.csv`
+(benchmarks/step_time_estimate.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pandas as pd
 
 FLOPS_TEXT = """\
 One training step (loss and backward) of two Qwen3-1.7B decoder layers at 16k tokens on meta tensors,
-every aten op recorded (`benchmarks/step_flops.py --out results/step_flops.csv`): matmul FLOPs by torch's
-formulas (in-place `addmm_` included), ops dispatched (views included) and kernels launched (ops that move
-data). Layer partition T/3 (the paper's timing protocol). Targets: FLOPs <= 1.00x checkpoint (met),
-dispatched ops <= 2x checkpoint (not met: each layer chunk dispatches about as many ops as a whole
-checkpointed layer, ~420, so three chunks per layer cost ~3x; fewer ops per chunk needs fused kernels,
+every aten op recorded (`benchmarks/step_flops.py --out results/benchmarks/step_flops.csv`): matmul
+FLOPs by torch's formulas (in-place `addmm_` included), ops dispatched (views included) and kernels
+launched (ops that move data). Layer partition T/3 (the paper's timing protocol). Targets: FLOPs
+<= 1.00x checkpoint (met by the fused head), dispatched ops <= 2x checkpoint (not met: a layer chunk
+dispatches about as many ops as a whole checkpointed layer, ~420, most of them the model's own RMSNorm,
+RoPE and their backward, so three chunks per layer cost ~3x; fewer ops per chunk needs fused kernels,
 which only a GPU can show to be faster).
 """
 
@@ -24,8 +25,10 @@ matmuls, x 0.35 for attention), bytes / (HBM bandwidth x 0.80)) plus 10 us per l
 ops of one step on meta tensors at 1 and 2 layers, scaled to the full depth
 (`benchmarks/step_time_estimate.py --measured results/gpu/selfcheck-h200.csv`). The launch cost is the
 one constant chosen with these rows in view, so they are calibration points, not an independent test.
-`code` is the engine whose ops were estimated: the measured rows were taken on the engine of that
-commit; the estimator's files were added to a checkout of it to estimate the same code.
+`code` is the engine whose ops were estimated: the measured rows were taken on the engine of commit
+4c91162; the estimator's files were added to a checkout of it to estimate the same code. Rows without
+a measurement are predictions for the current engine (fused LM head; partitions T/3, or one chunk as
+the automatic choice gives on a large GPU), to be checked by `selfcheck` on a GPU.
 """
 
 
@@ -55,7 +58,8 @@ def estimate_section(frames: list[pd.DataFrame]) -> list[str]:
         for _, row in frame.iterrows():
             measured = "–" if pd.isna(row["measured_ms"]) else f"{row['measured_ms']:.0f}"
             ratio = "–" if pd.isna(row["estimated_vs_measured"]) else f"{row['estimated_vs_measured']:.2f}"
-            mode = "default" if pd.isna(row["head_mode"]) else row["head_mode"]
+            mode = row["head_mode"] if not pd.isna(row["head_mode"]) else (
+                "–" if row["method"] == "checkpoint" else "default")
             lines.append(f"| {row['gpu']} | {row['model']} | {row['method']} | {row['seq_len_tokens']:,} | "
                          f"{row['partition_size']} | {row['head_partition_size']} | {mode} | {row['code']} | "
                          f"{measured} | {row['estimated_ms']:.0f} | {ratio} |")
@@ -64,11 +68,13 @@ def estimate_section(frames: list[pd.DataFrame]) -> list[str]:
 
 def step_sections(out_dir: Path) -> list[str]:
     """README lines for the step-time CSVs present in `out_dir` (none: no lines)."""
-    lines = []
+    lines, out_dir = [], out_dir / "benchmarks"
     flops = _frame(out_dir / "step_flops.csv")
     if flops is not None and len(flops):
         lines += flops_section(flops)
-    estimates = [frame for path in sorted(out_dir.glob("step_time_estimate*.csv"))
+    paths = sorted(out_dir.glob("step_time_estimate*.csv"), key=lambda path: (path.stem != "step_time_estimate",
+                                                                                 path.name))
+    estimates = [frame for path in paths
                  if (frame := _frame(path)) is not None and len(frame)]
     if estimates:
         lines += estimate_section(estimates)

@@ -294,7 +294,8 @@ def test_a_schema_1_file_loads_and_an_upsert_rewrites_it_in_the_current_schema(t
 
 
 def test_committed_results_of_schema_1_still_load() -> None:
-    paths = sorted((REPO / "results").glob("**/*.csv"))
+    benchmarks = REPO / "results" / "benchmarks"  # the benchmark scripts' CSVs have columns of their own
+    paths = sorted(p for p in (REPO / "results").glob("**/*.csv") if benchmarks not in p.parents)
     assert paths
     for path in paths:
         frame = ResultsFile(path).load()
