@@ -72,8 +72,8 @@ def step_sections(out_dir: Path) -> list[str]:
     flops = _frame(out_dir / "step_flops.csv")
     if flops is not None and len(flops):
         lines += flops_section(flops)
-    paths = sorted(out_dir.glob("step_time_estimate*.csv"), key=lambda path: (path.stem != "step_time_estimate",
-                                                                                 path.name))
+    measured_first = lambda path: (path.stem != "step_time_estimate", path.name)  # noqa: E731
+    paths = sorted(out_dir.glob("step_time_estimate*.csv"), key=measured_first)
     estimates = [frame for path in paths
                  if (frame := _frame(path)) is not None and len(frame)]
     if estimates:
