@@ -2,8 +2,8 @@
 
 Steps, each writing rows to one results CSV:
 1. verify in bfloat16 on the verify model for every objective and attention kernel (flash-attn only when
-   importable): a method passes when its gradient error against an fp32 plain reference is at most 2x
-   plain bf16's error against the same reference.
+   importable; streambp with the fused LM head for sft and grpo): a method passes when its gradient
+   error against an fp32 plain reference is at most 2x plain bf16's error against the same reference.
 2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
    the simulator's prediction for the same settings; on CUDA with the reserved peak, and the allocator's
    alloc retries and OOM count over the step.
@@ -100,7 +100,8 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
         for attn in attention_kernels(plan):
             spec = VerifySpec(model=plan.verify_model, seq_len=plan.verify_seq_len, batch_size=2,
                               dtype=plan.verify_dtype, padding="right", device=plan.device,
-                              objective=objective, attn=attn, partition_size=256, head_partition_size=100)
+                              objective=objective, attn=attn, partition_size=256, head_partition_size=100,
+                              head_mode="auto")  # the fused head where the objective allows it (sft, grpo)
             report = verify_spec(spec)
             for result in report.results:
                 yield ResultRow(

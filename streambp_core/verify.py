@@ -22,6 +22,7 @@ from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
 from streambp_core.compare import Gradients, max_rel_err
 from streambp_core.config import (
     ATTN_BACKENDS,
+    HEAD_MODES,
     OBJECTIVES,
     VERIFY_METHODS,
     ConfigError,
@@ -72,10 +73,13 @@ class VerifySpec:
     """Attention kernel of the engine on CUDA: auto, sdpa or flash."""
     lora_rank: int = 0
     """0: full-parameter gradients; > 0: LoRA adapters of this rank (peft), adapter gradients only."""
+    head_mode: str = "recompute"
+    """streambp's LM head: recompute, fused or auto (see `StreamConfig.head_mode`)."""
 
     def __post_init__(self) -> None:
         require_choice("objective", self.objective, OBJECTIVES)
         require_choice("attn", self.attn, ATTN_BACKENDS)
+        require_choice("head_mode", self.head_mode, HEAD_MODES)
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ConfigError(f"lora_rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         if self.objective == "dpo" and self.batch_size % 2:
@@ -189,7 +193,7 @@ def run_step(model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec
     for param in model.parameters():
         param.grad = None
     options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
-               "attn": spec.attn, "objective": spec.objective}
+               "attn": spec.attn, "objective": spec.objective, "head_mode": spec.head_mode}
     labels, inputs = objective_inputs(spec.objective, batch, spec.seed)
     with streambp_core.prepare(model, method, **options) as run:
         loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)

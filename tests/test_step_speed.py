@@ -12,6 +12,7 @@ from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.linear_grads import linear_backward, rope_transpose, rotate
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.step.ops import OpRecorder
+from streambp_core.verify import VerifySpec
 from tests.test_exactness import assert_matches_plain, batch, model_of, relative_errors
 from tests.test_objectives import grpo_inputs
 
@@ -84,6 +85,8 @@ def test_fused_head_refuses_a_second_backward():
 def test_head_mode_choices():
     with pytest.raises(ConfigError, match="head_mode"):
         StreamConfig(head_mode="fast")
+    with pytest.raises(ConfigError, match="head_mode"):
+        VerifySpec(model="tiny/qwen3", head_mode="fast")
     model = model_of("llama")
     with pytest.raises(ConfigError, match="dpo takes 'recompute'"):
         streambp_core.prepare(model, "streambp", objective="dpo", head_mode="fused")
