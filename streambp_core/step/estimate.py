@@ -22,8 +22,9 @@ depth (every decoder layer dispatches the same ops), so a 36-layer model costs t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from streambp_core.config import ConfigError
 from streambp_core.step.ops import OpRecord
@@ -46,12 +47,12 @@ class GpuModel:
     """Host link, one direction."""
 
 
-GPU_MODELS: dict[str, GpuModel] = {
+GPU_MODELS: Mapping[str, GpuModel] = MappingProxyType({
     "h100": GpuModel("NVIDIA H100 SXM5 80GB", 989.4e12, 3.35e12, 64e9),
     "h200": GpuModel("NVIDIA H200 SXM 141GB", 989.4e12, 4.8e12, 64e9),
     "a100": GpuModel("NVIDIA A100 SXM4 80GB", 312e12, 2.039e12, 32e9),
     "a800": GpuModel("NVIDIA A800 SXM4 80GB", 312e12, 2.039e12, 32e9),
-}
+})
 
 
 def gpu_model(name: str) -> GpuModel:
