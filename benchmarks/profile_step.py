@@ -1,30 +1,31 @@
-"""Profile one training step per method and head partition on CUDA: where the step time goes, for tuning.
+"""Profile one training step per method and head partition: where the step time goes, for tuning.
 
     python benchmarks/profile_step.py --model Qwen/Qwen3-1.7B --seq-len 16384 \\
-        --methods checkpoint,streambp --ps-head 100,1000 --out results/gpu/profile.csv
+        --methods checkpoint,streambp --ps-head 100,1024 --out results/gpu/profile.csv
+    python benchmarks/profile_step.py --model tiny/qwen3 --seq-len 512 --device cpu --dtype float32
 
-Per (method, head partition): the median step time over a few CUDA-event-timed repeats, then one
-profiled step whose kernels are summed by class (attention forward/backward, GEMM, copy,
-elementwise/other; `streambp_core.measure.kernels`). Prints a table and writes one CSV row per class
-(`--out`), every row carrying the GPU's name; `--top N` also prints torch.profiler's top N kernels.
+Per (method, head partition): the step time over a few timed repeats (`streambp_core.step.timing`: CUDA
+events on a GPU, the wall clock on a CPU), then one profiled step whose kernels are summed by class
+(attention forward/backward, GEMM, copy, other; `streambp_core.measure.kernels`). Prints a table and,
+with `--out`, upserts results rows into that CSV (the project's results schema: metric `step_time` and
+`kernel_ms_<class>`, source measured-cuda or measured-cpu).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import streambp_core
-from streambp_core.measure.cuda import median, time_cuda_ms
-from streambp_core.measure.kernels import kernel_time_by_class
+from streambp_bench.results import ResultRow, ResultsFile, provenance
+from streambp_core.config import ConfigError
+from streambp_core.measure.cuda import cuda_available
+from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.models.load import build_model
-
-COLUMNS = ("device_name", "model", "method", "seq_len_tokens", "partition_size", "head_partition_size",
-           "step_time_ms", "kernel_class", "self_time_ms", "launches")
+from streambp_core.step.timing import time_step
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,56 +39,61 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attn", default="auto", choices=("auto", "sdpa", "flash"))
     parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
                         help="streambp's LM head (auto: fused for sft)")
-    parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten)")
-    parser.add_argument("--top", type=int, default=0, help="also print the top N kernels")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--out", type=Path, help="results CSV to upsert the rows into")
     return parser.parse_args()
 
 
-def profile_one(model, ids, method: str, partition: int, head_partition: int, attn: str, head_mode: str):
-    """(median step ms, per-class kernel times, profiler averages) of one prepared method."""
-    head = {"head_mode": head_mode} if method == "streambp" else {}
+def profile_rows(model, ids, method: str, partition: int, head_partition: int, args, device: str):
+    """The step_time row and one kernel_ms_<class> row per class of one prepared method."""
+    common = dict(method=method, model=args.model, seq_len_tokens=args.seq_len, batch_size=1,
+                  partition_size=partition, head_partition_size=head_partition, dtype=args.dtype,
+                  attn=args.attn, **provenance(f"measured-{device}", _device_name(device)))
+    head = {"head_mode": args.head_mode} if method == "streambp" else {}
     with streambp_core.prepare(model, method, partition_size=partition, head_partition_size=head_partition,
-                               baseline_attention="engine", attn=attn, **head) as run:
+                               baseline_attention="engine", attn=args.attn, **head) as run:
         step = lambda: run.loss(ids).backward()  # noqa: E731
-        ms = median(time_cuda_ms(step, warmup=1, repeats=3))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
+        timing = time_step(step, device, warmup=1, repeats=3)
+        classes = profile_kernel_time(step, device)
     model.zero_grad(set_to_none=True)
-    averages = prof.key_averages()
-    return ms, kernel_time_by_class(averages), averages
+    rows = [ResultRow(metric="step_time", value=timing.p50_ms, **timing.columns(), **common)]
+    rows += [ResultRow(metric=f"kernel_ms_{c.kernel_class}", value=c.self_time_ms, **common) for c in classes]
+    return rows
 
 
-def main() -> None:
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def main() -> int:
     args = parse_args()
-    model = build_model(args.model, dtype=torch.bfloat16, device="cuda")
-    ids = torch.randint(model.config.vocab_size, (1, args.seq_len), device="cuda")
+    device = ("cuda" if cuda_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not cuda_available():
+        print("error: --device cuda: no CUDA device is available; use --device cpu", file=sys.stderr)
+        return 2
+    try:
+        model = build_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    ids = torch.randint(model.config.vocab_size, (1, args.seq_len), device=device)
     partition = args.ps or -(-args.seq_len // 3)
-    gpu = torch.cuda.get_device_name()
     rows = []
     for method in args.methods.split(","):
-        head_partitions = [int(p) for p in args.ps_head.split(",")] if method != "checkpoint" else [0]
+        head_partitions = [int(p) for p in args.ps_head.split(",")] if method != "checkpoint" else [100]
         for head_partition in head_partitions:
-            ms, classes, averages = profile_one(model, ids, method, partition, head_partition or 100,
-                                                args.attn, args.head_mode)
-            print(f"== {method}, ps-head {head_partition or '-'}: {ms:.1f} ms per step at {args.seq_len} "
-                  f"tokens (partition {partition}, {gpu})")
-            for item in classes:
-                print(f"   {item.kernel_class:18s} {item.self_time_ms:9.1f} ms {item.launches:7d} launches")
-                rows.append(dict(zip(COLUMNS, (gpu, args.model, method, args.seq_len, partition,
-                                               head_partition or "", f"{ms:.2f}", item.kernel_class,
-                                               f"{item.self_time_ms:.2f}", item.launches), strict=True)))
-            if args.top:
-                print(averages.table(sort_by="cuda_time_total", row_limit=args.top,
-                                     max_name_column_width=70))
+            found = profile_rows(model, ids, method, partition, head_partition, args, device)
+            print(f"== {method}, ps-head {head_partition}: {found[0].value:.1f} ms per step (median) at "
+                  f"{args.seq_len} tokens (partition {partition}, {found[0].source}, {found[0].device_name})")
+            for row in found[1:]:
+                print(f"   {row.metric.removeprefix('kernel_ms_'):18s} {row.value:9.1f} ms")
+            rows += found
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"rows written to {args.out}")
+        ResultsFile(args.out).append_many(rows)
+        print(f"rows upserted into {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

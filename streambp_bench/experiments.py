@@ -1,15 +1,13 @@
 """Grid points of a sweep: parse and expand the grid, run one point, write its rows, resume.
 
-A `Point` is one training step's settings (method, model, objective, length, batch, partition sizes,
-dtype, LoRA rank, optimizer, attention kernel). `run_point(point, where)` turns it into result rows:
-- where "sim": the peak simulated on meta tensors (`simulate_step` for plain SFT backprop, else
-  `simulate_training_step`); a peak above the budget is status "oom" (value empty, peak kept);
-- where "cpu" / "cuda": a real step (`measure_training_step`): the tracked (CPU) or allocator (CUDA)
-  peak (on CUDA with the reserved peak, alloc retries and OOM count), and a second row, metric
-  step_time, with the median of the timed repeats.
-Every row records the step's protocol ("default") and gradients (`TrainSpec.grads`: fresh with an
-optimizer, else resident), and the attention kernel asked for (a simulation uses its flash-like fake
-kernel whatever it is).
+A point is one training step: a `StepSpec` (method, model, objective, length, batch, partition sizes,
+dtype, LoRA rank, optimizer, attention kernel, protocol, gradients). `run_point(spec, target)` turns it
+into result rows:
+- on "sim": the peak simulated on meta tensors (`step.simulate.simulate`); a peak above the budget is
+  status "oom" (value empty, peak kept);
+- on "cpu" / "cuda": a real step (`step.probe.measure_setup` for the tracked or allocator peak, on CUDA
+  with the reserved peak, alloc retries and OOM count), then timed steps (`step.timing.time_step`): a
+  second row, metric step_time, with the median and the p20/p80 of the repeats.
 `run_points` writes each point's rows as soon as it finishes (atomic upsert), so Ctrl-C or a kill
 loses no finished point, and skips points already in the file unless `force` (resume).
 """
@@ -17,113 +15,22 @@ loses no finished point, and skips points already in the file unless `force` (re
 from __future__ import annotations
 
 import itertools
-import platform
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from streambp_bench.results import ResultRow, ResultsFile, allocator_columns, provenance
-from streambp_core.config import ConfigError
-from streambp_core.measure.cuda import cuda_available, device_info, is_oom
-from streambp_core.measure.simulate import simulate_step
-from streambp_core.measure.training_step import TrainSpec, measure_training_step, simulate_training_step
-from streambp_core.measure.units import GIB
-from streambp_core.models import load_config
+from streambp_bench.results import (
+    ResultRow,
+    ResultsFile,
+    allocator_columns,
+    memory_columns,
+    provenance,
+    spec_fields,
+)
+from streambp_core.config import ConfigError, StepSpec
 
-PARTITIONED = ("streambp", "mst")
-"""Methods that take partition sizes; the others get empty partition cells."""
-SOURCE = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 MEASURE_REPEATS = 5
 """Timed steps per measured point (after one warm-up); the median is its step time."""
-DEFAULT_BUDGET_GIB = 80.0
-"""Budget a simulated point is judged against without a GPU (the paper's A800-80GB)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Point:
-    """One grid point: a training step's settings."""
-
-    method: str
-    model: str
-    seq_len_tokens: int
-    objective: str = "sft"
-    batch_size: int = 1
-    partition_size: int | None = 500
-    head_partition_size: int | None = 100
-    dtype: str = "bfloat16"
-    lora_rank: int = 0
-    optimizer: str = "none"
-    attn: str = "auto"
-    """Attention kernel on CUDA: auto, sdpa or flash."""
-
-    def spec(self) -> TrainSpec:
-        """The step as a `TrainSpec` (validates every field; ConfigError)."""
-        return TrainSpec(
-            model=self.model,
-            method=self.method,
-            objective=self.objective,
-            lora_rank=self.lora_rank,
-            optimizer=self.optimizer,
-            batch_size=self.batch_size,
-            dtype=self.dtype,
-            partition_size=self.partition_size or 500,
-            head_partition_size=self.head_partition_size or 100,
-            attn=self.attn,
-        )
-
-    def key_fields(self) -> dict:
-        """The point's KEY_COLUMNS values (without source, metric and device)."""
-        return {
-            "method": self.method,
-            "model": self.model,
-            "objective": self.objective,
-            "seq_len_tokens": self.seq_len_tokens,
-            "batch_size": self.batch_size,
-            "partition_size": self.partition_size,
-            "head_partition_size": self.head_partition_size,
-            "dtype": self.dtype,
-            "lora_rank": self.lora_rank or None,
-            "optimizer": self.optimizer,
-            "attn": self.attn,
-            "protocol": "default",
-            "grads": self.spec().grads,
-        }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Where:
-    """Where points run: 'sim', 'cpu' or 'cuda', the device's name and the memory budget (GiB)."""
-
-    device: str
-    device_name: str
-    budget_gib: float | None
-
-    @property
-    def source(self) -> str:
-        return SOURCE[self.device]
-
-    def metrics(self) -> tuple[str, ...]:
-        return ("peak_memory",) if self.device == "sim" else ("peak_memory", "step_time")
-
-
-def resolve_where(device: str, budget_gib: float | None = None) -> Where:
-    """'auto' -> cuda when present, else sim; the device's name; the budget (GPU total, else 80 GiB)."""
-    if device not in ("auto", *SOURCE):
-        raise ConfigError(f"device must be auto, cuda, cpu or sim, got {device!r}")
-    if device == "auto":
-        device = "cuda" if cuda_available() else "sim"
-    if device == "cuda" and not cuda_available():
-        raise ConfigError("--device cuda: no CUDA device is available; use --device sim to simulate")
-    if budget_gib is not None and budget_gib <= 0:
-        raise ConfigError(f"--budget-gib must be positive, got {budget_gib}")
-    if device == "cuda":
-        info = device_info()
-        return Where(device="cuda", device_name=info.name, budget_gib=budget_gib or info.total_gib)
-    if device == "cpu":
-        return Where(
-            device="cpu", device_name=platform.processor() or platform.machine(), budget_gib=budget_gib
-        )
-    return Where(device="sim", device_name="meta", budget_gib=budget_gib or DEFAULT_BUDGET_GIB)
 
 
 _NUMBER = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
@@ -167,122 +74,110 @@ def expand_grid(
     models: Sequence[str],
     seq_lens: Sequence[int],
     partition_sizes: Sequence[int] = (500,),
-    head_partition_size: int = 100,
     **common: object,
-) -> list[Point]:
-    """Every combination, in model, method, partition size, length order; methods without partitions
-    get one point per length (empty partition cells), not one per partition size. Validates each."""
-    points: list[Point] = []
+) -> list[StepSpec]:
+    """Every combination, in model, method, partition size, length order; methods without partitions get
+    one point per length, not one per partition size. Each point is validated (ConfigError)."""
+    points: list[StepSpec] = []
     for model, method in itertools.product(models, methods):
-        sizes: Iterable[int | None] = partition_sizes if method in PARTITIONED else (None,)
-        head = head_partition_size if method in PARTITIONED else None
+        sizes = partition_sizes if StepSpec(model=model, method=method).partitioned else partition_sizes[:1]
         for size, length in itertools.product(sizes, seq_lens):
-            points.append(
-                Point(
-                    method=method,
-                    model=model,
-                    seq_len_tokens=length,
-                    partition_size=size,
-                    head_partition_size=head,
-                    **common,
-                )  # type: ignore[arg-type]
-            )
-    for point in points:
-        if point.seq_len_tokens < 2:
-            raise ConfigError(f"seq_len must be >= 2, got {point.seq_len_tokens}")
-        point.spec()
-    for model in dict.fromkeys(models):
-        load_config(model)
+            points.append(StepSpec(model=model, method=method, seq_len_tokens=length, partition_size=size,
+                                   **common))  # type: ignore[arg-type]
     return list(dict.fromkeys(points))
 
 
-def point_keys(point: Point, where: Where) -> set[tuple[str, ...]]:
-    """The keys of the rows `run_point(point, where)` writes."""
-    extra = {"source": where.source, "device_name": where.device_name}
-    return {ResultRow.key_of(**point.key_fields(), **extra, metric=m) for m in where.metrics()}
+def metrics(target) -> tuple[str, ...]:
+    """The metrics a point writes: the peak; measured points also the step time."""
+    return ("peak_memory",) if target.device == "sim" else ("peak_memory", "step_time")
 
 
-def run_point(point: Point, where: Where) -> list[ResultRow]:
-    """Run one point (simulated or measured, see the module docstring) and return its rows."""
-    base = {
-        **point.key_fields(),
-        **provenance(where.source, where.device_name),
-        "budget_gib": where.budget_gib,
-    }
+def point_keys(spec: StepSpec, target) -> set[tuple[str, ...]]:
+    """The keys of the rows `run_point(spec, target)` writes."""
+    extra = {"source": target.source, "device_name": target.device_name}
+    return {ResultRow.key_of(**spec_fields(spec), **extra, metric=m) for m in metrics(target)}
+
+
+def run_point(spec: StepSpec, target, config=None) -> list[ResultRow]:
+    """Run one point (simulated or measured, see the module docstring) and return its rows; `config` is
+    the model's config when the caller resolved it."""
+    from streambp_core.measure.cuda import is_oom
+
+    base = {**spec_fields(spec), **provenance(target.source, target.device_name),
+            "budget_gib": target.budget_gib}
     try:
-        if where.device == "sim":
-            return [_simulated_row(point, base, where.budget_gib)]
-        measured = measure_training_step(
-            point.spec(), point.seq_len_tokens, where.device, repeats=MEASURE_REPEATS
-        )
+        if target.device == "sim":
+            return [_simulated_row(spec, base, target, config)]
+        probe, timing = _measured(spec, target.device, config)
     except Exception as error:  # an OOM is a data point; any other failure is recorded as an error row
         status = "oom" if is_oom(error) else "error"
         message = " ".join(str(error).split())[:300]
-        return [ResultRow(**base, metric=m, status=status, error=message) for m in where.metrics()]
-    columns = _columns(measured.peak_bytes, measured.breakdown_bytes)
-    row = ResultRow(
-        **base,
-        **columns,
-        metric="peak_memory",
-        value=columns["peak_allocated_gib"],
-        step_time_ms=measured.step_time_ms,
-        **allocator_columns(measured),
-    )
-    return [row, replace(row, metric="step_time", value=measured.step_time_ms)]
+        return [ResultRow(**base, metric=m, status=status, error=message) for m in metrics(target)]
+    row = ResultRow(**base, **memory_columns(probe.peak_bytes, probe.breakdown_bytes), metric="peak_memory",
+                    value=probe.peak_bytes / 2**30, **allocator_columns(probe),
+                    **timing.columns(counters=False))
+    return [row, replace(row, metric="step_time", value=timing.p50_ms)]
 
 
-def _simulated_row(point: Point, base: dict, budget_gib: float | None) -> ResultRow:
-    spec = point.spec()
-    plain_backprop = (spec.objective, spec.lora_rank, spec.optimizer) == ("sft", 0, "none")
-    if plain_backprop:
-        sim = simulate_step(
-            spec.model,
-            spec.method,
-            point.seq_len_tokens,
-            batch_size=spec.batch_size,
-            dtype=spec.dtype,
-            partition_size=spec.partition_size,
-            head_partition_size=spec.head_partition_size,
-        )
-    else:
-        sim = simulate_training_step(spec, point.seq_len_tokens)
-    columns = _columns(sim.peak_bytes, sim.breakdown_bytes)
-    fits = budget_gib is None or sim.peak_bytes <= budget_gib * GIB
-    return ResultRow(
-        **base,
-        **columns,
-        metric="peak_memory",
-        status="ok" if fits else "oom",
-        value=columns["peak_allocated_gib"] if fits else None,
-    )
+def _measured(spec: StepSpec, device: str, config):
+    """A tracked step on real tensors (the peak), then `MEASURE_REPEATS` timed steps after a warm-up."""
+    from streambp_core.methods import prepare
+    from streambp_core.step.probe import measure_setup
+    from streambp_core.step.setup import build_setup, reset_grads, resolve_config
+    from streambp_core.step.timing import time_step
+
+    setup = build_setup(spec, resolve_config(spec, config), device)
+    probe = measure_setup(setup, device)
+    if probe.status != "ok":
+        raise MemoryError(probe.message or "out of memory")
+    model, optimizer = setup.model, setup.optimizer
+
+    def step() -> None:
+        reset_grads(model, spec)
+        loss = run.loss(**setup.inputs)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    with prepare(model, spec.method, **spec.stream_options()) as run:
+        timing = time_step(step, device, repeats=MEASURE_REPEATS)
+    return probe, timing
 
 
-def _columns(peak_bytes: int, breakdown_bytes: dict[str, int]) -> dict[str, float]:
-    by_category = {f"{name}_gib": value / GIB for name, value in breakdown_bytes.items()}
-    return {"peak_allocated_gib": peak_bytes / GIB, **by_category}
+def _simulated_row(spec: StepSpec, base: dict, target, config) -> ResultRow:
+    from streambp_core.step.simulate import simulate
+
+    sim = simulate(spec, config)
+    fits = target.budget_bytes is None or sim.peak_bytes <= target.budget_bytes
+    return ResultRow(**base, **memory_columns(sim.peak_bytes, sim.breakdown_bytes), metric="peak_memory",
+                     status="ok" if fits else "oom", value=sim.peak_gib if fits else None)
 
 
 def run_points(
-    points: Sequence[Point],
-    where: Where,
+    points: Sequence[StepSpec],
+    target,
     results: ResultsFile,
     *,
     force: bool = False,
-    on_point: Callable[[Point, list[ResultRow] | None], None] | None = None,
+    on_point: Callable[[StepSpec, list[ResultRow] | None], None] | None = None,
 ) -> list[ResultRow]:
     """Run the points not yet in `results` (all of them when `force`), upserting each one's rows at once.
 
-    `on_point(point, rows)` is called after each point (rows None for a point skipped as done).
-    Returns the rows written. A KeyboardInterrupt propagates after the finished points are on disk.
+    `on_point(point, rows)` is called after each point (rows None for a point skipped as done). Each
+    model's config is resolved once. A KeyboardInterrupt propagates after the finished points are on disk.
     """
+    from streambp_core.models import load_config
+
+    configs = {model: load_config(model) for model in dict.fromkeys(p.model for p in points)}
     done = set() if force else {row.key() for row in results.rows() if row.status != "error"}
     written: list[ResultRow] = []
     for point in points:
-        if point_keys(point, where) <= done:
+        if point_keys(point, target) <= done:
             if on_point is not None:
                 on_point(point, None)
             continue
-        rows = run_point(point, where)
+        rows = run_point(point, target, configs[point.model])
         results.append_many(rows)
         written.extend(rows)
         if on_point is not None:

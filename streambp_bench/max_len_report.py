@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
 from streambp_bench.max_len import MethodResult, Plan
-from streambp_bench.results import ResultRow, ResultsFile, allocator_columns, provenance
+from streambp_bench.output import stdout_console
+from streambp_bench.results import (
+    ResultRow,
+    ResultsFile,
+    allocator_columns,
+    memory_columns,
+    provenance,
+    spec_fields,
+)
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB
 from streambp_core.search import ProbeResult
-
-CHUNKED = ("mst", "streambp")
-"""Methods that use the partition sizes."""
 
 
 def peak_gib(result: MethodResult) -> float | None:
@@ -41,22 +46,28 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
     """The JSON document: model, budget, source, settings and one entry per method."""
+    first = plan.specs[0]
+    settings = {k: getattr(first, k) for k in ("batch_size", "dtype", "partition_size", "head_partition_size",
+                                               "objective", "lora_rank", "optimizer", "attn", "protocol",
+                                               "grads")}
     return {
         "model": plan.model,
         "budget_gib": plan.budget_bytes / GIB,
-        "source": plan.source,
-        "device": plan.device_name,
-        "settings": dict(plan.spec),
-        "weights_grads_gib": plan.weights_grads_bytes / GIB,
+        "source": plan.target.source,
+        "device": plan.target.device_name,
+        "settings": settings,
+        "resident_gib": plan.resident_bytes / GIB,
         "results": [
             {
                 "method": r.method,
                 "max_len_tokens": r.search.max_len_tokens,
+                "confirmed_layers": r.search.confirmed_layers,
                 "peak_gib": peak_gib(r),
                 "breakdown_gib": breakdown_gib(r),
                 "bracket_tokens": list(r.search.bracket),
                 "ratio_to_checkpoint": ratio_to_checkpoint(results, r),
                 "probes": len(r.search.probes),
+                "probes_by_source": dict(Counter(p.source for p in r.search.probes)),
                 "refused_probes": [p.message for p in r.search.refused],
                 "how": r.how,
             }
@@ -69,7 +80,7 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
     """(lengths, breakdown): max length, bracket, peak, source, ratio; then GiB per category at the peak."""
     title = (
         f"max trainable length: {plan.model}, budget {plan.budget_bytes / GIB:g} GiB, "
-        f"{plan.spec['dtype']}, batch {plan.spec['batch_size']}"
+        f"{plan.specs[0].dtype}, batch {plan.specs[0].batch_size}"
     )
     lengths = Table(title=title, title_justify="left")
     for column in ("method", "max length", "bracket (fits, fails)", "peak GiB", "source", "x ckpt"):
@@ -86,7 +97,7 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
             f"{r.search.max_len_tokens:,}",
             f"{lo:,}, {'-' if hi is None else f'{hi:,}'}",
             "-" if peak is None else f"{peak:.2f}",
-            plan.source,
+            plan.target.source,
             "-" if ratio is None else f"{ratio:.2f}",
         )
         breakdown.add_row(r.method, *(f"{parts[c]:.2f}" if c in parts else "-" for c in shown))
@@ -95,26 +106,27 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
 
 def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
     """Lines saying how every number in the tables was obtained."""
-    spec = plan.spec
+    spec, target = plan.specs[0], plan.target
     how = next((r.how for r in results if r.search.peak_at_max is not None), "")
     where = {
         "sim": "the real training step on meta tensors, "
         + how.removeprefix("simulated on meta tensors").lstrip(", ")
         + " at the max length (the search probes 2- and 3-layer simulations extrapolated in depth, which can"
         " only under-estimate a peak, so its failing lengths fail at full depth too)",
-        "cpu": f"a real step on CPU tensors ({plan.device_name})",
-        "cuda": f"a real step on {plan.device_name}, one child process per probe",
-    }[plan.device]
+        "cpu": f"a real step on CPU tensors ({target.device_name})",
+        "cuda": f"a real step on {target.device_name}, one child process per probe",
+    }[target.device]
     peak = (
         "the caching allocator's max_memory_allocated, breakdown from the live-tensor tracker"
-        if plan.device == "cuda"
+        if target.device == "cuda"
         else "the most bytes of live tensors (live-tensor tracker)"
     )
     lines = [
-        f"{plan.source}: {where}; peak = {peak}; GiB = 2^30 B.",
-        f"Step: protocol {spec['protocol']}, grads {spec['grads']}, random ids without padding, "
-        f"ps {spec['partition_size']} (streambp, mst), ps-head {spec['head_partition_size']} (streambp, "
-        f"mst); weights + grads {plan.weights_grads_bytes / GIB:.2f} GiB.",
+        f"{target.source}: {where}; peak = {peak}; GiB = 2^30 B; every answer confirmed with all "
+        f"{plan.num_layers} layers.",
+        f"Step: protocol {spec.protocol}, grads {spec.grads}, random ids without padding, "
+        f"ps {spec.partition_size} (streambp, mst), ps-head {spec.head_partition_size} (streambp, "
+        f"mst); weights + grads + optimizer state {plan.resident_bytes / GIB:.2f} GiB.",
         "Search: secant-guided bracket, then secant/bisection until fails - fits <= max(1%, 128 tokens); "
         "max length = the longest probe that fits; x ckpt = max length / checkpoint's.",
     ]
@@ -129,7 +141,7 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
 
 def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:
     """The table and the provenance lines on stdout."""
-    console = Console(highlight=False)
+    console = stdout_console()
     for table in render_tables(plan, results):
         console.print(table)
     for line in describe(plan, results):
@@ -140,39 +152,26 @@ def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> N
 
 def write_rows(plan: Plan, results: list[MethodResult], path: Path) -> None:
     """Upsert one `max_len` row per method into the results CSV at `path`."""
-    spec, stamp = plan.spec, provenance(plan.source, plan.device_name)
-    rows = []
-    for r in results:
-        chunked = r.method in CHUNKED
-        parts = {f"{c}_gib": v for c, v in breakdown_gib(r).items()}
-        rows.append(
-            ResultRow(
-                method=r.method,
-                model=plan.model,
-                seq_len_tokens=0,
-                batch_size=spec["batch_size"],
-                partition_size=spec["partition_size"] if chunked else None,
-                head_partition_size=spec["head_partition_size"] if chunked else None,
-                dtype=spec["dtype"],
-                **plan.step_settings(),
-                metric="max_len",
-                value=float(r.search.max_len_tokens),
-                peak_allocated_gib=peak_gib(r),
-                **_allocator_columns(r),
-                budget_gib=plan.budget_bytes / GIB,
-                **parts,
-                **stamp,
-            )
-        )
+    stamp = provenance(plan.target.source, plan.target.device_name)
+    rows = [max_len_row(r.spec, r.search, stamp) for r in results]
     ResultsFile(path).append_many(rows)
 
 
-def _allocator_columns(result: MethodResult) -> dict:
-    """The CUDA allocator's reserved peak (GiB), retries and OOMs of the probe at the max length."""
-    best = result.search.peak_at_max
-    if best is None:
-        return {}
-    return allocator_columns(best)
+def max_len_row(spec, search, stamp: dict) -> ResultRow:
+    """The `max_len` row of one search of `spec` (value: tokens; the peak and breakdown at the max)."""
+    best = search.peak_at_max
+    memory = {} if best is None else memory_columns(best.peak_bytes, best.breakdown_bytes)
+    return ResultRow(
+        **spec_fields(spec, seq_len_tokens=0),
+        **stamp,
+        **memory,
+        **({} if best is None else allocator_columns(best)),
+        metric="max_len",
+        value=float(search.max_len_tokens),
+        status="ok" if search.max_len_tokens else "oom",
+        budget_gib=search.budget_bytes / GIB,
+        confirmed_layers=search.confirmed_layers,
+    )
 
 
 class ProgressView:

@@ -1,4 +1,8 @@
-"""Options shared by the commands, defined once as `Annotated` aliases (defaults live on each command)."""
+"""Options shared by the commands, defined once as `Annotated` aliases (defaults live on each command).
+
+The choice Enums are generated from the core's tuples (`streambp_core.config`), so a choice added there
+is a choice on the command line.
+"""
 
 from __future__ import annotations
 
@@ -7,38 +11,31 @@ from typing import Annotated
 
 import typer
 
-
-class Dtype(str, Enum):
-    """Floating-point precision of the model and the step."""
-
-    float64 = "float64"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
-class Padding(str, Enum):
-    """Where padding goes in each row of the random batch."""
-
-    none = "none"
-    right = "right"
-    left = "left"
+from streambp_core.config import (
+    ATTN_BACKENDS,
+    DEVICES,
+    DTYPES,
+    GRADS_MODES,
+    OBJECTIVES,
+    OPTIMIZERS,
+    PADDINGS,
+    PROTOCOLS,
+)
 
 
-class Device(str, Enum):
-    """Where the model runs."""
-
-    cpu = "cpu"
-    cuda = "cuda"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum whose members are `values` (member name = value)."""
+    return Enum(name, {value: value for value in values}, type=str)  # type: ignore[return-value]
 
 
-class Where(str, Enum):
-    """Where max-len probes run: auto (cuda when present, else sim), cuda, cpu or sim."""
-
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-    sim = "sim"
-
+Dtype = _choices("Dtype", DTYPES)
+Padding = _choices("Padding", PADDINGS)
+Device = _choices("Device", ("auto", *DEVICES))
+Objective = _choices("Objective", OBJECTIVES)
+Attn = _choices("Attn", ATTN_BACKENDS)
+Protocol = _choices("Protocol", PROTOCOLS)
+Grads = _choices("Grads", ("auto", *GRADS_MODES))
+Optimizer = _choices("Optimizer", OPTIMIZERS)
 
 Model = Annotated[
     str,
@@ -48,12 +45,15 @@ Model = Annotated[
         help="Preset name (see [bold]streambp-bench presets[/]) or a local directory with config.json.",
     ),
 ]
+Models = Annotated[str, typer.Option("--model", "-m", help="Comma list of presets or local directories.")]
 Methods = Annotated[
     str,
-    typer.Option("--method", help="Comma-separated methods: plain, checkpoint, mst, streambp."),
+    typer.Option("--method", help="Comma list of plain, checkpoint, mst, streambp ('all': every one)."),
 ]
 SeqLen = Annotated[int, typer.Option("--seq-len", "-T", help="Tokens per sequence (>= 2).")]
-BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Sequences per batch (>= 1).")]
+BatchSize = Annotated[
+    int, typer.Option("--batch-size", "-b", help="Sequences (sft), group size (grpo) or pairs (dpo); >= 1.")
+]
 PartitionSize = Annotated[
     int, typer.Option("--ps", help="Tokens per decoder-layer chunk (streambp partition size, mst chunk).")
 ]
@@ -63,37 +63,39 @@ PaddingOption = Annotated[
     Padding, typer.Option("--padding", help="No padding, or ~20% padding per row on the right or left.")
 ]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the random weights and tokens.")]
-DeviceOption = Annotated[Device, typer.Option("--device", help="cpu, or cuda when a GPU is present.")]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
-
-
-def split_list(value: str) -> tuple[str, ...]:
-    """'a, b,,c' -> ('a', 'b', 'c')."""
-    return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
-class Objective(str, Enum):
-    """Training objective of the step."""
-
-    sft = "sft"
-    grpo = "grpo"
-    dpo = "dpo"
-
-
-class Attn(str, Enum):
-    """Attention kernel on CUDA."""
-
-    auto = "auto"
-    sdpa = "sdpa"
-    flash = "flash"
-
-
+DeviceOption = Annotated[
+    Device,
+    typer.Option("--device", help="auto (cuda when present, else sim), sim (meta tensors), cpu or cuda."),
+]
+BudgetGib = Annotated[
+    float | None,
+    typer.Option("--budget-gib", help="Memory budget in GiB (2^30 B); default: the GPU's memory, else 80."),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of tables.")]
 ObjectiveOption = Annotated[
     Objective, typer.Option("--objective", help="sft (cross-entropy), grpo (clipped policy gradient) or dpo.")
 ]
 LoraRank = Annotated[
     int, typer.Option("--lora-rank", help="0: full-parameter gradients; R > 0: LoRA adapters of rank R.")
 ]
+OptimizerOption = Annotated[
+    Optimizer, typer.Option("--optimizer", help="none (backprop only) or adamw (a full training step).")
+]
 AttnOption = Annotated[
     Attn, typer.Option("--attn", help="Attention kernel on CUDA: flash (flash-attn), sdpa, or auto.")
 ]
+ProtocolOption = Annotated[
+    Protocol,
+    typer.Option("--protocol", help="default: this project's step; paper: the paper's script (transformers "
+                 "4.51: logits held through backward, GQA K/V expanded); backprop-only steps."),
+]
+GradsOption = Annotated[
+    Grads,
+    typer.Option("--grads", help="Gradients allocated before the step (resident) or made by it (fresh); "
+                 "auto: fresh with an optimizer, else resident."),
+]
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """'a, b,,c' -> ('a', 'b', 'c')."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())

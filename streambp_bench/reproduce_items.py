@@ -18,9 +18,9 @@ from streambp_bench import experiments as exp
 from streambp_bench import paper, plots
 from streambp_bench.precision import precision_rows
 from streambp_bench.results import ResultRow, ResultsFile, provenance, rows_to_frame
-from streambp_core.measure.training_step import TrainSpec, simulated_training_probe
+from streambp_core.config import StepSpec
 from streambp_core.measure.units import GIB
-from streambp_core.search import max_trainable_length
+from streambp_core.step.target import DEFAULT_BUDGET_GIB, Target, resolve_target
 
 FIG3_METHODS = ("plain", "checkpoint", "streambp")
 
@@ -35,50 +35,32 @@ class Settings:
     """'cuda' when a GPU is present, else 'sim' (time items then measure on the CPU)."""
 
     def budget_gib(self) -> float:
-        return 0.005 if self.quick else exp.DEFAULT_BUDGET_GIB
+        return 0.005 if self.quick else DEFAULT_BUDGET_GIB
 
     def csv(self, item: str) -> ResultsFile:
         return ResultsFile(self.out_dir / f"{item}.csv")
 
 
-def max_len_row(spec: TrainSpec, budget_gib: float, key_model: str | None = None) -> ResultRow:
-    """Search the simulated max length of `spec` within `budget_gib` and return it as a max_len row."""
-    search = max_trainable_length(simulated_training_probe(spec), int(budget_gib * GIB))
-    point = exp.Point(
-        method=spec.method,
-        model=key_model or spec.model,
-        seq_len_tokens=0,
-        objective=spec.objective,
-        batch_size=spec.batch_size,
-        partition_size=spec.partition_size if spec.method in exp.PARTITIONED else None,
-        head_partition_size=spec.head_partition_size if spec.method in exp.PARTITIONED else None,
-        dtype=spec.dtype,
-        lora_rank=spec.lora_rank,
-        optimizer=spec.optimizer,
-    )
-    peak = search.peak_at_max
-    columns = {} if peak is None else exp._columns(peak.peak_bytes or 0, peak.breakdown_bytes)
-    return ResultRow(
-        **point.key_fields(),
-        **provenance("simulated", "meta"),
-        **columns,
-        metric="max_len",
-        value=search.max_len_tokens,
-        budget_gib=budget_gib,
-        status="ok" if search.max_len_tokens else "oom",
-    )
+def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None) -> ResultRow:
+    """Search the simulated max length of `spec` within `budget_gib` (confirmed at full depth) and return
+    it as a max_len row."""
+    from streambp_bench.max_len_report import max_len_row as row_of
+    from streambp_core.step.probe import max_len
+
+    search = max_len(spec, int(budget_gib * GIB), "sim", cache=cache)
+    return row_of(spec, search, provenance("simulated", "meta"))
 
 
-def _curve(points: list[exp.Point], where: exp.Where, results: ResultsFile) -> None:
+def _curve(points: list[StepSpec], target: Target, results: ResultsFile) -> None:
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
-    series: dict[tuple, list[exp.Point]] = {}
+    series: dict[tuple, list[StepSpec]] = {}
     for point in points:
         series.setdefault((point.method, point.model, point.partition_size, point.lora_rank), []).append(
             point
         )
     for members in series.values():
         for point in sorted(members, key=lambda p: p.seq_len_tokens):
-            rows = exp.run_point(point, where)
+            rows = exp.run_point(point, target)
             results.append_many(rows)
             if rows[0].status != "ok":
                 break
@@ -90,27 +72,21 @@ def fig3(settings: Settings) -> list[Path]:
     lengths = (64, 256, 1024) if settings.quick else (1024, 2048, *range(4096, 131072 + 1, 8192))
     results, budget = settings.csv("fig3"), settings.budget_gib()
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
+    cache: dict = {}
     rows = [
-        max_len_row(TrainSpec(model=model, method=method, lora_rank=rank, **sizes), budget)
+        max_len_row(StepSpec(model=model, method=method, lora_rank=rank, **sizes), budget, cache)
         for model, rank in models.values()
         for method in FIG3_METHODS
     ]
     results.append_many(rows)
-    where = exp.resolve_where("sim", budget)
+    target = resolve_target("sim", budget)
     points = [
-        exp.Point(
-            method=method,
-            model=model,
-            seq_len_tokens=length,
-            lora_rank=rank,
-            partition_size=sizes.get("partition_size", 500) if method in exp.PARTITIONED else None,
-            head_partition_size=sizes.get("head_partition_size", 100) if method in exp.PARTITIONED else None,
-        )
+        StepSpec(method=method, model=model, seq_len_tokens=length, lora_rank=rank, **sizes)
         for model, rank in models.values()
         for method in FIG3_METHODS
         for length in lengths
     ]
-    _curve(points, where, results)
+    _curve(points, target, results)
     frame = results.load()
     paper_frame = pd.DataFrame(
         [
@@ -140,7 +116,7 @@ def fig5(settings: Settings) -> list[Path]:
     sizes = (16, 32) if settings.quick else paper.FIG5_PARTITION_SIZES
     lengths = (64, 128) if settings.quick else (4096, *range(16384, 131072 + 1, 16384))
     results = settings.csv("fig5")
-    where = exp.resolve_where("sim", settings.budget_gib() if settings.quick else None)
+    target = resolve_target("sim", settings.budget_gib() if settings.quick else None)
     points = exp.expand_grid(
         methods=("streambp",),
         models=(model,),
@@ -148,7 +124,7 @@ def fig5(settings: Settings) -> list[Path]:
         partition_sizes=sizes,
         head_partition_size=16 if settings.quick else 100,
     )
-    exp.run_points(points, where, results, force=True)
+    exp.run_points(points, target, results, force=True)
     return [plots.save(plots.partition_ablation(results.load()), settings.out_dir / "fig5-memory.png")]
 
 
@@ -156,25 +132,19 @@ def table1(settings: Settings) -> list[Path]:
     """Table 1 step time: Qwen3-4B on CUDA (paper lengths, capped), else a tiny model on the CPU."""
     if settings.device == "cuda":
         model, dtype, lengths, methods = "Qwen/Qwen3-4B", "bfloat16", (6144, 9216, 12288), paper.TABLE1_TIME_S
-        where = exp.resolve_where("cuda")
+        target = resolve_target("cuda")
     else:
         model, dtype, methods = "tiny/llama", "float32", ("checkpoint", "streambp")
         lengths = (64, 128) if settings.quick else (1024, 2048, 4096)
-        where = exp.resolve_where("cpu")
+        target = resolve_target("cpu", cpu_budget=False)
     points = [
-        exp.Point(
-            method=method,
-            model=model,
-            seq_len_tokens=length,
-            dtype=dtype,
-            partition_size=max(length // 3, 1) if method in exp.PARTITIONED else None,
-            head_partition_size=100 if method in exp.PARTITIONED else None,
-        )
+        StepSpec(method=method, model=model, seq_len_tokens=length, dtype=dtype,
+                 partition_size=max(length // 3, 1), head_partition_size=100)
         for method in methods
         for length in lengths
     ]
     results = settings.csv("table1")
-    exp.run_points(points, where, results, force=True)
+    exp.run_points(points, target, results, force=True)
     frame = results.load().assign(partition_size=pd.NA)  # ps = T/3 varies with T: one line per method
     return [plots.save(plots.time_vs_length(frame), settings.out_dir / "table1-time.png")]
 
@@ -189,11 +159,11 @@ def table3(settings: Settings) -> list[Path]:
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
     group = 2 if settings.quick else paper.TABLE3_GROUP_SIZE
     results = settings.csv("table3")
-    rows = []
+    rows, cache = [], {}
     for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1)):
         for model, rank in cells.values():
             for method in FIG3_METHODS:
-                spec = TrainSpec(
+                spec = StepSpec(
                     model=model,
                     method=method,
                     objective=objective,
@@ -202,7 +172,7 @@ def table3(settings: Settings) -> list[Path]:
                     batch_size=batch,
                     **sizes,
                 )
-                rows.append(max_len_row(spec, settings.budget_gib()))
+                rows.append(max_len_row(spec, settings.budget_gib(), cache))
     results.append_many(rows)
     frame = results.load()
     paper_frame = pd.DataFrame(

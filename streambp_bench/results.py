@@ -5,7 +5,7 @@ replaces its row; each write goes to a temporary file that `os.replace` moves ov
 interrupted sweep (Ctrl-C, kill -9) keeps every finished row and never leaves a half-written file:
 
     results = ResultsFile("results/sweep.csv")
-    if ResultRow.key_of(**point) not in results.done_keys():   # point: the KEY_COLUMNS values
+    if ResultRow.key_of(**point) not in {row.key() for row in results.rows()}:  # point: KEY_COLUMNS
         results.upsert(ResultRow(**point, **measured, **provenance(...)))
 """
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from streambp_bench.schema_history import complete_schema_1, is_schema_1
-from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, PROTOCOLS
+from streambp_bench.errors import SchemaError
+from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
+from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, PROTOCOLS, StepSpec
 
 SOURCES = ("simulated", "measured-cuda", "measured-cpu")
 STATUSES = ("ok", "oom", "error")
@@ -40,8 +41,6 @@ CATEGORY_COLUMNS = tuple(
 )
 
 
-class SchemaError(ValueError):
-    """A CSV that is not a results file of this schema, or a cell that does not parse (one-line message)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +80,10 @@ class ResultRow:
     peak_reserved_gib: float | None = None
     step_time_ms: float | None = None
     """Median step time; measured runs only."""
+    step_time_p20_ms: float | None = None
+    """20th percentile of the timed repeats; measured runs only."""
+    step_time_p80_ms: float | None = None
+    """80th percentile of the timed repeats; measured runs only."""
     alloc_retries: int | None = None
     """The CUDA caching allocator's `num_alloc_retries` over the measured region; empty off CUDA."""
     num_ooms: int | None = None
@@ -94,6 +97,8 @@ class ResultRow:
     temporaries_gib: float | None = None
     budget_gib: float | None = None
     """Device memory the point was judged against."""
+    confirmed_layers: int | None = None
+    """max_len rows: decoder layers of the step that confirmed the answer (the model's full depth)."""
     error: str = ""
     device_name: str
     torch_version: str = "unknown"
@@ -195,6 +200,27 @@ def _parse(name: str, text: str) -> object:
     return float(text) if kind is float else text
 
 
+def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, object]:
+    """The KEY_COLUMNS of a row about step `spec` but source, metric and device_name (partition cells
+    empty for methods without partitions, LoRA rank empty for full parameters); `seq_len_tokens`
+    overrides the spec's (0 for a max_len row)."""
+    return {
+        "method": spec.method, "model": spec.model, "objective": spec.objective,
+        "seq_len_tokens": spec.seq_len_tokens if seq_len_tokens is None else seq_len_tokens,
+        "batch_size": spec.batch_size,
+        "partition_size": spec.partition_size if spec.partitioned else None,
+        "head_partition_size": spec.head_partition_size if spec.partitioned else None,
+        "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
+        "attn": spec.attn, "protocol": spec.protocol, "grads": spec.grads,
+    }  # fmt: skip
+
+
+def memory_columns(peak_bytes: int | None, breakdown_bytes: dict[str, int]) -> dict[str, float | None]:
+    """peak_allocated_gib and one `<category>_gib` column per category of a peak."""
+    by_category = {f"{name}_gib": value / 2**30 for name, value in breakdown_bytes.items()}
+    return {"peak_allocated_gib": None if peak_bytes is None else peak_bytes / 2**30, **by_category}
+
+
 def allocator_columns(measured: object) -> dict[str, float | int | None]:
     """The CUDA allocator's columns of a measurement (a ProbeResult or MeasuredStep: anything with
     `peak_reserved_bytes`, `alloc_retries`, `num_ooms`): reserved peak (GiB), retries, OOMs; None off CUDA."""
@@ -259,10 +285,6 @@ class ResultsFile:
                 raise SchemaError(f"{self.path}, line {line_number}: {error}") from None
         return rows
 
-    def done_keys(self) -> set[tuple[str, ...]]:
-        """Keys of the points already in the file (any status), so a resumed sweep can skip them."""
-        return {row.key() for row in self.rows()}
-
     def upsert(self, row: ResultRow) -> None:
         """Write `row`, replacing the row with the same key if there is one (atomic rewrite)."""
         self.append_many([row])
@@ -282,8 +304,10 @@ class ResultsFile:
             reader = csv.DictReader(handle)
             if is_schema_1(reader.fieldnames):
                 return [complete_schema_1(record) for record in reader]
-            check_header(reader.fieldnames, self.path)
-            return list(reader)
+            header = reader.fieldnames
+            added = [name for name in ADDED_COLUMNS if header and name not in header]
+            check_header([*header, *added] if header else header, self.path)
+            return [{**record, **dict.fromkeys(added, "")} for record in reader]
 
     def _write(self, records: list[dict[str, str]]) -> None:
         """Write all records to a temporary file next to the target, fsync it, then `os.replace` it in."""

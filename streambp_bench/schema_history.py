@@ -8,6 +8,9 @@ five columns. A schema-1 row is read as what its producers ran:
   None after each step), else "resident";
 - alloc_retries and num_ooms empty.
 Rewriting such a file (any upsert) writes the current header.
+
+Schema 2 (the header before `ADDED_COLUMNS`) reads with those columns empty: each is optional and no
+part of a row's key.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ SCHEMA_1_COLUMNS: tuple[str, ...] = (
     "torch_version", "transformers_version", "package_version", "git_sha", "timestamp",
 )  # fmt: skip
 """The header of schema 1, exactly (committed results/*.csv carry it)."""
+
+
+ADDED_COLUMNS: tuple[str, ...] = ("step_time_p20_ms", "step_time_p80_ms", "confirmed_layers")
+"""Optional, non-key columns added since schema 2; a file without them reads them as empty."""
 
 
 def is_schema_1(header: Sequence[str] | None) -> bool:

@@ -20,21 +20,24 @@ Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from streambp_bench.results import ResultRow, allocator_columns, provenance
-from streambp_core.measure.cuda import CudaPeak, cuda_available, device_info, median, time_cuda_ms
+from streambp_bench.results import ResultRow, allocator_columns, memory_columns, provenance, spec_fields
+from streambp_core.config import StepSpec
+from streambp_core.measure.cuda import cuda_available, device_info
 from streambp_core.measure.kernels import profile_kernel_time
-from streambp_core.measure.probe import ProbeSpec, measure_step
 from streambp_core.measure.units import GIB
 from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config
 from streambp_core.search import OK, ProbeResult
 from streambp_core.step.partitions import auto_partitions
+from streambp_core.step.probe import measure_setup
+from streambp_core.step.setup import build_setup
+from streambp_core.step.simulate import simulate
+from streambp_core.step.timing import time_step
 from streambp_core.verify import VerifySpec, verify_spec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
@@ -115,32 +118,36 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
                 )
 
 
+def memory_spec(plan: CheckPlan, method: str, seq_len: int) -> StepSpec:
+    """The step of a memory row: the memory model, the plan's precision and partitions."""
+    return StepSpec(model=plan.memory_model, method=method, seq_len_tokens=seq_len, dtype=plan.dtype,
+                    partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
+
+
 def memory_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
     """Step 2: measured and simulated peak of every method at every length (metric peak_memory)."""
+    config = model.config
     for method in METHODS:
-        spec = ProbeSpec(model=plan.memory_model, method=method, dtype=plan.dtype,
-                         partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
         for seq_len in plan.lengths:
-            yield _memory_row(plan, spec, measure_step(model, spec, seq_len, plan.device), where)
-            yield _memory_row(plan, spec, _simulated(spec, seq_len), where)
+            spec = memory_spec(plan, method, seq_len)
+            measured = measure_setup(build_setup(spec, config, plan.device, model=model), plan.device)
+            yield _memory_row(spec, measured, where)
+            yield _memory_row(spec, _simulated(spec, config), where)
 
 
-def _simulated(spec: ProbeSpec, seq_len: int) -> ProbeResult:
-    """The simulator's prediction for `spec` at `seq_len`, as a probe result."""
-    sim = spec.simulate(seq_len)
-    return ProbeResult(seq_len_tokens=seq_len, status=OK, peak_bytes=sim.peak_bytes,
+def _simulated(spec: StepSpec, config) -> ProbeResult:
+    """The simulator's prediction for `spec`, as a probe result."""
+    sim = simulate(spec, config)
+    return ProbeResult(seq_len_tokens=spec.seq_len_tokens, status=OK, peak_bytes=sim.peak_bytes,
                        breakdown_bytes=sim.breakdown_bytes, source="simulated")
 
 
-def _memory_row(plan: CheckPlan, spec: ProbeSpec, probe: ProbeResult, where: str) -> ResultRow:
+def _memory_row(spec: StepSpec, probe: ProbeResult, where: str) -> ResultRow:
     """A peak_memory row of one probe (measured or simulated), with the allocator's figures it has."""
-    gib = {f"{k}_gib": v / GIB for k, v in probe.breakdown_bytes.items()}
     peak = None if probe.peak_bytes is None else probe.peak_bytes / GIB
     return ResultRow(
-        method=spec.method, model=plan.memory_model, seq_len_tokens=probe.seq_len_tokens, batch_size=1,
-        partition_size=plan.partition_size, head_partition_size=plan.head_partition_size, dtype=plan.dtype,
-        attn=spec.attn, protocol=spec.protocol, grads=spec.grads, status=probe.status, metric="peak_memory",
-        value=peak, peak_allocated_gib=peak, error=probe.message, **allocator_columns(probe), **gib,
+        **spec_fields(spec), status=probe.status, metric="peak_memory", value=peak, error=probe.message,
+        **memory_columns(probe.peak_bytes, probe.breakdown_bytes), **allocator_columns(probe),
         **provenance(probe.source, where),
     )
 
@@ -164,9 +171,9 @@ def _partitions(plan: CheckPlan, seq_len: int, head_partition: int | str) -> tup
     cache: dict = {}  # buffer, which the simulated step (recomputing head) does not hold
 
     def fits(partition: int, head: int) -> bool:
-        spec = ProbeSpec(model=plan.memory_model, method="streambp", dtype=plan.dtype,
-                         partition_size=partition, head_partition_size=head)
-        return spec.simulate(seq_len, cache).peak_bytes <= budget
+        spec = StepSpec(model=plan.memory_model, method="streambp", seq_len_tokens=seq_len, dtype=plan.dtype,
+                        partition_size=partition, head_partition_size=head)
+        return simulate(spec, config, cache=cache).peak_bytes <= budget
 
     return auto_partitions(seq_len, fits)
 
@@ -183,19 +190,17 @@ def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_parti
 
 
 def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
-    """Step 3: median step time of each timed variant (metric step_time, ms)."""
+    """Step 3: step time of each timed variant (metric step_time, ms: p50, with p20/p80)."""
     for seq_len in plan.timed_lengths:
         for method, head_partition in timed_variants(plan):
             partition, head, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
             with run:
-                timing = time_steps(plan, step, repeats)
+                timing = time_step(step, plan.device, warmup=1, repeats=repeats)
             model.zero_grad(set_to_none=True)
-            ms = median(timing.times_ms)
             yield ResultRow(
                 method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
                 partition_size=partition, head_partition_size=head,
-                dtype=plan.dtype, metric="step_time", value=ms, step_time_ms=ms,
-                alloc_retries=timing.alloc_retries, num_ooms=timing.num_ooms,
+                dtype=plan.dtype, metric="step_time", value=timing.p50_ms, **timing.columns(),
                 **provenance(f"measured-{plan.device}", where),
             )
 
@@ -220,31 +225,6 @@ def profile_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
             yield ResultRow(metric="kernel_ms_total", status="error", error=message, **common)
         for item in classes:
             yield ResultRow(metric=f"kernel_ms_{item.kernel_class}", value=item.self_time_ms, **common)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Timing:
-    """Timed steps (ms), and the CUDA allocator's retries and OOMs over them (None on CPU)."""
-
-    times_ms: list[float]
-    alloc_retries: int | None = None
-    num_ooms: int | None = None
-
-
-def time_steps(plan: CheckPlan, step: Callable[[], None], repeats: int) -> Timing:
-    """One untimed warm-up step, then `repeats` timed ones: CUDA events inside a `CudaPeak` on CUDA (for
-    the allocator's counters over the timed steps only), else the wall clock."""
-    step()
-    if plan.device == "cuda":
-        with CudaPeak() as peak:
-            times = time_cuda_ms(step, warmup=0, repeats=repeats)
-        return Timing(times_ms=times, alloc_retries=peak.num_alloc_retries, num_ooms=peak.num_ooms)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return Timing(times_ms=times)
 
 
 def memory_model(plan: CheckPlan):

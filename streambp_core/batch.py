@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streambp_core.config import ConfigError, require_choice
+from streambp_core.config import PADDINGS, ConfigError, require_choice
 
-PADDINGS = ("none", "right", "left")
 PAD_FRACTION = 0.2
 """Average fraction of padded positions when padding is on; rows get different amounts."""
 

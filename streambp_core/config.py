@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 VERIFY_METHODS = ("checkpoint", "mst", "streambp")
@@ -10,12 +12,21 @@ VERIFY_METHODS = ("checkpoint", "mst", "streambp")
 OBJECTIVES = ("sft", "grpo", "dpo")
 ATTN_BACKENDS = ("auto", "sdpa", "flash")
 BASELINE_ATTENTION = ("auto", "engine", "model")
+PADDINGS = ("none", "right", "left")
+"""Where padding goes in each row of a random batch."""
 PROTOCOLS = ("default", "paper")
 """Step protocols of a memory figure (see `streambp_core.measure.protocol`)."""
 HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
 GRADS_MODES = ("resident", "fresh")
 """Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
+OPTIMIZERS = ("none", "adamw")
+"""The optimizer of a training step: none (backprop only) or AdamW over the trainable parameters."""
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+DEVICES = ("sim", "cpu", "cuda")
+"""Where a step runs: simulated on meta tensors, or measured on CPU or CUDA tensors."""
+SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
+"""How a figure of a step run on each device was obtained, as every result row says."""
 
 
 class ConfigError(ValueError):
@@ -82,8 +93,133 @@ def require_positive(name: str, value: int) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+PRESET_DIR = Path(__file__).parent / "models" / "presets"
+"""The shipped model presets: `<org>--<name>.json` for `<org>/<name>`."""
+
+
+def check_model(name: str) -> str:
+    """`name` if it names a shipped preset (case-insensitive) or an existing path, else ConfigError.
+
+    Cheap (no transformers import), so bad input is refused at once; the config itself is read and
+    checked by `streambp_core.models.load_config`.
+    """
+    presets = sorted(path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json"))
+    if name.strip().lower() in {p.lower() for p in presets} or Path(name).expanduser().exists():
+        return name
+    raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
+                      f"presets: {', '.join(presets)}")
+
+
+def check_budget_gib(budget_gib: float | None, option: str = "--budget-gib") -> float | None:
+    """`budget_gib` if None or a finite positive number, else ConfigError."""
+    if budget_gib is not None and (not math.isfinite(budget_gib) or budget_gib <= 0):
+        raise ConfigError(f"{option} must be a finite positive number of GiB, got {budget_gib}")
+    return budget_gib
+
+
 def check_method(method: str) -> str:
     """Return `method` if it names a known method, else raise ConfigError listing them."""
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return method
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """Every setting of one training step: the one description the CLI builds and the core consumes.
+
+    Validated once, here; nothing downstream re-validates it (`replace` re-runs the checks, which need
+    no torch). A max-length search varies only `seq_len_tokens` (`spec.at(n)`).
+    """
+
+    model: str
+    """Preset name (`streambp-bench presets`) or a local directory with config.json."""
+    method: str
+    """plain, checkpoint, mst or streambp."""
+    seq_len_tokens: int = 4096
+    """Tokens per sequence (>= 2)."""
+    batch_size: int = 1
+    """Sequences (sft), completions in the group (grpo) or chosen/rejected pairs (dpo)."""
+    objective: str = "sft"
+    lora_rank: int = 0
+    """0: full-parameter training; R > 0: LoRA adapters of rank R (peft, alpha 4R) on every linear."""
+    optimizer: str = "none"
+    """none (backprop only) or adamw (a full training step; its moments exist before the step)."""
+    dtype: str = "bfloat16"
+    partition_size: int = 500
+    """Tokens per decoder-layer chunk (streambp's partition, mst's MLP chunk)."""
+    head_partition_size: int = 100
+    """Tokens per LM-head and loss chunk (streambp, mst)."""
+    attn: str = "auto"
+    """Attention kernel on CUDA (auto, sdpa, flash); a simulation uses its flash-like fake kernel."""
+    protocol: str = "default"
+    """default (this project's step) or paper (the paper's script; backprop-only steps)."""
+    grads: str = "auto"
+    """resident (zero gradients exist before the step: a gradient-accumulation micro-step) or fresh (the
+    step makes them); auto resolves to fresh with an optimizer (its step sets them to None), else
+    resident."""
+    seed: int = 0
+    """Seed of the random weights and tokens of a measured step."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError(f"model must be a preset name or a directory, got {self.model!r}")
+        check_method(self.method)
+        for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
+                              ("attn", ATTN_BACKENDS), ("protocol", PROTOCOLS),
+                              ("grads", ("auto", *GRADS_MODES))):
+            require_choice(name, getattr(self, name), choices)
+        for name in ("batch_size", "partition_size", "head_partition_size"):
+            require_positive(name, getattr(self, name))
+        if not isinstance(self.seq_len_tokens, int) or isinstance(self.seq_len_tokens, bool) \
+                or self.seq_len_tokens < 2:
+            raise ConfigError(f"seq_len must be an integer >= 2, got {self.seq_len_tokens!r}")
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
+        self._check_training_step()
+
+    def _check_training_step(self) -> None:
+        """Resolve grads; the paper protocol and resident grads belong to a backprop-only step."""
+        if self.grads == "auto":
+            object.__setattr__(self, "grads", "fresh" if self.optimizer != "none" else "resident")
+        if self.optimizer != "none" and self.grads == "resident":
+            raise ConfigError("grads resident with an optimizer: its step sets the gradients to None, so "
+                              "the next step makes them (fresh)")
+        if self.protocol == "paper" and self.is_training_step:
+            raise ConfigError("protocol paper sizes the paper's backprop-only step; with an objective, "
+                              "LoRA or an optimizer the step runs the default protocol")
+
+    @property
+    def is_training_step(self) -> bool:
+        """Whether this is more than SFT backprop of full parameters (objective, LoRA or optimizer)."""
+        return (self.objective, self.lora_rank, self.optimizer) != ("sft", 0, "none")
+
+    @property
+    def sequences(self) -> int:
+        """Rows of the step's batch: 2 x batch_size for DPO (chosen + rejected), else batch_size."""
+        return 2 * self.batch_size if self.objective == "dpo" else self.batch_size
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the method takes partition sizes (streambp, mst); the others ignore them."""
+        return self.method in PARTITIONED
+
+    def at(self, seq_len_tokens: int) -> StepSpec:
+        """This step at another length."""
+        return replace(self, seq_len_tokens=seq_len_tokens)
+
+    def stream_options(self) -> dict:
+        """`prepare(model, method, **options)` options of this step (baselines attend through the engine
+        kernel, as on the meta device, so every method runs the same attention)."""
+        return {"objective": self.objective, "partition_size": self.partition_size,
+                "head_partition_size": self.head_partition_size, "attn": self.attn,
+                "baseline_attention": "engine"}
+
+    def describe(self) -> str:
+        """The step in words, for a result's `how`."""
+        lora = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full parameters"
+        return f"objective {self.objective}, {lora}, optimizer {self.optimizer}"
+
+
+PARTITIONED = ("streambp", "mst")
+"""Methods that take partition sizes."""

@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streambp_core.config import ConfigError
-
-OPTIMIZERS = ("none", "adamw")
+from streambp_core.config import OPTIMIZERS, ConfigError
 
 
 def make_optimizer(model: nn.Module, name: str, *, lr: float = 1e-5) -> torch.optim.Optimizer | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from streambp_core.measure.cuda import is_oom
 
@@ -55,6 +55,9 @@ class SearchResult:
     """(longest fitting length, shortest failing length); the second is None when `max_len` fits."""
     probes: list[ProbeResult]
     budget_bytes: int
+    confirmed_layers: int | None = None
+    """Decoder layers of the step that confirmed the answer (the model's full depth for a measured or a
+    confirmed simulated search); None when nothing confirmed it."""
 
     @property
     def refused(self) -> list[ProbeResult]:
@@ -97,6 +100,46 @@ def max_trainable_length(
     while search.open() and len(search.probes) < max_probes:
         search.refine()
     return search.result()
+
+
+def guided_max_len(
+    guide: Callable[[int], ProbeResult],
+    budget_bytes: int,
+    *,
+    refine: Callable[[int], ProbeResult] | None = None,
+    confirm: Callable[[int], ProbeResult] | None = None,
+    confirmed_layers: int | None = None,
+    on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
+) -> SearchResult:
+    """Max length guided by a cheap probe, then refined by measurement or confirmed by a full one.
+
+    Steps:
+    1. Search with `guide` (a depth-extrapolated simulation: cheap).
+    2. `refine` (a measured probe): search again with it, starting at the guide's bracket.
+    3. Else `confirm` (a full-depth simulation): probe the guide's answer with it; if that fits, keep the
+       guide's bracket with that probe as the peak; if not, search again with `confirm` from there.
+       Why only that end: the guide can only under-estimate a peak (a maximum of phases each affine in
+       depth is convex in depth), so a length that fails guided fails confirmed too.
+    `confirmed_layers` (the depth `refine`/`confirm` run at) is recorded on the result. Every probe is
+    listed in the result, the guide's first.
+    """
+    guided = max_trainable_length(guide, budget_bytes, on_probe=on_probe)
+    if refine is not None:
+        start, second = max(guided.max_len_tokens, 2), guided.bracket[1]
+        refined = max_trainable_length(
+            refine, budget_bytes, start=start, second_len=second, on_probe=on_probe
+        )
+        return replace(refined, probes=[*guided.probes, *refined.probes], confirmed_layers=confirmed_layers)
+    if confirm is None or guided.peak_at_max is None:
+        return replace(guided, confirmed_layers=confirmed_layers)
+    check = confirm(guided.max_len_tokens)
+    if on_probe is not None:
+        on_probe(check, guided.max_len_tokens if check.fits(budget_bytes) else 0, guided.bracket[1])
+    if check.fits(budget_bytes):
+        return replace(guided, peak_at_max=check, probes=[*guided.probes, check],
+                       confirmed_layers=confirmed_layers)
+    full = max_trainable_length(confirm, budget_bytes, start=guided.max_len_tokens, on_probe=on_probe)
+    return replace(full, probes=[*guided.probes, check, *full.probes], confirmed_layers=confirmed_layers)
 
 
 class _Search:

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from streambp_bench import max_len as max_len_module
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
+from streambp_core.step import target as target_module
 
 TINY = ["max-len", "--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]
 SIM = [*TINY, "--device", "sim"]
@@ -102,7 +102,7 @@ def test_cpu_measures_real_tensors_near_the_simulated_bracket(runner):
     assert doc["source"] == "measured-cpu"
     for entry in doc["results"]:
         assert entry["max_len_tokens"] > 0 and entry["peak_gib"] <= 0.003
-        assert entry["probes"] <= 4  # aimed at the simulated bracket first
+        assert entry["probes_by_source"]["measured-cpu"] <= 4  # aimed at the simulated bracket first
 
 
 def test_help_has_examples(runner):
@@ -119,8 +119,8 @@ def test_help_has_examples(runner):
         (["--ps", "0"], "partition_size"),
         (["--ps-head", "-3"], "head_partition_size"),
         (["--batch-size", "0"], "batch_size"),
-        (["--budget-gib", "0.0001"], "below the weights + grads of tiny/qwen3 (0.00"),
-        (["--budget-gib", "-1"], "must be positive"),
+        (["--budget-gib", "0.0001"], "below what every step of tiny/qwen3 holds (0.00"),
+        (["--budget-gib", "-1"], "must be a finite positive number"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(runner, args, expected):
@@ -136,7 +136,7 @@ def test_budget_below_weights_and_grads_gives_the_figure(runner):
 
 
 def test_cuda_without_a_gpu_is_one_line(runner, monkeypatch):
-    monkeypatch.setattr(max_len_module, "cuda_available", lambda: False)
+    monkeypatch.setattr(target_module, "cuda_available", lambda: False)
     result = runner.invoke(app, [*TINY, "--device", "cuda"])
     assert "no CUDA device" in _one_line_error(result)
 
@@ -159,10 +159,10 @@ def test_training_step_options_search_a_full_step(runner):
     ("args", "expected"),
     [
         (["--lora-rank", "-1"], "lora rank"),
-        (["--optimizer", "sgd"], "optimizer must be one of none, adamw"),
+        (["--optimizer", "sgd"], "Invalid value for '--optimizer'"),
         (["--objective", "grpo", "--device", "cpu"], "simulated only"),
-        (["--optimizer", "adamw", "--protocol", "paper"], "apply to the backprop-only step"),
-        (["--lora-rank", "4", "--grads", "fresh"], "apply to the backprop-only step"),
+        (["--optimizer", "adamw", "--protocol", "paper"], "sizes the paper's backprop-only step"),
+        (["--optimizer", "adamw", "--grads", "resident"], "grads resident with an optimizer"),
     ],
 )
 def test_bad_training_options(runner, args, expected):

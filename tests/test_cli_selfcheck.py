@@ -84,16 +84,17 @@ def test_committed_gpu_results_meet_the_checks():
     assert ((pairs["simulated"] / pairs["measured-cuda"] - 1).abs() <= 0.03).all()
 
 
-def _measured_on_a_fake_gpu(model, spec, seq_len, device) -> ProbeResult:
-    """What `measure_step` returns on CUDA: the allocator's peak, reserved peak, 2 retries, no OOM."""
-    return ProbeResult(seq_len_tokens=seq_len, status="ok", peak_bytes=GIB // 4, source="measured-cuda",
-                       peak_reserved_bytes=GIB // 2, alloc_retries=2, num_ooms=0)  # fmt: skip
+def _measured_on_a_fake_gpu(setup, device) -> ProbeResult:
+    """What `measure_setup` returns on CUDA: the allocator's peak, reserved peak, 2 retries, no OOM."""
+    return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status="ok", peak_bytes=GIB // 4,
+                       source="measured-cuda", peak_reserved_bytes=GIB // 2, alloc_retries=2,
+                       num_ooms=0)  # fmt: skip
 
 
 def test_memory_rows_carry_the_allocators_reserved_peak_retries_and_ooms():
     plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,))
-    with mock.patch.object(check, "measure_step", _measured_on_a_fake_gpu):
-        rows = list(check.memory_rows(plan, None, "NVIDIA H200"))
+    with mock.patch.object(check, "measure_setup", _measured_on_a_fake_gpu):
+        rows = list(check.memory_rows(plan, check.memory_model(plan), "NVIDIA H200"))
     measured = [r for r in rows if r.source == "measured-cuda"]
     simulated = [r for r in rows if r.source == "simulated"]
     assert len(measured) == len(simulated) == len(check.METHODS)
@@ -126,25 +127,30 @@ class _FakeCudaPeak:
 
 
 def test_cuda_timing_counts_retries_over_the_timed_steps_only():
-    log: list[str] = []
+    from streambp_core.step import timing as timing_module
 
-    def events_timed(step, warmup, repeats):
-        assert warmup == 0
-        return [float(step() or 5 + i) for i in range(repeats)]
+    log: list[str] = []
+    times = iter([5.0, 6.0, 7.0])
+
+    def event_timed(step):
+        step()
+        return next(times)
 
     with (
-        mock.patch.object(check, "CudaPeak", _FakeCudaPeak(log)),
-        mock.patch.object(check, "time_cuda_ms", events_timed),
+        mock.patch.object(timing_module, "CudaPeak", _FakeCudaPeak(log)),
+        mock.patch.object(timing_module, "_cuda_event_ms", event_timed),
     ):
-        timing = check.time_steps(check.GPU_PLAN, lambda: log.append("step"), repeats=3)
+        timing = timing_module.time_step(lambda: log.append("step"), "cuda", warmup=1, repeats=3)
     assert log == ["step", "enter", "step", "step", "step", "exit"]  # the warm-up is outside the region
-    assert (timing.times_ms, timing.alloc_retries, timing.num_ooms) == ([5.0, 6.0, 7.0], 2, 0)
+    assert (timing.times_ms, timing.alloc_retries, timing.num_ooms) == ((5.0, 6.0, 7.0), 2, 0)
 
 
 def test_time_rows_record_the_timings_allocator_counters():
     plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,))
-    timing = check.Timing(times_ms=[3.0, 1.0, 2.0], alloc_retries=2, num_ooms=0)
-    with mock.patch.object(check, "time_steps", return_value=timing):
+    from streambp_core.step.timing import Timing
+
+    timing = Timing(times_ms=(3.0, 1.0, 2.0), alloc_retries=2, num_ooms=0)
+    with mock.patch.object(check, "time_step", return_value=timing):
         rows = list(check.time_rows(plan, check.memory_model(plan), "NVIDIA H200"))
     heads = plan.timed_head_partitions
     assert [(r.method, r.head_partition_size, r.step_time_ms, r.alloc_retries, r.num_ooms) for r in rows] == [

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import streambp_core.methods
 from streambp_bench import experiments
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
-from streambp_core.measure import training_step
+from streambp_core.step import run as run_module
 
 TINY = ["-m", "tiny/llama", "--seq-len", "64,128", "--ps", "16,32", "--ps-head", "16", "--device", "sim"]
 
@@ -50,13 +51,13 @@ def test_interrupted_sweep_resumes_without_lost_or_duplicated_rows(
 ) -> None:
     out = tmp_path / "sweep.csv"
     real = experiments.run_point
-    calls: list[experiments.Point] = []
+    calls: list = []
 
-    def interrupted_after_three(point, where):
+    def interrupted_after_three(point, target, config=None):
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(point)
-        return real(point, where)
+        return real(point, target, config)
 
     monkeypatch.setattr(experiments, "run_point", interrupted_after_three)
     first = _sweep(out)
@@ -84,20 +85,21 @@ def test_attn_is_recorded_and_a_resume_with_another_kernel_runs_its_own_points(t
 
 
 def test_attn_reaches_the_measured_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_prepare = training_step.prepare
+    real_prepare = streambp_core.methods.prepare
     kernels: list[str] = []
 
     def recording_prepare(model, method, **options):
         kernels.append(options["attn"])
         return real_prepare(model, method, **options)
 
-    monkeypatch.setattr(training_step, "prepare", recording_prepare)
+    monkeypatch.setattr(run_module, "prepare", recording_prepare)  # the tracked step
+    monkeypatch.setattr(streambp_core.methods, "prepare", recording_prepare)  # the timed steps
     out = tmp_path / "cpu.csv"
     args = ["sweep", "-m", "tiny/llama", "--device", "cpu", "--dtype", "float32", "--seq-len", "64", "--ps",
             "32", "--ps-head", "16", "--method", "streambp", "--attn", "sdpa", "--out", str(out)]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert kernels and set(kernels) == {"sdpa"}  # the tracked step and the timed steps
+    assert len(kernels) == 2 and set(kernels) == {"sdpa"}  # the tracked step and the timed steps
     rows = ResultsFile(out).rows()
     assert [(r.metric, r.attn, r.alloc_retries) for r in rows] == [
         ("peak_memory", "sdpa", None),  # no CUDA allocator on a CPU
@@ -127,7 +129,7 @@ def test_csv_of_another_schema_is_a_one_line_error(tmp_path: Path) -> None:
         (["--seq-len", "4x"], "bad length"),
         (["--method", "nope"], "unknown method"),
         (["--ps", "0"], "partition size"),
-        (["--device", "tpu"], "device must be"),
+        (["--device", "tpu"], "Invalid value for '--device'"),
         (["-m", "no/such-model"], "unknown model"),
         (["--optimizer", "sgd"], "optimizer"),
         (["--lora-rank", "-1"], "lora rank"),

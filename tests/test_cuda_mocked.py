@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from streambp_core.config import StepSpec
 from streambp_core.measure import (
     GIB,
     CudaPeak,
@@ -21,11 +22,12 @@ from streambp_core.measure import (
     cuda_available,
     device_info,
     is_oom,
-    median,
-    probe,
-    time_cuda_ms,
 )
-from streambp_core.measure.probe import ProbeSpec
+from streambp_core.models import load_config
+from streambp_core.step import probe
+from streambp_core.step import run as run_module
+from streambp_core.step.setup import build_setup
+from streambp_core.step.timing import time_step
 
 
 class _NVMLError(Exception):
@@ -147,14 +149,20 @@ def test_device_info_without_any_cuda_raises() -> None:
 
 
 def _allocator(peak_allocated: int, peak_reserved: int, stats: list[dict[str, int]]) -> mock._patch:
-    """Patch torch.cuda's allocator statistics; `stats` are returned by successive memory_stats calls."""
+    """Patch torch.cuda's allocator statistics; `stats` are returned by successive memory_stats calls (the
+    last one again once they run out)."""
+    stats = list(stats)
+
+    def memory_stats(*args: object) -> dict[str, int]:
+        return stats.pop(0) if len(stats) > 1 else stats[0]
+
     return mock.patch.multiple(
         "torch.cuda",
         synchronize=mock.DEFAULT,
         reset_peak_memory_stats=mock.DEFAULT,
         max_memory_allocated=mock.Mock(return_value=peak_allocated),
         max_memory_reserved=mock.Mock(return_value=peak_reserved),
-        memory_stats=mock.Mock(side_effect=stats),
+        memory_stats=mock.Mock(side_effect=memory_stats),
     )
 
 
@@ -186,23 +194,25 @@ class _FakeEvent:
         return end.time_ms - self.time_ms
 
 
-def test_time_cuda_ms_times_each_repeat_after_warmup() -> None:
-    durations = iter([100.0, 5.0, 7.0, 6.0])  # the first call is the warm-up
+def test_time_step_on_cuda_times_each_repeat_with_events_after_warmup() -> None:
+    durations = iter([100.0, 5.0, 7.0, 6.0, 9.0, 8.0])  # the first call is the warm-up
+    stats = [{"num_alloc_retries": 4, "num_ooms": 0}, {"num_alloc_retries": 5, "num_ooms": 0}]
 
     def fn() -> None:
         _FakeEvent.clock_ms += next(durations)
 
-    with mock.patch("torch.cuda.Event", _FakeEvent), mock.patch("torch.cuda.synchronize"):
-        times = time_cuda_ms(fn, warmup=1, repeats=3)
-    assert times == [5.0, 7.0, 6.0]
-    assert median(times) == 6.0
+    with mock.patch("torch.cuda.Event", _FakeEvent), _allocator(GIB, GIB, stats):
+        timing = time_step(fn, "cuda", warmup=1, repeats=5)
+    assert timing.times_ms == (5.0, 7.0, 6.0, 9.0, 8.0)
+    assert (timing.p20_ms, timing.p50_ms, timing.p80_ms) == (5.8, 7.0, 8.2)
+    assert (timing.alloc_retries, timing.num_ooms) == (1, 0)
 
 
-def test_time_cuda_ms_and_median_reject_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="repeats >= 1"):
-        time_cuda_ms(lambda: None, repeats=0)
-    with pytest.raises(ValueError, match="median of no values"):
-        median([])
+def test_time_step_rejects_bad_arguments() -> None:
+    from streambp_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="repeats >= 1"):
+        time_step(lambda: None, "cpu", repeats=0)
 
 
 @pytest.mark.parametrize(
@@ -272,50 +282,44 @@ def test_tracker_reports_the_allocators_retries_and_ooms_over_the_region() -> No
 
 
 @pytest.fixture
-def tiny_probe() -> tuple[torch.nn.Module, ProbeSpec]:
-    spec = ProbeSpec(model="tiny/qwen3", method="streambp", dtype="float32", partition_size=32,
-                     head_partition_size=16)  # fmt: skip
-    return spec.build("cpu"), spec
+def tiny_setup():
+    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=48, dtype="float32",
+                    partition_size=32, head_partition_size=16)  # fmt: skip
+    return build_setup(spec, load_config(spec.model), "cpu")
 
 
 def test_measure_step_reports_the_allocators_figures_and_they_survive_the_child_json(
-    monkeypatch: pytest.MonkeyPatch, tiny_probe: tuple[torch.nn.Module, ProbeSpec]
+    monkeypatch: pytest.MonkeyPatch, tiny_setup
 ) -> None:
-    """A real CPU step whose tracker also reads a (mocked) CUDA allocator reporting 2 retries, 0 OOMs."""
-    model, spec = tiny_probe
-    monkeypatch.setattr(probe, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
+    """A real CPU step whose tracker also reads a (mocked) CUDA allocator: 2 retries in the first phase,
+    none after; the reserved peak is the phases' largest."""
+    monkeypatch.setattr(run_module, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
     stats = [{"num_alloc_retries": 1, "num_ooms": 3}, {"num_alloc_retries": 3, "num_ooms": 3}]
     with _allocator(3 * GIB, 5 * GIB, stats):
-        result = probe.measure_step(model, spec, 48, "cpu")
+        result = probe.measure_setup(tiny_setup, "cpu")
     assert result.status == "ok" and 0 < result.peak_bytes < GIB  # the tracker's peak on CPU
     assert (result.peak_reserved_bytes, result.alloc_retries, result.num_ooms) == (5 * GIB, 2, 0)
     line = json.dumps(dataclasses.asdict(result))
     assert probe.parse_child_output(48, 0, f"noise\n{line}\n", "") == result
 
 
-def test_an_oom_step_reports_the_allocators_oom_count(
-    monkeypatch: pytest.MonkeyPatch, tiny_probe: tuple[torch.nn.Module, ProbeSpec]
-) -> None:
-    model, spec = tiny_probe
+def test_an_oom_step_reports_the_allocators_oom_count(monkeypatch: pytest.MonkeyPatch, tiny_setup) -> None:
 
-    def out_of_memory(*args: object) -> None:
+    def out_of_memory(*args: object, **kwargs: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     fake_run = types.SimpleNamespace(loss=out_of_memory, close=lambda: None)
-    monkeypatch.setattr(probe, "prepare", lambda *args, **kwargs: fake_run)
-    monkeypatch.setattr(probe, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
+    monkeypatch.setattr(run_module, "prepare", lambda *args, **kwargs: fake_run)
+    monkeypatch.setattr(run_module, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
     stats = [{"num_alloc_retries": 0, "num_ooms": 0}, {"num_alloc_retries": 1, "num_ooms": 1}]
     with _allocator(3 * GIB, 5 * GIB, stats):
-        result = probe.measure_step(model, spec, 48, "cpu")
+        result = probe.measure_setup(tiny_setup, "cpu")
     assert result.status == "oom" and result.message.startswith("CUDA out of memory")
     assert (result.alloc_retries, result.num_ooms, result.peak_bytes) == (1, 1, None)
 
 
-def test_measure_step_on_cpu_leaves_the_allocator_figures_empty(
-    tiny_probe: tuple[torch.nn.Module, ProbeSpec],
-) -> None:
-    model, spec = tiny_probe
+def test_measure_step_on_cpu_leaves_the_allocator_figures_empty(tiny_setup) -> None:
     with _cuda_forbidden():
-        result = probe.measure_step(model, spec, 48, "cpu")
+        result = probe.measure_setup(tiny_setup, "cpu")
     assert result.status == "ok" and result.peak_bytes > 0
     assert (result.peak_reserved_bytes, result.alloc_retries, result.num_ooms) == (None, None, None)

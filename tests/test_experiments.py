@@ -7,7 +7,8 @@ import pytest
 from streambp_bench import experiments as exp
 from streambp_bench.results import ResultsFile
 from streambp_bench.schema_history import SCHEMA_1_COLUMNS
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.step.target import resolve_target
 
 
 def test_token_lists_accept_k_suffix_and_inclusive_ranges() -> None:
@@ -31,13 +32,20 @@ def test_grid_gives_partition_sizes_only_to_partitioned_methods() -> None:
     )
     checkpoint = [p for p in points if p.method == "checkpoint"]
     streambp = [p for p in points if p.method == "streambp"]
-    assert len(checkpoint) == 2 and {p.partition_size for p in checkpoint} == {None}
+    assert len(checkpoint) == 2 and {row_partition(p) for p in checkpoint} == {None}
     assert len(streambp) == 4 and {p.partition_size for p in streambp} == {16, 32}
 
 
+def row_partition(point: StepSpec) -> int | None:
+    """The partition_size cell of a row about `point`."""
+    from streambp_bench.results import spec_fields
+
+    return spec_fields(point)["partition_size"]
+
+
 def test_simulated_point_row_has_peak_and_breakdown() -> None:
-    where = exp.resolve_where("sim", 1.0)
-    point = exp.Point(
+    where = resolve_target("sim", 1.0)
+    point = StepSpec(
         method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32, head_partition_size=16
     )
     (row,) = exp.run_point(point, where)
@@ -56,14 +64,12 @@ def test_simulated_point_row_has_peak_and_breakdown() -> None:
 
 
 def test_simulated_point_over_budget_is_oom() -> None:
-    where = exp.resolve_where("sim", 1e-6)
+    where = resolve_target("sim", 1e-6)
     (row,) = exp.run_point(
-        exp.Point(
+        StepSpec(
             method="checkpoint",
             model="tiny/llama",
             seq_len_tokens=256,
-            partition_size=None,
-            head_partition_size=None,
         ),
         where,
     )
@@ -71,8 +77,8 @@ def test_simulated_point_over_budget_is_oom() -> None:
 
 
 def test_training_step_with_optimizer_counts_optimizer_state() -> None:
-    where = exp.resolve_where("sim")
-    point = exp.Point(
+    where = resolve_target("sim")
+    point = StepSpec(
         method="streambp",
         model="tiny/llama",
         seq_len_tokens=128,
@@ -90,22 +96,22 @@ def test_training_step_with_optimizer_counts_optimizer_state() -> None:
 
 def test_a_rerun_point_replaces_its_schema_1_row(tmp_path) -> None:
     """A point written before the attn/protocol/grads columns is the same point when run again."""
-    where = exp.resolve_where("sim")
+    where = resolve_target("sim")
     sizes = {"partition_size": 32, "head_partition_size": 16}
-    points = [exp.Point(method="streambp", model="tiny/llama", seq_len_tokens=128, optimizer=name, **sizes)
+    points = [StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, optimizer=name, **sizes)
               for name in ("none", "adamw")]  # fmt: skip
     rows = [row for point in points for row in exp.run_point(point, where)]
     path = tmp_path / "old.csv"
     lines = [",".join(r.to_record()[c] for c in SCHEMA_1_COLUMNS) for r in rows]
     path.write_text("\n".join([",".join(SCHEMA_1_COLUMNS), *lines]) + "\n")
     results = ResultsFile(path)
-    assert all(exp.point_keys(point, where) <= results.done_keys() for point in points)
+    assert all(exp.point_keys(point, where) <= {row.key() for row in results.rows()} for point in points)
     assert exp.run_points(points, where, results) == []  # both already done
 
 
 def test_cpu_point_measures_step_time() -> None:
-    where = exp.resolve_where("cpu")
-    point = exp.Point(
+    where = resolve_target("cpu", cpu_budget=False)
+    point = StepSpec(
         method="streambp",
         model="tiny/llama",
         seq_len_tokens=64,
@@ -116,3 +122,4 @@ def test_cpu_point_measures_step_time() -> None:
     memory, time = exp.run_point(point, where)
     assert memory.source == time.source == "measured-cpu"
     assert time.metric == "step_time" and time.value == memory.step_time_ms > 0
+    assert memory.step_time_p20_ms <= memory.step_time_ms <= memory.step_time_p80_ms

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 import streambp_core
-from streambp_core.measure.probe import ProbeSpec, measure_step
+from streambp_core.config import StepSpec
 from streambp_core.models.load import build_model, tiny_config
+from streambp_core.step.probe import measure_setup
+from streambp_core.step.setup import build_setup
+
+
+def measure_step(model, spec: StepSpec, seq_len: int):
+    """The tracked peak of one CPU step of `spec` at `seq_len` on `model`."""
+    return measure_setup(build_setup(spec.at(seq_len), model.config, "cpu", model=model), "cpu")
 
 SEQ_LEN, VOCAB, LAYERS, HEAD_CHUNK = 512, 8192, 2, 32
 F32 = 4
@@ -20,9 +27,9 @@ def peaks():
     model = build_model(config, dtype=torch.float32)
     results = {}
     for method in ("plain", "checkpoint", "mst", "streambp"):
-        spec = ProbeSpec(model="tiny/qwen3", method=method, dtype="float32", partition_size=64,
-                         head_partition_size=HEAD_CHUNK)
-        results[method] = measure_step(model, spec, SEQ_LEN, "cpu")
+        spec = StepSpec(model="tiny/qwen3", method=method, dtype="float32", partition_size=64,
+                        head_partition_size=HEAD_CHUNK)
+        results[method] = measure_step(model, spec, SEQ_LEN)
     return results, config.hidden_size
 
 
@@ -58,14 +65,14 @@ def test_streambp_backward_keeps_one_layer_gradient(monkeypatch):
 
     config = tiny_config("llama", vocab_size=96, num_hidden_layers=3)  # vocab != any hidden width
     model = build_model(config, dtype=torch.float32)
-    spec = ProbeSpec(model="tiny/llama", method="streambp", dtype="float32", partition_size=256,
-                     head_partition_size=64)
+    spec = StepSpec(model="tiny/llama", method="streambp", dtype="float32", partition_size=256,
+                    head_partition_size=64)
     seq_len = 4096
     results, grads = {}, {}
     for reuse in (True, False):
         monkeypatch.setattr(streambp, "LayerPlan",
                             lambda *a, reuse=reuse, **k: LayerPlan(*a, **{**k, "reuse_grad_out": reuse}))
-        results[reuse] = measure_step(model, spec, seq_len, "cpu")
+        results[reuse] = measure_step(model, spec, seq_len)
         with streambp_core.prepare(model, "streambp", partition_size=256, head_partition_size=64) as run:
             model.zero_grad(set_to_none=True)
             run.loss(torch.arange(seq_len)[None] % 96).backward()

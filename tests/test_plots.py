@@ -164,7 +164,7 @@ def _header_only(path: Path) -> Path:
     ("make_input", "extra", "message"),
     [
         (lambda d: d / "missing.csv", [], "no such results file"),
-        (lambda d: d, [], "cannot read"),
+        (lambda d: d, [], "Is a directory"),
         (lambda d: (d / "zero.csv", (d / "zero.csv").write_text(""))[0], [], "empty: no CSV header"),
         (lambda d: _header_only(d / "head.csv"), [], "has a header but no rows"),
         (lambda d: (d / "o.csv", (d / "o.csv").write_text("a,b\n1,2\n"))[0], [], "missing columns: method"),

@@ -16,7 +16,7 @@ import pytest
 
 from streambp_bench import results
 from streambp_bench.results import COLUMNS, KEY_COLUMNS, ResultRow, ResultsFile, SchemaError, provenance
-from streambp_bench.schema_history import SCHEMA_1_COLUMNS
+from streambp_bench.schema_history import ADDED_COLUMNS, SCHEMA_1_COLUMNS
 
 DEVICE = "simulated A800-SXM4-80GB"
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,8 @@ def test_columns_hold_the_contract_in_order() -> None:
     required = {"method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
                 "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads",
                 "source", "status", "metric", "value", "peak_allocated_gib", "peak_reserved_gib",
-                "step_time_ms", "alloc_retries", "num_ooms", "weights_gib",
+                "step_time_ms", "step_time_p20_ms", "step_time_p80_ms", "alloc_retries", "num_ooms",
+                "weights_gib", "confirmed_layers",
                 "grads_gib", "optimizer_gib", "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib",
                 "budget_gib", "error", "device_name", "torch_version", "transformers_version",
                 "package_version", "git_sha", "timestamp"}  # fmt: skip
@@ -60,7 +61,8 @@ def test_columns_hold_the_contract_in_order() -> None:
     assert COLUMNS[0] == "method" and COLUMNS[-1] == "timestamp"
     assert set(KEY_COLUMNS) <= set(COLUMNS) and "value" not in KEY_COLUMNS and "timestamp" not in KEY_COLUMNS
     assert {"attn", "protocol", "grads"} <= set(KEY_COLUMNS) and "alloc_retries" not in KEY_COLUMNS
-    assert set(COLUMNS) - set(SCHEMA_1_COLUMNS) == {"attn", "protocol", "grads", "alloc_retries", "num_ooms"}
+    later = {"attn", "protocol", "grads", "alloc_retries", "num_ooms", *ADDED_COLUMNS}
+    assert set(COLUMNS) - set(SCHEMA_1_COLUMNS) == later
 
 
 @pytest.mark.parametrize(
@@ -123,7 +125,7 @@ def test_rows_differing_only_in_protocol_attn_or_grads_are_different_points(
     rows = file.rows()
     assert [(row.value, row.key() == make_row().key()) for row in rows] == [(30.0, True), (40.0, False)]
     point = {name: getattr(make_row(**setting), name) for name in KEY_COLUMNS}
-    assert ResultRow.key_of(**point) in file.done_keys()
+    assert ResultRow.key_of(**point) in {row.key() for row in file.rows()}
 
 
 def test_provenance_fills_versions_sha_and_utc_time() -> None:
@@ -195,7 +197,7 @@ def test_a_hand_written_float_length_is_the_same_point(tmp_path: Path) -> None:
     ResultsFile(path).upsert(make_row(4096))
     path.write_text(path.read_text().replace(",4096,1,500,100,", ",4096.0,1,500.0,100,"))
     file = ResultsFile(path)
-    assert file.done_keys() == {make_row(4096).key()}
+    assert {row.key() for row in file.rows()} == {make_row(4096).key()}
     file.upsert(make_row(4096, value=30.0))
     assert [row.value for row in file.rows()] == [30.0]
 
@@ -318,7 +320,7 @@ def test_one_extra_column_is_named(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     path.write_text(f"{lines[0]},note\n{lines[1]},hi\n")
     with pytest.raises(SchemaError, match=r"\(unexpected columns: note\)$"):
-        ResultsFile(path).done_keys()
+        ResultsFile(path).rows()
     with pytest.raises(SchemaError, match="unexpected columns: note"):
         ResultsFile(path).upsert(make_row())  # refuses to rewrite a foreign file
 
@@ -336,7 +338,7 @@ def test_empty_file_bad_cell_and_missing_file(tmp_path: Path) -> None:
         ResultsFile(tmp_path / "none.csv").load()
     assert (
         ResultsFile(tmp_path / "none.csv").rows() == []
-        and ResultsFile(tmp_path / "none.csv").done_keys() == set()
+        and ResultsFile(tmp_path / "none.csv").rows() == []
     )
 
 
@@ -345,7 +347,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(tmp_path: Path) -> None:
     computed: list[int] = []
 
     def sweep(file: ResultsFile, stop_after: int | None = None) -> None:
-        done = file.done_keys()
+        done = {row.key() for row in file.rows()}
         for seq_len in lengths:
             point = {"method": "streambp", "model": "Qwen/Qwen3-8B", "seq_len_tokens": seq_len,
                      "partition_size": 500, "head_partition_size": 100, "source": "simulated",

@@ -9,7 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streambp_core.search import OK, OOM, REFUSED, ProbeResult, default_tolerance, max_trainable_length
+from streambp_core.search import (
+    OK,
+    OOM,
+    REFUSED,
+    ProbeResult,
+    default_tolerance,
+    guided_max_len,
+    max_trainable_length,
+)
 
 GIB = 2**30
 
@@ -128,23 +136,16 @@ def test_progress_callback_sees_every_probe_and_the_bracket() -> None:
 
 
 @pytest.mark.parametrize("full_extra_gib", [0.0, 3.0])
-def test_simulated_max_len_rechecks_the_fitting_end_at_full_depth(monkeypatch, full_extra_gib):
+def test_guided_search_confirms_the_fitting_end_at_full_depth(full_extra_gib):
     """Full depth may peak higher than 2/3-layer extrapolation (never lower); the bracket must hold there."""
-    from streambp_core.measure import probe as probe_module
 
-    def fake_probe(spec, depth="extrapolate"):
+    def simulated(depth: str):
         extra = full_extra_gib * GIB if depth == "full" else 0
+        return lambda t: ProbeResult(seq_len_tokens=t, status=OK,
+                                     peak_bytes=int(30 * GIB + extra + 300_000 * t), message=depth)
 
-        def probe(t):
-            return ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=int(30 * GIB + extra + 300_000 * t),
-                               message=depth)  # fmt: skip
-
-        return probe
-
-    monkeypatch.setattr(probe_module, "simulated_probe", fake_probe)
-    spec = probe_module.ProbeSpec(model="Qwen/Qwen3-8B", method="streambp")
     budget = 80 * GIB
-    result = probe_module.simulated_max_len(spec, budget)
+    result = guided_max_len(simulated("extrapolate"), budget, confirm=simulated("full"), confirmed_layers=36)
 
     def full(t):
         return 30 * GIB + full_extra_gib * GIB + 300_000 * t
@@ -152,6 +153,26 @@ def test_simulated_max_len_rechecks_the_fitting_end_at_full_depth(monkeypatch, f
     lo, hi = result.bracket
     assert full(lo) <= budget < full(hi) and hi - lo <= default_tolerance(lo)
     assert result.peak_at_max.message == "full" and result.peak_at_max.seq_len_tokens == lo
+    assert result.confirmed_layers == 36
+
+
+def test_guided_search_refines_from_the_guides_bracket():
+    """A measured probe 2 GiB above the simulation: the refined answer is the measured one, and the
+    measured search starts at the guide's fitting end."""
+    guide = peaks(lambda t: 10 * GIB + 1_000_000 * t)
+    measured_lengths: list[int] = []
+
+    def measured(t: int) -> ProbeResult:
+        measured_lengths.append(t)
+        return ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=12 * GIB + 1_000_000 * t,
+                           source="measured-cpu")
+
+    result = guided_max_len(guide, 40 * GIB, refine=measured, confirmed_layers=2)
+    lo, hi = result.bracket
+    assert 12 * GIB + 1_000_000 * lo <= 40 * GIB < 12 * GIB + 1_000_000 * hi
+    assert result.peak_at_max.source == "measured-cpu" and result.confirmed_layers == 2
+    guided = max_trainable_length(guide, 40 * GIB)
+    assert measured_lengths[0] == guided.max_len_tokens
 
 
 def test_child_process_probe_reports_one_json_line(tmp_path):
@@ -161,19 +182,20 @@ def test_child_process_probe_reports_one_json_line(tmp_path):
     import sys
     from dataclasses import asdict
 
-    from streambp_core.measure.probe import ProbeSpec, parse_child_output
+    from streambp_core.config import StepSpec
+    from streambp_core.step.probe import parse_child_output
 
-    spec = ProbeSpec(model="tiny/qwen3", method="streambp", dtype="float32", partition_size=32,
-                     head_partition_size=16)  # fmt: skip
-    command = [sys.executable, "-m", "streambp_core.measure.probe", "--spec", json.dumps(asdict(spec)),
-               "--seq-len", "100", "--device", "cpu"]  # fmt: skip
+    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=100, dtype="float32",
+                    partition_size=32, head_partition_size=16)  # fmt: skip
+    command = [sys.executable, "-m", "streambp_core.step.probe", "--spec", json.dumps(asdict(spec)),
+               "--device", "cpu"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     result = parse_child_output(100, done.returncode, done.stdout, done.stderr)
     assert result.status == OK and result.source == "measured-cpu" and result.peak_bytes > 0
 
 
 def test_child_failures_are_oom_data_points_or_errors():
-    from streambp_core.measure.probe import parse_child_output
+    from streambp_core.step.probe import parse_child_output
 
     oom = parse_child_output(9000, 1, "", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
     killed = parse_child_output(9000, -9, "", "")

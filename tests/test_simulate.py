@@ -5,15 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streambp_core.config import METHODS, ConfigError
+from streambp_core.config import METHODS, ConfigError, StepSpec
 from streambp_core.measure.fastmeta import SimulationMode
-from streambp_core.measure.probe import ProbeSpec, measure_step
-from streambp_core.measure.simulate import simulate_step, weights_and_grads_bytes
 from streambp_core.measure.units import GIB
 from streambp_core.models import load_config, tiny_config
+from streambp_core.step.probe import measure_setup
+from streambp_core.step.setup import build_setup, resident_bytes
+from streambp_core.step.simulate import KEEP_CHUNKS, simulate
 
 TINY = "tiny/qwen3"  # 2 layers, hidden 64, 4 heads x 32, vocab 512
 SMALL = dict(partition_size=32, head_partition_size=16)
+
+
+def simulate_step(model, method: str, seq_len: int, *, depth: str = "extrapolate", thin_chunks: bool = True,
+                  cache: dict | None = None, **fields):
+    """`simulate` of the step these arguments describe (`model`: a preset name or a config)."""
+    config = None if isinstance(model, str) else model
+    spec = StepSpec(model=model if isinstance(model, str) else TINY, method=method, seq_len_tokens=seq_len,
+                    **fields)
+    return simulate(spec, config, depth=depth, keep_chunks=KEEP_CHUNKS if thin_chunks else None, cache=cache)
 
 
 @pytest.mark.parametrize(
@@ -27,10 +37,10 @@ def test_simulated_peak_matches_the_tracker_on_real_cpu_tensors(method: str, dty
     that copy for o_proj's backward in every layer. So CPU may exceed the simulation by up to one
     attention output, B x T x H x hd elements, per layer (one chunk's for streambp), never fall below."""
     seq_len = 100
-    spec = ProbeSpec(model=TINY, method=method, dtype=dtype, grads=grads, **SMALL)
-    simulated = spec.simulate(seq_len)
-    measured = measure_step(spec.build("cpu"), spec, seq_len, "cpu")
+    spec = StepSpec(model=TINY, method=method, seq_len_tokens=seq_len, dtype=dtype, grads=grads, **SMALL)
     config = load_config(TINY)
+    simulated = simulate(spec, config)
+    measured = measure_setup(build_setup(spec, config, "cpu"), "cpu")
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     tokens = SMALL["partition_size"] if method == "streambp" else seq_len
     attention_output = tokens * config.num_attention_heads * config.head_dim * itemsize
@@ -56,7 +66,7 @@ def test_depth_extrapolation_is_exact_against_full_depth(method: str) -> None:
 def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len: int, grads: str) -> None:
     """Running each engine chunk loop's first and last two chunks only changes nothing, to the byte."""
     config = tiny_config("qwen3", vocab_size=vocab, num_hidden_layers=3, layer_types=["full_attention"] * 3)
-    options = dict(grads=grads, dtype=torch.float32, **SMALL)
+    options = dict(grads=grads, dtype="float32", **SMALL)
     thin = simulate_step(config, method, seq_len, **options)
     every = simulate_step(config, method, seq_len, thin_chunks=False, **options)
     assert thin.peak_bytes == every.peak_bytes
@@ -81,8 +91,8 @@ def test_memoised_meta_kernels_give_the_same_peak_as_plain_meta_kernels() -> Non
         def __setitem__(self, key, value) -> None:  # remember nothing: every call is a first call
             pass
 
-    shared = simulate_step(TINY, "streambp", 301, dtype=torch.float32, **SMALL)
-    fresh = simulate_step(TINY, "streambp", 301, dtype=torch.float32, cache=NoMemo(), **SMALL)
+    shared = simulate_step(TINY, "streambp", 301, dtype="float32", **SMALL)
+    fresh = simulate_step(TINY, "streambp", 301, dtype="float32", cache=NoMemo(), **SMALL)
     assert shared.peak_bytes == fresh.peak_bytes and shared.breakdown_bytes == fresh.breakdown_bytes
 
 
@@ -100,7 +110,8 @@ def test_simulation_mode_memoises_and_files_logits() -> None:
 
 def test_categories_of_the_paper_setting() -> None:
     """Qwen3-8B, 4k tokens: weights and grads are the paper's 30.5 GiB line; logits show where they live."""
-    assert round(weights_and_grads_bytes("Qwen/Qwen3-8B") / GIB, 1) == 30.5
+    spec = StepSpec(model="Qwen/Qwen3-8B", method="streambp")
+    assert round(resident_bytes(spec, load_config(spec.model)) / GIB, 1) == 30.5
     seq_len, vocab = 4096, 151936
     checkpoint = simulate_step("Qwen/Qwen3-8B", "checkpoint", seq_len)
     streambp = simulate_step("Qwen/Qwen3-8B", "streambp", seq_len)
@@ -118,7 +129,7 @@ def test_paper_protocol_holds_the_bf16_logits_through_backward() -> None:
     paper = simulate_step("Qwen/Qwen3-0.6B", "checkpoint", seq_len, protocol="paper")
     held = paper.breakdown_bytes["logits"] - default.breakdown_bytes["logits"]
     assert held == seq_len * vocab * 2
-    assert paper.protocol == "paper" and "extrapolated to 28" in paper.how
+    assert paper.spec.protocol == "paper" and "extrapolated to 28" in paper.how
 
 
 @pytest.mark.parametrize(
@@ -126,8 +137,11 @@ def test_paper_protocol_holds_the_bf16_logits_through_backward() -> None:
     [
         (dict(method="adam"), "unknown method"),
         (dict(seq_len=1), "seq_len"),
+        (dict(depth="deep"), "depth must be"),
         (dict(grads="lazy"), "grads must be"),
-        (dict(dtype="int8"), "unknown dtype"),
+        (dict(optimizer="adamw", grads="resident"), "grads resident with an optimizer"),
+        (dict(optimizer="adamw", protocol="paper"), "protocol paper"),
+        (dict(dtype="int8"), "dtype must be"),
         (dict(protocol="ours"), "protocol must be"),
         (dict(partition_size=0), "partition_size"),
         (dict(model="no/such-model"), "unknown model"),

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
+from streambp_bench.output import emit, stderr_console
+from streambp_bench.specs import step_specs, writable_results
+from streambp_core.config import check_budget_gib
 
 HELP = (
     "Find the longest sequence each method can back-propagate within a memory budget, and show where the "
@@ -44,55 +44,22 @@ EPILOG = """[bold]Examples[/]
 """
 
 
-class Grads(str, Enum):
-    """Whether gradients exist before the step."""
-
-    resident = "resident"
-    fresh = "fresh"
-
-
-class Protocol(str, Enum):
-    """Which step to size (see `streambp_core.measure.protocol`)."""
-
-    default = "default"
-    paper = "paper"
-
-
 @user_errors
 def max_len(
     model: opt.Model = "Qwen/Qwen3-8B",
-    method: Annotated[
-        str, typer.Option("--method", help="'all', or a comma list of plain, checkpoint, mst, streambp.")
-    ] = "all",
-    device: Annotated[
-        opt.Where, typer.Option("--device", help="auto: cuda if present, else sim.")
-    ] = opt.Where.auto,
-    budget_gib: Annotated[
-        float | None,
-        typer.Option(
-            "--budget-gib", help="Memory budget in GiB (2^30 B); default: the GPU's total memory, else 80."
-        ),
-    ] = None,
+    method: opt.Methods = "all",
+    device: opt.DeviceOption = opt.Device.auto,
+    budget_gib: opt.BudgetGib = None,
     ps: opt.PartitionSize = 500,
     ps_head: opt.HeadPartitionSize = 100,
     batch_size: opt.BatchSize = 1,
     dtype: opt.DtypeOption = opt.Dtype.bfloat16,
-    grads: Annotated[
-        Grads,
-        typer.Option("--grads", help="Gradients allocated before the step (resident) or made by it (fresh)."),
-    ] = Grads.resident,
-    protocol: Annotated[
-        Protocol,
-        typer.Option(
-            "--protocol", help="default: this project's step; paper: the paper's script (transformers 4.51)."
-        ),
-    ] = Protocol.default,
+    grads: opt.GradsOption = opt.Grads.auto,
+    protocol: opt.ProtocolOption = opt.Protocol.default,
     attn: opt.AttnOption = opt.Attn.auto,
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
-    optimizer: Annotated[
-        str, typer.Option("--optimizer", help="none (backprop only) or adamw (a full training step).")
-    ] = "none",
+    optimizer: opt.OptimizerOption = opt.Optimizer.none,
     as_json: opt.Json = False,
     out: Annotated[
         Path | None,
@@ -100,34 +67,25 @@ def max_len(
     ] = None,
 ) -> None:
     """Search every method's maximum length and print it (help text: `HELP`)."""
+    specs = step_specs(
+        model, method, batch_size=batch_size, dtype=dtype.value, partition_size=ps,
+        head_partition_size=ps_head, grads=grads.value, protocol=protocol.value, attn=attn.value,
+        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value,
+    )  # every cheap check, before torch is imported
+    check_budget_gib(budget_gib)
+    results_file = writable_results(out)
     from streambp_bench import max_len_report as report
     from streambp_bench.max_len import make_plan, run_plan
 
-    plan = make_plan(
-        model,
-        method,
-        device,
-        budget_gib,
-        batch_size=batch_size,
-        dtype=dtype.value,
-        partition_size=ps,
-        head_partition_size=ps_head,
-        grads=grads.value,
-        protocol=protocol.value,
-        attn=attn.value,
-        training={"objective": objective.value, "lora_rank": lora_rank, "optimizer": optimizer},
-    )
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    plan = make_plan(specs, device.value, budget_gib)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=stderr_console(), transient=True) as progress:
         try:
             results = run_plan(plan, report.ProgressView(plan, progress))
         except RuntimeError as error:  # a measured probe that failed for another reason than OOM
             progress.stop()
             print_error(error)
             raise typer.Exit(code=1) from None
-    if out is not None:
-        report.write_rows(plan, results, out)
-    if as_json:
-        typer.echo(json.dumps(report.to_dict(plan, results), indent=2))
-        return
-    report.print_report(plan, results, out)
+    if results_file is not None:
+        report.write_rows(plan, results, results_file)
+    emit(report.to_dict(plan, results), as_json, lambda console: report.print_report(plan, results, out))

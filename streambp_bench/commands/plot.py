@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error
+from streambp_bench.errors import user_errors
+from streambp_core.config import ConfigError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -26,7 +27,7 @@ class Kind(str, Enum):
     maxlen = "maxlen"
 
 
-class PlotInputError(ValueError):
+class PlotInputError(ConfigError):
     """A CSV argument that cannot be plotted (missing, unreadable, empty, another schema, no such data)."""
 
 
@@ -34,26 +35,15 @@ def read_results(paths: list[Path]) -> pd.DataFrame:
     """The rows of every CSV, concatenated; PlotInputError when a file is missing, empty or foreign."""
     import pandas as pd
 
-    from streambp_bench.results import ResultsFile, SchemaError
+    from streambp_bench.results import ResultsFile
 
     frames = []
     for path in paths:
-        try:
-            frame = ResultsFile(path).load()
-        except (OSError, SchemaError) as error:
-            raise PlotInputError(
-                str(error) if isinstance(error, SchemaError) else _os_message(path, error)
-            ) from None
+        frame = ResultsFile(path).load()  # SchemaError, OSError: one line from `user_errors`
         if frame.empty:
             raise PlotInputError(f"{path} has a header but no rows")
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
-
-
-def _os_message(path: Path, error: OSError) -> str:
-    if isinstance(error, FileNotFoundError):
-        return f"no such results file: {path}"
-    return f"cannot read {path}: {error.strerror or error}"
 
 
 def choose_kinds(df: pd.DataFrame, kind: Kind) -> list[str]:
@@ -86,6 +76,7 @@ def write_figures(
     ]
 
 
+@user_errors
 def plot(
     csv: Annotated[
         list[Path],
@@ -130,12 +121,8 @@ def plot(
 
     [cyan]streambp-bench plot results/fig3.csv --kind memory --budget-gib 40 --name fig3-40g[/]
     """
-    try:
-        df = read_results(csv)
-        kinds = choose_kinds(df, kind)
-    except PlotInputError as error:
-        print_error(error)
-        raise typer.Exit(code=USER_ERROR_EXIT_CODE) from None
+    df = read_results(csv)
+    kinds = choose_kinds(df, kind)
     out_dir = out if out is not None else csv[0].parent
     stem = name or (csv[0].stem if len(csv) == 1 else "combined")
     written = write_figures(df, kinds, out_dir, stem, budget_gib)

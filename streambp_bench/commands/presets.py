@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
-import typer
-from rich.console import Console
 from rich.table import Table
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
+from streambp_bench.output import emit
 
 HELP = (
     "List the model presets usable as [bold]--model[/], with their shapes and parameter counts.\n\n"
@@ -77,7 +74,4 @@ def render_table(rows: list[dict]) -> Table:
 def presets(as_json: opt.Json = False) -> None:
     """Print the presets as a table or JSON (help text: `HELP`)."""
     rows = preset_rows()
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    Console(highlight=False).print(render_table(rows))
+    emit(rows, as_json, lambda console: console.print(render_table(rows)))

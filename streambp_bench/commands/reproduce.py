@@ -11,7 +11,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error, user_errors
+from streambp_bench import options as opt
+from streambp_bench.errors import user_errors
+from streambp_bench.output import emit
 
 HELP = (
     "Reproduce a figure or table of the StreamBP paper: run what it needs, write [bold]<item>.csv[/] and "
@@ -56,11 +58,11 @@ def reproduce(
     quick: Annotated[
         bool, typer.Option("--quick", help="Tiny models, budgets and lengths: a smoke test, not the paper's.")
     ] = False,
+    as_json: opt.Json = False,
 ) -> None:
     """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
     from streambp_bench import readme
     from streambp_bench import reproduce_items as items
-    from streambp_bench.results import SchemaError
     from streambp_core.measure.cuda import cuda_available
 
     console = Console(stderr=True, highlight=False)
@@ -76,17 +78,16 @@ def reproduce(
             "table1 needs a GPU (none here): measuring CPU step-time ratios of a tiny model instead"
         )
     written: list[Path] = []
-    try:
-        for name in chosen:
-            start = time.perf_counter()
-            console.print(f"reproducing {name} ...")
-            written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
-            console.print(f"{name}: done in {time.perf_counter() - start:.0f} s")
-        out.mkdir(parents=True, exist_ok=True)
-        readme_path = out / "README.md"
-        readme_path.write_text(readme.render(out), encoding="utf-8")
-    except SchemaError as error:
-        print_error(error)
-        raise typer.Exit(code=USER_ERROR_EXIT_CODE) from None
-    for path in [*dict.fromkeys(written), readme_path]:
-        console.print(f"  {escape(str(path))}", soft_wrap=True)
+    seconds: dict[str, float] = {}
+    for name in chosen:
+        start = time.perf_counter()
+        console.print(f"reproducing {name} ...")
+        written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
+        seconds[name] = time.perf_counter() - start
+        console.print(f"{name}: done in {seconds[name]:.0f} s")
+    out.mkdir(parents=True, exist_ok=True)
+    readme_path = out / "README.md"
+    readme_path.write_text(readme.render(out), encoding="utf-8")
+    files = [str(path) for path in [*dict.fromkeys(written), readme_path]]
+    document = {"items": chosen, "out": str(out), "files": files, "seconds": seconds}
+    emit(document, as_json, lambda stdout: [stdout.print(f"  {escape(f)}", soft_wrap=True) for f in files])

@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
+from streambp_bench.output import emit, stderr_console
 
 HELP = (
     "Check the GPU path in a few minutes: bf16 gradients of every method and objective against the "
@@ -34,13 +35,14 @@ def selfcheck(
     skip_memory: Annotated[bool, typer.Option("--skip-memory", help="Skip the memory comparison.")] = False,
     skip_time: Annotated[bool, typer.Option("--skip-time", help="Skip the step-time comparison.")] = False,
     skip_profile: Annotated[bool, typer.Option("--skip-profile", help="Skip the kernel profile.")] = False,
+    as_json: opt.Json = False,
 ) -> None:
     """Run the self-check (see the command help)."""
     from streambp_bench import selfcheck as check
     from streambp_bench.results import ResultsFile
     from streambp_bench.selfcheck_report import print_summary
 
-    console = Console()
+    console = stderr_console()
     plan = check.default_plan()
     if plan.device == "cpu":
         console.print("[yellow]No CUDA device: a CPU dry run of the same code paths (tiny preset).[/]")
@@ -58,7 +60,15 @@ def selfcheck(
             for row in make_rows():
                 results.upsert(row)
         console.print(f"[green]done[/] {name}")
-    failed = print_summary(console, results.load() if results.path.exists() else None, where)
-    console.print(f"rows written to {results.path}")
-    if failed and plan.device == "cuda":
+    frame = results.load() if results.path.exists() else None
+    outcome = {"failed": frame is not None and bool((frame["status"] == "error").any())}
+    document = {"device": where, "csv": str(results.path), "failed": outcome["failed"],
+                "rows": [] if frame is None else frame.to_dict(orient="records")}
+
+    def render(stdout) -> None:
+        outcome["failed"] = print_summary(stdout, frame, where)
+        stdout.print(f"rows written to {results.path}")
+
+    emit(document, as_json, render)
+    if outcome["failed"] and plan.device == "cuda":
         raise typer.Exit(code=1)

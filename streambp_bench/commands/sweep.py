@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -18,11 +17,13 @@ from rich.progress import (
 )
 
 from streambp_bench import options as opt
-from streambp_bench.errors import USER_ERROR_EXIT_CODE, print_error, user_errors
+from streambp_bench.errors import user_errors
+from streambp_bench.output import emit, stderr_console
+from streambp_bench.specs import method_list, writable_results
+from streambp_core.config import ConfigError, StepSpec, check_budget_gib, check_model
 
 if TYPE_CHECKING:
-    from streambp_bench import experiments as exp
-    from streambp_bench.results import ResultRow, ResultsFile
+    from streambp_bench.results import ResultRow
 
 HELP = (
     "Run a grid of training steps and write one results row per point: the peak memory and the memory "
@@ -61,12 +62,12 @@ def _progress() -> Progress:
         TimeRemainingColumn(),
         TextColumn("{task.description}"),
     )
-    return Progress(*columns, console=Console(stderr=True), transient=False)
+    return Progress(*columns, console=stderr_console(), transient=False)
 
 
-def _describe(point: exp.Point, rows: list[ResultRow] | None) -> str:
+def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
     where = f"{point.method} {point.model} T={point.seq_len_tokens:,}"
-    if point.partition_size:
+    if point.partitioned:
         where += f" ps={point.partition_size}"
     if rows is None:
         return f"{where}: already done"
@@ -74,15 +75,6 @@ def _describe(point: exp.Point, rows: list[ResultRow] | None) -> str:
     if row.status == "error":
         return f"{where}: error"
     return f"{where}: {row.peak_allocated_gib or 0:.2f} GiB ({row.status})"
-
-
-def open_results(out: Path) -> ResultsFile:
-    """The results file at `out`, its existing rows checked (SchemaError for another schema)."""
-    from streambp_bench.results import ResultsFile
-
-    results = ResultsFile(out)
-    results.rows()
-    return results
 
 
 @user_errors
@@ -95,17 +87,11 @@ def sweep(
     ] = "500",
     ps_head: opt.HeadPartitionSize = 100,
     method: opt.Methods = "checkpoint,streambp",
-    model: Annotated[
-        str, typer.Option("--model", "-m", help="Comma list of presets or local directories.")
-    ] = "Qwen/Qwen3-8B",
+    model: opt.Models = "Qwen/Qwen3-8B",
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
-    optimizer: Annotated[
-        str, typer.Option("--optimizer", help="none (backprop only, grads resident) or adamw.")
-    ] = "none",
-    batch_size: Annotated[
-        int, typer.Option("--batch-size", "-b", help="Sequences (sft), group size (grpo) or pairs (dpo).")
-    ] = 1,
+    optimizer: opt.OptimizerOption = opt.Optimizer.none,
+    batch_size: opt.BatchSize = 1,
     dtype: opt.DtypeOption = opt.Dtype.bfloat16,
     attn: Annotated[
         opt.Attn,
@@ -116,9 +102,9 @@ def sweep(
             "the exact CPU kernel).",
         ),
     ] = opt.Attn.auto,
-    device: Annotated[
-        str, typer.Option("--device", help="auto (cuda if present, else sim), cuda, cpu or sim.")
-    ] = "auto",
+    protocol: opt.ProtocolOption = opt.Protocol.default,
+    grads: opt.GradsOption = opt.Grads.auto,
+    device: opt.DeviceOption = opt.Device.auto,
     budget_gib: Annotated[
         float | None, typer.Option("--budget-gib", help="Budget of a point (default: GPU memory, else 80).")
     ] = None,
@@ -126,15 +112,20 @@ def sweep(
         "results/sweep.csv"
     ),
     force: Annotated[bool, typer.Option("--force", help="Re-run points already in --out.")] = False,
+    as_json: opt.Json = False,
 ) -> None:
     """Run the grid and upsert its rows into --out (help text: `HELP`)."""
     from streambp_bench import experiments as exp
-    from streambp_bench.results import SchemaError
 
-    where = exp.resolve_where(device, budget_gib)
+    check_budget_gib(budget_gib)
+    models = opt.split_list(model)
+    if not models:
+        raise ConfigError("give at least one model")
+    for name in models:
+        check_model(name)
     points = exp.expand_grid(
-        methods=opt.split_list(method) or ("",),
-        models=opt.split_list(model) or ("",),
+        methods=method_list(method),
+        models=models,
         seq_lens=exp.parse_token_list(seq_len),
         partition_sizes=exp.parse_token_list(ps, "partition size"),
         head_partition_size=ps_head,
@@ -142,35 +133,39 @@ def sweep(
         batch_size=batch_size,
         dtype=dtype.value,
         lora_rank=lora_rank,
-        optimizer=optimizer,
+        optimizer=optimizer.value,
         attn=attn.value,
+        protocol=protocol.value,
+        grads=grads.value,
     )
-    try:
-        results = open_results(out)
-    except (SchemaError, OSError) as error:
-        print_error(error)
-        raise typer.Exit(code=USER_ERROR_EXIT_CODE) from None
-    console = Console(stderr=True, highlight=False)
+    writable_results(out)
+    from streambp_bench.results import ResultsFile
+    from streambp_core.step.target import resolve_target
+
+    target = resolve_target(device.value, budget_gib, cpu_budget=False)
+    results = ResultsFile(out)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
     with _progress() as progress:
-        task = progress.add_task(f"sweep ({where.source})", total=len(points))
+        task = progress.add_task(f"sweep ({target.source})", total=len(points))
 
-        def advance(point: exp.Point, rows: list[ResultRow] | None) -> None:
+        def advance(point: StepSpec, rows: list[ResultRow] | None) -> None:
             counts["skipped" if rows is None else "ran"] += 1
             counts["failed"] += int(bool(rows) and rows[0].status == "error")
             progress.update(task, advance=1, description=escape(_describe(point, rows)))
 
         try:
-            exp.run_points(points, where, results, force=force, on_point=advance)
+            exp.run_points(points, target, results, force=force, on_point=advance)
         except KeyboardInterrupt:
             progress.stop()
-            console.print(
+            stderr_console().print(
                 f"interrupted: {counts['ran']} points written to {escape(str(out))}; run the same command "
                 "again to resume"
             )
             raise typer.Exit(code=130) from None
-    console.print(
-        f"{counts['ran']} points run, {counts['skipped']} already done, {counts['failed']} failed; "
-        f"rows in {escape(str(out))}",
-        soft_wrap=True,
-    )
+    summary = {"out": str(out), "source": target.source, "points": len(points), **counts}
+
+    def render(console) -> None:
+        console.print(f"{counts['ran']} points run, {counts['skipped']} already done, {counts['failed']} "
+                      f"failed ({target.source}); rows in {escape(str(out))}", soft_wrap=True)
+
+    emit(summary, as_json, render)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
-from streambp_core.config import VERIFY_METHODS
+from streambp_bench.output import emit
+from streambp_bench.specs import method_list
+from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
 
 if TYPE_CHECKING:
     from streambp_core.verify import VerifyReport
@@ -88,10 +88,10 @@ def describe(report: VerifyReport) -> str:
 
 def print_report(report: VerifyReport, *, as_json: bool) -> None:
     """Table and provenance line, or the JSON document, on stdout."""
-    if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
-        return
-    console = Console(highlight=False)
+    emit(report.to_dict(), as_json, lambda console: _print_tables(console, report))
+
+
+def _print_tables(console, report: VerifyReport) -> None:
     console.print(render_table(report))
     console.print(describe(report), soft_wrap=True)
     verdict = (
@@ -118,11 +118,20 @@ def verify(
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
+    check_model(model)
+    methods = method_list(method)
+    where = device.value
+    if where == "sim":
+        raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
+    from streambp_core.measure.cuda import cuda_available
     from streambp_core.verify import VerifySpec, verify_spec
+
+    if where == "auto":
+        where = "cuda" if cuda_available() else "cpu"
 
     spec = VerifySpec(
         model=model,
-        methods=opt.split_list(method),
+        methods=methods,
         seq_len=seq_len,
         batch_size=batch_size,
         partition_size=ps,
@@ -130,7 +139,7 @@ def verify(
         dtype=dtype.value,
         padding=padding.value,
         seed=seed,
-        device=device.value,
+        device=where,
         objective=objective.value,
         lora_rank=lora_rank,
         attn=attn.value,

@@ -45,7 +45,10 @@ def register_engine_attention(backend: str = "auto") -> str:
     """Register the engine attention with `backend` with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
 
-    name = ENGINE_ATTENTION if backend == "auto" else f"{ENGINE_ATTENTION}_{backend}"
+    # transformers treats an implementation whose name contains "flash" as a hub flash kernel to load,
+    # so the flash backend registers as `..._fa`
+    suffix = {"auto": "", "flash": "_fa"}.get(backend, f"_{backend}")
+    name = f"{ENGINE_ATTENTION}{suffix}"
     AttentionInterface.register(name, functools.partial(engine_attention_forward, backend=backend))
     return name
 

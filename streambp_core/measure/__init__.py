@@ -1,4 +1,4 @@
-"""Memory measurement: category tags, the live-tensor tracker, CUDA allocator/NVML helpers, breakdowns.
+"""Memory measurement instruments: category tags, the live-tensor tracker, CUDA allocator/NVML helpers.
 
     from streambp_core.measure import MemoryTracker, memory_category, CHECKPOINTS
 
@@ -8,15 +8,12 @@
     tracker.result().peak_breakdown_bytes
 """
 
-from streambp_core.measure.breakdown import Breakdown
 from streambp_core.measure.cuda import (
     CudaPeak,
     DeviceInfo,
     cuda_available,
     device_info,
     is_oom,
-    median,
-    time_cuda_ms,
 )
 from streambp_core.measure.result import TrackerResult
 from streambp_core.measure.tags import (
@@ -44,7 +41,6 @@ __all__ = [
     "OPTIMIZER",
     "TEMPORARIES",
     "WEIGHTS",
-    "Breakdown",
     "CudaPeak",
     "DeviceInfo",
     "MemoryTracker",
@@ -54,7 +50,5 @@ __all__ = [
     "current_category",
     "device_info",
     "is_oom",
-    "median",
     "memory_category",
-    "time_cuda_ms",
 ]

@@ -7,8 +7,6 @@ imported only inside `device_info` and its absence falls back to torch with a no
 from __future__ import annotations
 
 import os
-import statistics
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -157,39 +155,6 @@ class CudaPeak:
     @property
     def peak_reserved_gib(self) -> float:
         return bytes_to_gib(self.peak_reserved_bytes)
-
-
-def time_cuda_ms(
-    fn: Callable[[], object],
-    warmup: int = 1,
-    repeats: int = 3,
-    device: torch.device | str | int | None = None,
-) -> list[float]:
-    """Time `fn()` with CUDA events: `warmup` untimed calls, then one time in ms per repeat."""
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize(device)
-    return [_time_once_ms(fn) for _ in range(repeats)]
-
-
-def _time_once_ms(fn: Callable[[], object]) -> float:
-    """One CUDA-event-timed call of `fn`, in milliseconds."""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end))
-
-
-def median(values: Sequence[float]) -> float:
-    """Median of a non-empty sequence of timings."""
-    if not values:
-        raise ValueError("median of no values")
-    return float(statistics.median(values))
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -1,0 +1,15 @@
+"""One training step, from its spec to its figures: setup, one tracked step, the simulator, timing, probes.
+
+    from streambp_core.config import StepSpec
+    from streambp_core.step.simulate import simulate
+
+    spec = StepSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=65536)
+    simulate(spec).peak_gib
+
+- `setup`: StepSpec -> model (random weights, LoRA), optimizer, inputs;
+- `run`: one tracked step with phase cuts (forward, backward, embedding backward, optimizer step);
+- `simulate`: the one simulator (meta tensors; depth extrapolation and chunk thinning as parameters);
+- `timing`: warm-up, repeats, p20/p50/p80;
+- `probe`: probes for the max-length search (simulated, measured on CPU, measured on CUDA in a child
+  process) and `max_len`, the guided search over them.
+"""

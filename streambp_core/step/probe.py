@@ -1,0 +1,185 @@
+"""Probes for the max-length search, and the search itself: one step at a length -> its peak, or OOM.
+
+- `simulated_probe`: `simulate` on meta tensors (source "simulated"), at extrapolated or full depth.
+- `cpu_probe`: a real step on CPU tensors measured by the tracker (source "measured-cpu"); it refuses a
+  length whose simulated peak plus the CPU attention kernel's workspace exceeds the RAM available.
+- `cuda_probe`: a real step on the GPU, each in a child process (`python -m streambp_core.step.probe`)
+  so that a failed probe cannot leave fragments or a broken context behind for the next; the child caps
+  the caching allocator at the budget and reports the allocator's peak (source "measured-cuda") or "oom".
+- `max_len(spec, budget_bytes, device)`: `search.guided_max_len` over them: guided by the extrapolated
+  simulation, then refined by measurement (cpu, cuda) or confirmed at full depth (sim).
+Every measured step is the simulated one (`run.tracked_step`) on real tensors, random ids, no padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+from transformers import PretrainedConfig
+
+from streambp_core.config import SOURCES, StepSpec
+from streambp_core.measure.cuda import is_oom
+from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, guided_max_len
+from streambp_core.step.run import StepOutOfMemory, tracked_step
+from streambp_core.step.setup import Setup, build_setup, build_training_model, resolve_config
+from streambp_core.step.simulate import simulate
+
+CPU_RAM_FRACTION = 0.8
+"""A CPU probe may use at most this fraction of the RAM available when the search starts."""
+
+Probe = Callable[[int], ProbeResult]
+
+
+def simulated_probe(
+    spec: StepSpec, config: PretrainedConfig, *, depth: str = "extrapolate", cache: dict | None = None
+) -> Probe:
+    """probe(seq_len) -> the simulated peak of `spec` at that length (one memo shared by its steps)."""
+    cache = {} if cache is None else cache
+
+    def probe(seq_len: int) -> ProbeResult:
+        sim = simulate(spec.at(seq_len), config, depth=depth, cache=cache)
+        return ProbeResult(seq_len_tokens=seq_len, status=OK, peak_bytes=sim.peak_bytes,
+                           breakdown_bytes=sim.breakdown_bytes, source="simulated", message=sim.how)
+
+    return probe
+
+
+def measure_setup(setup: Setup, device: str) -> ProbeResult:
+    """One tracked step of `setup` on real tensors; an OOM becomes status 'oom' (with the allocator's
+    figures on CUDA), any other failure propagates."""
+    source = SOURCES[device]
+    try:
+        record = tracked_step(setup, device)
+    except StepOutOfMemory as exc:
+        return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status=OOM, source=source,
+                           message=str(exc), **exc.record.cuda_figures())
+    finally:
+        for param in setup.model.parameters():
+            param.grad = None
+    return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status=OK, peak_bytes=record.peak_bytes,
+                       breakdown_bytes=record.breakdown_bytes, source=source, **record.cuda_figures())
+
+
+def cpu_probe(spec: StepSpec, config: PretrainedConfig, available_bytes: int | None = None) -> Probe:
+    """probe(seq_len) -> the tracker's peak of a real step on CPU, or 'refused' when RAM is short (the
+    model is built once, on the first probe that runs)."""
+    ram = available_ram_bytes() if available_bytes is None else available_bytes
+    built: list = []
+
+    def probe(seq_len: int) -> ProbeResult:
+        need = simulate(spec.at(seq_len), config).peak_bytes + cpu_attention_workspace_bytes(
+            spec.at(seq_len), config)
+        if need > CPU_RAM_FRACTION * ram:
+            return ProbeResult(
+                seq_len_tokens=seq_len, status=REFUSED, source="measured-cpu",
+                message=f"needs ~{need / 2**30:.1f} GiB of RAM (simulated peak + attention workspace); "
+                f"{ram / 2**30:.1f} GiB available, probes use at most {CPU_RAM_FRACTION:.0%}",
+            )
+        if not built:
+            built.extend(build_training_model(spec, config, "cpu"))
+        model, optimizer = built
+        return measure_setup(build_setup(spec.at(seq_len), config, "cpu", model=model,
+                                         optimizer=optimizer), "cpu")
+
+    return probe
+
+
+def cuda_probe(spec: StepSpec, budget_bytes: int, timeout_s: float = 1800) -> Probe:
+    """probe(seq_len) -> a measured step in a fresh child process on the GPU (see module docstring)."""
+
+    def probe(seq_len: int) -> ProbeResult:
+        command = [sys.executable, "-m", "streambp_core.step.probe", "--spec",
+                   json.dumps(asdict(spec.at(seq_len))), "--device", "cuda",
+                   "--budget-bytes", str(budget_bytes)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        return parse_child_output(seq_len, done.returncode, done.stdout, done.stderr)
+
+    return probe
+
+
+def max_len(
+    spec: StepSpec,
+    budget_bytes: int,
+    device: str,
+    config: PretrainedConfig | None = None,
+    *,
+    cache: dict | None = None,
+    on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
+) -> SearchResult:
+    """The longest `spec.seq_len_tokens` whose step fits in `budget_bytes` on `device` ('sim', 'cpu' or
+    'cuda'): guided by the extrapolated simulation, confirmed at full depth (sim) or refined by
+    measurement (cpu, cuda); the result says at what depth the answer was confirmed."""
+    config = resolve_config(spec, config)
+    cache = {} if cache is None else cache
+    guide = simulated_probe(spec, config, cache=cache)
+    layers = config.num_hidden_layers
+    if device == "sim":
+        confirm = None if layers <= 3 else simulated_probe(spec, config, depth="full", cache=cache)
+        return guided_max_len(guide, budget_bytes, confirm=confirm, confirmed_layers=layers,
+                              on_probe=on_probe)
+    refine = cuda_probe(spec, budget_bytes) if device == "cuda" else cpu_probe(spec, config)
+    return guided_max_len(guide, budget_bytes, refine=refine, confirmed_layers=layers, on_probe=on_probe)
+
+
+def parse_child_output(seq_len: int, returncode: int, stdout: str, stderr: str) -> ProbeResult:
+    """The child's JSON line as a ProbeResult; a child killed by OOM is 'oom'; other failures raise."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return ProbeResult(**json.loads(lines[-1]))
+    tail = " ".join(stderr.split())[-300:]
+    if "out of memory" in stderr.lower() or returncode in (-9, 137):
+        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source="measured-cuda", message=tail)
+    raise RuntimeError(f"probe at {seq_len} tokens failed (exit {returncode}): {tail}")
+
+
+def cpu_attention_workspace_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
+    """RAM the engine's exact CPU attention kernel uses inside itself (the tracker sees only its outputs):
+    float32 scores, probabilities and their gradient, (rows, heads, query chunk, seq_len) each."""
+    seq_len = spec.seq_len_tokens
+    queries = spec.partition_size if spec.method == "streambp" else seq_len
+    return 3 * 4 * spec.sequences * config.num_attention_heads * min(queries, seq_len) * seq_len
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo, else physical pages available (sysconf)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _child_main(argv: list[str] | None = None) -> int:
+    """Child-process entry: measure one step and print its ProbeResult as one JSON line."""
+    parser = argparse.ArgumentParser(description="One measured max-length probe (used by cuda_probe).")
+    parser.add_argument("--spec", required=True, help="StepSpec as JSON")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--budget-bytes", type=int, default=0, help="cap the CUDA caching allocator here")
+    args = parser.parse_args(argv)
+    spec = StepSpec(**json.loads(args.spec))
+    if args.device == "cuda" and args.budget_bytes:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_bytes / total))
+    try:
+        result = measure_setup(build_setup(spec, resolve_config(spec), args.device), args.device)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        result = ProbeResult(seq_len_tokens=spec.seq_len_tokens, status=OOM, source=SOURCES[args.device],
+                             message=str(exc).split("\n")[0])
+    print(json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -1,0 +1,161 @@
+"""One tracked step: forward, backward and optimizer step under a `MemoryTracker`, cut into phases.
+
+The same function runs a simulated step (meta tensors, memoised meta kernels, thinned chunk loops) and
+a measured one (CPU tensors by the tracker, CUDA by the caching allocator). Phases, each with its own
+peak: `forward`; `backward` down to the embedding's output gradient; `embedding backward` (its dense
+vocab x hidden gradient does not grow with depth; absent when the embedding's output needs no gradient,
+e.g. LoRA); `optimizer` (when the step has one). Per phase the peak is affine in the model's depth, which
+is what lets the simulator extrapolate each one from two shallow depths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from streambp_core.measure.cuda import is_oom
+from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
+from streambp_core.measure.protocol import step_protocol
+from streambp_core.measure.result import TrackerResult
+from streambp_core.measure.tracker import MemoryTracker
+from streambp_core.methods import prepare
+from streambp_core.models.adapters import decoder_parts
+from streambp_core.step.setup import Setup
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One phase of a tracked step: its name and the tracker's figures over it."""
+
+    name: str
+    result: TrackerResult
+    device: str
+    """Where the step ran: 'meta', 'cpu' or 'cuda'."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The tracker's peak, or on CUDA the caching allocator's."""
+        cuda = self.result.cuda_peak_allocated_bytes
+        return cuda if self.device == "cuda" and cuda is not None else self.result.peak_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """The phases of one tracked step (see the module docstring)."""
+
+    phases: tuple[Phase, ...]
+
+    @property
+    def peak(self) -> Phase:
+        """The phase with the highest peak."""
+        return max(self.phases, key=lambda phase: phase.peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.peak_bytes
+
+    @property
+    def breakdown_bytes(self) -> dict[str, int]:
+        """Bytes by category at the step's peak (the tracker's)."""
+        return dict(self.peak.result.peak_breakdown_bytes)
+
+    def cuda_figures(self) -> dict[str, int | None]:
+        """The allocator's reserved peak, and its alloc retries and OOMs summed over the phases (None
+        off CUDA), as `ProbeResult` fields."""
+        results = [phase.result for phase in self.phases]
+        if not results or results[0].cuda_peak_reserved_bytes is None:
+            return {"peak_reserved_bytes": None, "alloc_retries": None, "num_ooms": None}
+        return {
+            "peak_reserved_bytes": max(r.cuda_peak_reserved_bytes or 0 for r in results),
+            "alloc_retries": sum(r.cuda_num_alloc_retries or 0 for r in results),
+            "num_ooms": sum(r.cuda_num_ooms or 0 for r in results),
+        }
+
+
+class StepOutOfMemory(MemoryError):
+    """A tracked step ran out of memory; `record` holds the phases up to the failure (the last one,
+    `oom`, with the tracker's and allocator's figures at that point)."""
+
+    def __init__(self, message: str, record: StepRecord) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+class _Phases:
+    """Consecutive phases of a tracked step: `cut(name)` closes one and starts the next."""
+
+    def __init__(self, tracker: MemoryTracker, device: str) -> None:
+        self.tracker, self.device = tracker, device
+        self.phases: list[Phase] = []
+
+    def cut(self, name: str) -> None:
+        self.phases.append(Phase(name=name, result=self.tracker.result(), device=self.device))
+        self.tracker.reset_peak()
+
+
+@contextmanager
+def _embedding_cut(model, phases: _Phases) -> Iterator[list[bool]]:
+    """Cut the backward when the gradient of the embedding's output arrives; yields [whether it did]."""
+    fired = [False]
+
+    def on_gradient(_grad) -> None:
+        fired[0] = True
+        phases.cut("backward")
+
+    def on_embedding(module, inputs, output) -> None:
+        if output.requires_grad:
+            output.register_hook(on_gradient)
+
+    handle = decoder_parts(model).embed.register_forward_hook(on_embedding)
+    try:
+        yield fired
+    finally:
+        handle.remove()
+
+
+def tracked_step(
+    setup: Setup, device: str, *, keep_chunks: int | None = None, cache: dict | None = None
+) -> StepRecord:
+    """Run one step of `setup` on `device` ('meta', 'cpu' or 'cuda') under the tracker, phase by phase.
+
+    Steps: prepare the model for the spec's method (`keep_chunks` thins its chunk loops: meta only);
+    under the spec's protocol, the tracker and `SimulationMode` (memoised meta kernels, `cache` shared
+    between steps; the logits category), tag the forward's checkpoints, then `run.loss(...)`,
+    `loss.backward()` and the optimizer step, cutting a phase after each (and at the embedding's output
+    gradient); close the run whatever happens.
+    """
+    spec, model, optimizer = setup.spec, setup.model, setup.optimizer
+    run = prepare(model, spec.method, keep_chunks=keep_chunks, **spec.stream_options())
+    try:
+        with step_protocol(run, spec.protocol), MemoryTracker(model, optimizer, device=device) as tracker:
+            phases = _Phases(tracker, device)
+            with (
+                SimulationMode(setup.config.vocab_size, cache, tracker),
+                checkpoint_tags(model, tracker) as forward,
+                _embedding_cut(model, phases) as embedding_cut,
+            ):
+                try:
+                    _step(run, setup, forward, phases, embedding_cut)
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    phases.cut("oom")
+                    message = str(exc).split("\n")[0]
+                    raise StepOutOfMemory(message, StepRecord(phases=tuple(phases.phases))) from exc
+    finally:
+        run.close()
+    return StepRecord(phases=tuple(phases.phases))
+
+
+def _step(run, setup: Setup, forward, phases: _Phases, embedding_cut: list[bool]) -> None:
+    """Loss, backward and optimizer step, cutting a phase after each."""
+    loss = run.loss(**setup.inputs)
+    forward.done = True
+    phases.cut("forward")
+    loss.backward()
+    phases.cut("embedding backward" if embedding_cut[0] else "backward")
+    if setup.optimizer is not None:
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        phases.cut("optimizer")

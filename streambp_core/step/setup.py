@@ -1,0 +1,122 @@
+"""A step's setup: `StepSpec` -> the model (random weights, LoRA), its optimizer, and the step's inputs.
+
+Protocol of a step (the same simulated and measured):
+1. Model in `dtype` with seeded random weights (bfloat16: pure-bf16 AdamW for full parameters); LoRA
+   (`lora_rank` > 0) via peft on every linear layer, alpha 4 x rank (fp32 adapters over the base).
+2. With an optimizer its state exists before the step (a steady-state step: AdamW's two moments per
+   trainable parameter) and gradients do not (`grads` fresh); without one, zero gradients exist before
+   the step (`grads` resident: a gradient-accumulation micro-step) unless `grads` is fresh.
+3. Inputs: `spec.sequences` rows of random tokens, no padding. A backprop-only SFT step passes the ids
+   alone (labels are the inputs, made inside the step); a training step passes labels and the
+   objective's inputs from `streambp_core.batch.objective_inputs` (first quarter of each row the prompt;
+   reference log-probs are inputs: no reference model).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from streambp_core.batch import objective_inputs, random_batch
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.models.load import build_model, load_config
+from streambp_core.models.lora import apply_lora
+from streambp_core.optim import make_optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """What one step of `spec` runs on: the model, its optimizer (or None) and `run.loss` keyword inputs."""
+
+    spec: StepSpec
+    config: PretrainedConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    inputs: dict
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bfloat16' -> torch.bfloat16 (names as `config.DTYPES`)."""
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ConfigError(f"unknown dtype {name!r}; use bfloat16, float16, float32 or float64")
+    return value
+
+
+def resolve_config(spec: StepSpec, config: PretrainedConfig | None = None) -> PretrainedConfig:
+    """`config` when given (resolved once by the caller), else the spec's model config."""
+    return load_config(spec.model) if config is None else config
+
+
+def with_depth(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
+    """A copy of `config` with `num_layers` decoder layers (per-layer lists truncated to match)."""
+    if num_layers == config.num_hidden_layers:
+        return config
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = num_layers
+    if isinstance(getattr(shallow, "layer_types", None), list):
+        shallow.layer_types = shallow.layer_types[:num_layers]
+    return shallow
+
+
+def build_training_model(
+    spec: StepSpec, config: PretrainedConfig, device: str
+) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """The (LoRA-wrapped) model on `device` and its optimizer with state initialised (protocol 1-2)."""
+    model = build_model(config, dtype=torch_dtype(spec.dtype), device=device, seed=spec.seed)
+    if spec.lora_rank:
+        model = apply_lora(model, spec.lora_rank)
+    optimizer = make_optimizer(model, spec.optimizer)
+    if optimizer is not None:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()  # creates the AdamW moments (zero grads: the weights stay as they are)
+    reset_grads(model, spec)
+    return model, optimizer
+
+
+def reset_grads(model: torch.nn.Module, spec: StepSpec) -> None:
+    """Gradients as the step starts: zeros for every trainable parameter (resident) or None (fresh)."""
+    for param in model.parameters():
+        resident = spec.grads == "resident" and param.requires_grad
+        param.grad = torch.zeros_like(param) if resident else None
+
+
+def step_inputs(spec: StepSpec, vocab_size: int, device: str) -> dict:
+    """Keyword arguments of `run.loss` for one step of `spec` (protocol 3)."""
+    batch = random_batch(vocab_size=vocab_size, seq_len=spec.seq_len_tokens, batch_size=spec.sequences,
+                         seed=spec.seed + 1, device="cpu")
+    if not spec.is_training_step:
+        return {"input_ids": batch.input_ids.to(device)}
+    labels, extra = objective_inputs(spec.objective, batch, spec.seed)
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+    return {"input_ids": batch.input_ids.to(device), "labels": labels.to(device), **moved}
+
+
+def build_setup(
+    spec: StepSpec, config: PretrainedConfig, device: str, *, model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Setup:
+    """The setup of one step of `spec` on `device`; pass `model` (and its `optimizer`) to reuse them
+    across lengths (a measured search builds the model once), their gradients reset for this step."""
+    if model is None:
+        model, optimizer = build_training_model(spec, config, device)
+    else:
+        reset_grads(model, spec)
+    inputs = step_inputs(spec, config.vocab_size, device)
+    return Setup(spec=spec, config=config, model=model, optimizer=optimizer, inputs=inputs)
+
+
+def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
+    """Bytes every step of `spec` holds whatever its length: the weights, a gradient per trainable
+    parameter and the optimizer's state (counted on a meta model, LoRA included)."""
+    model, optimizer = build_training_model(spec, config, "meta")
+    params = list(model.parameters())
+    trainable = sum(p.nbytes for p in params if p.requires_grad)
+    state = 0 if optimizer is None else sum(
+        t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    return sum(p.nbytes for p in params) + trainable + state

@@ -1,0 +1,130 @@
+"""Predict a training step's peak GPU memory on a CPU: run the real step on meta tensors, tracked.
+
+`simulate(spec)` builds the model on the meta device (weights are never materialised), sets it up as a
+GPU run would (`setup.build_setup`: LoRA, optimizer state, resident or fresh gradients, inputs), runs
+one `run.tracked_step` and returns the peak bytes and the breakdown by category at the peak. Attention
+allocates what flash attention allocates (output and float32 log-sum-exp: the engine's custom op).
+
+Categories at the peak: weights, grads, optimizer, checkpoints (layer inputs kept from forward for
+backward: StreamBP's `H_in`, and for the baselines the embedding and decoder-layer outputs, which
+transformers' checkpointing keeps), kv (StreamBP's per-layer K/V and their gradients), logits (any tensor
+whose last dimension is the vocabulary and that has a token dimension), temporaries (everything else; for
+`plain` that includes every activation autograd saves).
+
+Speed, as parameters (nothing is patched):
+- `depth="extrapolate"`: decoder layers are identical, so the step is simulated with 2 and 3 layers and
+  each phase's figures are extrapolated linearly, f(L) = f(2) + (L - 2) * (f(3) - f(2)); when that gives
+  a negative category (the peak moved between sub-phases) every layer is simulated instead. Exact to the
+  byte against `depth="full"` in the tests; a max-length search confirms its answer at full depth
+  (`probe.max_len`), since the step's peak (a maximum of affine phases) can only be under-estimated.
+- `keep_chunks` (default `KEEP_CHUNKS`): every engine chunk loop runs only its first and last 4 chunks
+  (`StreamConfig.keep_chunks`): chunks differ only in position, what outlives a chunk is preallocated,
+  and a chunk's memory grows with its prefix; 4 because a chunk can peak while what the previous one left
+  is still held and the backward's first chunk is partial. Equal to all chunks to the byte in the tests
+  (`keep_chunks=None`).
+- `cache`: `fastmeta.SimulationMode`'s memo of meta kernels' output metadata, shared across calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.measure.tags import CATEGORIES
+from streambp_core.measure.units import bytes_to_gib
+from streambp_core.step.run import tracked_step
+from streambp_core.step.setup import build_setup, resolve_config, with_depth
+
+KEEP_CHUNKS = 4
+"""Chunks kept at each end of an engine chunk loop when thinning."""
+DEPTHS = ("extrapolate", "full")
+
+_Phases = list[tuple[int, dict[str, int]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """Peak memory of one simulated training step (GiB = 2**30 bytes)."""
+
+    spec: StepSpec
+    num_layers: int
+    """Decoder layers of the model the figures are for."""
+    layers_simulated: tuple[int, ...]
+    """Depths actually simulated: (2, 3) when extrapolated, (num_layers,) otherwise."""
+    peak_bytes: int
+    breakdown_bytes: dict[str, int]
+    """Bytes per category at the peak; they sum to `peak_bytes`."""
+    source: str = "simulated"
+
+    @property
+    def peak_gib(self) -> float:
+        return bytes_to_gib(self.peak_bytes)
+
+    @property
+    def full_depth(self) -> bool:
+        """Whether every layer was simulated (no extrapolation)."""
+        return self.layers_simulated == (self.num_layers,)
+
+    @property
+    def how(self) -> str:
+        """How the figures were obtained, in words."""
+        if self.full_depth:
+            return f"simulated on meta tensors, all {self.num_layers} layers"
+        a, b = self.layers_simulated
+        return f"simulated on meta tensors with {a} and {b} layers, extrapolated to {self.num_layers}"
+
+
+def simulate(
+    spec: StepSpec,
+    config: PretrainedConfig | None = None,
+    *,
+    depth: str = "extrapolate",
+    keep_chunks: int | None = KEEP_CHUNKS,
+    cache: dict | None = None,
+) -> SimResult:
+    """Simulate one step of `spec` (its model's `config`, resolved once by the caller when given).
+
+    Steps: simulate at 2 and 3 layers (at full depth when `depth="full"` or the model has at most 3
+    layers), cutting the step into phases; extrapolate each phase's peak and categories linearly in
+    depth; the highest phase is the step's peak; a negative category falls back to full depth.
+    """
+    if depth not in DEPTHS:
+        raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
+    config = resolve_config(spec, config)
+    total = config.num_hidden_layers
+    cache = {} if cache is None else cache
+    depths = (total,) if depth == "full" or total <= 3 else (2, 3)
+    measured = [_phases(spec, with_depth(config, n), keep_chunks, cache) for n in depths]
+    peak, by_category = _largest(measured[0]) if len(depths) == 1 else _extrapolate(*measured, total)
+    if min(by_category.values()) < 0:  # the peak moved between sub-phases: simulate every layer
+        depths = (total,)
+        peak, by_category = _largest(_phases(spec, config, keep_chunks, cache))
+    return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
+                     breakdown_bytes=by_category)
+
+
+def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict) -> _Phases:
+    """Per phase, (peak bytes, bytes by category at that peak) of one simulated step of `config`."""
+    record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+    return [(phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes)) for phase in record.phases]
+
+
+def _largest(phases: _Phases) -> tuple[int, dict[str, int]]:
+    """The phase with the highest peak."""
+    return max(phases, key=lambda phase: phase[0])
+
+
+def _extrapolate(two: _Phases, three: _Phases, total: int) -> tuple[int, dict[str, int]]:
+    """Each phase's peak and breakdown extrapolated linearly from 2 and 3 layers; the highest wins.
+
+    Phases keep the same shape at every depth, so within a phase the peak is affine in depth; across
+    phases it is not (a shallow model may peak in the embedding's backward, a deep one while its
+    checkpoints are alive), which is why phases are extrapolated separately.
+    """
+    phases = []
+    for (p2, c2), (p3, c3) in zip(two, three, strict=True):
+        grown = {k: c2[k] + (total - 2) * (c3[k] - c2[k]) for k in CATEGORIES}
+        phases.append((p2 + (total - 2) * (p3 - p2), grown))
+    return _largest(phases)
