@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec
-from streambp_core.measure.units import GIB
+from streambp_core.measure.units import format_size
 from streambp_core.models import load_config
 from streambp_core.search import ProbeResult, SearchResult
 from streambp_core.step.probe import max_len
@@ -73,7 +73,7 @@ def make_plan(specs: tuple[StepSpec, ...], device: str, budget_gib: float | None
     if needed >= (target.budget_bytes or 0):
         raise ConfigError(
             f"budget {target.budget_gib:g} GiB is below what every step of {specs[0].model} holds (weights, "
-            f"grads, optimizer state: {needed / GIB:.2f} GiB in {specs[0].dtype}): no sequence length fits"
+            f"grads, optimizer state: {format_size(needed)} in {specs[0].dtype}): no sequence length fits"
         )
     return Plan(specs=specs, target=target, config=config, resident_bytes=needed)
 

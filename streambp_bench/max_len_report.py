@@ -9,16 +9,10 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from streambp_bench import results as rows_file
 from streambp_bench.max_len import MethodResult, Plan
 from streambp_bench.output import stdout_console
-from streambp_bench.results import (
-    ResultRow,
-    ResultsFile,
-    allocator_columns,
-    memory_columns,
-    provenance,
-    spec_fields,
-)
+from streambp_bench.results import ResultRow, allocator_columns, memory_columns, spec_fields
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB
 from streambp_core.search import ProbeResult
@@ -152,9 +146,9 @@ def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> N
 
 def write_rows(plan: Plan, results: list[MethodResult], path: Path) -> None:
     """Upsert one `max_len` row per method into the results CSV at `path`."""
-    stamp = provenance(plan.target.source, plan.target.device_name)
+    stamp = rows_file.provenance(plan.target.source, plan.target.device_name)
     rows = [max_len_row(r.spec, r.search, stamp) for r in results]
-    ResultsFile(path).append_many(rows)
+    rows_file.ResultsFile(path).append_many(rows)
 
 
 def max_len_row(spec, search, stamp: dict) -> ResultRow:

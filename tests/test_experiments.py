@@ -78,17 +78,8 @@ def test_simulated_point_over_budget_is_oom() -> None:
 
 def test_training_step_with_optimizer_counts_optimizer_state() -> None:
     where = resolve_target("sim")
-    point = StepSpec(
-        method="streambp",
-        model="tiny/llama",
-        seq_len_tokens=128,
-        partition_size=32,
-        head_partition_size=16,
-        objective="grpo",
-        batch_size=2,
-        lora_rank=4,
-        optimizer="adamw",
-    )
+    point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
+                     head_partition_size=16, objective="grpo", batch_size=2, lora_rank=4, optimizer="adamw")
     (row,) = exp.run_point(point, where)
     assert row.status == "ok" and row.optimizer_gib > 0 and row.lora_rank == 4
     assert (row.grads, row.protocol, row.attn) == ("fresh", "default", "auto")
@@ -111,14 +102,8 @@ def test_a_rerun_point_replaces_its_schema_1_row(tmp_path) -> None:
 
 def test_cpu_point_measures_step_time() -> None:
     where = resolve_target("cpu", cpu_budget=False)
-    point = StepSpec(
-        method="streambp",
-        model="tiny/llama",
-        seq_len_tokens=64,
-        partition_size=16,
-        head_partition_size=16,
-        dtype="float32",
-    )
+    point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=64, partition_size=16,
+                     head_partition_size=16, dtype="float32")
     memory, time = exp.run_point(point, where)
     assert memory.source == time.source == "measured-cpu"
     assert time.metric == "step_time" and time.value == memory.step_time_ms > 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -122,12 +121,7 @@ class CudaPeak:
         self.reset()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.read()
 
     def reset(self) -> None:

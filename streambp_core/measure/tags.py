@@ -13,7 +13,6 @@ category inside the backward code (e.g. in an `autograd.Function.backward`) to b
 from __future__ import annotations
 
 from contextvars import ContextVar, Token
-from types import TracebackType
 
 WEIGHTS = "weights"
 """Model parameters."""
@@ -66,12 +65,7 @@ class memory_category:  # lower case: reads like a function, `with memory_catego
         self._token = _CURRENT.set(self._name)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
