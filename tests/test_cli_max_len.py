@@ -119,7 +119,7 @@ def test_help_has_examples(runner):
         (["--ps", "0"], "partition_size"),
         (["--ps-head", "-3"], "head_partition_size"),
         (["--batch-size", "0"], "batch_size"),
-        (["--budget-gib", "0.0001"], "every step of tiny/qwen3 holds (weights, grads, optimizer state: 0.8 MiB"),
+        (["--budget-gib", "0.0001"], "holds (weights, grads, optimizer state: 0.5 MiB in bfloat16)"),
         (["--budget-gib", "-1"], "must be a finite positive number"),
     ],
 )
