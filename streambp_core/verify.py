@@ -21,12 +21,10 @@ import streambp_core
 from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
 from streambp_core.compare import Gradients, max_rel_err
 from streambp_core.config import (
-    ATTN_BACKENDS,
     HEAD_MODES,
-    OBJECTIVES,
     VERIFY_METHODS,
     ConfigError,
-    check_method,
+    StepSpec,
     require_choice,
 )
 from streambp_core.models import build_model, load_config
@@ -77,33 +75,28 @@ class VerifySpec:
     """streambp's LM head: recompute, fused or auto (see `StreamConfig.head_mode`)."""
 
     def __post_init__(self) -> None:
-        require_choice("objective", self.objective, OBJECTIVES)
-        require_choice("attn", self.attn, ATTN_BACKENDS)
-        require_choice("head_mode", self.head_mode, HEAD_MODES)
-        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise ConfigError(f"lora_rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
-        if self.objective == "dpo" and self.batch_size % 2:
-            raise ConfigError(f"dpo needs an even batch size (chosen, then rejected), got {self.batch_size}")
         if not self.methods:
             raise ConfigError("give at least one method")
         for method in self.methods:
-            check_method(method)
-        _require_at_least("seq_len", self.seq_len, 2)
-        for name in ("batch_size", "partition_size", "head_partition_size"):
-            _require_at_least(name, getattr(self, name), 1)
-        require_choice("dtype", self.dtype, DTYPES)
+            self.step(method)  # the step's fields are validated where every step's are
+        if self.objective == "dpo" and self.batch_size % 2:
+            raise ConfigError(f"dpo needs an even batch size (chosen, then rejected), got {self.batch_size}")
+        require_choice("dtype", self.dtype, tuple(DTYPES))
+        require_choice("head_mode", self.head_mode, HEAD_MODES)
         require_choice("padding", self.padding, PADDINGS)
         _check_device(self.device)
+
+    def step(self, method: str) -> StepSpec:
+        """One method's step of this check, as a `StepSpec`."""
+        return StepSpec(model=self.model, method=method, seq_len_tokens=self.seq_len,
+                        batch_size=self.batch_size, partition_size=self.partition_size,
+                        head_partition_size=self.head_partition_size, dtype=self.dtype,
+                        objective=self.objective, attn=self.attn, lora_rank=self.lora_rank, seed=self.seed)
 
     @property
     def source(self) -> str:
         """Provenance label of the numbers: measured-cpu or measured-cuda."""
         return f"measured-{torch.device(self.device).type}"
-
-
-def _require_at_least(name: str, value: int, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 def _check_device(device: str) -> None:
