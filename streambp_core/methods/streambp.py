@@ -38,6 +38,15 @@ class StreamBPRun(Run):
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
+        hidden = self.hidden_states(input_ids, attention_mask)
+        head_plan, head_params = self._head
+        return self._head_function.apply(hidden, objective, head_plan, *head_params)
+
+    def hidden_states(self, input_ids, attention_mask=None):
+        """The last decoder layer's output (B, T, d), before the final norm, through the streamed layers.
+
+        `loss` puts the streamed head on top; a trainer's own head (e.g. a fused log-prob head) can too.
+        """
         with memory_category("checkpoints"):
             hidden = self.parts.embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -45,5 +54,4 @@ class StreamBPRun(Run):
         valid = key_padding(attention_mask)
         for plan, params in self._layers:
             hidden = StreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
-        head_plan, head_params = self._head
-        return self._head_function.apply(hidden, objective, head_plan, *head_params)
+        return hidden

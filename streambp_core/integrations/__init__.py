@@ -1,0 +1,38 @@
+"""Train with a prepared model inside transformers' `Trainer` and TRL's trainers, with one call.
+
+    from streambp_core.integrations import stream_trainer
+    trainer = SFTTrainer(model=model, args=SFTConfig(...), train_dataset=dataset)   # or DPO, GRPO, Trainer
+    stream_trainer(trainer, "streambp", partition_size=2000, head_partition_size=100)
+    trainer.train()
+
+`trainer_settings` / `trainer_settings_line` turn a measured step's method and partition sizes into that
+call. The trainer libraries are imported on first use of `stream_trainer` (install the `train` extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from streambp_core.integrations.settings import trainer_settings, trainer_settings_line
+
+if TYPE_CHECKING:
+    from streambp_core.integrations.trainers import TrainerStream, stream_trainer
+
+__all__ = ["TrainerStream", "stream_trainer", "trainer_settings", "trainer_settings_line"]
+
+_LAZY = {"TrainerStream": "streambp_core.integrations.trainers",
+         "stream_trainer": "streambp_core.integrations.trainers"}
+
+
+def __getattr__(name: str) -> object:
+    """Import a lazy public name's module on first access and return the name."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,80 @@
+"""Trainer features a prepared model cannot serve, each refused by name in one line before training."""
+
+from __future__ import annotations
+
+import torch
+
+from streambp_core.config import ConfigError
+
+FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
+"""TRL trainers that score tokens with TRL's fused LM head on top of the decoder stack (TRL >= 1.15)."""
+
+
+def check_trainer(trainer, method: str) -> None:
+    """Raise ConfigError naming the first setting of `trainer` that cannot work with a `method` model."""
+    for refused, setting, why in _refusals(trainer):
+        if refused:
+            raise ConfigError(f"{setting} cannot train a {method} model: {why}")
+    dropout = _active_dropout(trainer.model)
+    if method == "streambp" and dropout:
+        raise ConfigError(f"dropout ({dropout}) cannot train a {method} model: the streamed backward "
+                          "recomputes each chunk and would draw new dropout masks; set it to 0")
+    if _is_trl(trainer) and not _has_fused_head(trainer):
+        raise ConfigError(f"{type(trainer).__name__} from this TRL version computes full logits; "
+                          "install trl>=1.15 (its trainers score tokens with a fused LM head)")
+
+
+def _refusals(trainer) -> list[tuple[bool, str, str]]:
+    args = trainer.args
+    packing = getattr(args, "packing", False) and getattr(args, "packing_strategy", "") == "bfd"
+    return [
+        (getattr(args, "padding_free", False) or packing, "padding_free (or packing='bfd')",
+         "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"),
+        (args.label_smoothing_factor > 0, "label_smoothing_factor", "it needs the full logits"),
+        (trainer.compute_loss_func is not None, "compute_loss_func", "it needs the full logits"),
+        (trainer.compute_metrics is not None, "compute_metrics", "it needs the full logits"),
+        (trainer.preprocess_logits_for_metrics is not None, "preprocess_logits_for_metrics",
+         "it needs the full logits"),
+        (trainer.model_init is not None, "model_init", "the trainer would build a new, unprepared model"),
+        (args.world_size > 1 or bool(args.fsdp) or bool(args.deepspeed),
+         "multi-process or sharded training (DDP, FSDP, DeepSpeed)",
+         "the streamed backward accumulates each gradient chunk by chunk; run one process"),
+        (_autocast_over_float32(trainer), "bf16/fp16 mixed precision over float32 weights",
+         "the streamed layers compute in the weights' dtype; load the model in bfloat16 instead"),
+        (_prompt_learning(trainer.model), "a prompt-learning adapter (prefix/prompt tuning)",
+         "it prepends virtual tokens; use LoRA"),
+    ]
+
+
+def _active_dropout(model) -> str:
+    """The name of the first dropout module with p > 0 in `model` (e.g. a LoRA dropout), or ''."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return f"{name}.p={module.p}"
+    return ""
+
+
+def _autocast_over_float32(trainer) -> bool:
+    args = trainer.args
+    if not (args.bf16 or args.fp16):
+        return False
+    frozen_or_all = [p for p in trainer.model.parameters() if not p.requires_grad] or list(
+        trainer.model.parameters())
+    return any(p.dtype == torch.float32 for p in frozen_or_all)
+
+
+def _prompt_learning(model) -> bool:
+    config = getattr(model, "active_peft_config", None)
+    return bool(getattr(config, "is_prompt_learning", False))
+
+
+def _is_trl(trainer) -> bool:
+    return any(cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+
+
+def _has_fused_head(trainer) -> bool:
+    try:
+        from trl.trainer.utils import add_fused_lm_head  # noqa: F401
+    except ImportError:
+        return False
+    return any(cls.__name__ in FUSED_HEAD_TRAINERS for cls in type(trainer).__mro__)

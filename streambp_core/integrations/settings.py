@@ -1,0 +1,59 @@
+"""The trainer settings for a measured step: what to pass to `stream_trainer` to train at that length.
+
+Pure Python (no torch), so the CLI can print them next to a max-length result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from streambp_core.config import StreamConfig, check_method
+
+METHOD_OPTIONS = {
+    "plain": (),
+    "checkpoint": (),
+    "mst": ("partition_size", "mlp_chunk_size", "head_partition_size"),
+    "streambp": ("partition_size", "head_partition_size", "attn"),
+}
+"""The StreamConfig fields each method reads; other fields do not change its step."""
+
+NOT_FOR_TRAINERS = ("baseline_attention",)
+"""StreamConfig fields that only matter to measurement (a trainer's baseline runs the model's own kernel)."""
+KNOWN_OPTIONS = {name for names in METHOD_OPTIONS.values() for name in names} | set(NOT_FOR_TRAINERS)
+
+
+def trainer_settings(spec_or_method, **options) -> dict[str, object]:
+    """{'method': ..., option: value, ...} for `stream_trainer(trainer, **settings)`.
+
+    `spec_or_method` is a method name (options as keywords) or any object with a `method` attribute and
+    StreamConfig fields as attributes (a step spec). Fields a method does not read are left out; so are
+    fields at their default, except the partition sizes, which are always shown for the methods that read
+    them. StreamConfig fields added later (e.g. offload) are passed on when set.
+    """
+    if isinstance(spec_or_method, str):
+        method, values = spec_or_method, dict(options)
+    else:
+        method = spec_or_method.method
+        values = {f.name: getattr(spec_or_method, f.name) for f in fields(StreamConfig)
+                  if hasattr(spec_or_method, f.name)}
+        values.update(options)
+    check_method(method)
+    config = StreamConfig(**values)
+    read = set(METHOD_OPTIONS[method])
+    settings: dict[str, object] = {"method": method}
+    for field in fields(StreamConfig):
+        value = getattr(config, field.name)
+        if field.name in read:
+            if value != field.default or field.name.endswith("partition_size"):
+                settings[field.name] = value
+        elif field.name not in KNOWN_OPTIONS and value != field.default:
+            settings[field.name] = value
+    return settings
+
+
+def trainer_settings_line(spec_or_method, **options) -> str:
+    """The one call to make, as text: `stream_trainer(trainer, "streambp", partition_size=2000, ...)`."""
+    settings = trainer_settings(spec_or_method, **options)
+    method = settings.pop("method")
+    arguments = "".join(f", {name}={value!r}" for name, value in settings.items())
+    return f'stream_trainer(trainer, "{method}"{arguments})'

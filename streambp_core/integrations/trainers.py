@@ -1,0 +1,102 @@
+"""One call that makes a transformers `Trainer` or a TRL trainer train its model with a streambp method.
+
+    trainer = SFTTrainer(model=model, args=SFTConfig(...), train_dataset=dataset)
+    stream_trainer(trainer, "streambp", partition_size=2000)
+    trainer.train()
+
+The trainer is not subclassed or patched: its own `compute_loss`, `loss.backward()`, gradient
+accumulation, clipping, optimizer, LoRA and checkpoint saving run as they do without streambp. What
+changes is the model's answer to the trainer's forward calls (see `forwards.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from streambp_core.config import ConfigError, check_method
+from streambp_core.integrations.checks import check_trainer
+from streambp_core.integrations.forwards import set_forward, streamed_backbone_forward, streamed_loss_forward
+from streambp_core.methods import Run, prepare
+
+STREAMED_LOSS_METHODS = ("mst", "streambp")
+"""Methods whose loss differs from the model's own forward (chunked or streamed head)."""
+
+
+class TrainerStream:
+    """What `stream_trainer` set up: the prepared runs and the forwards it set; `close()` undoes it all."""
+
+    def __init__(self, runs: list[Run], undo: list[Callable[[], None]]) -> None:
+        self.runs = runs
+        self._undo = undo
+
+    @property
+    def method(self) -> str:
+        return self.runs[0].method
+
+    def close(self) -> None:
+        """Give the trainer's model (and reference model) back unprepared."""
+        while self._undo:
+            self._undo.pop()()
+        for run in self.runs:
+            run.close()
+
+    def __enter__(self) -> TrainerStream:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStream:
+    """Prepare `trainer.model` (and a TRL trainer's frozen `ref_model`) for `method`, then train as usual.
+
+    `trainer` is a `transformers.Trainer` or a TRL 1.15+ trainer (SFT, DPO, GRPO, ...), built already.
+    Options are those of `streambp_core.prepare` (partition_size, head_partition_size, mlp_chunk_size,
+    attn). TRL's trainers keep their own fused LM head; `head_partition_size` sizes the streamed head of a
+    plain `Trainer`. A trainer setting that cannot work with a prepared model raises ConfigError naming it.
+    """
+    check_method(method)
+    check_trainer(trainer, method)
+    runs: list[Run] = []
+    undo: list[Callable[[], None]] = []
+    try:
+        runs.append(_prepare_trained(trainer.model, method, options, undo))
+        ref_model = getattr(trainer, "ref_model", None)
+        if ref_model is not None and method == "streambp":
+            runs.append(_prepare_frozen(ref_model, options, undo))
+    except BaseException:
+        TrainerStream(runs, undo).close()
+        raise
+    return TrainerStream(runs, undo)
+
+
+def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list) -> Run:
+    run = prepare(model, method, **options)
+    if method in STREAMED_LOSS_METHODS:
+        causal_lm = _causal_lm(model)
+        undo.append(set_forward(causal_lm, streamed_loss_forward(run, causal_lm.forward)))
+    if method == "streambp":
+        _stream_backbone(run, undo)
+    return run
+
+
+def _prepare_frozen(model: nn.Module, options: dict, undo: list) -> Run:
+    run = prepare(model, "streambp", **options)
+    _stream_backbone(run, undo)
+    return run
+
+
+def _stream_backbone(run: Run, undo: list) -> None:
+    backbone = run.parts.backbone
+    undo.append(set_forward(backbone, streamed_backbone_forward(run, backbone.forward)))
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers *ForCausalLM inside a peft wrapper (or the model itself)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    if not hasattr(base, "lm_head"):
+        raise ConfigError(f"{type(base).__name__} is not a causal LM with an lm_head")
+    return base
