@@ -3,7 +3,10 @@ three optimizer steps as with plain backprop (float64, tiny Qwen3, data built he
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,10 @@ trl = pytest.importorskip("trl", minversion="1.15")
 peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
-from streambp_core.integrations import stream_trainer  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from streambp_core.config import ConfigError  # noqa: E402
+from streambp_core.integrations import stream_trainer, trainer_settings, trainer_settings_line  # noqa: E402
 from streambp_core.models.load import build_model, tiny_config  # noqa: E402
 
 VOCAB = 512
@@ -111,8 +117,6 @@ def test_trainer_full_sgd(tmp_path, method):
 
 
 def test_sft_trainer_saves_checkpoints(tmp_path):
-    from safetensors.torch import load_file
-
     rng = random.Random(2)
     data = datasets.Dataset.from_dict({"text": [words(rng, 6, 16) for _ in range(12)]})
 
@@ -162,3 +166,115 @@ def test_grpo_trainer_with_lora_accumulation_and_kl(tmp_path):
                                train_dataset=data, processing_class=word_tokenizer())
 
     assert_same_steps(make)
+
+
+def plain_trainer(tmp_path, model=None, **overrides):
+    """A transformers Trainer over a few short rows, for the refusal and undo tests."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    data = datasets.Dataset.from_dict({"input_ids": [[3, 4, 5, 6], [7, 8, 9, 10]]})
+    args = TrainingArguments(**common_args(tmp_path, **overrides))
+    return Trainer(model=model if model is not None else tiny_model(), args=args, train_dataset=data,
+                   data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm=False))
+
+
+@pytest.mark.parametrize(("setup", "named"), [
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+    ({"bf16": True}, "bf16/fp16 mixed precision over float32/float64 weights"),
+    ({"lora_dropout": 0.1}, "dropout (base_model.model.model.layers.0.self_attn.q_proj.lora_dropout"),
+])
+def test_refused_settings_are_named(tmp_path, setup, named):
+    setup = dict(setup)
+    model = tiny_model()
+    if "lora_dropout" in setup:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=setup.pop("lora_dropout"))
+        model = peft.get_peft_model(model.float(), config)
+    trainer = plain_trainer(tmp_path, model, **setup)
+    with pytest.raises(ConfigError, match="cannot train a streambp model") as refused:
+        stream_trainer(trainer, "streambp")
+    assert str(refused.value).startswith(named) and "\n" not in str(refused.value)
+    assert "forward" not in vars(trainer.model), "a refused trainer's model is left untouched"
+
+
+def test_packed_positions_are_refused_at_the_forward(tmp_path):
+    trainer = plain_trainer(tmp_path)
+    stream_trainer(trainer, "streambp")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with pytest.raises(ConfigError, match="position_ids other than 0..T-1"):
+        trainer.model.model(input_ids=ids, position_ids=torch.tensor([[0, 1, 0, 1]]), use_cache=False)
+    with torch.no_grad():  # generation-style calls keep the model's own forward
+        cached = trainer.model(input_ids=ids, use_cache=True)
+    assert cached.logits.shape == (1, 4, VOCAB)
+
+
+def test_close_gives_the_model_back(tmp_path):
+    trainer = plain_trainer(tmp_path)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    plain_loss = trainer.model(input_ids=ids, labels=ids).loss
+    with stream_trainer(trainer, "streambp", **STREAM) as stream:
+        assert [run.method for run in stream.runs] == ["streambp"]
+        streamed = trainer.model(input_ids=ids, labels=ids)
+        assert streamed.logits is None, "the streamed loss never builds the logits"
+        assert torch.allclose(streamed.loss.float(), plain_loss, rtol=1e-6)
+    assert "forward" not in vars(trainer.model) and "forward" not in vars(trainer.model.model)
+    assert trainer.model(input_ids=ids, labels=ids).logits.shape == (1, 5, VOCAB)
+
+
+def test_trainer_settings_for_a_measured_step():
+    class Step:  # what a step spec carries
+        method, partition_size, head_partition_size = "streambp", 4000, 100
+        attn, baseline_attention, dtype = "flash", "engine", "bfloat16"
+
+    expected = {"method": "streambp", "partition_size": 4000, "head_partition_size": 100, "attn": "flash"}
+    assert trainer_settings(Step()) == expected
+    assert trainer_settings("checkpoint", partition_size=4000) == {"method": "checkpoint"}
+    line = trainer_settings_line("mst", partition_size=2000, head_partition_size=200)
+    assert line == 'stream_trainer(trainer, "mst", partition_size=2000, head_partition_size=200)'
+    with pytest.raises(ConfigError, match="unknown method"):
+        trainer_settings("fast")
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE_SCRIPTS = {"train_trainer": [], "train_sft": [], "train_dpo": [],
+                   "train_grpo": ["--num-generations", "2", "--max-completion-length", "4"]}
+
+
+def example(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", EXAMPLE_SCRIPTS)
+def test_example_help(name, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as done:
+        example(name, monkeypatch).main(["--help"])
+    assert done.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--partition-size" in help_text and f"python examples/{name}.py --model" in help_text
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A local model directory as a GPU user has one (config, safetensors, tokenizer), tiny and random."""
+    path = tmp_path_factory.mktemp("model")
+    build_model(tiny_config("qwen3", pad_token_id=0), dtype=torch.float32).save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    rng = random.Random(5)
+    rows = [{"text": words(rng, 5, 12), "prompt": words(rng, 2, 5), "completion": words(rng, 2, 5),
+             "chosen": words(rng, 2, 5), "rejected": words(rng, 2, 5), "answer": "w7"} for _ in range(4)]
+    (path / "data.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("name", EXAMPLE_SCRIPTS)
+def test_example_trains_a_tiny_model(name, model_dir, tmp_path, monkeypatch):
+    argv = ["--model", str(model_dir), "--data", str(model_dir / "data.jsonl"), "--output-dir", str(tmp_path),
+            "--dtype", "float32", "--max-steps", "1", "--grad-accum", "1", "--batch-size", "2",
+            "--max-length", "32", "--partition-size", "4", "--head-partition-size", "5"]
+    example(name, monkeypatch).main(argv + EXAMPLE_SCRIPTS[name])
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    initial = load_file(str(model_dir / "model.safetensors"))
+    assert saved.keys() == initial.keys()

@@ -39,7 +39,7 @@ def _refusals(trainer) -> list[tuple[bool, str, str]]:
         (args.world_size > 1 or bool(args.fsdp) or bool(args.deepspeed),
          "multi-process or sharded training (DDP, FSDP, DeepSpeed)",
          "the streamed backward accumulates each gradient chunk by chunk; run one process"),
-        (_autocast_over_float32(trainer), "bf16/fp16 mixed precision over float32 weights",
+        (_autocast_over_full_precision(trainer), "bf16/fp16 mixed precision over float32/float64 weights",
          "the streamed layers compute in the weights' dtype; load the model in bfloat16 instead"),
         (_prompt_learning(trainer.model), "a prompt-learning adapter (prefix/prompt tuning)",
          "it prepends virtual tokens; use LoRA"),
@@ -54,13 +54,13 @@ def _active_dropout(model) -> str:
     return ""
 
 
-def _autocast_over_float32(trainer) -> bool:
+def _autocast_over_full_precision(trainer) -> bool:
     args = trainer.args
     if not (args.bf16 or args.fp16):
         return False
     frozen_or_all = [p for p in trainer.model.parameters() if not p.requires_grad] or list(
         trainer.model.parameters())
-    return any(p.dtype == torch.float32 for p in frozen_or_all)
+    return any(p.dtype in (torch.float32, torch.float64) for p in frozen_or_all)
 
 
 def _prompt_learning(model) -> bool:

@@ -1,0 +1,87 @@
+"""What the training examples share: their command line, the model, tokenizer and data, trainer settings.
+
+Not a script: `train_trainer.py`, `train_sft.py`, `train_dpo.py` and `train_grpo.py` import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from streambp_core.config import METHODS
+from streambp_core.integrations import stream_trainer
+from streambp_core.models import build_model, has_weights, load_model
+from streambp_core.models.lora import apply_lora
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def parser(description: str, example: str) -> argparse.ArgumentParser:
+    """The options every example takes; `example` is a command line shown under --help."""
+    cli = argparse.ArgumentParser(description=description, epilog=f"Example:\n  {example}",
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--model", required=True, help="local model directory (config, safetensors, tokenizer)")
+    cli.add_argument("--data", required=True, type=Path, help="JSON-lines file, one example per line")
+    cli.add_argument("--output-dir", required=True, type=Path, help="where checkpoints are written")
+    cli.add_argument("--method", default="streambp", choices=METHODS, help="default: streambp")
+    cli.add_argument("--partition-size", type=int, default=2000, help="tokens per layer chunk (streambp)")
+    cli.add_argument("--head-partition-size", type=int, default=100,
+                     help="tokens per LM-head chunk (transformers' Trainer; TRL uses its own fused head)")
+    cli.add_argument("--max-length", type=int, default=32768, help="longest training sequence, in tokens")
+    cli.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on every linear layer; 0: full")
+    cli.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype (default bfloat16)")
+    cli.add_argument("--batch-size", type=int, default=1)
+    cli.add_argument("--grad-accum", type=int, default=8, help="gradient accumulation steps")
+    cli.add_argument("--learning-rate", type=float, default=1e-5)
+    cli.add_argument("--max-steps", type=int, default=100)
+    cli.add_argument("--save-steps", type=int, default=50)
+    return cli
+
+
+def load(args: argparse.Namespace, *, trainable: bool = True):
+    """The model (LoRA-wrapped when asked and `trainable`) and its tokenizer, from the local directory."""
+    from transformers import AutoTokenizer
+
+    dtype, device = DTYPES[args.dtype], "cuda" if torch.cuda.is_available() else "cpu"
+    if has_weights(args.model):
+        model = load_model(args.model, dtype=dtype, device=device)
+    else:  # a config-only directory: random weights, for a smoke test of the pipeline
+        model = build_model(args.model, dtype=dtype, device=device)
+    if trainable and args.lora_rank:
+        model = apply_lora(model, args.lora_rank)
+    if not trainable:
+        model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def rows(path: Path, *fields: str):
+    """The JSON-lines file as a `datasets.Dataset`, checked for `fields` (nothing is cached on disk)."""
+    from datasets import Dataset
+
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    missing = [f for f in fields if any(f not in r for r in records)]
+    if not records or missing:
+        raise SystemExit(f"error: {path} needs JSON lines with the fields {', '.join(fields)}")
+    return Dataset.from_list(records)
+
+
+def trainer_options(args: argparse.Namespace) -> dict:
+    """TrainingArguments fields the examples share. The weights are already in `--dtype`, so no autocast."""
+    return dict(output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size,
+                gradient_accumulation_steps=args.grad_accum, learning_rate=args.learning_rate,
+                max_steps=args.max_steps, save_steps=args.save_steps, logging_steps=1, report_to=[],
+                bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False)
+
+
+def train(trainer, args: argparse.Namespace) -> None:
+    """Stream the trainer's model with the chosen method, train, and save the final weights."""
+    with stream_trainer(trainer, args.method, partition_size=args.partition_size,
+                        head_partition_size=args.head_partition_size):
+        trainer.train()
+    trainer.save_model(str(args.output_dir / "final"))
