@@ -223,7 +223,7 @@ def test_close_gives_the_model_back(tmp_path):
 def test_trainer_settings_for_a_measured_step():
     class Step:  # what a step spec carries
         method, partition_size, head_partition_size = "streambp", 4000, 100
-        attn, baseline_attention, dtype = "flash", "engine", "bfloat16"
+        attn, baseline_attention, keep_chunks, dtype = "flash", "engine", 2, "bfloat16"
 
     expected = {"method": "streambp", "partition_size": 4000, "head_partition_size": 100, "attn": "flash"}
     assert trainer_settings(Step()) == expected

@@ -17,8 +17,8 @@ METHOD_OPTIONS = {
 }
 """The StreamConfig fields each method reads; other fields do not change its step."""
 
-NOT_FOR_TRAINERS = ("baseline_attention",)
-"""StreamConfig fields that only matter to measurement (a trainer's baseline runs the model's own kernel)."""
+NOT_FOR_TRAINERS = ("baseline_attention", "keep_chunks")
+"""StreamConfig fields that only matter to measurement and simulation, never to a real training step."""
 KNOWN_OPTIONS = {name for names in METHOD_OPTIONS.values() for name in names} | set(NOT_FOR_TRAINERS)
 
 
