@@ -220,6 +220,30 @@ def test_close_gives_the_model_back(tmp_path):
     assert trainer.model(input_ids=ids, labels=ids).logits.shape == (1, 5, VOCAB)
 
 
+def test_bf16_mixed_precision_errs_like_plain(tmp_path):
+    """bf16 weights under the trainer's bf16 autocast: the streamed gradient's error against a float64
+    reference is at most twice plain bf16's (the streamed parts compute in bf16 without autocast)."""
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, VOCAB, (2, 24), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def gradient(model, autocast: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        return torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    reference = gradient(tiny_model(), autocast=False)
+    model = tiny_model().to(torch.bfloat16)
+    plain = gradient(model, autocast=True)
+    stream_trainer(plain_trainer(tmp_path, model, bf16=True), "streambp", **STREAM)
+    streamed = gradient(model, autocast=True)
+    plain_error = (plain - reference).norm() / reference.norm()
+    assert 0 < (streamed - reference).norm() / reference.norm() <= 2 * plain_error
+
+
 def test_trainer_settings_for_a_measured_step():
     class Step:  # what a step spec carries
         method, partition_size, head_partition_size = "streambp", 4000, 100
