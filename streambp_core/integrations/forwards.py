@@ -11,7 +11,7 @@ A trainer reaches the model through two calls, and each gets a streamed answer:
 
 Every other call (generation with a KV cache, logits for evaluation) goes to the forward that was there
 before. Autocast is off inside the streamed parts, so their backward recomputes exactly what their
-forward computed; the trainer refuses autocast over float32 weights (see `checks.py`).
+forward computed; `stream_trainer` refuses autocast over float32/float64 weights (see `checks.py`).
 """
 
 from __future__ import annotations
