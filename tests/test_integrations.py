@@ -59,21 +59,21 @@ def common_args(tmp_path, **overrides) -> dict:
     return {**args, **overrides}
 
 
-def trained(make_trainer, streamed: bool, method: str = "streambp"):
+def trained(make_trainer, streamed: bool, method: str = "streambp", **options):
     """(parameters before, after) of the trainable parameters over `trainer.train()`."""
     trainer = make_trainer()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     if streamed:
-        stream_trainer(trainer, method, **STREAM)
+        stream_trainer(trainer, method, **STREAM, **options)
     trainer.train()
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     return before, after, trainer
 
 
-def assert_same_steps(make_trainer, method: str = "streambp"):
+def assert_same_steps(make_trainer, method: str = "streambp", **options):
     """Streamed and plain training move every trainable parameter by the same amount (relative 1e-10)."""
     before, plain, _ = trained(make_trainer, streamed=False)
-    _, streamed, trainer = trained(make_trainer, streamed=True, method=method)
+    _, streamed, trainer = trained(make_trainer, streamed=True, method=method, **options)
     moved = [n for n in before if not torch.equal(plain[n], before[n])]
     assert len(moved) >= len(before) // 2, "too few parameters moved for the comparison to mean anything"
     for name in before:
@@ -98,8 +98,8 @@ def test_trainer_with_lora_and_accumulation(tmp_path):
     assert_same_steps(make)
 
 
-@pytest.mark.parametrize("method", ["streambp", "mst"])
-def test_trainer_full_sgd(tmp_path, method):
+@pytest.mark.parametrize(("method", "options"), [("streambp", {}), ("mst", {})])
+def test_trainer_full_sgd(tmp_path, method, options):
     """SGD without clipping: a wrong loss scale (e.g. under accumulation) would show in every update."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
@@ -113,7 +113,7 @@ def test_trainer_full_sgd(tmp_path, method):
                                                max_grad_norm=0.0))
         return Trainer(model=tiny_model(), args=args, train_dataset=data, data_collator=collator)
 
-    assert_same_steps(make, method)
+    assert_same_steps(make, method, **options)
 
 
 def test_sft_trainer_saves_checkpoints(tmp_path):

@@ -13,7 +13,7 @@ METHOD_OPTIONS = {
     "plain": (),
     "checkpoint": (),
     "mst": ("partition_size", "mlp_chunk_size", "head_partition_size"),
-    "streambp": ("partition_size", "head_partition_size", "attn"),
+    "streambp": ("partition_size", "head_partition_size", "head_mode", "attn"),
 }
 """The StreamConfig fields each method reads; other fields do not change its step."""
 
