@@ -17,7 +17,7 @@ datasets = pytest.importorskip("datasets")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from streambp_core.config import ConfigError  # noqa: E402
+from streambp_core.config import ConfigError, StepSpec  # noqa: E402
 from streambp_core.integrations import stream_trainer, trainer_settings, trainer_settings_line  # noqa: E402
 from streambp_core.models.load import build_model, tiny_config  # noqa: E402
 
@@ -252,6 +252,9 @@ def test_trainer_settings_for_a_measured_step():
     expected = {"method": "streambp", "partition_size": 4000, "head_partition_size": 100, "attn": "flash"}
     assert trainer_settings(Step()) == expected
     assert trainer_settings("checkpoint", partition_size=4000) == {"method": "checkpoint"}
+    spec = StepSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=100_000, partition_size=2000)
+    assert trainer_settings_line(spec) == (
+        'stream_trainer(trainer, "streambp", partition_size=2000, head_partition_size=100)')
     line = trainer_settings_line("mst", partition_size=2000, head_partition_size=200)
     assert line == 'stream_trainer(trainer, "mst", partition_size=2000, head_partition_size=200)'
     with pytest.raises(ConfigError, match="unknown method"):
