@@ -14,7 +14,7 @@ from streambp_bench.max_len import MethodResult, Plan
 from streambp_bench.output import stdout_console
 from streambp_bench.results import ResultRow, allocator_columns, memory_columns, spec_fields
 from streambp_core.measure.tags import CATEGORIES
-from streambp_core.measure.units import GIB
+from streambp_core.measure.units import GIB, format_size
 from streambp_core.search import ProbeResult
 
 
@@ -120,10 +120,11 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
         f"{plan.num_layers} layers.",
         f"Step: protocol {spec.protocol}, grads {spec.grads}, random ids without padding, "
         f"ps {spec.partition_size} (streambp, mst), ps-head {spec.head_partition_size} (streambp, "
-        f"mst); weights + grads + optimizer state {plan.resident_bytes / GIB:.2f} GiB.",
+        f"mst); weights + grads + optimizer state {format_size(plan.resident_bytes)}.",
         "Search: secant-guided bracket, then secant/bisection until fails - fits <= max(1%, 128 tokens); "
         "max length = the longest probe that fits; x ckpt = max length / checkpoint's.",
     ]
+    lines += _train_lines(results)
     for r in results:
         if r.search.refused:
             lines.append(
@@ -131,6 +132,18 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
                 "its max length is a lower bound set by RAM, not by the budget.[/]"
             )
     return lines
+
+
+def _train_lines(results: list[MethodResult]) -> list[str]:
+    """The trainer call for the longest length found (README, "Train at that length")."""
+    from streambp_core.integrations.settings import trainer_settings_line
+
+    best = max(results, key=lambda r: r.search.max_len_tokens, default=None)
+    if best is None or best.search.max_len_tokens == 0:
+        return []
+    return [f"Train at {best.search.max_len_tokens:,} tokens ({best.method}): build the trainer with "
+            f"max_length <= {best.search.max_len_tokens}, then call "
+            f"{trainer_settings_line(best.spec)} before trainer.train()."]
 
 
 def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:

@@ -168,3 +168,10 @@ def test_training_step_options_search_a_full_step(runner):
 def test_bad_training_options(runner, args, expected):
     result = runner.invoke(app, [*TINY, *([] if "--device" in args else ["--device", "sim"]), *args])
     assert expected in _one_line_error(result)
+
+
+def test_the_report_ends_with_the_trainer_call_for_the_longest_length(runner):
+    result = runner.invoke(app, [*SIM, "--method", "checkpoint,streambp"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("Train at "))
+    assert '(streambp)' in line and 'stream_trainer(trainer, "streambp", partition_size=32' in line

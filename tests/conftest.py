@@ -1,0 +1,30 @@
+"""Shared test settings: the `gpu` marker skips without CUDA; a CLI runner; the tiny presets' names.
+
+Markers (pyproject.toml): `gpu` needs a CUDA device; `slow` marks a test of over ~30 s on 2 CPU cores
+(CI runs them all; `-m "not slow"` skips them locally).
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+TINY_PRESETS = ("tiny/llama", "tiny/qwen2", "tiny/qwen3", "tiny/mistral")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests when no CUDA device is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cli_runner() -> CliRunner:
+    """Typer's runner for the real `streambp-bench` app."""
+    return CliRunner()
