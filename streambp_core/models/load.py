@@ -13,10 +13,11 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from streambp_core.config import ConfigError
+from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """`model_type`s of the decoder families the engine supports."""
@@ -52,18 +53,15 @@ def _find_preset(name: str) -> str | None:
 
 
 def _config_from_dict(values: dict, source: str) -> PretrainedConfig:
-    model_type = values.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ConfigError(f"{source}: unknown model_type {model_type!r}")
-    return CONFIG_MAPPING[model_type].from_dict(values)
+    return config_from_values(values, source)
 
 
 def _config_from_path(path: Path) -> PretrainedConfig:
-    if path.is_file():
-        return _config_from_dict(json.loads(path.read_text()), str(path))
-    if not (path / "config.json").is_file():
+    """The config in a config.json file or in a directory's config.json (ConfigError naming the file)."""
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
         raise ConfigError(f"{path} has no config.json")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return config_from_values(read_config_file(file), str(file))
 
 
 def check_supported(config: PretrainedConfig, source: str = "model") -> PretrainedConfig:
@@ -114,6 +112,7 @@ def _known_keys(model_type: str) -> set[str]:
 
 def _as_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
     if isinstance(config_or_name, PretrainedConfig):
+        check_geometry(config_or_name, "config")
         return check_supported(copy.deepcopy(config_or_name))
     return load_config(config_or_name)
 
