@@ -43,3 +43,22 @@ def test_max_rel_err_names_the_worst_parameter_and_nan_wins():
 def test_different_parameter_sets_are_an_error():
     with pytest.raises(ValueError):
         max_rel_err({"a": torch.ones(1)}, {"b": torch.ones(1)})
+
+
+def test_max_grad_err_judges_a_rounding_zero_gradient_against_the_models_gradient_scale():
+    ref = {"big": torch.full((100,), 1.0), "zero": torch.full((100,), 1e-9)}
+    grads = {"big": ref["big"].clone(), "zero": torch.full((100,), -1e-9)}
+    assert max_rel_err(grads, ref)[0] == pytest.approx(2.0)  # noise over noise
+    err, worst = compare.max_grad_err(grads, ref)
+    rms = math.sqrt((100 * 1.0 + 100 * 1e-18) / 200)
+    assert worst == "zero"
+    assert err == pytest.approx(2e-9 * 10 / (1e-9 * 10 + 10 * rms), rel=1e-6)
+    assert err < 1e-8
+
+
+def test_max_grad_err_still_sees_a_wrong_gradient_and_nan():
+    ref = {"a": torch.ones(4), "b": torch.ones(4)}
+    assert compare.max_grad_err({"a": torch.ones(4), "b": torch.ones(4) * 1.5}, ref) == (
+        pytest.approx(0.5 * 2 / (2 + 2)), "b")
+    err, worst = compare.max_grad_err({"a": torch.ones(4), "b": torch.tensor([float("nan")] * 4)}, ref)
+    assert math.isnan(err) and worst == "b"

@@ -45,7 +45,7 @@ def test_a_method_with_wrong_gradients_fails(monkeypatch):
     report = verify_methods("tiny/llama", dtype="float64", methods=("checkpoint", "streambp"), **SMALL)
     verdicts = {result.method: result for result in report.results}
     assert verdicts["checkpoint"].ok and not verdicts["streambp"].ok
-    assert verdicts["streambp"].max_rel_err == pytest.approx(1e-3, rel=1e-4)
+    assert 5e-4 < verdicts["streambp"].max_rel_err < 1e-3  # 1e-3 relative, over norm + atol (CRITERION)
     assert not report.ok
 
 

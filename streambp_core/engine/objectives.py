@@ -50,7 +50,7 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 class SFTObjective:
     """Mean token cross-entropy over valid (label != -100) shifted targets of the whole batch.
 
-    Matches transformers' causal-LM loss, which computes it on float32 logits.
+    Matches transformers' causal-LM loss, which computes it on float32 logits; float64 logits keep float64.
     """
 
     targets: Tensor  # (B, T) shifted labels
@@ -59,10 +59,7 @@ class SFTObjective:
     linear_reduce = True
     """`reduce` is linear in S, so dL/dS is known before S is: the head can take gradients in its forward."""
 
-    @staticmethod
-    def logits_dtype(dtype: torch.dtype) -> torch.dtype:
-        """transformers' loss upcasts logits to float32 (and downcasts float64 to it); so does this one."""
-        return torch.float32
+    logits_dtype = staticmethod(at_least_float32)
 
     @classmethod
     def from_labels(cls, labels: Tensor) -> SFTObjective:

@@ -10,8 +10,9 @@ from torch import Tensor, nn
 
 from streambp_core.config import OBJECTIVES, ConfigError, StreamConfig
 from streambp_core.engine.objectives import default_labels
+from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
-from streambp_core.models.adapters import DecoderParts, decoder_parts
+from streambp_core.models.adapters import DecoderParts
 
 
 class Run:
@@ -28,9 +29,20 @@ class Run:
         self.model = model
         self.config = config
         self.objective_name = objective
-        self.parts: DecoderParts = decoder_parts(model)
+        self.parts: DecoderParts = guards.parts_of(model)
+        self._check_dropout()
+        guards.claim(self.parts, self)
         self._closed = False
-        self._setup()
+        try:
+            self._setup()
+        except BaseException:
+            guards.release(self.parts, self)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run (the model is plain again)."""
+        return self._closed
 
     def loss(
         self,
@@ -47,8 +59,11 @@ class Run:
         if self._closed:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
         _check_batch(input_ids, attention_mask, labels)
+        guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
+        if self.objective_name == "sft":
+            guards.check_sft_targets(labels)
         self._input_ids = input_ids
         return self._loss(input_ids, attention_mask, labels, **objective_inputs)
 
@@ -59,14 +74,20 @@ class Run:
     def close(self) -> None:
         """Undo what preparing changed; the model is plain again."""
         if not self._closed:
-            self._teardown()
-            self._closed = True
+            try:
+                self._teardown()
+            finally:
+                self._closed = True
+                guards.release(self.parts, self)
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def _check_dropout(self) -> None:
+        """ConfigError when dropout is on where this method cannot replay it (see `guards`)."""
 
     def _setup(self) -> None:
         """Change the model for this method (reversibly)."""

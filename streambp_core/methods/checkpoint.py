@@ -1,4 +1,9 @@
-"""checkpoint: transformers' own per-layer activation checkpointing; full logits as usual."""
+"""checkpoint: transformers' own per-layer activation checkpointing; full logits as usual.
+
+transformers checkpoints a layer only while the layer is in train mode; for a model in eval() the run
+puts the decoder layers themselves (not their children: dropout stays off) in train mode while it is
+open, so eval() changes the dropout, never whether the method checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,13 @@ class CheckpointRun(PlainRun):
         self._had_input_grads_hook = hasattr(self.model, "_require_grads_hook")
         self._attributes_before = {m: set(vars(m)) for m in self.model.modules()}
         enable_activation_checkpointing(self.model)
+        self._eval_layers = [layer for layer in self.parts.layers if not layer.training]
+        for layer in self._eval_layers:
+            layer.training = True  # the layer's own flag only: transformers' checkpoint gate
 
     def _teardown(self) -> None:
+        for layer in self._eval_layers:
+            layer.training = False
         if not self._was_checkpointing:
             disable_activation_checkpointing(self.model)
         if not self._had_input_grads_hook and hasattr(self.model, "_require_grads_hook"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import HeadPlan, StreamedHead
 from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
+from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
 
 
@@ -13,6 +14,12 @@ class MstRun(CheckpointRun):
     """Checkpointed layers with chunked MLPs; the head never materialises T x vocab logits."""
 
     method = "mst"
+
+    def _check_dropout(self) -> None:
+        super()._check_dropout()
+        recomputed = [*(layer.mlp for layer in self.parts.layers), self.parts.lm_head]
+        guards.refuse_dropout(self.method, guards.active_dropout(recomputed),
+                              "its chunked MLP and LM head recompute without replaying the forward's masks")
 
     def _setup(self) -> None:
         super()._setup()

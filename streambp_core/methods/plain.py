@@ -1,10 +1,16 @@
-"""plain: the model untouched; transformers' own forward, loss and backward. The reference."""
+"""plain: the model untouched; transformers' own forward, loss and backward. The reference.
+
+A float64 model's loss is computed from its float64 logits (transformers' loss would cast them to float32).
+"""
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 
+import torch
+
 from streambp_core.engine.hf_attention import engine_attention, engine_mask_argument
+from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 
 
@@ -12,6 +18,12 @@ class PlainRun(Run):
     """Ordinary backpropagation: every activation of every layer and the full logits are kept."""
 
     method = "plain"
+
+    def _check_dropout(self) -> None:
+        if self.uses_engine_attention:
+            attention = (layer.self_attn for layer in self.parts.layers)
+            guards.refuse_dropout(self.method, guards.attention_dropout(attention),
+                                  "the engine's attention kernel has no dropout")
 
     def _setup(self) -> None:
         self._attention = ExitStack()
@@ -29,6 +41,12 @@ class PlainRun(Run):
             return next(self.model.parameters()).device.type == "meta"
         return choice == "engine"
 
+    @property
+    def _float64_head(self) -> bool:
+        """Whether the logits are float64: transformers' own loss would compute them in float32
+        (`logits.float()`), so the loss is taken from the logits here, in float64."""
+        return self.parts.lm_head.weight.dtype == torch.float64
+
     def mask_argument(self, attention_mask):
         """The attention mask in the form the model's attention implementation expects."""
         if self.uses_engine_attention:
@@ -37,7 +55,7 @@ class PlainRun(Run):
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
         mask = self.mask_argument(attention_mask)
-        if self.objective_name == "sft" and not objective_inputs:
+        if self.objective_name == "sft" and not objective_inputs and not self._float64_head:
             return self.model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
         logits = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
         return full_logits_loss(self, logits, labels, **objective_inputs)

@@ -13,6 +13,7 @@ from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
 from streambp_core.measure.tags import memory_category
+from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
 from streambp_core.models.adapters import layer_parts
 
@@ -21,6 +22,11 @@ class StreamBPRun(Run):
     """Exact backpropagation with one chunk's activations alive per layer."""
 
     method = "streambp"
+
+    def _check_dropout(self) -> None:
+        recomputed = [*self.parts.layers, self.parts.norm, self.parts.lm_head]
+        guards.refuse_dropout(self.method, guards.active_dropout(recomputed),
+                              "its chunked recompute does not replay the forward's random masks")
 
     def _setup(self) -> None:
         cfg = self.config

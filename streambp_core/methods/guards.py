@@ -1,0 +1,113 @@
+"""Checks `prepare` and `run.loss` make before touching a model, so misuse is a one-line ConfigError
+instead of a traceback or a silently wrong gradient:
+
+- the model is a transformers `*ForCausalLM` (optionally peft-wrapped) of a supported family;
+- no other run is open on it (closing the first would silently undo the second);
+- no dropout is active in a module the method recomputes outside torch's checkpoint (whose
+  `preserve_rng_state` replays the forward's random masks): a recompute with fresh masks would give
+  gradients of a different function than the forward computed;
+- the batch is non-empty, its token ids are in the vocabulary, and a cross-entropy has a target.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from streambp_core.config import ConfigError
+from streambp_core.engine.objectives import IGNORE_INDEX
+from streambp_core.models.adapters import DecoderParts, decoder_parts
+
+OPEN_RUN_ATTRIBUTE = "_streambp_open_run"
+"""Attribute of a prepared model's decoder stack: a weak reference to the run that prepared it."""
+
+
+def parts_of(model: nn.Module) -> DecoderParts:
+    """The decoder pieces of `model`, or ConfigError when it is not a transformers causal LM."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not isinstance(base, PreTrainedModel):
+        raise ConfigError(
+            "prepare() takes a transformers *ForCausalLM (optionally peft-wrapped), "
+            f"got {type(model).__name__}"
+        )
+    try:
+        return decoder_parts(model)
+    except AttributeError as error:
+        raise ConfigError(
+            f"prepare() takes a *ForCausalLM with a decoder stack and an lm_head; {type(base).__name__} "
+            f"has no {error.name or 'such part'}"
+        ) from None
+
+
+def claim(parts: DecoderParts, run: object) -> None:
+    """Mark the model as prepared by `run`; ConfigError when another run on it is still open."""
+    previous = getattr(parts.backbone, OPEN_RUN_ATTRIBUTE, None)
+    holder = previous() if previous is not None else None
+    if holder is not None and not getattr(holder, "closed", True):
+        raise ConfigError(
+            f"this model is already prepared for {holder.method} and that run is still open; close it "
+            "(run.close() or leave its with-block) before preparing the model again"
+        )
+    setattr(parts.backbone, OPEN_RUN_ATTRIBUTE, weakref.ref(run))
+
+
+def release(parts: DecoderParts, run: object) -> None:
+    """Remove the mark `claim` left, if it is `run`'s."""
+    current = getattr(parts.backbone, OPEN_RUN_ATTRIBUTE, None)
+    if current is not None and current() in (run, None):
+        delattr(parts.backbone, OPEN_RUN_ATTRIBUTE)
+
+
+def active_dropout(modules: Iterable[nn.Module]) -> Iterator[tuple[str, float]]:
+    """(where, probability) of every dropout that is on in `modules` and their children: an nn.Dropout
+    with p > 0 in train mode, or an attention module in train mode with `attention_dropout` > 0."""
+    for root in modules:
+        for module in root.modules():
+            if module.training and isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+                yield type(module).__name__, float(module.p)
+        yield from attention_dropout(root.modules())
+
+
+def attention_dropout(modules: Iterable[nn.Module]) -> Iterator[tuple[str, float]]:
+    """(where, probability) of the attention modules among `modules` (not their children) whose
+    transformers forward applies dropout to the attention probabilities."""
+    for module in modules:
+        rate = getattr(module, "attention_dropout", None)
+        if module.training and isinstance(rate, float) and rate > 0:
+            yield f"{type(module).__name__}.attention_dropout", rate
+
+
+def refuse_dropout(method: str, found: Iterable[tuple[str, float]], why: str) -> None:
+    """ConfigError naming the first active dropout in `found`, which `method` cannot run exactly."""
+    first = next(iter(found), None)
+    if first is not None:
+        name, rate = first
+        raise ConfigError(
+            f"{method} cannot train with dropout exactly ({name} p={rate:g} in train mode): {why}; "
+            "set the dropout to 0 (attention_dropout, lora_dropout) or call model.eval()"
+        )
+
+
+def check_tokens(input_ids: Tensor, vocab_size: int) -> None:
+    """ConfigError for an empty batch, non-integer ids, or ids outside 0..vocab_size-1 (one host sync)."""
+    if input_ids.shape[0] == 0:
+        raise ConfigError("the batch is empty: input_ids has 0 rows")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ConfigError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.device.type != "meta" and bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+        raise ConfigError(f"input_ids holds token ids outside the vocabulary 0..{vocab_size - 1}")
+
+
+def check_sft_targets(labels: Tensor) -> None:
+    """ConfigError when no position has a target (every shifted label is -100): the mean cross-entropy
+    would be 0/0 = NaN."""
+    if labels.device.type != "meta" and not bool((labels[:, 1:] != IGNORE_INDEX).any()):
+        raise ConfigError(
+            "every label is -100 (ignored) after the shift, so the cross-entropy has no target token "
+            "and its mean would be NaN; label at least one token after the first"
+        )
