@@ -2,7 +2,9 @@
 
 A long-format CSV, one row per point and metric (DESIGN.md, Results contract). Re-running a point
 replaces its row; each write goes to a temporary file that `os.replace` moves over the old one, so an
-interrupted sweep (Ctrl-C, kill -9) keeps every finished row and never leaves a half-written file:
+interrupted sweep (Ctrl-C, kill -9) keeps every finished row and never leaves a half-written file, and
+the read-merge-replace holds a file lock, so concurrent sweeps into one CSV lose no rows
+(`streambp_bench.csv_io`):
 
     results = ResultsFile("results/sweep.csv")
     if ResultRow.key_of(**point) not in {row.key() for row in results.rows()}:  # point: KEY_COLUMNS
@@ -11,15 +13,12 @@ interrupted sweep (Ctrl-C, kill -9) keeps every finished row and never leaves a 
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import functools
 import importlib
 import math
 import operator
 import os
 import subprocess
-import tempfile
 import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from streambp_bench import csv_io
 from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
 from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, PROTOCOLS, StepSpec
@@ -278,7 +278,7 @@ class ResultsFile:
     def rows(self) -> list[ResultRow]:
         """All rows, parsed and validated (SchemaError names the line of a bad cell); [] without a file."""
         rows = []
-        for line_number, record in enumerate(self._records(), start=2):
+        for line_number, record in self._records():
             try:
                 rows.append(ResultRow.from_record(record))
             except (TypeError, ValueError) as error:
@@ -290,41 +290,31 @@ class ResultsFile:
         self.append_many([row])
 
     def append_many(self, rows: Iterable[ResultRow]) -> None:
-        """Upsert several rows in one atomic rewrite; within `rows` the last of equal keys wins."""
-        by_key = {row.key(): row for row in self.rows()}
-        by_key.update((row.key(), row) for row in rows)
-        self._write([row.to_record() for row in by_key.values()])
+        """Upsert several rows in one locked, atomic read-merge-replace; within `rows` the last of equal
+        keys wins, and rows other writers added meanwhile are kept."""
+        new_rows = list(rows)
+        with csv_io.locked(self.path):
+            by_key = {row.key(): row for row in self.rows()}
+            by_key.update((row.key(), row) for row in new_rows)
+            csv_io.atomic_rewrite(self.path, COLUMNS, [row.to_record() for row in by_key.values()])
 
-    def _records(self) -> list[dict[str, str]]:
-        """The raw CSV records (cell text), header checked, schema-1 records completed (`schema_history`);
-        [] when the file does not exist."""
+    def check_target(self) -> None:
+        """Before any work: SchemaError or ConfigError (one line) unless rows can be written here: an
+        existing file must be a results CSV of this schema (or schema 1), and its folder writable."""
+        self.rows()
+        csv_io.check_writable(self.path)
+
+    def _records(self) -> list[tuple[int, dict[str, str]]]:
+        """(line number, raw record) per row, header checked, schema-1 records completed
+        (`schema_history`); [] when the file does not exist."""
         if not self.path.exists():
             return []
-        with self.path.open(newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
-            if is_schema_1(reader.fieldnames):
-                return [complete_schema_1(record) for record in reader]
-            header = reader.fieldnames
-            added = [name for name in ADDED_COLUMNS if header and name not in header]
-            check_header([*header, *added] if header else header, self.path)
-            return [{**record, **dict.fromkeys(added, "")} for record in reader]
-
-    def _write(self, records: list[dict[str, str]]) -> None:
-        """Write all records to a temporary file next to the target, fsync it, then `os.replace` it in."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", newline="", encoding="utf-8") as handle:
-                writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-                writer.writeheader()
-                writer.writerows(records)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp_name, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp_name)
-            raise
+        header, records = csv_io.read_records(self.path)
+        if is_schema_1(header):
+            return [(line, complete_schema_1(record)) for line, record in records]
+        added = [name for name in ADDED_COLUMNS if header and name not in header]
+        check_header([*header, *added] if header else header, self.path)
+        return [(line, {**record, **dict.fromkeys(added, "")}) for line, record in records]
 
 
 def check_header(header: typing.Sequence[str] | None, path: Path) -> None:

@@ -1,0 +1,121 @@
+"""A CSV file read strictly and rewritten safely by several processes at once.
+
+- Reading: a file that is not UTF-8 text, holds NUL bytes, is a directory, or whose rows do not have
+  the header's cells (a row cut short, or the last row cut mid-row: no end of line) is a SchemaError
+  naming the line, never a half-parsed row.
+- Rewriting: `locked(path)` holds an exclusive lock (the `filelock` package, a `.NAME.lock` file beside
+  the CSV) around a read-merge-replace, so concurrent writers never lose each other's rows;
+  `atomic_rewrite` writes a temporary file in the same directory, fsyncs it, gives it the old file's
+  permission bits (a new file gets the umask's) and `os.replace`s it over the file. Through a symlink
+  the file it points to is rewritten and the link is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from streambp_bench.errors import SchemaError
+from streambp_core.config import ConfigError
+
+LOCK_TIMEOUT_S = 300.0
+"""How long a writer waits for another one's read-merge-replace before giving up."""
+
+
+Record = dict[str, str]
+
+
+def real_path(path: str | os.PathLike[str]) -> Path:
+    """`path` with every symlink resolved: the file a rewrite must replace."""
+    return Path(os.path.realpath(path))
+
+
+def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]]:
+    """(header, [(line number, record)]) of an existing CSV; SchemaError when it is not one (module doc)."""
+    if path.is_dir():
+        raise SchemaError(f"{path} is a directory, not a CSV file")
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as error:
+        raise SchemaError(f"{path} is not a text CSV file (byte {error.start} is not UTF-8)") from None
+    reader = csv.DictReader(io.StringIO(text))
+    records = []
+    try:
+        header = reader.fieldnames
+        for record in reader:
+            _check_cells(path, reader.line_num, record, len(header or ()))
+            records.append((reader.line_num, record))
+    except csv.Error as error:
+        raise SchemaError(f"{path}, line {reader.line_num}: not a CSV file ({error})") from None
+    if records and not text.endswith(("\n", "\r")):
+        raise SchemaError(f"{path}, line {records[-1][0]}: the file ends mid-row (no end of line after it)")
+    return header, records
+
+
+def _check_cells(path: Path, line: int, record: dict, expected: int) -> None:
+    """SchemaError unless a DictReader record has exactly the header's cells."""
+    missing = sum(value is None for key, value in record.items() if key is not None)
+    extra = len(record.get(None) or ())
+    if missing or extra:
+        found = expected - missing + extra
+        raise SchemaError(f"{path}, line {line}: {found} cells where the header has {expected} (cut short?)")
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Hold the writers' lock of the CSV at `path` (resolved through symlinks); yields the real path."""
+    real = real_path(path)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(real.with_name(f".{real.name}.lock")), timeout=LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(f"{path}: another writer held its lock for over {LOCK_TIMEOUT_S:g} s") from None
+    try:
+        yield real
+    finally:
+        lock.release()
+
+
+def atomic_rewrite(path: str | os.PathLike[str], header: Sequence[str], records: Sequence[Record]) -> None:
+    """Replace the CSV at `path` (through symlinks) with `header` and `records`, atomically (module doc)."""
+    real = real_path(path)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(real.stat().st_mode) if real.exists() else None
+    temp = real.with_name(f".{real.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        with os.fdopen(descriptor, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(header))
+            writer.writeheader()
+            writer.writerows(records)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(temp, mode)
+        os.replace(temp, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """ConfigError when a file could not be created or replaced at `path`: its nearest existing folder is
+    not a directory or not writable."""
+    folder = real_path(path).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"cannot write {path}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {path}: no permission to write in {folder}")
