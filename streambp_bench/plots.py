@@ -3,6 +3,8 @@
 Each function takes rows of results CSVs and returns a `Figure` on an Agg canvas (no pyplot state);
 `save` writes a PNG. `error` rows are left out; `oom` rows become an x at the first length that ran out
 of memory. Every title names the sources of its numbers (simulated / measured-cuda / measured-cpu).
+Lengths are in k tokens with k = 1000 (the paper's unit; the axes say so); memory in GiB = 2**30 bytes,
+or MiB = 2**20 bytes when every value of a panel is below 1 GiB.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ VARIANT_COLUMNS = (
 """Columns that split a method's rows into separate lines when they vary within the method."""
 PARTITION_COLUMNS = ("partition_size", "head_partition_size")
 DPI = 150
+TOKENS_PER_K = 1000
+"""Tokens per `k` on every length axis and bar label (the paper's unit)."""
+LENGTH_LABEL = "sequence length (k tokens, k = 1000)"
 _PREFIXES = dict(
     partition_size="ps ", head_partition_size="ps-head ", batch_size="batch ", lora_rank="LoRA r",
     attn="attn ", protocol="protocol ", grads="grads ",
@@ -38,7 +43,8 @@ _PREFIXES = dict(
 def memory_vs_length(
     df: pd.DataFrame, budget_gib: float | None = None, weights_grads_gib: float | None = None
 ) -> Figure:
-    """Peak memory (GiB) vs sequence length (k tokens), one line per method and one panel per model.
+    """Peak memory (GiB, or MiB below 1 GiB) vs sequence length (k tokens), one line per method and one
+    panel per model.
 
     Draws the memory budget (default: the rows' `budget_gib`) and the weights + grads floor (default:
     the median of `weights_gib + grads_gib` over the model's ok rows) as horizontal lines, and an x at
@@ -49,14 +55,16 @@ def memory_vs_length(
     for ax, (model, rows) in zip(axes, data.groupby("model", sort=False), strict=True):
         budget = budget_gib if budget_gib is not None else _first(rows["budget_gib"])
         floor = weights_grads_gib if weights_grads_gib is not None else _weights_grads(rows)
-        _draw_methods(ax, rows, oom_y=budget)
+        scale, unit = memory_unit([*rows["value"].dropna(), *(v for v in (budget, floor) if v is not None)])
+        _draw_methods(ax, rows, scale=scale, oom_y=None if budget is None else budget * scale)
         if budget is not None:
-            ax.axhline(budget, color="black", linestyle="--", linewidth=1.2, label=f"budget {budget:g} GiB")
+            ax.axhline(budget * scale, color="black", linestyle="--", linewidth=1.2,
+                       label=f"budget {budget * scale:g} {unit}")
         if floor is not None:
-            ax.axhline(
-                floor, color="gray", linestyle=":", linewidth=1.5, label=f"weights + grads {floor:.1f} GiB"
-            )
-        _finish(ax, _panel_title(model, rows, data), "peak memory (GiB)", oom=rows["status"].eq("oom").any())
+            ax.axhline(floor * scale, color="gray", linestyle=":", linewidth=1.5,
+                       label=f"weights + grads {floor * scale:.1f} {unit}")
+        oom = rows["status"].eq("oom").any()
+        _finish(ax, _panel_title(model, rows, data), f"peak memory ({unit})", oom=oom)
     fig.suptitle(f"Peak memory vs sequence length ({_sources(data)})")
     return fig
 
@@ -107,21 +115,28 @@ def max_length_bars(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> Figu
             ours = rows.loc[rows["method"] == method, "value"]
             theirs = _paper_value(paper, rows, method)
             if not ours.empty:
-                ax.bar_label(ax.bar(x, ours.max() / 1e3, width, color=color), fmt="%.1f", fontsize=7)
+                bar = ax.bar(x, ours.max() / TOKENS_PER_K, width, color=color)
+                ax.bar_label(bar, fmt="%.1f", fontsize=7)
             if theirs is not None:
-                bar = ax.bar(
-                    x + width, theirs / 1e3, width, color=color, alpha=0.35, hatch="//", edgecolor=color
-                )
+                bar = ax.bar(x + width, theirs / TOKENS_PER_K, width, color=color, alpha=0.35, hatch="//",
+                             edgecolor=color)
                 ax.bar_label(bar, fmt="%.1f", fontsize=7)
     ax.set_xticks(range(len(groups)), [label for label, _ in groups])
     handles = [Patch(color=METHOD_COLORS.get(m, f"C{i}"), label=m) for i, m in enumerate(methods)]
     if paper is not None:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="paper"))
     ax.legend(handles=handles, fontsize=8)
-    ax.set(ylabel="max sequence length (k tokens)")
+    ax.set(ylabel="max sequence length (k tokens, k = 1000)")
     ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Maximum trainable length ({_sources(data)}{'' if paper is None else '; hatched: paper'})")
     return fig
+
+
+def memory_unit(values_gib) -> tuple[float, str]:
+    """(factor from GiB, unit): MiB when every value is below 1 GiB (so small models do not read 0.00),
+    else GiB."""
+    values = [abs(float(v)) for v in values_gib]
+    return (1024.0, "MiB") if values and max(values) < 1.0 else (1.0, "GiB")
 
 
 def available_kinds(df: pd.DataFrame) -> list[str]:
@@ -278,21 +293,20 @@ def _draw_line(
 ) -> None:
     """The ok points as a line, and an x at the shortest OOM length (at `oom_y`, else the top edge)."""
     ok = series[series["status"] == "ok"].sort_values("seq_len_tokens")
-    x, y = ok["seq_len_tokens"] / 1e3, ok["value"] * scale
+    x, y = ok["seq_len_tokens"] / TOKENS_PER_K, ok["value"] * scale
     ax.plot(x, y, marker="o", markersize=4, color=color, label=label)
     oom = series.loc[series["status"] == "oom", "seq_len_tokens"]
     if oom.empty:
         return
     # x in data units; y on the budget line, else at the top edge (axes units)
     y, transform = (oom_y, ax.transData) if oom_y is not None else (0.97, ax.get_xaxis_transform())
-    ax.scatter(
-        [oom.min() / 1e3], [y], marker="x", s=70, color=color, zorder=3, linewidths=2, transform=transform
-    )
+    x_oom = oom.min() / TOKENS_PER_K
+    ax.scatter([x_oom], [y], marker="x", s=70, color=color, zorder=3, linewidths=2, transform=transform)
 
 
 def _finish(ax: Axes, title: str, ylabel: str, *, oom: bool) -> None:
     """Axis labels, title, grid and a legend (with an entry explaining the OOM marker when one is drawn)."""
-    ax.set(title=title, xlabel="sequence length (k tokens)", ylabel=ylabel)
+    ax.set(title=title, xlabel=LENGTH_LABEL, ylabel=ylabel)
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)

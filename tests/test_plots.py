@@ -41,6 +41,23 @@ def oom_markers(fig: Figure, panel: int = 0) -> list[tuple[float, float]]:
 # --- figures ------------------------------------------------------------------------------------------
 
 
+def test_length_axes_say_their_unit(memory_df: pd.DataFrame) -> None:
+    fig = plots.memory_vs_length(memory_df)
+    assert fig.axes[0].get_xlabel() == "sequence length (k tokens, k = 1000)"
+    assert list(lines_by_label(fig)["streambp"].get_xdata())[0] == 4096 / 1000
+
+
+def test_memory_below_one_gib_is_drawn_in_mib(memory_df: pd.DataFrame) -> None:
+    small = memory_df.assign(value=memory_df["value"] / 200, budget_gib=0.5, weights_gib=0.01, grads_gib=0.01)
+    fig = plots.memory_vs_length(small)
+    lines = lines_by_label(fig)
+    assert fig.axes[0].get_ylabel() == "peak memory (MiB)"
+    assert list(lines["budget 512 MiB"].get_ydata()) == [512.0, 512.0]
+    assert "weights + grads 20.5 MiB" in lines
+    assert lines["streambp"].get_ydata()[0] == pytest.approx(memory_df.query("method == 'streambp'")[
+        "value"].iloc[0] / 200 * 1024)
+
+
 def test_memory_figure_has_a_line_per_method_budget_floor_and_oom_marks(
     memory_df: pd.DataFrame, tmp_path: Path
 ) -> None:
@@ -164,7 +181,8 @@ def _header_only(path: Path) -> Path:
     ("make_input", "extra", "message"),
     [
         (lambda d: d / "missing.csv", [], "no such results file"),
-        (lambda d: d, [], "Is a directory"),
+        (lambda d: d, [], "is a directory, not a CSV file"),
+        (lambda d: (d / "b.csv", (d / "b.csv").write_bytes(b"\x89PNG\x00\xff"))[0], [], "not a text CSV"),
         (lambda d: (d / "zero.csv", (d / "zero.csv").write_text(""))[0], [], "empty: no CSV header"),
         (lambda d: _header_only(d / "head.csv"), [], "has a header but no rows"),
         (lambda d: (d / "o.csv", (d / "o.csv").write_text("a,b\n1,2\n"))[0], [], "missing columns: method"),
