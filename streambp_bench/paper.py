@@ -1,4 +1,4 @@
-"""The StreamBP paper's published numbers, as data (PAPER.md §3).
+"""The StreamBP paper's published numbers, as data (its Fig. 3 and Tables 1, 3, 4 and 6).
 
 Source: Luo, Li, Zhao, Li, "StreamBP: Memory-Efficient Exact Backpropagation for Long Sequence Training
 of LLMs", arXiv 2506.03077 (NeurIPS 2025); measured on an A800-80GB, bf16 weights and grads, batch 1,

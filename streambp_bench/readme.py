@@ -225,8 +225,8 @@ def render(out_dir: Path) -> str:
         "# Reproduced results",
         "",
         "Written by `streambp-bench reproduce` from the CSVs in this directory "
-        f"(numbers next to {paper.PAPER}, PAPER.md §3). Each table names its source: simulated, "
-        "measured-cpu or measured-cuda.",
+        f"(numbers next to {paper.PAPER}: Fig. 3 and Tables 1, 3, 4 and 6). Each table names its source: "
+        "simulated, measured-cpu or measured-cuda.",
         "",
         PROTOCOL,
     ]
