@@ -131,3 +131,14 @@ def test_a_float64_model_loss_is_computed_in_float64_by_every_method():
             loss = run.loss(IDS)
         assert loss.dtype == torch.float64
         assert abs(loss.item() - expected.item()) <= 1e-13 * expected.item(), method
+
+
+def test_lora_wrapping_raises_no_deprecation_warning_from_transformers():
+    import warnings
+
+    from streambp_core.models.lora import apply_lora
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(_model(torch.float32), 4)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 from torch import nn
 
@@ -24,4 +25,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Mo
 
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 4 * rank, lora_dropout=0.0,
                         target_modules=list(LORA_TARGETS), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
