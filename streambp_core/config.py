@@ -18,6 +18,9 @@ PROTOCOLS = ("default", "paper")
 """Step protocols of a memory figure (see `streambp_core.measure.protocol`)."""
 HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
+OFFLOAD_MODES = ("none", "checkpoints")
+"""Where the tensors a method keeps from forward for backward live: on the device ("none"), or in host
+memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""
 GRADS_MODES = ("resident", "fresh")
 """Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
 OPTIMIZERS = ("none", "adamw")
@@ -65,8 +68,14 @@ class StreamConfig:
     A chunk's memory depends only on its position, so the peak is unchanged while the step is not a
     real step; `prepare` refuses it on a model whose parameters are not on the meta device."""
 
+    offload: str = "none"
+    """'checkpoints': keep what the method saves between forward and backward (layer inputs) in host
+    memory. checkpoint and mst through transformers' checkpoint offload; streambp through
+    `engine.offload.HostChain`. plain keeps no checkpoints and refuses it."""
+
     def __post_init__(self) -> None:
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
+        require_choice("offload", self.offload, OFFLOAD_MODES)
         if self.keep_chunks is not None:
             require_positive("keep_chunks", self.keep_chunks)
         for name in ("partition_size", "head_partition_size"):

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.objectives import LINEAR_REDUCE_OBJECTIVES
+from streambp_core.engine.offload import HostChain
 from streambp_core.measure.tags import GRADS, memory_category
 
 
@@ -38,6 +39,8 @@ class HeadPlan:
     partition_size: int
     keep_chunks: int | None = None
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
+    offload: HostChain | None = None
+    """Keep the hidden states in host memory between forward and backward (`engine.offload`)."""
 
 
 def _chunk_terms(plan: HeadPlan, objective, hidden: Tensor, start: int, end: int) -> Tensor:
@@ -73,13 +76,16 @@ class StreamedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, objective, plan: HeadPlan, *params):
         ctx.objective, ctx.plan, ctx.params = objective, plan, params
+        ctx.host_input = None if plan.offload is None else plan.offload.save(hidden)
         stats = sequence_stats(plan, objective, hidden)
-        ctx.save_for_backward(hidden, stats)
+        ctx.save_for_backward(hidden if ctx.host_input is None else None, stats)
         return objective.reduce(stats)
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, stats = ctx.saved_tensors
+        if ctx.host_input is not None:
+            hidden = ctx.host_input.load()
         plan, objective = ctx.plan, ctx.objective
         d_stats = stats_grad(objective, stats, grad_loss)
         grad_hidden = torch.empty_like(hidden)
@@ -88,6 +94,8 @@ class StreamedHead(torch.autograd.Function):
             h = leaf(hidden[:, start:end])
             chunk_backward(plan, objective, h, start, end, d_stats, ctx.params)
             grad_hidden[:, start:end] = grad_or_zeros(h)
+            if ctx.host_input is not None:
+                ctx.host_input.chunk_done(start, end)
         return (grad_hidden, None, None, *([None] * len(ctx.params)))
 
 

@@ -17,6 +17,7 @@ Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from streambp_core.engine.linear_grads import (
     plain_linear,
     rotate,
 )
+from streambp_core.engine.offload import HostChain
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import LayerParts
 
@@ -49,6 +51,8 @@ class LayerPlan:
     nothing but the next streamed layer or head (no hooks, no retained grads), as in `StreamBPRun`."""
     keep_chunks: int | None = None
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
+    offload: HostChain | None = None
+    """Keep H_in in host memory between forward and backward, in this step's chain (`engine.offload`)."""
 
 
 def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -145,11 +149,13 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
     return h_out
 
 
-def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params) -> Tensor:
+def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
+                      chunk_done: Callable[[int, int], None] | None = None) -> Tensor:
     """Accumulate the layer's weight gradients in `.grad` and return dL/dH_in (see module docstring).
 
     With `plan.reuse_grad_out`, dL/dH_in is written over dL/dH_out chunk by chunk (chunk s..e reads only
     its own slice of dL/dH_out, and chunks run last to first), so one (B, T, d) gradient is alive, not two.
+    `chunk_done(start, end)` is called once chunk start..end no longer reads H_in (offload prefetch).
     """
     keys, values, raw_keys = _kv_cache(plan, h_in, cos, sin)
     with memory_category("kv"):
@@ -162,6 +168,8 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params) -> Tens
                                      _valid(key_valid, end), kv, grad_out[:, start:end], params)
         grad_in[:, start:end] = chunk_grad
         del kv, chunk_grad
+        if chunk_done is not None:
+            chunk_done(start, end)
     return grad_in
 
 
@@ -245,12 +253,17 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, *params):
         ctx.plan, ctx.params = plan, params
-        ctx.save_for_backward(h_in, cos, sin, key_valid)
+        ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
+        ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
         with torch.no_grad():
             return streamed_forward(plan, h_in, cos, sin, key_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
         h_in, cos, sin, key_valid = ctx.saved_tensors
-        grad_in = streamed_backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params)
+        host = ctx.host_input
+        if host is not None:
+            h_in = host.load()
+        grad_in = streamed_backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params,
+                                    None if host is None else host.chunk_done)
         return (grad_in, None, None, None, None, *([None] * len(ctx.params)))

@@ -6,6 +6,10 @@ watched by a weak reference. The reference's callback only queues the reference 
 `deque.append`, safe from any thread and from inside garbage collection); `drain()` applies queued frees,
 and the tracker drains before every addition, so the peak is exact: every free that happened before an
 allocation is applied before that allocation is counted.
+
+Two pools: storages filed under a host category (`tags.HOST_CATEGORIES`, e.g. offloaded checkpoints)
+count in the host pool (`host_live_bytes`, `host_peak_bytes`), every other one in the device pool
+(`live_bytes`, `peak_bytes` and the breakdowns). Each pool has its own peak.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streambp_core.measure.tags import CATEGORIES, check_category
+from streambp_core.measure.tags import CATEGORIES, HOST_CATEGORIES, check_category
 
 
 class _StorageRef(weakref.ref):
@@ -39,10 +43,12 @@ class StorageLedger:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
         self._freed: deque[_StorageRef] = deque()
-        self._by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._by_category: dict[str, int] = dict.fromkeys(CATEGORIES + HOST_CATEGORIES, 0)
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.peak_breakdown: dict[str, int] = dict(self._by_category)
+        self.peak_breakdown: dict[str, int] = self.breakdown()
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
         self.devices: set[str] = set()
 
     def knows(self, storage: torch.UntypedStorage) -> bool:
@@ -61,13 +67,22 @@ class StorageLedger:
         self.devices.add(device)
         self._change(category, nbytes)
 
+    def category(self, storage: torch.UntypedStorage) -> str | None:
+        """The category a tracked storage is filed under; None if it is not tracked."""
+        entry = self._entries.get(id(storage))
+        return None if entry is None else entry.category
+
     def retag(self, storage: torch.UntypedStorage, category: str) -> bool:
         """Move a tracked storage's bytes to `category`; False if the storage is not tracked."""
         entry = self._entries.get(id(storage))
         if entry is None:
             return False
-        self._by_category[entry.category] -= entry.nbytes
-        self._by_category[category] += entry.nbytes
+        if (entry.category in HOST_CATEGORIES) == (category in HOST_CATEGORIES):
+            self._by_category[entry.category] -= entry.nbytes
+            self._by_category[category] += entry.nbytes
+        else:  # a move between pools: free in one, allocate in the other
+            self._change(entry.category, -entry.nbytes)
+            self._change(category, entry.nbytes)
         entry.category = category
         return True
 
@@ -92,13 +107,18 @@ class StorageLedger:
                 self._change(entry.category, -entry.nbytes)
 
     def reset_peak(self) -> None:
-        """Make what is live now the peak."""
+        """Make what is live now the peak (of both pools)."""
         self.peak_bytes = self.live_bytes
-        self.peak_breakdown = dict(self._by_category)
+        self.peak_breakdown = self.breakdown()
+        self.host_peak_bytes = self.host_live_bytes
 
     def breakdown(self) -> dict[str, int]:
-        """Live bytes per category now."""
-        return dict(self._by_category)
+        """Live device bytes per device category now."""
+        return {name: self._by_category[name] for name in CATEGORIES}
+
+    def host_breakdown(self) -> dict[str, int]:
+        """Live host bytes per host category now."""
+        return {name: self._by_category[name] for name in HOST_CATEGORIES}
 
     def close(self) -> None:
         """Stop watching: dropping the weak references cancels their callbacks."""
@@ -106,8 +126,12 @@ class StorageLedger:
         self._freed.clear()
 
     def _change(self, category: str, delta: int) -> None:
-        self.live_bytes += delta
         self._by_category[category] += delta
+        if category in HOST_CATEGORIES:
+            self.host_live_bytes += delta
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+            return
+        self.live_bytes += delta
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
-            self.peak_breakdown = dict(self._by_category)
+            self.peak_breakdown = self.breakdown()

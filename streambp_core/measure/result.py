@@ -30,6 +30,14 @@ class TrackerResult:
     `num_alloc_retries`: a sign of fragmentation near the limit); None without CUDA."""
     cuda_num_ooms: int | None = None
     """Out-of-memory errors the allocator raised over the region (its `num_ooms`); None without CUDA."""
+    host_peak_bytes: int = 0
+    """Most bytes live at once in the host pool (offloaded copies; not part of `peak_bytes`)."""
+    host_end_bytes: int = 0
+    """Bytes live in the host pool at exit."""
+    to_host_bytes: int = 0
+    """Bytes copied from device memory into the host pool over the region."""
+    to_device_bytes: int = 0
+    """Bytes copied from the host pool back into device memory over the region."""
 
     @property
     def peak_gib(self) -> float:
@@ -38,6 +46,10 @@ class TrackerResult:
     @property
     def end_gib(self) -> float:
         return bytes_to_gib(self.end_bytes)
+
+    @property
+    def host_peak_gib(self) -> float:
+        return bytes_to_gib(self.host_peak_bytes)
 
     @property
     def peak_breakdown_gib(self) -> dict[str, float]:

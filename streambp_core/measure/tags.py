@@ -29,8 +29,13 @@ LOGITS = "logits"
 TEMPORARIES = "temporaries"
 """Everything untagged: the default."""
 
+OFFLOADED = "offloaded"
+"""Host copies of tensors saved for backward (checkpoint offload): the host pool, not device memory."""
+
 CATEGORIES: tuple[str, ...] = (WEIGHTS, GRADS, OPTIMIZER, CHECKPOINTS, KV, LOGITS, TEMPORARIES)
-"""All known categories, in report order."""
+"""The device categories, in report order: their bytes make up a device peak."""
+HOST_CATEGORIES: tuple[str, ...] = (OFFLOADED,)
+"""Categories held in host memory: counted in a tracker's host pool, never in its device peak."""
 
 _CURRENT: ContextVar[str] = ContextVar("streambp_memory_category", default=TEMPORARIES)
 
@@ -41,9 +46,10 @@ def current_category() -> str:
 
 
 def check_category(name: str) -> str:
-    """Return `name` if it is a known category, else raise ValueError listing them."""
-    if name not in CATEGORIES:
-        raise ValueError(f"unknown memory category {name!r}; choose from {', '.join(CATEGORIES)}")
+    """Return `name` if it is a known (device or host) category, else raise ValueError listing them."""
+    if name not in CATEGORIES and name not in HOST_CATEGORIES:
+        known = ", ".join(CATEGORIES + HOST_CATEGORIES)
+        raise ValueError(f"unknown memory category {name!r}; choose from {known}")
     return name
 
 

@@ -19,6 +19,10 @@ What is and is not seen:
   category active when its op ran (usually temporaries) and moved to grads when the parameter's
   post-accumulate-grad hook fires; a peak recorded between the two shows it under the first category.
   Everything `optimizer.step()` allocates is filed under optimizer (a step pre-hook sets the category).
+- Host pool: storages filed under `tags.OFFLOADED` (checkpoint offload's host copies) and, while CUDA
+  exists, pinned CPU storages made inside the region (transformers' and torch's `save_on_cpu` pin them)
+  count in a separate host pool with its own peak (`host_peak_bytes`); the device peak excludes them.
+  Copies between the pools (`copy_`, `_to_copy`) add up `to_host_bytes` and `to_device_bytes`.
 - On CUDA the allocator's peak (also reported) exceeds the tracker's by what kernels allocate for
   themselves: measured on an H200 with torch 2.11, 65 MiB of cuBLAS workspace kept from the first
   matmul on, and ~97 MiB inside cuDNN attention's forward+backward (16 heads x 8k tokens, bf16).
@@ -41,6 +45,8 @@ from streambp_core.measure.ledger import StorageLedger
 from streambp_core.measure.result import TrackerResult
 from streambp_core.measure.tags import (
     GRADS,
+    HOST_CATEGORIES,
+    OFFLOADED,
     OPTIMIZER,
     WEIGHTS,
     check_category,
@@ -50,6 +56,8 @@ from streambp_core.measure.tags import (
 
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 """Ops whose output storage is new although it is also their input (`torch.tensor` data)."""
+_COPY_OPS = frozenset({torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default})
+"""Ops that may move bytes between the device and the host pool: (destination, source) below."""
 
 
 class _AllocationWatcher(TorchDispatchMode):
@@ -106,6 +114,11 @@ class MemoryTracker:
         self._step_category: memory_category | None = None
         self._cuda_peak: CudaPeak | None = None
         self._result: TrackerResult | None = None
+        self._pinned_is_host = False
+        self.to_host_bytes = 0
+        """Bytes copied from the device pool into the host pool since entry."""
+        self.to_device_bytes = 0
+        """Bytes copied from the host pool into the device pool since entry."""
 
     def __enter__(self) -> MemoryTracker:
         if self._mode is not None:
@@ -113,6 +126,8 @@ class MemoryTracker:
         self._ledger = StorageLedger()
         self._result = None
         self._cuda_peak = None
+        self.to_host_bytes = self.to_device_bytes = 0
+        self._pinned_is_host = torch.cuda.is_available()
         self._seed_existing()
         self._install_hooks()
         if self._wants_cuda():
@@ -144,6 +159,13 @@ class MemoryTracker:
         with self._lock:
             self._ledger.drain()
             return self._ledger.live_bytes
+
+    @property
+    def host_live_bytes(self) -> int:
+        """Bytes of host-pool storages alive now."""
+        with self._lock:
+            self._ledger.drain()
+            return self._ledger.host_live_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -196,13 +218,44 @@ class MemoryTracker:
             input_ids: set[int] | None = None
             for tensor in _tensors(out):
                 storage = _storage(tensor)
-                if storage is None or self._ledger.resize(storage) or not self._counts(tensor):
+                if storage is None or self._ledger.resize(storage):
+                    continue
+                category = self._category_of_new(tensor)
+                if category is None:
                     continue
                 if func not in _FRESH_OPS:
                     input_ids = _storage_ids(inputs) if input_ids is None else input_ids
                     if id(storage) in input_ids:
                         continue  # a view of, or in-place result on, an untracked input
-                self._ledger.add(storage, current_category(), str(tensor.device))
+                self._ledger.add(storage, category, str(tensor.device))
+            if func in _COPY_OPS:
+                self._count_transfer(func, inputs, out)
+
+    def _category_of_new(self, tensor: torch.Tensor) -> str | None:
+        """The category a new storage of `tensor` is filed under; None when this tracker ignores it."""
+        category = current_category()
+        if category in HOST_CATEGORIES:
+            return category
+        host_copy = self._pinned_is_host and tensor.device.type == "cpu" and tensor.is_pinned()
+        if host_copy:
+            return OFFLOADED
+        return category if self._counts(tensor) else None
+
+    def _count_transfer(self, func: Any, inputs: Any, out: Any) -> None:
+        """Add a copy between the pools to `to_host_bytes` or `to_device_bytes`."""
+        args = inputs[0]
+        dst, src = (args[0], args[1]) if func is torch.ops.aten.copy_.default else (out, args[0])
+        if not isinstance(dst, torch.Tensor) or not isinstance(src, torch.Tensor):
+            return
+        dst_host, src_host = self._in_host_pool(dst), self._in_host_pool(src)
+        if dst_host and not src_host:
+            self.to_host_bytes += dst.numel() * dst.element_size()
+        elif src_host and not dst_host:
+            self.to_device_bytes += dst.numel() * dst.element_size()
+
+    def _in_host_pool(self, tensor: torch.Tensor) -> bool:
+        storage = _storage(tensor)
+        return storage is not None and self._ledger.category(storage) in HOST_CATEGORIES
 
     def _add_untracked(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -302,6 +355,10 @@ class MemoryTracker:
             cuda_peak_reserved_bytes=None if cuda_peak is None else cuda_peak.peak_reserved_bytes,
             cuda_num_alloc_retries=None if cuda_peak is None else cuda_peak.num_alloc_retries,
             cuda_num_ooms=None if cuda_peak is None else cuda_peak.num_ooms,
+            host_peak_bytes=ledger.host_peak_bytes,
+            host_end_bytes=ledger.host_live_bytes,
+            to_host_bytes=self.to_host_bytes,
+            to_device_bytes=self.to_device_bytes,
         )
 
 

@@ -22,10 +22,15 @@ class Run:
     """
 
     method = "base"
+    keeps_checkpoints = True
+    """Whether the method keeps checkpoints between forward and backward (so `offload` applies)."""
 
     def __init__(self, model: nn.Module, config: StreamConfig, objective: str = "sft") -> None:
         if objective not in OBJECTIVES:
             raise ConfigError(f"unknown objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
+        if config.offload != "none" and not self.keeps_checkpoints:
+            raise ConfigError(f"offload={config.offload!r} does not apply to {self.method}: it keeps no "
+                              "checkpoints, so there is nothing to offload")
         self.model = model
         self.config = config
         self.objective_name = objective

@@ -2,16 +2,20 @@
 
 The model itself is not changed: `loss` drives its modules through the engine's autograd functions —
 embedding, then one `StreamedLayer` per decoder layer, then the `StreamedHead` (final norm, lm_head and
-objective). Only each layer's input is kept between forward and backward.
+objective). Only each layer's input is kept between forward and backward; with `offload="checkpoints"`
+in host memory, one `engine.offload.HostChain` per step (each layer's input and the head's hidden state).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
+from streambp_core.engine.offload import HostChain
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
@@ -44,20 +48,33 @@ class StreamBPRun(Run):
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
-        hidden = self.hidden_states(input_ids, attention_mask)
+        chain = self._host_chain(input_ids)
+        hidden = self._streamed_layers(input_ids, attention_mask, chain)
         head_plan, head_params = self._head
-        return self._head_function.apply(hidden, objective, head_plan, *head_params)
+        return self._head_function.apply(hidden, objective, _offloaded(head_plan, chain), *head_params)
 
     def hidden_states(self, input_ids, attention_mask=None):
         """The last decoder layer's output (B, T, d), before the final norm, through the streamed layers.
 
         `loss` puts the streamed head on top; a trainer's own head (e.g. a fused log-prob head) can too.
         """
+        return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids))
+
+    def _host_chain(self, input_ids) -> HostChain | None:
+        """This step's host chain when offloading checkpoints, else None."""
+        return HostChain(input_ids.device) if self.config.offload == "checkpoints" else None
+
+    def _streamed_layers(self, input_ids, attention_mask, chain: HostChain | None):
         with memory_category("checkpoints"):
             hidden = self.parts.embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         cos, sin = self.parts.rotary(hidden, positions)
         valid = key_padding(attention_mask)
         for plan, params in self._layers:
-            hidden = StreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
+            hidden = StreamedLayer.apply(hidden, cos, sin, valid, _offloaded(plan, chain), *params)
         return hidden
+
+
+def _offloaded(plan, chain: HostChain | None):
+    """`plan` keeping its saved input in this step's host chain (the plan itself when not offloading)."""
+    return plan if chain is None else replace(plan, offload=chain)

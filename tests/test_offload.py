@@ -1,0 +1,115 @@
+"""Checkpoints in host memory: gradients bitwise equal to the same method without offload, bytes really
+moved (counted by the tracker's host pool), plain refused, and the host chain's prefetch bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streambp_core
+from streambp_core.batch import objective_inputs, random_batch
+from streambp_core.config import ConfigError, StreamConfig
+from streambp_core.engine.offload import HostChain, _missing
+from streambp_core.measure import MemoryTracker
+from streambp_core.methods.checkpoint import activation_checkpointing, enable_activation_checkpointing
+from streambp_core.models.load import build_model, tiny_config
+
+F64 = 8  # bytes per float64 element
+
+
+def offload_step(model, method: str, objective: str, offload: str, batch, **inputs):
+    """Loss, every gradient and the tracker's result of one prepared step."""
+    model.zero_grad(set_to_none=True)
+    options = dict(objective=objective, partition_size=4, head_partition_size=3, offload=offload)
+    run = streambp_core.prepare(model, method, **options)
+    with run, MemoryTracker(model, device="cpu") as tracker:
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, **inputs)
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, tracker.result()
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo", "dpo"])
+@pytest.mark.parametrize("method", ["checkpoint", "mst", "streambp"])
+def test_offload_is_bitwise_exact_and_moves_every_checkpoint(method, objective):
+    model = build_model(tiny_config("qwen3"), dtype=torch.float64, seed=0)
+    vocab = model.config.vocab_size
+    batch = random_batch(vocab_size=vocab, seq_len=19, batch_size=2, padding="right", seed=3)
+    labels, extra = objective_inputs(objective, batch, seed=1)
+    ref_loss, ref, kept = offload_step(model, method, objective, "none", batch, labels=labels, **extra)
+    loss, grads, moved = offload_step(model, method, objective, "checkpoints", batch, labels=labels, **extra)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref.keys() and ref
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref[name]), name
+    # every layer input (and for streambp the head's hidden state) went to the host and came back once
+    saved = model.config.num_hidden_layers + (method == "streambp")
+    layer_input_bytes = batch.input_ids.numel() * model.config.hidden_size * F64
+    assert moved.to_host_bytes == moved.to_device_bytes == saved * layer_input_bytes
+    assert moved.host_peak_bytes == saved * layer_input_bytes
+    assert moved.host_end_bytes == 0
+    assert (kept.host_peak_bytes, kept.to_host_bytes, kept.to_device_bytes) == (0, 0, 0)
+
+
+def test_plain_refuses_offload_by_name():
+    model = build_model(tiny_config("llama"), dtype=torch.float64, seed=0)
+    with pytest.raises(ConfigError, match="does not apply to plain.*nothing to offload") as err:
+        streambp_core.prepare(model, "plain", offload="checkpoints")
+    assert "\n" not in str(err.value)
+
+
+def test_offload_choice_is_validated():
+    with pytest.raises(ConfigError, match="offload must be one of none, checkpoints"):
+        StreamConfig(offload="both")
+
+
+def test_close_restores_a_checkpointing_models_own_function():
+    model = build_model(tiny_config("qwen3"), dtype=torch.float64, seed=0)
+    enable_activation_checkpointing(model)
+    layer = model.model.layers[0]
+    before = layer._gradient_checkpointing_func
+    with streambp_core.prepare(model, "checkpoint", offload="checkpoints"):
+        assert layer._gradient_checkpointing_func is not before
+    assert layer._gradient_checkpointing_func is before
+    assert activation_checkpointing(model)
+
+
+def test_streambp_offload_keeps_one_layer_input_on_the_device():
+    """At the device peak: without offload every layer input is kept; with it one (the chain's buffer),
+    while the host holds every layer input and the head's hidden state."""
+    config, device = tiny_config("qwen3", num_hidden_layers=6), "meta"
+    model = build_model(config, dtype=torch.float64, device=device, seed=0)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)  # resident, so the peak falls in the layers' backward
+    ids = torch.zeros(1, 512, dtype=torch.long, device=device)
+    results = {}
+    for offload in ("none", "checkpoints"):
+        with streambp_core.prepare(model, "streambp", partition_size=64, offload=offload) as run:
+            with MemoryTracker(model, device=device) as tracker:
+                run.loss(ids).backward()
+        results[offload] = tracker.result()
+    layer_input = 512 * config.hidden_size * F64
+    kept, offloaded = results["none"], results["checkpoints"]
+    assert kept.peak_breakdown_bytes["checkpoints"] == config.num_hidden_layers * layer_input
+    assert offloaded.peak_breakdown_bytes["checkpoints"] == layer_input
+    assert kept.peak_bytes - offloaded.peak_bytes == (config.num_hidden_layers - 1) * layer_input
+    assert offloaded.host_peak_bytes == (config.num_hidden_layers + 1) * layer_input
+
+
+def test_host_chain_prefetches_chunk_by_chunk_and_fills_the_rest_on_load():
+    chain = HostChain("cpu")
+    first, second = torch.arange(12.0).view(1, 6, 2), -torch.arange(12.0).view(1, 6, 2)
+    slots = [chain.save(first), chain.save(second)]
+    buffer = slots[1].load()
+    assert torch.equal(buffer, second)
+    slots[1].chunk_done(4, 6)  # only the last chunk reported: slot 0's 4..6 arrives now
+    assert torch.equal(buffer[:, 4:6], first[:, 4:6]) and torch.equal(buffer[:, :4], second[:, :4])
+    assert slots[0].load() is buffer and torch.equal(buffer, first)
+    with pytest.raises(RuntimeError, match="loaded twice"):
+        slots[0].load()
+
+
+def test_missing_ranges():
+    assert _missing([], 5) == [(0, 5)]
+    assert _missing([(3, 5), (0, 1)], 5) == [(1, 3)]
+    assert _missing([(0, 2), (2, 5)], 5) == []
