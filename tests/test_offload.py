@@ -10,7 +10,8 @@ import streambp_core
 from streambp_core.batch import objective_inputs, random_batch
 from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.offload import HostChain, _missing
-from streambp_core.measure import MemoryTracker
+from streambp_core.measure import MemoryTracker, memory_category
+from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods.checkpoint import activation_checkpointing, enable_activation_checkpointing
 from streambp_core.models.load import build_model, tiny_config
 
@@ -113,3 +114,25 @@ def test_missing_ranges():
     assert _missing([], 5) == [(0, 5)]
     assert _missing([(3, 5), (0, 1)], 5) == [(1, 3)]
     assert _missing([(0, 2), (2, 5)], 5) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tracker_host_pool_has_its_own_peak_and_counts_copies_each_way(device):
+    with MemoryTracker(device=device) as tracker:
+        layer_input = torch.empty(1000, device=device)  # 4000 bytes on the device
+        with memory_category(OFFLOADED):
+            host = torch.empty(1000, device=device)
+        host.copy_(layer_input)
+        del layer_input
+        back = torch.empty(250, device=device)
+        back.copy_(host[:250])  # 1000 bytes back
+        moved = torch.empty(10, device=device)
+        tracker.retag(moved, OFFLOADED)  # a device storage moved to the host pool
+        assert tracker.host_live_bytes == 4040
+        del host
+    result = tracker.result()
+    assert (result.peak_bytes, result.host_peak_bytes, result.host_end_bytes) == (4000, 4040, 40)
+    assert (result.to_host_bytes, result.to_device_bytes) == (4000, 1000)
+    assert "offloaded" not in result.peak_breakdown_bytes
+    assert sum(result.end_breakdown_bytes.values()) == result.end_bytes == 1000
+    del back, moved

@@ -106,6 +106,8 @@ class CudaPeak:
     Steps: on entry synchronize and `reset_peak_memory_stats`; on exit synchronize and read
     `max_memory_allocated`, `max_memory_reserved`, and `num_alloc_retries` / `num_ooms` from
     `memory_stats` (those two are cumulative counters; they are reported as the change over the region).
+    Pinned host memory (checkpoint offload): the pinned-host allocator's peak of active bytes
+    (`torch.cuda.host_memory_stats`), None where this torch does not report it.
     """
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
@@ -114,6 +116,7 @@ class CudaPeak:
         self.peak_reserved_bytes = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
+        self.peak_pinned_bytes: int | None = None
         self._start_retries = 0
         self._start_ooms = 0
 
@@ -128,6 +131,7 @@ class CudaPeak:
         """Start a new peak from now (the allocator's current usage)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        _reset_pinned_peak()
         stats = torch.cuda.memory_stats(self.device)
         self._start_retries = stats.get("num_alloc_retries", 0)
         self._start_ooms = stats.get("num_ooms", 0)
@@ -140,6 +144,7 @@ class CudaPeak:
         stats = torch.cuda.memory_stats(self.device)
         self.num_alloc_retries = stats.get("num_alloc_retries", 0) - self._start_retries
         self.num_ooms = stats.get("num_ooms", 0) - self._start_ooms
+        self.peak_pinned_bytes = _pinned_peak_bytes()
         return self
 
     @property
@@ -149,6 +154,26 @@ class CudaPeak:
     @property
     def peak_reserved_gib(self) -> float:
         return bytes_to_gib(self.peak_reserved_bytes)
+
+
+def _reset_pinned_peak() -> None:
+    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    try:
+        if reset is not None:
+            reset()
+    except (AttributeError, RuntimeError):  # a torch without the pinned-host allocator's statistics
+        pass
+
+
+def _pinned_peak_bytes() -> int | None:
+    """Peak bytes of pinned host blocks handed out since the last reset; None when not reported."""
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    try:
+        stats = stats_fn() if stats_fn is not None else {}
+    except (AttributeError, RuntimeError):
+        return None
+    peak = stats.get("active_bytes.peak")
+    return None if peak is None else int(peak)
 
 
 def is_oom(exc: BaseException) -> bool:

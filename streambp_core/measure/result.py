@@ -30,6 +30,8 @@ class TrackerResult:
     `num_alloc_retries`: a sign of fragmentation near the limit); None without CUDA."""
     cuda_num_ooms: int | None = None
     """Out-of-memory errors the allocator raised over the region (its `num_ooms`); None without CUDA."""
+    cuda_peak_pinned_bytes: int | None = None
+    """The pinned-host allocator's peak of active bytes over the region; None off CUDA or unreported."""
     host_peak_bytes: int = 0
     """Most bytes live at once in the host pool (offloaded copies; not part of `peak_bytes`)."""
     host_end_bytes: int = 0

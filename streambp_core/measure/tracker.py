@@ -19,9 +19,10 @@ What is and is not seen:
   category active when its op ran (usually temporaries) and moved to grads when the parameter's
   post-accumulate-grad hook fires; a peak recorded between the two shows it under the first category.
   Everything `optimizer.step()` allocates is filed under optimizer (a step pre-hook sets the category).
-- Host pool: storages filed under `tags.OFFLOADED` (checkpoint offload's host copies) and, while CUDA
-  exists, pinned CPU storages made inside the region (transformers' and torch's `save_on_cpu` pin them)
-  count in a separate host pool with its own peak (`host_peak_bytes`); the device peak excludes them.
+- Host pool: storages filed under `tags.OFFLOADED` (checkpoint offload's host copies) and, when the
+  tracker watches CUDA, pinned CPU storages made inside the region (torch's `save_on_cpu`, which
+  transformers' checkpoint offload uses, pins them) count in a separate host pool with its own peak
+  (`host_peak_bytes`); the device peak excludes them.
   Copies between the pools (`copy_`, `_to_copy`) add up `to_host_bytes` and `to_device_bytes`.
 - On CUDA the allocator's peak (also reported) exceeds the tracker's by what kernels allocate for
   themselves: measured on an H200 with torch 2.11, 65 MiB of cuBLAS workspace kept from the first
@@ -127,11 +128,12 @@ class MemoryTracker:
         self._result = None
         self._cuda_peak = None
         self.to_host_bytes = self.to_device_bytes = 0
-        self._pinned_is_host = torch.cuda.is_available()
         self._seed_existing()
         self._install_hooks()
         if self._wants_cuda():
             self._cuda_peak = CudaPeak(self._cuda_device()).__enter__()
+        watches_cuda = self._device is not None and self._device.type == "cuda"
+        self._pinned_is_host = self._cuda_peak is not None or watches_cuda
         self._mode = _AllocationWatcher(self)
         self._mode.__enter__()
         return self
@@ -355,6 +357,7 @@ class MemoryTracker:
             cuda_peak_reserved_bytes=None if cuda_peak is None else cuda_peak.peak_reserved_bytes,
             cuda_num_alloc_retries=None if cuda_peak is None else cuda_peak.num_alloc_retries,
             cuda_num_ooms=None if cuda_peak is None else cuda_peak.num_ooms,
+            cuda_peak_pinned_bytes=None if cuda_peak is None else cuda_peak.peak_pinned_bytes,
             host_peak_bytes=ledger.host_peak_bytes,
             host_end_bytes=ledger.host_live_bytes,
             to_host_bytes=self.to_host_bytes,
