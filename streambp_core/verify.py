@@ -28,6 +28,7 @@ from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
 from streambp_core.compare import Gradients, max_grad_err
 from streambp_core.config import (
     HEAD_MODES,
+    OFFLOAD_MODES,
     VERIFY_METHODS,
     ConfigError,
     StepSpec,
@@ -84,8 +85,14 @@ class VerifySpec:
     """0: full-parameter gradients; > 0: LoRA adapters of this rank (peft), adapter gradients only."""
     head_mode: str = "recompute"
     """streambp's LM head: recompute, fused or auto (see `StreamConfig.head_mode`)."""
+    offload: str = "none"
+    """'checkpoints': the methods run with their checkpoints in host memory (the reference, plain, never)."""
 
     def __post_init__(self) -> None:
+        require_choice("offload", self.offload, OFFLOAD_MODES)
+        if self.offload != "none" and "plain" in self.methods:
+            raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
+                              "nothing to offload")
         if not self.methods:
             raise ConfigError("give at least one method")
         for method in self.methods:
@@ -198,7 +205,8 @@ def run_step(model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec
     for param in model.parameters():
         param.grad = None
     options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
-               "attn": spec.attn, "objective": spec.objective, "head_mode": spec.head_mode}
+               "attn": spec.attn, "objective": spec.objective, "head_mode": spec.head_mode,
+               "offload": "none" if method == "plain" else spec.offload}
     labels, inputs = objective_inputs(spec.objective, batch, spec.seed)
     with streambp_core.prepare(model, method, **options) as run:
         loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
@@ -307,6 +315,7 @@ def verify_methods(
     padding: str = "none",
     seed: int = 0,
     device: str = "cpu",
+    offload: str = "none",
 ) -> VerifyReport:
     """Verify `methods` against plain on `model_name` (preset or local directory); see `VerifySpec`."""
     spec = VerifySpec(
@@ -320,5 +329,6 @@ def verify_methods(
         padding=padding,
         seed=seed,
         device=device,
+        offload=offload,
     )
     return verify_spec(spec)

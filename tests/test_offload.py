@@ -14,6 +14,7 @@ from streambp_core.measure import MemoryTracker, memory_category
 from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods.checkpoint import activation_checkpointing, enable_activation_checkpointing
 from streambp_core.models.load import build_model, tiny_config
+from streambp_core.verify import verify_methods
 
 F64 = 8  # bytes per float64 element
 
@@ -136,3 +137,13 @@ def test_tracker_host_pool_has_its_own_peak_and_counts_copies_each_way(device):
     assert "offloaded" not in result.peak_breakdown_bytes
     assert sum(result.end_breakdown_bytes.values()) == result.end_bytes == 1000
     del back, moved
+
+
+def test_verify_runs_every_method_offloaded_against_plain():
+    report = verify_methods("tiny/llama", seq_len=24, partition_size=5, head_partition_size=4,
+                            dtype="float64", offload="checkpoints")
+    assert report.spec.offload == "checkpoints"
+    assert [r.method for r in report.results] == ["checkpoint", "mst", "streambp"]
+    assert all(r.ok and r.max_rel_err <= 1e-12 for r in report.results)
+    with pytest.raises(ConfigError, match="does not apply to plain"):
+        verify_methods("tiny/llama", methods=("plain",), offload="checkpoints")
