@@ -169,6 +169,9 @@ class StepSpec:
     resident."""
     seed: int = 0
     """Seed of the random weights and tokens of a measured step."""
+    offload: str = "none"
+    """none, or checkpoints: what the method keeps between forward and backward lives in host memory
+    (`StreamConfig.offload`); plain keeps no checkpoints and refuses it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -176,8 +179,11 @@ class StepSpec:
         check_method(self.method)
         for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
                               ("attn", ATTN_BACKENDS), ("protocol", PROTOCOLS),
-                              ("grads", ("auto", *GRADS_MODES))):
+                              ("grads", ("auto", *GRADS_MODES)), ("offload", OFFLOAD_MODES)):
             require_choice(name, getattr(self, name), choices)
+        if self.offload != "none" and self.method == "plain":
+            raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
+                              "nothing to offload")
         for name in ("batch_size", "partition_size", "head_partition_size"):
             require_positive(name, getattr(self, name))
         if not isinstance(self.seq_len_tokens, int) or isinstance(self.seq_len_tokens, bool) \
@@ -222,7 +228,7 @@ class StepSpec:
         kernel, as on the meta device, so every method runs the same attention)."""
         return {"objective": self.objective, "partition_size": self.partition_size,
                 "head_partition_size": self.head_partition_size, "attn": self.attn,
-                "baseline_attention": "engine"}
+                "baseline_attention": "engine", "offload": self.offload}
 
     def describe(self) -> str:
         """The step in words, for a result's `how`."""

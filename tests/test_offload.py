@@ -147,3 +147,20 @@ def test_verify_runs_every_method_offloaded_against_plain():
     assert all(r.ok and r.max_rel_err <= 1e-12 for r in report.results)
     with pytest.raises(ConfigError, match="does not apply to plain"):
         verify_methods("tiny/llama", methods=("plain",), offload="checkpoints")
+
+
+def test_simulated_host_pool_extrapolates_exactly_and_plain_spec_refuses_offload():
+    from streambp_core.config import StepSpec
+    from streambp_core.step.simulate import simulate
+
+    config = tiny_config("qwen3", num_hidden_layers=5)
+    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=512, partition_size=64,
+                    head_partition_size=64, offload="checkpoints")
+    extrapolated, full = simulate(spec, config), simulate(spec, config, depth="full")
+    layer_input = 512 * config.hidden_size * 2  # bfloat16
+    assert extrapolated.layers_simulated == (2, 3) and full.full_depth
+    for result in (extrapolated, full):
+        assert result.host_peak_bytes == result.to_host_bytes == result.to_device_bytes == 6 * layer_input
+    assert extrapolated.peak_bytes == full.peak_bytes
+    with pytest.raises(ConfigError, match="does not apply to plain"):
+        StepSpec(model="tiny/qwen3", method="plain", offload="checkpoints")

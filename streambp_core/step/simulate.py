@@ -57,6 +57,16 @@ class SimResult:
     breakdown_bytes: dict[str, int]
     """Bytes per category at the peak; they sum to `peak_bytes`."""
     source: str = "simulated"
+    host_peak_bytes: int = 0
+    """Peak of the host pool (checkpoints offloaded to host memory); not part of `peak_bytes`."""
+    to_host_bytes: int = 0
+    """Bytes copied device -> host over the step."""
+    to_device_bytes: int = 0
+    """Bytes copied host -> device over the step."""
+
+    @property
+    def host_gib(self) -> float:
+        return bytes_to_gib(self.host_peak_bytes)
 
     @property
     def peak_gib(self) -> float:
@@ -96,18 +106,27 @@ def simulate(
     total = config.num_hidden_layers
     cache = {} if cache is None else cache
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)
-    measured = [_phases(spec, with_depth(config, n), keep_chunks, cache) for n in depths]
+    hosts: list[tuple[int, int, int]] = []
+    measured = [_phases(spec, with_depth(config, n), keep_chunks, cache, hosts) for n in depths]
     peak, by_category = _largest(measured[0]) if len(depths) == 1 else _extrapolate(*measured, total)
     if min(by_category.values()) < 0:  # the peak moved between sub-phases: simulate every layer
-        depths = (total,)
-        peak, by_category = _largest(_phases(spec, config, keep_chunks, cache))
+        depths, hosts = (total,), []
+        peak, by_category = _largest(_phases(spec, config, keep_chunks, cache, hosts))
+    host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
     return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
-                     breakdown_bytes=by_category)
+                     breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
+                     to_device_bytes=host[2])
 
 
-def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict) -> _Phases:
-    """Per phase, (peak bytes, bytes by category at that peak) of one simulated step of `config`."""
+def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict,
+            hosts: list[tuple[int, int, int]]) -> _Phases:
+    """Per phase, (peak bytes, bytes by category at that peak) of one simulated step of `config`; appends
+    the step's host figures (host-pool peak, bytes to host, bytes to device: affine in depth too) to
+    `hosts`."""
     record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+    last = record.phases[-1].result
+    hosts.append((max(phase.result.host_peak_bytes for phase in record.phases), last.to_host_bytes,
+                  last.to_device_bytes))
     return [(phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes)) for phase in record.phases]
 
 
