@@ -15,7 +15,7 @@ from streambp_bench import plots
 from streambp_bench.commands.plot import plot
 from streambp_bench.results import ResultsFile
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -13,8 +13,8 @@ from streambp_core.engine.linear_grads import linear_backward, rope_transpose, r
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.step.ops import OpRecorder
 from streambp_core.verify import VerifySpec
-from tests.test_exactness import assert_matches_plain, batch, model_of, relative_errors
-from tests.test_objectives import grpo_inputs
+from tests.unit.test_exactness import assert_matches_plain, batch, model_of, relative_errors
+from tests.unit.test_objectives import grpo_inputs
 
 DPO_INPUTS = {"ref_chosen_logps": torch.tensor([-40.0, -35.0]),
               "ref_rejected_logps": torch.tensor([-38.0, -37.0]), "beta": 0.5}

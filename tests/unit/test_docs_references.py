@@ -7,7 +7,7 @@ from pathlib import Path
 
 from streambp_bench import readme
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cited_markdown(text: str) -> set[str]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import streambp_core
 from streambp_core.models.load import build_model, tiny_config
-from tests.test_exactness import GRAD_RTOL, batch, relative_errors
+from tests.unit.test_exactness import GRAD_RTOL, batch, relative_errors
 
 METHODS = ("checkpoint", "mst", "streambp")
 

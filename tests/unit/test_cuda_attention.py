@@ -15,7 +15,7 @@ from streambp_core.engine import cuda_attention
 from streambp_core.engine.attention import prefix_attention
 from streambp_core.measure.fastmeta import SimulationMode
 from streambp_core.measure.tracker import MemoryTracker
-from tests.test_attention import qkv
+from tests.unit.test_attention import qkv
 
 
 def dense_lower_right(q, k, v, scale):
@@ -126,7 +126,7 @@ def test_streambp_through_the_varlen_path_is_exact(fake_flash, monkeypatch):
     chunks) gives plain backprop's gradients: padding rows' zeros reach no loss term."""
     from streambp_core.engine import layer
     from streambp_core.models.load import build_model, tiny_config
-    from tests.test_exactness import assert_matches_plain, batch
+    from tests.unit.test_exactness import assert_matches_plain, batch
 
     monkeypatch.setattr(layer, "prefix_attention",
                         lambda q, k, v, valid, scale, backend: cuda_attention.cuda_attention(

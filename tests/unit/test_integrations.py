@@ -261,7 +261,7 @@ def test_trainer_settings_for_a_measured_step():
         trainer_settings("fast")
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_SCRIPTS = {"train_trainer": [], "train_sft": [], "train_dpo": [],
                    "train_grpo": ["--num-generations", "2", "--max-completion-length", "4"]}
 

@@ -1,5 +1,5 @@
 """The chunk-against-prefix attention: lower-right causal alignment, key padding, GQA, fully masked
-rows and its fake kernels on the meta device (the CUDA kernels: tests/test_cuda_attention.py)."""
+rows and its fake kernels on the meta device (the CUDA kernels: tests/unit/test_cuda_attention.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from streambp_bench.results import COLUMNS, KEY_COLUMNS, ResultRow, ResultsFile,
 from streambp_bench.schema_history import ADDED_COLUMNS, SCHEMA_1_COLUMNS
 
 DEVICE = "simulated A800-SXM4-80GB"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_row(seq_len_tokens: int = 4096, method: str = "streambp", **overrides: object) -> ResultRow:
