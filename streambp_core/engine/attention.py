@@ -2,7 +2,8 @@
 
 The queries of a chunk are the last `c` positions of the `e` keys they see, so query row i may attend to
 keys 0 .. e - c + i (flash-attn's `causal=True`; SDPA's `causal_lower_right`, never `is_causal`, which aligns
-top-left). Keys and values stay at the KV-head count (GQA/MQA) throughout.
+top-left). With a sliding window the allowed keys narrow to the lower-right band: query row i sees keys
+e - c + i - window + 1 .. e - c + i. Keys and values stay at the KV-head count (GQA/MQA) throughout.
 
 Kernels:
 - CUDA: `cuda_attention.py`: flash-attn when importable and chosen (varlen for a padded batch), otherwise
@@ -25,16 +26,25 @@ __all__ = ["allowed_mask", "flash_attn_available", "prefix_attention"]
 
 
 def prefix_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, backend: str = "auto"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_valid: Tensor | None,
+    scale: float,
+    backend: str = "auto",
+    window: int | None = None,
 ) -> Tensor:
     """Attention output (B, H, c, hd) of queries q (B, H, c, hd) against keys/values (B, Hkv, e, hd).
 
     `key_valid` (B, e) bool marks real (non-padding) keys; None means every key is real. A query row that
-    sees no valid key outputs zeros, as torch SDPA does for a fully masked row.
+    sees no valid key outputs zeros, as torch SDPA does for a fully masked row. `window` (sliding-window
+    attention): a query sees only itself and the `window - 1` keys before it; None: the whole prefix.
     """
+    if window is not None and window >= k.shape[2]:
+        window = None  # the band covers every key: plain causal attention
     if q.device.type == "cuda":
-        return cuda_attention(q, k, v, key_valid, scale, backend)
-    out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale)
+        return cuda_attention(q, k, v, key_valid, scale, backend, window)
+    out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)
     return out
 
 
@@ -44,12 +54,12 @@ def _grouped(q: Tensor, num_kv_heads: int) -> Tensor:
     return q.reshape(b, num_kv_heads, h // num_kv_heads, c, hd)
 
 
-def _probabilities(q, k, key_valid, scale):
+def _probabilities(q, k, key_valid, scale, window):
     """Softmax probabilities (B, Hkv, g, c, e) and log-sum-exp, in at least float32."""
     work = torch.promote_types(q.dtype, torch.float32)
     qg = _grouped(q, k.shape[1]).to(work)
     scores = qg @ k.to(work)[:, :, None].transpose(-1, -2) * scale
-    allowed = allowed_mask(q.shape[2], key_valid, k.shape[2])[:, None, None]  # (B|1, 1, 1, c, e)
+    allowed = allowed_mask(q.shape[2], key_valid, k.shape[2], window)[:, None, None]  # (B|1, 1, 1, c, e)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # fully masked rows: 0, as SDPA
@@ -58,24 +68,31 @@ def _probabilities(q, k, key_valid, scale):
 
 @torch.library.custom_op("streambp::prefix_attn_fwd", mutates_args=())
 def _prefix_attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float
+    q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, window: int | None
 ) -> tuple[Tensor, Tensor]:
-    probs, lse = _probabilities(q, k, key_valid, scale)
+    probs, lse = _probabilities(q, k, key_valid, scale, window)
     out = probs @ v.to(probs.dtype)[:, :, None]  # (B, Hkv, g, c, hd)
     laid_out_like_q = torch.empty_like(q).copy_(out.reshape(q.shape))  # the fake kernel's layout
     return laid_out_like_q, lse.reshape(q.shape[:3]).to(_lse_dtype(q))
 
 
 @_prefix_attn_fwd.register_fake
-def _(q, k, v, key_valid, scale):
+def _(q, k, v, key_valid, scale, window):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("streambp::prefix_attn_bwd", mutates_args=())
 def _prefix_attn_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, key_valid: Tensor | None, scale: float
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    key_valid: Tensor | None,
+    scale: float,
+    window: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    probs, _ = _probabilities(q, k, key_valid, scale)
+    probs, _ = _probabilities(q, k, key_valid, scale, window)
     work = probs.dtype
     hkv = k.shape[1]
     d_out = _grouped(grad_out, hkv).to(work)  # (B, Hkv, g, c, hd)
@@ -89,7 +106,7 @@ def _prefix_attn_bwd(
 
 
 @_prefix_attn_bwd.register_fake
-def _(grad_out, q, k, v, out, key_valid, scale):
+def _(grad_out, q, k, v, out, key_valid, scale, window):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -98,16 +115,18 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_valid, scale = inputs
+    q, k, v, key_valid, scale, window = inputs
     out, _ = output
     ctx.save_for_backward(q, k, v, out, key_valid)
-    ctx.scale = scale
+    ctx.scale, ctx.window = scale, window
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, key_valid = ctx.saved_tensors
-    d_q, d_k, d_v = torch.ops.streambp.prefix_attn_bwd(grad_out, q, k, v, out, key_valid, ctx.scale)
-    return d_q, d_k, d_v, None, None
+    d_q, d_k, d_v = torch.ops.streambp.prefix_attn_bwd(
+        grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window
+    )
+    return d_q, d_k, d_v, None, None, None
 
 
 _prefix_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

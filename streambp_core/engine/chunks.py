@@ -57,13 +57,27 @@ def grad_or_zeros(tensor: Tensor) -> Tensor:
     return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
 
 
-def allowed_mask(num_queries: int, key_valid: Tensor | None, num_keys: int | None = None) -> Tensor:
+def allowed_mask(
+    num_queries: int, key_valid: Tensor | None, num_keys: int | None = None, window: int | None = None
+) -> Tensor:
     """Boolean (B or 1, c, e) mask of a query chunk, the last c of e positions: lower-right causal and,
-    when given, the key padding `key_valid` (B, e)."""
+    when given, the key padding `key_valid` (B, e) and a sliding `window` (a query sees itself and the
+    window - 1 keys before it: the lower-right band)."""
     e = key_valid.shape[1] if key_valid is not None else num_keys
     device = key_valid.device if key_valid is not None else None
     q_pos = torch.arange(e - num_queries, e, device=device)
-    causal = q_pos[:, None] >= torch.arange(e, device=device)[None, :]  # (c, e)
+    distance = q_pos[:, None] - torch.arange(e, device=device)[None, :]  # (c, e)
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
     if key_valid is None:
-        return causal[None]
-    return causal[None] & key_valid[:, None, :]
+        return allowed[None]
+    return allowed[None] & key_valid[:, None, :]
+
+
+def window_start(end: int, num_queries: int, window: int | None) -> int:
+    """First key position a chunk of `num_queries` queries ending at `end` can see: 0 without a window,
+    else the first key of the earliest query's band."""
+    if window is None:
+        return 0
+    return max(0, end - num_queries - window + 1)

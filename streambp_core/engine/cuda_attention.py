@@ -4,7 +4,8 @@ stand-in `flash_attn` module), so only the kernels themselves need a GPU.
 
 Kernel choice (`choose_kernel`), the same for every method because all of them attend through here:
 - `sdpa`: torch SDPA. Unpadded: torch's lower-right causal bias, which keeps SDPA on its flash kernel.
-  Padded: a boolean (B, 1, c, e) mask, K/V expanded to the query heads (the masked kernels take no GQA).
+  Padded or banded (sliding window): a boolean (B, 1, c, e) mask, K/V expanded to the query heads (the
+  masked kernels take no GQA).
 - `flash`: flash-attn. Unpadded: `flash_attn_func(causal=True)`, whose causal mask is aligned to the end
   of the keys when there are fewer queries than keys. Padded: `flash_attn_varlen_func` on the packed
   real tokens (below). flash-attn takes float16/bfloat16 only.
@@ -17,7 +18,9 @@ Varlen packing of a padded chunk (queries = the last c of e positions, `key_vali
 2. keep the real queries likewise: (sum of real queries, H, hd), cu_seqlens_q;
 3. flash-attn's causal varlen aligns each row's queries to the end of its keys: the j-th real query of a
    row whose chunk starts after n real keys sees the first n + j + 1 real keys, exactly the real keys at
-   or before its position, whatever the padding pattern (right, left, or holes);
+   or before its position, whatever the padding pattern (right, left, or holes). A sliding window
+   (`window_size=(window - 1, 0)`) counts packed keys, which equals counting positions only when each row's
+   real tokens are contiguous (right or left padding); a row with holes under a window goes to SDPA;
 4. scatter the outputs back to (B, H, c, hd); a padding query row outputs zeros, as transformers'
    flash-attention path gives padding positions. Real positions never attend to padding ones, so this
    changes nothing a loss that ignores padding positions can see.
@@ -70,25 +73,48 @@ def _flash_unusable(q: Tensor) -> str | None:
 
 
 def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
-                   backend: str) -> Tensor:
-    """`prefix_attention` on CUDA: (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values."""
-    if choose_kernel(backend, q) == "flash":
+                   backend: str, window: int | None = None) -> Tensor:
+    """`prefix_attention` on CUDA: (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values; `window`
+    narrows each query to itself and the window - 1 keys before it."""
+    if choose_kernel(backend, q) == "flash" and _band_packs(key_valid, window, backend):
         if key_valid is None:
-            return flash_attention(q, k, v, scale)
-        return flash_varlen_attention(q, k, v, key_valid, scale)
-    return sdpa_attention(q, k, v, key_valid, scale)
+            return flash_attention(q, k, v, scale, window)
+        return flash_varlen_attention(q, k, v, key_valid, scale, window)
+    return sdpa_attention(q, k, v, key_valid, scale, window)
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """flash-attn on an unpadded chunk; its causal mask is lower-right when c < e."""
+def _band_packs(key_valid: Tensor | None, window: int | None, backend: str) -> bool:
+    """Whether packing real tokens keeps a sliding window's band: no window, no padding, or every row's real
+    tokens contiguous. Otherwise warns (once) that SDPA takes the chunk."""
+    if window is None or key_valid is None:
+        return True
+    positions = torch.arange(key_valid.shape[1], device=key_valid.device)
+    first = torch.where(key_valid, positions, key_valid.shape[1]).amin(dim=1)
+    last = torch.where(key_valid, positions, -1).amax(dim=1)
+    count = key_valid.sum(dim=1)
+    if bool(((count == 0) | (last - first + 1 == count)).all()):
+        return True
+    warnings.warn(f"attention: a sliding window over padding with holes; using torch SDPA (attn={backend})",
+                  stacklevel=3)
+    return False
+
+
+def _window_kwargs(window: int | None) -> dict:
+    """flash-attn's band argument: (left, right) keys around the diagonal; none for a full prefix."""
+    return {} if window is None else {"window_size": (window - 1, 0)}
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None) -> Tensor:
+    """flash-attn on an unpadded chunk; its causal mask (and band) is lower-right when c < e."""
     from flash_attn import flash_attn_func
 
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          softmax_scale=scale, causal=True)  # (B, c, H, hd)
+                          softmax_scale=scale, causal=True, **_window_kwargs(window))  # (B, c, H, hd)
     return out.transpose(1, 2)
 
 
-def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float,
+                           window: int | None = None) -> Tensor:
     """flash-attn's varlen kernel on the real tokens of a padded chunk (module docstring, steps 1-4)."""
     from flash_attn import flash_attn_varlen_func
 
@@ -98,7 +124,7 @@ def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, s
     packed_k, cu_k, max_k = _pack(k.transpose(1, 2), key_valid)  # (nk, Hkv, hd)
     packed_v = v.transpose(1, 2)[key_valid]
     packed_out = flash_attn_varlen_func(packed_q, packed_k, packed_v, cu_q, cu_k, max_q, max_k,
-                                        softmax_scale=scale, causal=True)
+                                        softmax_scale=scale, causal=True, **_window_kwargs(window))
     out = q.new_zeros(b, c, h, hd).index_put((query_valid,), packed_out)
     return out.transpose(1, 2)
 
@@ -111,13 +137,14 @@ def _pack(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, int]:
     return x[valid], cu_seqlens, int(lengths.max())
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
-    """torch SDPA: the lower-right bias when unpadded, else a boolean mask with K/V expanded."""
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
+                   window: int | None = None) -> Tensor:
+    """torch SDPA: the lower-right bias when unpadded and unbanded, else a boolean mask with K/V expanded."""
     gqa = q.shape[1] != k.shape[1]
-    if key_valid is None:
+    if key_valid is None and window is None:
         bias = lower_right_bias(q.shape[2], k.shape[2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-    mask = allowed_mask(q.shape[2], key_valid)[:, None]
+    mask = allowed_mask(q.shape[2], key_valid, k.shape[2], window)[:, None]
     if gqa:  # SDPA's masked CUDA kernels do not take GQA: expand K/V to the query heads.
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -1,8 +1,10 @@
 """The engine's prefix attention as a transformers attention implementation, so the baselines can run the
 same kernel as StreamBP (fair comparisons) and run on the meta device (simulation) without a T x T mask.
 
-Under it, a baseline passes the attention mask as `{"full_attention": key_valid}`: transformers then
-skips building its 4D mask and hands each layer the (B, T) key-validity tensor (or None) unchanged.
+Under it, a baseline passes the attention mask as the key validity shaped (B, 1, 1, T): every transformers
+mask builder returns a 4D mask unchanged, for full and sliding layers alike, so each layer receives it
+(or None) and no T x T mask is ever built. A sliding layer's window arrives as transformers'
+`sliding_window` argument.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.attention import prefix_attention
@@ -26,19 +29,30 @@ def engine_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature over `prefix_attention`; returns (B, T, H, hd).
 
-    `backend` is the CUDA kernel choice (auto, sdpa, flash), bound when the function is registered.
+    `backend` is the CUDA kernel choice (auto, sdpa, flash), bound when the function is registered;
+    `sliding_window` is the layer's window (None: full causal attention).
     """
     if dropout:
         raise ValueError("the engine attention has no dropout; build the model with attention_dropout=0")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError("the engine attention takes a (batch, seq_len) key mask, not a 4D mask")
+    key_valid = _key_valid(attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = prefix_attention(query, key, value, attention_mask, scale, backend)
+    out = prefix_attention(query, key, value, key_valid, scale, backend, sliding_window)
     return out.transpose(1, 2), None
+
+
+def _key_valid(attention_mask: Tensor | None) -> Tensor | None:
+    """(B, T) key validity from the (B, 1, 1, T) mask of `engine_mask_argument` (or a (B, T) one)."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        return attention_mask
+    key_shaped = attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)
+    if key_shaped and attention_mask.dtype == torch.bool:
+        return attention_mask[:, 0, 0]
+    raise ValueError("the engine attention takes a (batch, 1, 1, seq_len) boolean key mask, not a full mask")
 
 
 def register_engine_attention(backend: str = "auto") -> str:
@@ -64,6 +78,6 @@ def engine_attention(model: nn.Module, backend: str = "auto"):
         model.set_attn_implementation(original)
 
 
-def engine_mask_argument(key_valid: Tensor | None) -> dict[str, Tensor | None]:
+def engine_mask_argument(key_valid: Tensor | None) -> Tensor | None:
     """The attention-mask argument that makes transformers pass `key_valid` straight to each layer."""
-    return {"full_attention": key_valid}
+    return None if key_valid is None else key_valid[:, None, None, :]

@@ -13,11 +13,15 @@ Backward, per layer:
    computed twice per position (forward and cache), as checkpointing does. Weight gradients accumulate
    in `.grad`.
 Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) for K, V and their grads.
+A sliding-window (local) layer attends each chunk s..e to the keys of its band only, max(0, s - window + 1)
+..e (views of the same caches), so its attention work per chunk is bounded by the window; a routed
+(mixture-of-experts) layer under the load-balancing loss also returns its routing sums (`engine.router`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +29,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf, window_start
 from streambp_core.engine.linear_grads import (
     down_projection_backward,
     gated_mlp,
@@ -35,6 +39,7 @@ from streambp_core.engine.linear_grads import (
     rotate,
 )
 from streambp_core.engine.offload import HostChain
+from streambp_core.engine.router import ChunkRouting, RouterAux
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import LayerParts
 
@@ -53,6 +58,15 @@ class LayerPlan:
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
     offload: HostChain | None = None
     """Keep H_in in host memory between forward and backward, in this step's chain (`engine.offload`)."""
+    router_aux: RouterAux | None = None
+    """A routed (mixture-of-experts) layer under the load-balancing loss: the layer also returns its
+    routing sums (`engine.router`)."""
+
+    def routing(self, grad: Tensor | None = None) -> ChunkRouting | None:
+        """A fresh `ChunkRouting` for one pass of a routed layer under the loss, else None."""
+        if self.router_aux is None or self.parts.router is None:
+            return None
+        return ChunkRouting(self.parts.router, self.router_aux, grad)
 
 
 def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -68,17 +82,20 @@ def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple
 
 
 def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
-    """The chunk's hidden states after attention and its residual (B, c, d)."""
+    """The chunk's hidden states after attention and its residual (B, c, d), given its K/V prefix (or, in
+    a sliding-window layer, at least the keys its band reaches)."""
     parts = plan.parts
-    attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn)  # (B, H, c, hd)
-    attn = attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)
-    return h + parts.o_proj(attn)
+    attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn, parts.sliding_window)  # (B, H, c, hd)
+    attn = parts.o_proj(attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+    return h + (attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
 
 
 def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
     """Layer output for the chunk whose input is h (B, c, d), given its queries and its K/V prefix."""
+    parts = plan.parts
     h = attend(plan, h, q, k, v, valid)
-    return h + plan.parts.mlp(plan.parts.post_norm(h))
+    mlp = parts.mlp(parts.post_norm(h))
+    return h + (mlp if parts.mlp_out_norm is None else parts.mlp_out_norm(mlp))
 
 
 def project_q(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -103,8 +120,8 @@ def _rope(cos: Tensor, sin: Tensor, start: int, end: int) -> tuple[Tensor, Tenso
     return cos[:, start:end], sin[:, start:end]
 
 
-def _valid(key_valid: Tensor | None, end: int) -> Tensor | None:
-    return None if key_valid is None else key_valid[:, :end]
+def _valid(key_valid: Tensor | None, first: int, end: int) -> Tensor | None:
+    return None if key_valid is None else key_valid[:, first:end]
 
 
 def _kv_cache(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor):
@@ -131,8 +148,14 @@ def _kv_by_hand(parts: LayerParts) -> bool:
     return plain_linear(parts.k_proj) and plain_linear(parts.v_proj)
 
 
-def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, key_valid: Tensor | None):
-    """Layer output without grad, one query chunk at a time; K/V fill in as the chunks advance."""
+def _routed(routing: ChunkRouting | None, valid_rows: Tensor | None):
+    return nullcontext() if routing is None else routing.chunk(valid_rows)
+
+
+def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, key_valid: Tensor | None,
+                     routing: ChunkRouting | None = None):
+    """Layer output without grad, one query chunk at a time; K/V fill in as the chunks advance. With
+    `routing`, each chunk's routing sums are added to it."""
     parts = plan.parts
     b, t, _ = h_in.shape
     shape = (b, parts.num_kv_heads, t, parts.head_dim)
@@ -144,13 +167,15 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
         h = h_in[:, start:end]
         q, k, v = project_qkv(parts, parts.input_norm(h), *_rope(cos, sin, start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
-        h_out[:, start:end] = finish_chunk(plan, h, q, keys[:, :, :end], values[:, :, :end],
-                                           _valid(key_valid, end))
+        first = window_start(end, end - start, parts.sliding_window)
+        with _routed(routing, _valid(key_valid, start, end)):
+            h_out[:, start:end] = finish_chunk(plan, h, q, keys[:, :, first:end], values[:, :, first:end],
+                                               _valid(key_valid, first, end))
     return h_out
 
 
 def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
-                      chunk_done: Callable[[int, int], None] | None = None) -> Tensor:
+                      chunk_done: Callable[[int, int], None] | None = None, routing=None) -> Tensor:
     """Accumulate the layer's weight gradients in `.grad` and return dL/dH_in (see module docstring).
 
     With `plan.reuse_grad_out`, dL/dH_in is written over dL/dH_out chunk by chunk (chunk s..e reads only
@@ -162,10 +187,12 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
-        kv = _KVState(keys[:, :, :end], values[:, :, :end], d_keys[:, :, :end], d_values[:, :, :end],
+        band = slice(window_start(end, end - start, plan.parts.sliding_window), end)
+        kv = _KVState(keys[:, :, band], values[:, :, band], d_keys[:, :, band], d_values[:, :, band],
                       None if raw_keys is None else raw_keys[:, start:end])
         chunk_grad = _chunk_backward(plan, h_in[:, start:end], *_rope(cos, sin, start, end),
-                                     _valid(key_valid, end), kv, grad_out[:, start:end], params)
+                                     _valid(key_valid, band.start, end), kv, grad_out[:, start:end], params,
+                                     routing)
         grad_in[:, start:end] = chunk_grad
         del kv, chunk_grad
         if chunk_done is not None:
@@ -185,7 +212,7 @@ class _KVState:
     """The chunk's own keys before the k-norm (B, c, Hkv, hd), or None."""
 
 
-def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk, params) -> Tensor:
+def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk, params, routing) -> Tensor:
     """Back-propagate one chunk; returns its dL/dH_in. Three passes, so the prefix needs no copy:
     1. the chunk's output against the cached K/V prefix (views, no concatenation) -> dQ path, o_proj, MLP,
        residual, and dK/dV of positions 0..e, added to the accumulated ones;
@@ -203,9 +230,13 @@ def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk,
             q = project_q(parts, x_leaf, cos, sin)
         else:
             q, k, v = project_qkv(parts, x_leaf, cos, sin)
-        outputs = _chunk_outputs(plan, h, q, prefix_k, prefix_v, valid)
-    backward_into(outputs, _output_grads(plan, outputs, grad_chunk), [h, x_leaf, prefix_k, prefix_v], params)
-    del outputs, q
+        with _routed(routing, None if valid is None else valid[:, -h.shape[1]:]):
+            outputs = _chunk_outputs(plan, h, q, prefix_k, prefix_v, valid)
+    grads = _output_grads(plan, outputs, grad_chunk)
+    if routing is not None:  # the load-balancing loss's share of this chunk
+        outputs, grads = [*outputs, routing.term], [*grads, torch.ones_like(routing.term)]
+    backward_into(outputs, grads, [h, x_leaf, prefix_k, prefix_v], params)
+    del outputs, grads, q
     kv.d_keys.add_(grad_or_zeros(prefix_k))
     kv.d_values.add_(grad_or_zeros(prefix_v))
     del prefix_k, prefix_v  # their gradients, (B, Hkv, e, hd) each, before pass 2 allocates
@@ -224,7 +255,7 @@ def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk,
 def _chunk_outputs(plan: LayerPlan, h, q, k, v, valid) -> list[Tensor]:
     """The chunk's recomputed graph ends: [output], or for a gated MLP taken by hand [the hidden states
     after attention, the down projection's input] (the down projection's forward is not needed)."""
-    if not gated_mlp(plan.parts.mlp):
+    if not gated_mlp(plan.parts.mlp) or plan.parts.mlp_out_norm is not None:
         return [finish_chunk(plan, h, q, k, v, valid)]
     attended = attend(plan, h, q, k, v, valid)
     return [attended, mlp_inner(plan.parts.mlp, plan.parts.post_norm(attended))]
@@ -255,15 +286,22 @@ class StreamedLayer(torch.autograd.Function):
         ctx.plan, ctx.params = plan, params
         ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
         ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
+        routing = plan.routing()
         with torch.no_grad():
-            return streamed_forward(plan, h_in, cos, sin, key_valid)
+            h_out = streamed_forward(plan, h_in, cos, sin, key_valid, routing)
+        if routing is None:
+            return h_out
+        ctx.mark_non_differentiable(routing.picks)
+        return h_out, routing.prob_sum, routing.picks
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *routing_grads):
         h_in, cos, sin, key_valid = ctx.saved_tensors
         host = ctx.host_input
         if host is not None:
             h_in = host.load()
+        routing_grad = routing_grads[0] if routing_grads else None
+        routing = None if routing_grad is None else ctx.plan.routing(routing_grad)
         grad_in = streamed_backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                                    None if host is None else host.chunk_done)
+                                    None if host is None else host.chunk_done, routing)
         return (grad_in, None, None, None, None, *([None] * len(ctx.params)))

@@ -1,7 +1,8 @@
 """The MLP run in sequence chunks both ways (Mini-Sequence Transformer, arXiv 2407.15892).
 
 Forward keeps only the MLP input; backward recomputes one chunk at a time, so the (c, intermediate)
-activations of only one chunk are alive. Weight gradients accumulate in `.grad`.
+activations of only one chunk are alive. Weight gradients accumulate in `.grad`. A chunk reaches the MLP
+as a dense (B, c, d) tensor (a mixture-of-experts block views its input as (B * c, d)).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class ChunkedMLP(torch.autograd.Function):
         ctx.save_for_backward(x)
         out = torch.empty_like(x)
         for start, end in chunk_bounds(x.shape[1], chunk, keep):
-            out[:, start:end] = forward_fn(x[:, start:end])
+            out[:, start:end] = forward_fn(x[:, start:end].contiguous())
         return out
 
     @staticmethod
@@ -31,7 +32,7 @@ class ChunkedMLP(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         grad_x = torch.empty_like(x)
         for start, end in chunk_bounds(x.shape[1], ctx.chunk, ctx.keep):
-            piece = leaf(x[:, start:end])
+            piece = leaf(x[:, start:end].contiguous())
             with torch.enable_grad():
                 out = ctx.mlp_fn(piece)
             backward_into([out], [grad_out[:, start:end]], [piece], ctx.params)

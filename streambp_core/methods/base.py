@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from streambp_core.config import OBJECTIVES, ConfigError, StreamConfig
 from streambp_core.engine.objectives import default_labels
+from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.models.adapters import DecoderParts
@@ -37,6 +38,8 @@ class Run:
         self.parts: DecoderParts = guards.parts_of(model)
         self._check_dropout()
         guards.claim(self.parts, self)
+        self.router_aux: RouterAux | None = router_aux(self.parts.backbone.config)
+        """The router load-balancing loss's settings when the model adds it to its loss, else None."""
         self._closed = False
         try:
             self._setup()
@@ -75,6 +78,16 @@ class Run:
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
         """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""
         return build_objective(self.objective_name, self._input_ids, labels, **objective_inputs)
+
+    def router_loss(self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None) -> Tensor | float:
+        """`router_aux_loss_coef` times the load-balancing loss of every routed layer's router logits
+        (B * T, E), as transformers adds it to a causal LM's loss; 0 when the model does not add it."""
+        if self.router_aux is None or not router_logits:
+            return 0.0
+        rows = None if attention_mask is None else attention_mask.reshape(-1).bool()
+        sums = [routing_sums(logits, rows, self.router_aux) for logits in router_logits]
+        valid_tokens = router_logits[0].shape[0] if rows is None else rows.sum()
+        return aux_loss([s[0] for s in sums], [s[1] for s in sums], valid_tokens, self.router_aux)
 
     def close(self) -> None:
         """Undo what preparing changed; the model is plain again."""

@@ -3,6 +3,7 @@ LM head and loss that recompute logits in backward (arXiv 2407.15892)."""
 
 from __future__ import annotations
 
+from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import HeadPlan, StreamedHead
 from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
@@ -22,6 +23,9 @@ class MstRun(CheckpointRun):
                               "its chunked MLP and LM head recompute without replaying the forward's masks")
 
     def _setup(self) -> None:
+        if self.router_aux is not None:
+            raise ConfigError("mst: the router load-balancing loss (output_router_logits) is not supported: "
+                              "a chunked MLP's router logits carry no gradient")
         super()._setup()
         for layer in self.parts.layers:
             chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens, self.config.keep_chunks)

@@ -58,5 +58,6 @@ class PlainRun(Run):
         mask = self.mask_argument(attention_mask)
         if self.objective_name == "sft" and not objective_inputs and not self._float64_head:
             return self.model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        logits = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
-        return full_logits_loss(self, logits, labels, **objective_inputs)
+        outputs = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        loss = full_logits_loss(self, outputs.logits, labels, **objective_inputs)
+        return loss + self.router_loss(getattr(outputs, "router_logits", None), attention_mask)

@@ -16,6 +16,7 @@ from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
 from streambp_core.engine.offload import HostChain
+from streambp_core.engine.router import aux_loss
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
@@ -36,7 +37,7 @@ class StreamBPRun(Run):
         cfg = self.config
         self._layers = [
             (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
-                       keep_chunks=cfg.keep_chunks),
+                       keep_chunks=cfg.keep_chunks, router_aux=self.router_aux),
              trainable_parameters([layer]))
             for layer in self.parts.layers
         ]
@@ -49,30 +50,44 @@ class StreamBPRun(Run):
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
         chain = self._host_chain(input_ids)
-        hidden = self._streamed_layers(input_ids, attention_mask, chain)
+        hidden, routing = self._streamed_layers(input_ids, attention_mask, chain)
         head_plan, head_params = self._head
-        return self._head_function.apply(hidden, objective, _offloaded(head_plan, chain), *head_params)
+        loss = self._head_function.apply(hidden, objective, _offloaded(head_plan, chain), *head_params)
+        if not routing:
+            return loss
+        valid = key_padding(attention_mask)
+        valid_tokens = input_ids.numel() if valid is None else valid.sum()
+        prob_sums, picks = zip(*routing, strict=True)
+        return loss + aux_loss(list(prob_sums), list(picks), valid_tokens, self.router_aux)
 
     def hidden_states(self, input_ids, attention_mask=None):
         """The last decoder layer's output (B, T, d), before the final norm, through the streamed layers.
 
         `loss` puts the streamed head on top; a trainer's own head (e.g. a fused log-prob head) can too.
+        The router load-balancing loss, when the model enables it, is added by `loss` only.
         """
-        return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids))
+        return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids))[0]
 
     def _host_chain(self, input_ids) -> HostChain | None:
         """This step's host chain when offloading checkpoints, else None."""
         return HostChain(input_ids.device) if self.config.offload == "checkpoints" else None
 
     def _streamed_layers(self, input_ids, attention_mask, chain: HostChain | None):
+        """The last layer's output and the (probability sums, picks) of each routed layer under the
+        load-balancing loss."""
         with memory_category("checkpoints"):
             hidden = self.parts.embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        cos, sin = self.parts.rotary(hidden, positions)
+        rope = self.parts.rope_tables(hidden, positions)
         valid = key_padding(attention_mask)
+        routing = []
         for plan, params in self._layers:
-            hidden = StreamedLayer.apply(hidden, cos, sin, valid, _offloaded(plan, chain), *params)
-        return hidden
+            hidden = StreamedLayer.apply(hidden, *rope[plan.parts.rope_key], valid, _offloaded(plan, chain),
+                                         *params)
+            if isinstance(hidden, tuple):
+                hidden, *sums = hidden
+                routing.append(sums)
+        return hidden, routing
 
 
 def _offloaded(plan, chain: HostChain | None):

@@ -1,7 +1,14 @@
 """One adapter per decoder family: where a layer keeps its projections, norms and MLP.
 
-Llama, Qwen2, Qwen3 and Mistral share one layer shape in transformers 5
-(pre-norm attention with RoPE, then pre-norm gated MLP); Qwen3 adds per-head RMSNorm on Q and K.
+Every supported family has one layer shape in transformers 5: norm, attention with RoPE, residual, norm,
+MLP, residual. The differences are data in `LayerParts`:
+- Qwen3, Qwen3-MoE and Gemma 3 add per-head RMSNorm on Q and K;
+- Gemma 3 adds sandwich norms (the attention and MLP outputs are normed before each residual), its own
+  query scale (`query_pre_attn_scalar`), an embedding scale (inside its embedding module), GELU-tanh
+  (inside its MLP), and separate RoPE tables for local and global layers;
+- Mistral, Mixtral, Qwen2 (`use_sliding_window`), Qwen3 and Gemma 3 may attend through a sliding window,
+  per layer as `config.layer_types` says (`sliding_attention` / `full_attention`);
+- Qwen3-MoE and Mixtral route each token to experts inside the MLP module, which acts token by token.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -9,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+SLIDING = "sliding_attention"
+"""`config.layer_types` entry of a local (sliding-window) layer."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,7 @@ class LayerParts:
 
     input_norm: nn.Module
     post_norm: nn.Module
+    """The norm before the MLP."""
     q_proj: nn.Module
     k_proj: nn.Module
     v_proj: nn.Module
@@ -33,6 +43,16 @@ class LayerParts:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    attn_out_norm: nn.Module | None = None
+    """Norm of the attention output before its residual (Gemma's sandwich norm), or None."""
+    mlp_out_norm: nn.Module | None = None
+    """Norm of the MLP output before its residual (Gemma's sandwich norm), or None."""
+    sliding_window: int | None = None
+    """Keys a query sees (itself included) in a local layer; None: the whole causal prefix."""
+    rope_key: str | None = None
+    """Which RoPE table the layer rotates with (Gemma 3: its layer type); None: the model's only one."""
+    router: nn.Module | None = None
+    """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
 
 
 @dataclass(frozen=True)
@@ -48,20 +68,33 @@ class DecoderParts:
     rotary: nn.Module
     family: str
 
+    def rope_tables(self, hidden: Tensor, positions: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
+        """cos/sin of `positions` for every RoPE table the layers use, keyed as `LayerParts.rope_key`."""
+        if self.family != "gemma3_text":
+            return {None: self.rotary(hidden, positions)}
+        return {kind: self.rotary(hidden, positions, kind) for kind in sorted(set(self.rotary.layer_types))}
+
+
+_REFUSED = (
+    ("attn_logit_softcapping", "attention logit soft-capping"),
+    ("final_logit_softcapping", "final logit soft-capping"),
+    ("use_bidirectional_attention", "bidirectional attention"),
+    ("router_jitter_noise", "router jitter noise (random in training, so a recomputed chunk would differ)"),
+)
+"""Config features the engine cannot compute exactly: (attribute, what it is), refused when set."""
+
 
 def model_family(config) -> str:
-    """The decoder family of a transformers config, or ConfigError naming the supported ones."""
+    """The decoder family of a transformers config, or ConfigError naming the supported ones or the
+    feature of this config that the engine cannot run exactly."""
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         raise ConfigError(
             f"unsupported architecture {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", None)
-    if uses_window is None:
-        uses_window = family == "mistral"
-    if window is not None and uses_window:
-        raise ConfigError(f"sliding-window attention (window {window}) is not supported by the engine")
+    for attribute, feature in _REFUSED:
+        if getattr(config, attribute, None):
+            raise ConfigError(f"{family}: {feature} is not supported by the engine ({attribute} is set)")
     return family
 
 
@@ -85,10 +118,10 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     """The sub-modules and attention geometry of one decoder layer."""
     attn = layer.self_attn
     config = attn.config
-    head_dim = attn.head_dim
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
     return LayerParts(
         input_norm=layer.input_layernorm,
-        post_norm=layer.post_attention_layernorm,
+        post_norm=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
         q_proj=attn.q_proj,
         k_proj=attn.k_proj,
         v_proj=attn.v_proj,
@@ -98,9 +131,23 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         mlp=layer.mlp,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
+        head_dim=attn.head_dim,
         scaling=attn.scaling,
+        attn_out_norm=layer.post_attention_layernorm if sandwich else None,
+        mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
+        sliding_window=layer_window(attn),
+        rope_key=getattr(attn, "layer_type", None) if config.model_type == "gemma3_text" else None,
+        router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
     )
+
+
+def layer_window(attn: nn.Module) -> int | None:
+    """The sliding window an attention module applies, as its transformers forward passes it: its own
+    `sliding_window` (set per layer type), or the config's for models with one window for every layer
+    (Mistral, Mixtral)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None)
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:

@@ -17,13 +17,15 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from streambp_core.config import ConfigError
+from streambp_core.models.adapters import SUPPORTED_FAMILIES, model_family
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
+from streambp_core.models.precision import norms_in_at_least_float32
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
 """`model_type`s of the decoder families the engine supports."""
 
 PRESET_DIR = Path(__file__).parent / "presets"
-TINY_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+TINY_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "qwen3-moe", "mixtral")
 
 
 def _preset_file(name: str) -> Path:
@@ -65,12 +67,17 @@ def _config_from_path(path: Path) -> PretrainedConfig:
 
 
 def check_supported(config: PretrainedConfig, source: str = "model") -> PretrainedConfig:
-    """Return `config` if its family is supported, else raise ConfigError naming the supported ones."""
+    """Return `config` if its family is supported and it uses no feature the engine cannot run exactly,
+    else raise ConfigError (one line) naming the supported families or the refused feature."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: architecture {config.model_type!r} is not supported; "
             f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    try:
+        model_family(config)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
     return config
 
 
@@ -118,8 +125,10 @@ def _as_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
 
 
 def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
-    """Train mode with every dropout probability at zero, so two runs see the same function."""
+    """Train mode with every dropout probability at zero, so two runs see the same function; norms that
+    would round a float64 model to float32 compute in at least float32 (see `models.precision`)."""
     model.config.attention_dropout = 0.0
+    norms_in_at_least_float32(model)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -143,8 +152,21 @@ def build_model(
     config.attention_dropout = 0.0
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **experts_options(config, dtype))
     return _prepare_for_training(model)
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def experts_options(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, str]:
+    """How a mixture-of-experts model runs its experts: transformers' default (grouped matmuls, which
+    also run on the meta device), except in float64, which grouped matmuls do not take: there the
+    per-expert loop (`eager`). Empty for dense models."""
+    if config.model_type not in MOE_FAMILIES or dtype != torch.float64:
+        return {}
+    return {"experts_implementation": "eager"}
 
 
 def has_weights(path: str | Path) -> bool:
@@ -162,9 +184,10 @@ def load_model(
     """Load a local directory's config and safetensors weights (never the network), train mode, dropout 0."""
     if not has_weights(path):
         raise ConfigError(f"{path} has no *.safetensors weights")
-    check_supported(load_config(str(path)), str(path))
+    config = check_supported(load_config(str(path)), str(path))
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        str(path), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+        **experts_options(config, dtype),
     )
     return _prepare_for_training(model.to(device))
 

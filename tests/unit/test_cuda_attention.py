@@ -129,8 +129,8 @@ def test_streambp_through_the_varlen_path_is_exact(fake_flash, monkeypatch):
     from tests.unit.test_exactness import assert_matches_plain, batch
 
     monkeypatch.setattr(layer, "prefix_attention",
-                        lambda q, k, v, valid, scale, backend: cuda_attention.cuda_attention(
-                            q, k, v, valid, scale, "flash"))
+                        lambda q, k, v, valid, scale, backend, window: cuda_attention.cuda_attention(
+                            q, k, v, valid, scale, "flash", window))
     model = build_model(tiny_config("qwen3"), dtype=torch.float64, seed=0)
     for side in ("right", "left"):
         ids, mask = batch(512, 3, 23, side)

@@ -29,8 +29,17 @@ PUBLISHED_PARAMS_B = {
     "meta-llama/Llama-3.2-1B": 1.24,
     "meta-llama/Llama-3.2-3B": 3.21,
     "mistralai/Mistral-7B-v0.3": 7.25,
+    "mistralai/Mistral-7B-v0.1": 7.24,
+    "mistralai/Mixtral-8x7B-v0.1": 46.7,
+    "Qwen/Qwen3-30B-A3B": 30.5,
+    # Gemma 3: the language model alone (Gemma 3 technical report, table 1: embedding + non-embedding)
+    "google/gemma-3-1b-it": 1.0,
+    "google/gemma-3-4b-it": 3.88,
+    "google/gemma-3-12b-it": 11.77,
+    "google/gemma-3-27b-it": 27.02,
 }
-TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral"]
+TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
+        "tiny/mixtral"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
