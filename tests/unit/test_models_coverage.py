@@ -14,7 +14,7 @@ from streambp_core.engine.chunks import allowed_mask, window_start
 from streambp_core.models import build_model, load_config, tiny_config
 from streambp_core.models.adapters import decoder_parts, layer_parts
 from streambp_core.verify import VerifySpec, verify_spec
-from tests.test_exactness import assert_matches_plain, batch, step
+from tests.unit.test_exactness import assert_matches_plain, batch, step
 
 WINDOW = 6
 """Sliding window of the tests' local layers: shorter than their sequences (23 tokens) and than a chunk
