@@ -44,12 +44,11 @@ def chunk_mlp(mlp: nn.Module, chunk: int, keep_chunks: int | None = None) -> Non
     """Make `mlp` run in chunks (instance-level override of `forward`); undo with `unchunk_mlp`.
     `keep_chunks`: simulation only (see `StreamConfig.keep_chunks`)."""
     original = mlp.forward
-    params = trainable_parameters([mlp])
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             return original(x)
-        return ChunkedMLP.apply(x, self, original, chunk, keep_chunks, *params)
+        return ChunkedMLP.apply(x, self, original, chunk, keep_chunks, *trainable_parameters([self]))
 
     mlp.forward = types.MethodType(forward, mlp)
 

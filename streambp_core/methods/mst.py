@@ -3,7 +3,10 @@ LM head and loss that recompute logits in backward (arXiv 2407.15892)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from streambp_core.config import ConfigError
+from streambp_core.dist.fsdp import sharded_forward
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import HeadPlan, StreamedHead
 from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
@@ -36,11 +39,15 @@ class MstRun(CheckpointRun):
         super()._teardown()
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
+        objective = self.make_objective(labels, **objective_inputs)
+        return sharded_forward(self.model, partial(self._chunked_loss, objective), input_ids, attention_mask)
+
+    def _chunked_loss(self, objective, input_ids, attention_mask):
+        """Backbone, then the chunked head; run as the model's forward when the model is sharded."""
         mask = self.mask_argument(attention_mask)
         outputs = self.parts.backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
         hidden = outputs.last_hidden_state
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
                         keep_chunks=self.config.keep_chunks)
         params = trainable_parameters([self.parts.lm_head])
-        objective = self.make_objective(labels, **objective_inputs)
         return StreamedHead.apply(hidden, objective, plan, *params)

@@ -4,14 +4,19 @@ The model itself is not changed: `loss` drives its modules through the engine's 
 embedding, then one `StreamedLayer` per decoder layer, then the `StreamedHead` (final norm, lm_head and
 objective). Only each layer's input is kept between forward and backward; with `offload="checkpoints"`
 in host memory, one `engine.offload.HostChain` per step (each layer's input and the head's hidden state).
+On a model sharded with `streambp_core.dist.shard_model`, the step and each layer run as their FSDP unit's
+forward, so a layer's parameters are gathered once for all its chunks and its gradients reduce-scattered
+once after the last.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
+from streambp_core.dist.fsdp import sharded_forward
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
@@ -36,23 +41,23 @@ class StreamBPRun(Run):
     def _setup(self) -> None:
         cfg = self.config
         self._layers = [
-            (LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
-                       keep_chunks=cfg.keep_chunks, router_aux=self.router_aux),
-             trainable_parameters([layer]))
+            (layer, LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
+                              keep_chunks=cfg.keep_chunks, router_aux=self.router_aux))
             for layer in self.parts.layers
         ]
-        head_modules = [self.parts.norm, self.parts.lm_head]
-        self._head = (HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks),
-                      trainable_parameters(head_modules))
+        self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks)
         fused = head_mode(cfg.head_mode, self.objective_name) == "fused"
         self._head_function = FusedHead if fused else StreamedHead
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
+        return sharded_forward(self.model, partial(self._streamed_loss, objective), input_ids, attention_mask)
+
+    def _streamed_loss(self, objective, input_ids, attention_mask):
         chain = self._host_chain(input_ids)
         hidden, routing = self._streamed_layers(input_ids, attention_mask, chain)
-        head_plan, head_params = self._head
-        loss = self._head_function.apply(hidden, objective, _offloaded(head_plan, chain), *head_params)
+        head_params = trainable_parameters([self.parts.norm, self.parts.lm_head])
+        loss = self._head_function.apply(hidden, objective, _offloaded(self._head, chain), *head_params)
         if not routing:
             return loss
         valid = key_padding(attention_mask)
@@ -65,6 +70,7 @@ class StreamBPRun(Run):
 
         `loss` puts the streamed head on top; a trainer's own head (e.g. a fused log-prob head) can too.
         The router load-balancing loss, when the model enables it, is added by `loss` only.
+        On a sharded model, call it inside the model's FSDP forward (`sharded_forward`), as `loss` does.
         """
         return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids))[0]
 
@@ -81,13 +87,19 @@ class StreamBPRun(Run):
         rope = self.parts.rope_tables(hidden, positions)
         valid = key_padding(attention_mask)
         routing = []
-        for plan, params in self._layers:
-            hidden = StreamedLayer.apply(hidden, *rope[plan.parts.rope_key], valid, _offloaded(plan, chain),
-                                         *params)
+        for layer, plan in self._layers:
+            layer_step = partial(_streamed_layer, layer, _offloaded(plan, chain))
+            hidden = sharded_forward(layer, layer_step, hidden, *rope[plan.parts.rope_key], valid)
             if isinstance(hidden, tuple):
                 hidden, *sums = hidden
                 routing.append(sums)
         return hidden, routing
+
+
+def _streamed_layer(layer, plan: LayerPlan, hidden, cos, sin, valid):
+    """One decoder layer through `StreamedLayer`, with the parameters the layer holds now (gathered ones
+    when it is a sharded unit)."""
+    return StreamedLayer.apply(hidden, cos, sin, valid, plan, *trainable_parameters([layer]))
 
 
 def _offloaded(plan, chain: HostChain | None):

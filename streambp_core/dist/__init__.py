@@ -1,0 +1,28 @@
+"""Sharded training on existing engines: torch FSDP2 (`fsdp.py`), ranks on one machine (`launch.py`),
+collective counts (`comms.py`), exactness across ranks (`verify.py`) and one rank of N in the simulator
+(`simulate.py`). Public names load on first use, so importing one submodule stays light."""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "SHARD_STAGES": "streambp_core.dist.fsdp",
+    "shard_model": "streambp_core.dist.fsdp",
+    "sharded_forward": "streambp_core.dist.fsdp",
+    "full_gradients": "streambp_core.dist.fsdp",
+    "run_ranks": "streambp_core.dist.launch",
+    "RankError": "streambp_core.dist.launch",
+    "CollectiveLog": "streambp_core.dist.comms",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> object:
+    """Import a public name's module on first access."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,111 @@
+"""Sharding on torch FSDP2 (`torch.distributed.fsdp.fully_shard`), the same wrapper for every method.
+
+Units: each decoder layer is one FSDP unit; the root unit (the model) holds the embedding, the final
+norm and the LM head (one unit, so tied embeddings stay together).
+
+- zero2: `reshard_after_forward=False`. Gradients and optimizer states are sharded; a layer's parameters
+  are gathered once in forward and stay gathered until its backward is done.
+- zero3: `reshard_after_forward=True`. Parameters are sharded too, gathered once for a layer's forward
+  and once more for its backward.
+
+Methods that call `model(...)` (plain, checkpoint) get FSDP's hooks from the model's own forward. StreamBP
+and MsT drive the modules themselves, so they run their step through `sharded_forward`: FSDP's own
+pre-/post-forward hooks (all-gather; reshard; the hooks that all-gather again before the unit's backward
+and reduce-scatter its gradients after it) fire once per unit per step, around the whole streamed layer,
+never per chunk. A streamed layer's chunks accumulate into the gathered parameters' `.grad`; FSDP
+reduce-scatters that sum once, after the last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from streambp_core.config import ConfigError, require_choice
+from streambp_core.models.adapters import decoder_parts
+
+SHARD_STAGES = ("zero2", "zero3")
+"""zero2: gradients and optimizer states sharded; zero3: parameters sharded as well."""
+
+R = TypeVar("R")
+
+
+def fsdp_available() -> bool:
+    """Whether this torch build has torch.distributed with FSDP2's `fully_shard`."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module` is an FSDP2 unit (`fully_shard` was applied to it)."""
+    if not fsdp_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def shard_model(model: nn.Module, stage: str) -> nn.Module:
+    """Shard `model` in place across the default process group: one FSDP2 unit per decoder layer, then the
+    root (embedding, final norm, head). Returns `model` (its class is now an FSDP subclass)."""
+    require_choice("shard", stage, SHARD_STAGES)
+    if not fsdp_available():
+        raise ConfigError("sharding needs torch.distributed with FSDP2 (torch.distributed.fsdp.fully_shard)")
+    if not torch.distributed.is_initialized():
+        raise ConfigError("sharding needs an initialized process group; start ranks with run_ranks")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    reshard = stage == "zero3"
+    for layer in decoder_parts(model).layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def sharded_forward(module: nn.Module, fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)` run as `module`'s forward for FSDP2 when `module` is a unit, else plainly.
+
+    FSDP's pre-forward all-gathers the unit's parameters (so `fn` sees them gathered) and hooks the
+    tensor arguments that require grad, to reduce-scatter after the unit's backward; its post-forward
+    reshards (zero3) and hooks the output, to all-gather again before that backward. The call goes
+    through `register_fsdp_forward_method` on a method set for this call only and removed after it.
+    `fn` must take tensors (or None) only, and read the unit's parameters inside, not before.
+    """
+    if not is_sharded(module):
+        return fn(*args)
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    name = "_sharded_call"
+    setattr(module, name, fn)
+    try:
+        register_fsdp_forward_method(module, name)
+        return getattr(module, name)(*args)
+    finally:
+        delattr(module, name)
+
+
+def full_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's gradient as a full tensor (sharded ones all-gathered), by name.
+
+    A collective: every rank must call it.
+    """
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        grad = param.grad
+        if grad is not None and hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        grads[name] = None if grad is None else grad.detach().clone()
+    return grads

@@ -1,0 +1,112 @@
+"""One rank of N under FSDP2, from a simulated single-rank step: what sharding changes in the peak.
+
+Ranks are symmetric, so one is enough. The step's activations (checkpoints, kv, logits, temporaries) are
+a rank's own and stay as simulated; the model state is laid out as FSDP2 lays it out, exactly, from the
+model's parameter shapes (each parameter split along dim 0, padded to a multiple of N):
+
+- weights: every parameter's shard, plus the gathered units. zero2 keeps every unit gathered from its
+  forward to the end of its backward (at the step's peak, all of them); zero3 gathers the root
+  (embedding, final norm, head) and two decoder layers at most (the one running and the one prefetched).
+- optimizer: the state of the shards (the simulated state times the trainable shard fraction).
+- grads: the shards of the simulated gradients, plus, when gradients exist at the peak, the unsharded
+  gradients in flight: the root's (reduce-scattered at the end of backward) and two layers' (the one
+  being back-propagated and the one being reduce-scattered).
+- the optimizer phase: every unit is resharded and every gradient reduce-scattered: shards only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from streambp_core.config import ConfigError, require_choice
+from streambp_core.dist.fsdp import SHARD_STAGES
+from streambp_core.models.adapters import decoder_parts
+
+PREFETCHED_LAYERS = 2
+"""zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitBytes:
+    """Bytes of one FSDP unit's parameters, unsharded and as one rank's (padded) shard."""
+
+    full: int
+    shard: int
+    trainable_full: int
+    trainable_shard: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardLayout:
+    """The FSDP units of a model across `gpus` ranks: the root first, then one per decoder layer."""
+
+    gpus: int
+    units: tuple[UnitBytes, ...]
+
+    @classmethod
+    def from_model(cls, model: nn.Module, gpus: int) -> ShardLayout:
+        """The layout of `model` (any device, meta included) over `gpus` ranks."""
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            raise ConfigError(f"gpus must be a positive integer, got {gpus!r}")
+        layers = list(decoder_parts(model).layers)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_layers]
+        units = [_unit(root, gpus)] + [_unit(list(layer.parameters()), gpus) for layer in layers]
+        return cls(gpus=gpus, units=tuple(units))
+
+    def total(self, field: str) -> int:
+        """Sum of one `UnitBytes` field over the units."""
+        return sum(getattr(unit, field) for unit in self.units)
+
+    @property
+    def trainable_fraction(self) -> float:
+        """A rank's share of the trainable parameters' bytes (1/N plus padding)."""
+        full = self.total("trainable_full")
+        return self.total("trainable_shard") / full if full else 0.0
+
+    def gathered_bytes(self, stage: str) -> int:
+        """Bytes of unsharded parameters alive at once on a rank at the step's peak."""
+        if stage == "zero2":
+            return self.total("full")
+        layers = sorted((unit.full for unit in self.units[1:]), reverse=True)
+        return self.units[0].full + sum(layers[:PREFETCHED_LAYERS])
+
+    def inflight_grad_bytes(self) -> int:
+        """Unsharded gradients alive at once in backward: the root's and two layers'."""
+        layers = sorted((unit.trainable_full for unit in self.units[1:]), reverse=True)
+        return self.units[0].trainable_full + sum(layers[:PREFETCHED_LAYERS])
+
+
+def _unit(params: list[nn.Parameter], gpus: int) -> UnitBytes:
+    sizes = {"full": 0, "shard": 0, "trainable_full": 0, "trainable_shard": 0}
+    for param in params:
+        full = param.numel() * param.element_size()
+        rows = param.shape[0] if param.dim() else 1
+        shard = -(-rows // gpus) * (full // max(rows, 1))  # dim 0 padded to a multiple of gpus
+        sizes["full"] += full
+        sizes["shard"] += shard
+        if param.requires_grad:
+            sizes["trainable_full"] += full
+            sizes["trainable_shard"] += shard
+    return UnitBytes(**sizes)
+
+
+def sharded_breakdown(
+    breakdown_bytes: dict[str, int], layout: ShardLayout, stage: str, phase: str = "backward"
+) -> dict[str, int]:
+    """One rank's bytes by category at the peak of a step phase whose single-rank breakdown is given.
+
+    `phase` "optimizer" (after backward: every unit resharded, every gradient reduce-scattered) holds
+    shards only; any other phase (forward, backward) the gathered units and in-flight gradients too.
+    """
+    require_choice("shard", stage, SHARD_STAGES)
+    in_step = phase != "optimizer"
+    fraction = layout.trainable_fraction
+    rank = dict(breakdown_bytes)
+    rank["weights"] = layout.total("shard") + (layout.gathered_bytes(stage) if in_step else 0)
+    rank["optimizer"] = round(breakdown_bytes.get("optimizer", 0) * fraction)
+    grads = breakdown_bytes.get("grads", 0)
+    rank["grads"] = round(grads * fraction) + (layout.inflight_grad_bytes() if grads and in_step else 0)
+    return rank

@@ -1,0 +1,173 @@
+"""Exactness across ranks: every method, sharded with FSDP2, against single-process plain backprop.
+
+Steps of `verify_sharded` (in `nproc` spawned ranks, see `run_ranks`):
+1. Every rank builds the same seeded model; rank r draws its own batch (seed + 1 + r).
+2. Rank 0 runs unsharded plain on every rank's batch; the reference gradient is their mean (data-parallel
+   training averages over ranks), the reference loss the mean loss.
+3. For each shard stage and method: a fresh copy of the model is sharded (`shard_model`), one step runs
+   on each rank's batch under a `CollectiveLog`, the gradients are all-gathered to full tensors, and rank 0
+   compares them with the reference: max relative error over parameters, as single-process `verify`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+import streambp_core
+from streambp_core.batch import objective_inputs, random_batch
+from streambp_core.compare import max_rel_err
+from streambp_core.config import ConfigError, require_choice
+from streambp_core.dist.comms import CollectiveLog
+from streambp_core.dist.fsdp import SHARD_STAGES, full_gradients, shard_model
+from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, run_ranks
+from streambp_core.models import build_model, load_config
+from streambp_core.verify import DTYPES, LOSS_ULPS, TOLERANCE, VerifySpec, run_step
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedResult:
+    """One method under one shard stage against the single-process reference."""
+
+    method: str
+    shard: str
+    objective: str
+    nproc: int
+    max_rel_err: float
+    worst_param: str
+    loss: float
+    loss_abs_err: float
+    tolerance: float
+    loss_tolerance: float
+    all_gathers: int
+    all_gather_bytes: int
+    reduce_scatters: int
+    reduce_scatter_bytes: int
+    """Collectives of one step (forward + backward) on one rank; bytes of the full tensors."""
+    ok: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedReport:
+    """Every (spec, shard, method) result of one multi-rank verification."""
+
+    nproc: int
+    device: str
+    results: tuple[ShardedResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(result.ok for result in self.results)
+
+    @property
+    def source(self) -> str:
+        return f"measured-{torch.device(self.device).type}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary."""
+        return {"nproc": self.nproc, "device": self.device, "source": self.source, "ok": self.ok,
+                "results": [asdict(result) for result in self.results]}
+
+
+def verify_sharded(
+    specs: tuple[VerifySpec, ...], *, nproc: int, shards: tuple[str, ...] = SHARD_STAGES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ShardedReport:
+    """Verify every spec's methods under every shard stage across `nproc` ranks (module docstring)."""
+    if not specs:
+        raise ConfigError("give at least one spec")
+    for shard in shards:
+        require_choice("shard", shard, SHARD_STAGES)
+    devices = {spec.device for spec in specs}
+    if len(devices) != 1:
+        raise ConfigError(f"all specs must use one device, got {', '.join(sorted(devices))}")
+    for spec in specs:
+        if spec.dtype not in TOLERANCE:
+            exact = ", ".join(TOLERANCE)
+            raise ConfigError(f"sharded verify compares exact dtypes ({exact}), got {spec.dtype}")
+        if spec.lora_rank:
+            raise ConfigError("sharded verify checks full-parameter training; lora_rank must be 0")
+    device = devices.pop()
+    per_rank = run_ranks(_rank_verify, nproc, device=device, args=(specs, shards), timeout_s=timeout_s)
+    return ShardedReport(nproc=nproc, device=device, results=tuple(per_rank[0]))
+
+
+def _rank_verify(rank: int, world: int, specs, shards) -> list[ShardedResult]:
+    """Body of each rank: results on rank 0, an empty list elsewhere."""
+    results = []
+    for spec in specs:
+        model = build_model(load_config(spec.model), dtype=DTYPES[spec.dtype], device=spec.device,
+                            seed=spec.seed)
+        batches = [_rank_batch(spec, model, r) for r in range(world)]
+        reference = _reference(model, spec, batches) if rank == 0 else None
+        for shard in shards:
+            for method in spec.methods:
+                results.append(_sharded_step(model, method, shard, spec, batches[rank], reference))
+    return results if rank == 0 else []
+
+
+def _rank_batch(spec: VerifySpec, model, rank: int):
+    return random_batch(vocab_size=model.config.vocab_size, seq_len=spec.seq_len, batch_size=spec.batch_size,
+                        padding=spec.padding, seed=spec.seed + 1 + rank, device=spec.device)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Reference:
+    loss: float
+    loss_tolerance: float
+    grads: dict
+
+
+def _reference(model, spec: VerifySpec, batches) -> _Reference:
+    """Mean loss and mean gradients of unsharded plain over the ranks' batches, and the loss bound of
+    single-process `verify` (transformers computes plain's loss in float32 even in float64)."""
+    steps = [run_step(model, "plain", batch, _rank_spec(spec, r)) for r, batch in enumerate(batches)]
+    grads = {name: _mean([step.grads[name] for step in steps]) for name in steps[0].grads}
+    loss = sum(step.loss for step in steps) / len(steps)
+    loss_rel = max(TOLERANCE[spec.dtype], LOSS_ULPS * torch.finfo(steps[0].loss_dtype).eps)
+    return _Reference(loss=loss, loss_tolerance=loss_rel * max(1.0, abs(loss)), grads=grads)
+
+
+def _rank_spec(spec: VerifySpec, rank: int) -> VerifySpec:
+    """The spec whose seed draws rank `rank`'s objective inputs (advantages, reference log-probs)."""
+    return VerifySpec(**{**asdict(spec), "seed": spec.seed + rank})
+
+
+def _mean(grads):
+    present = [grad for grad in grads if grad is not None]
+    return None if not present else torch.stack(present).sum(dim=0) / len(grads)
+
+
+def _sharded_step(model, method, shard, spec: VerifySpec, batch, reference) -> ShardedResult:
+    """One step of `method` on a sharded copy of `model`; rank 0 compares with `reference`."""
+    sharded = shard_model(copy.deepcopy(model), shard)
+    rank_spec = _rank_spec(spec, dist.get_rank())
+    labels, inputs = objective_inputs(spec.objective, batch, rank_spec.seed)
+    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
+               "attn": spec.attn, "objective": spec.objective}
+    with streambp_core.prepare(sharded, method, **options) as run, CollectiveLog() as log:
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
+        loss.backward()
+    grads = full_gradients(sharded)
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss = float(mean_loss) / dist.get_world_size()
+    if reference is None:
+        return None
+    err, worst = max_rel_err(grads, reference.grads)
+    tolerance = TOLERANCE[spec.dtype]
+    loss_err = abs(mean_loss - reference.loss)
+    counts = log.summary()
+    return ShardedResult(
+        method=method, shard=shard, objective=spec.objective, nproc=dist.get_world_size(),
+        max_rel_err=err, worst_param=worst, loss=mean_loss, loss_abs_err=loss_err, tolerance=tolerance,
+        loss_tolerance=reference.loss_tolerance,
+        all_gathers=counts.get("all_gather", {}).get("calls", 0),
+        all_gather_bytes=counts.get("all_gather", {}).get("bytes", 0),
+        reduce_scatters=counts.get("reduce_scatter", {}).get("calls", 0),
+        reduce_scatter_bytes=counts.get("reduce_scatter", {}).get("bytes", 0),
+        ok=err <= tolerance and loss_err <= reference.loss_tolerance,
+    )
