@@ -52,6 +52,14 @@ def test_sharding_moves_state_not_activations(meta_model):
     assert zero2["grads"] == layout.total("shard") + layout.inflight_grad_bytes()
 
 
+def test_the_optimizer_phase_holds_shards_only(meta_model):
+    layout = ShardLayout.from_model(meta_model, 4)
+    full = layout.total("full")
+    rank = sharded_breakdown({"weights": full, "grads": full, "optimizer": 2 * full}, layout, "zero2",
+                             phase="optimizer")
+    assert rank["weights"] == rank["grads"] == layout.total("shard")
+
+
 def test_no_gradients_at_the_peak_means_none_in_flight(meta_model):
     layout = ShardLayout.from_model(meta_model, 4)
     assert sharded_breakdown({"weights": 1, "grads": 0}, layout, "zero3")["grads"] == 0
