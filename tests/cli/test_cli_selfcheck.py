@@ -17,6 +17,7 @@ from streambp_core.measure.units import GIB
 from streambp_core.search import ProbeResult
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     result = CliRunner().invoke(app, ["selfcheck", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

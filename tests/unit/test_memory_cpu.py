@@ -57,6 +57,7 @@ def test_checkpoints_are_the_layer_inputs(peaks):
         assert results[method].breakdown_bytes["checkpoints"] == (LAYERS + 1) * per_layer_input
 
 
+@pytest.mark.slow
 def test_streambp_backward_keeps_one_layer_gradient(monkeypatch):
     """Writing dL/dH_in over dL/dH_out (LayerPlan.reuse_grad_out) lowers a layer-bound peak by exactly one
     (B, T, d) gradient, and changes no gradient."""
