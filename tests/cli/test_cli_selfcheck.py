@@ -6,6 +6,7 @@ import dataclasses
 from unittest import mock
 
 import pandas as pd
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
