@@ -82,6 +82,9 @@ def make_plan(specs: tuple[StepSpec, ...], device: str, budget_gib: float | None
 
 
 OnProbe = Callable[[str, ProbeResult, int, int | None], None]
+_SEARCH_COST = {"streambp": 3, "mst": 2, "checkpoint": 1, "plain": 0}
+"""Which searches take longest (the chunked methods reach the longest lengths, whose full-depth
+confirmation runs the most chunk loops): started first, so the others share the remaining workers."""
 _START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 """fork: a worker starts with the imports done (a simulation runs no kernel, so no thread pool of the
 parent's is in use when it forks); spawn elsewhere."""
@@ -118,7 +121,7 @@ def _search_in_processes(plan: Plan, on_probe: OnProbe, workers: int) -> list[Se
     its result (or its error) on one queue, read here while they run."""
     context = multiprocessing.get_context(_START_METHOD)
     events = context.Queue()
-    waiting = list(enumerate(plan.specs))
+    waiting = sorted(enumerate(plan.specs), key=lambda item: -_SEARCH_COST.get(item[1].method, 0))
     running: dict[int, multiprocessing.process.BaseProcess] = {}
     found: dict[int, SearchResult] = {}
     while len(found) < len(plan.specs):
