@@ -17,6 +17,8 @@ import csv
 import sys
 from pathlib import Path
 
+from csv_out import write_csv
+
 COLUMNS = ("model", "num_layers", "seq_len_tokens", "method", "partition_size", "head_partition_size",
            "head_mode", "matmul_tflop", "dispatched_ops", "launches", "flops_vs_checkpoint",
            "dispatched_vs_checkpoint", "launches_vs_checkpoint", "source")
@@ -70,12 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     writer = csv.DictWriter(sys.stdout, COLUMNS)
     writer.writeheader()
     writer.writerows(rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as handle:
-            file_writer = csv.DictWriter(handle, COLUMNS)
-            file_writer.writeheader()
-            file_writer.writerows(rows)
+    write_csv(args.out, COLUMNS, rows)
 
 
 if __name__ == "__main__":

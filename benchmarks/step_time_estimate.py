@@ -20,6 +20,8 @@ import csv
 import sys
 from pathlib import Path
 
+from csv_out import write_csv
+
 COLUMNS = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size",
            "head_partition_size", "head_mode", "estimated_ms", "matmul_ms", "attention_ms", "other_ms",
            "launch_ms", "launches", "measured_ms", "estimated_vs_measured", "code", "source")
@@ -127,12 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(estimate_row(item))
         writer.writerow(rows[-1])
         sys.stdout.flush()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as handle:
-            file_writer = csv.DictWriter(handle, COLUMNS)
-            file_writer.writeheader()
-            file_writer.writerows(rows)
+    write_csv(args.out, COLUMNS, rows)
 
 
 if __name__ == "__main__":

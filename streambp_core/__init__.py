@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from streambp_core.config import METHODS, OBJECTIVES, ConfigError, StreamConfig
+from streambp_core.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from streambp_core.methods import Run, prepare
@@ -28,14 +28,4 @@ _LAZY = {"Run": "streambp_core.methods", "prepare": "streambp_core.methods"}
 """Public names imported from their module on first access."""
 
 
-def __getattr__(name: str) -> object:
-    """Import a lazy public name's module, cache the name in this module's globals, and return it."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

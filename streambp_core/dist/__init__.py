@@ -4,7 +4,7 @@ collective counts (`comms.py`), exactness across ranks (`verify.py`) and one ran
 
 from __future__ import annotations
 
-import importlib
+from streambp_core.lazy import lazy_attributes
 
 _LAZY = {
     "SHARD_STAGES": "streambp_core.dist.fsdp",
@@ -19,10 +19,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> object:
-    """Import a public name's module on first access."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

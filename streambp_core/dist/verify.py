@@ -25,29 +25,22 @@ from streambp_core.dist.comms import CollectiveLog
 from streambp_core.dist.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.models import build_model, load_config
-from streambp_core.verify import DTYPES, TOLERANCE, VerifySpec, run_step
+from streambp_core.verify import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardedResult:
-    """One method under one shard stage against the single-process reference."""
+class ShardedResult(MethodResult):
+    """One method under one shard stage against the single-process reference (`verify`'s figures, and
+    the collectives of the step)."""
 
-    method: str
     shard: str
     objective: str
     nproc: int
-    max_rel_err: float
-    worst_param: str
-    loss: float
-    loss_abs_err: float
-    tolerance: float
-    loss_tolerance: float
     all_gathers: int
     all_gather_bytes: int
     reduce_scatters: int
     reduce_scatter_bytes: int
     """Collectives of one step (forward + backward) on one rank; bytes of the full tensors."""
-    ok: bool
 
 
 @dataclass(frozen=True, kw_only=True)

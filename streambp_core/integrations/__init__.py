@@ -11,10 +11,10 @@ call. The trainer libraries are imported on first use of `stream_trainer` (insta
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from streambp_core.integrations.settings import trainer_settings, trainer_settings_line
+from streambp_core.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from streambp_core.integrations.trainers import TrainerStream, stream_trainer
@@ -25,14 +25,4 @@ _LAZY = {"TrainerStream": "streambp_core.integrations.trainers",
          "stream_trainer": "streambp_core.integrations.trainers"}
 
 
-def __getattr__(name: str) -> object:
-    """Import a lazy public name's module on first access and return the name."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
