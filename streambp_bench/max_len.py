@@ -5,9 +5,6 @@ Printing lives in `max_len_report`; the command module only wires options to the
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,31 +79,19 @@ def make_plan(specs: tuple[StepSpec, ...], device: str, budget_gib: float | None
 
 
 OnProbe = Callable[[str, ProbeResult, int, int | None], None]
-_SEARCH_COST = {"streambp": 3, "mst": 2, "checkpoint": 1, "plain": 0}
-"""Which searches take longest (the chunked methods reach the longest lengths, whose full-depth
-confirmation runs the most chunk loops): started first, so the others share the remaining workers."""
-_START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-"""fork: a worker starts with the imports done (a simulation runs no kernel, so no thread pool of the
-parent's is in use when it forks); spawn elsewhere."""
 
 
-def run_plan(plan: Plan, on_probe: OnProbe, workers: int | None = None) -> list[MethodResult]:
+def run_plan(plan: Plan, on_probe: OnProbe) -> list[MethodResult]:
     """Search every method of the plan (`step.probe.max_len`: guided by the extrapolated simulation,
     confirmed at full depth or refined by measurement); `on_probe(method, result, ok_len, fail_len)`
-    after each probe.
+    after each probe. One simulation memo serves every method.
 
-    Simulated searches of several methods run in `workers` processes (default: one per CPU core, at
-    most one per method): each is pure CPU work in Python, so processes are what scales. Measured
-    searches run one after the other (they share the device).
+    One process: forking worker processes after torch and peft have started threads can deadlock the
+    workers (it did for a LoRA step), and spawned workers pay the imports again.
     """
-    workers = min(len(plan.specs), os.cpu_count() or 1) if workers is None else workers
-    if plan.target.device != "sim" or workers < 2:
-        cache: dict = {}
-        searches = [_search(plan, spec, on_probe, cache) for spec in plan.specs]
-    else:
-        searches = _search_in_processes(plan, on_probe, workers)
-    return [MethodResult(spec=spec, search=search, how=_how(plan, spec, search))
-            for spec, search in zip(plan.specs, searches, strict=True)]
+    cache: dict = {}
+    return [MethodResult(spec=spec, search=(search := _search(plan, spec, on_probe, cache)),
+                         how=_how(plan, spec, search)) for spec in plan.specs]
 
 
 def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe, cache: dict) -> SearchResult:
@@ -114,52 +99,6 @@ def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe, cache: dict) -> Searc
         on_probe(spec.method, result, ok, fail)
 
     return max_len(spec, plan.budget_bytes, plan.target.device, plan.config, cache=cache, on_probe=report)
-
-
-def _search_in_processes(plan: Plan, on_probe: OnProbe, workers: int) -> list[SearchResult]:
-    """`_search` of every spec, at most `workers` processes at a time; each reports its probes and then
-    its result (or its error) on one queue, read here while they run."""
-    context = multiprocessing.get_context(_START_METHOD)
-    events = context.Queue()
-    waiting = sorted(enumerate(plan.specs), key=lambda item: -_SEARCH_COST.get(item[1].method, 0))
-    running: dict[int, multiprocessing.process.BaseProcess] = {}
-    found: dict[int, SearchResult] = {}
-    while len(found) < len(plan.specs):
-        while waiting and len(running) < workers:
-            index, spec = waiting.pop(0)
-            running[index] = context.Process(target=_worker, args=(plan, index, spec, events), daemon=True)
-            running[index].start()
-        try:
-            kind, index, *payload = events.get(timeout=1.0)
-        except queue.Empty:
-            _check_alive(plan, running)
-            continue
-        if kind == "probe":
-            on_probe(*payload)  # (method, result, ok_len, fail_len)
-            continue
-        running.pop(index).join()
-        if kind == "error":
-            raise RuntimeError(f"{plan.specs[index].method}: {payload[0]}")
-        found[index] = payload[0]
-    return [found[index] for index in range(len(plan.specs))]
-
-
-def _check_alive(plan: Plan, running: dict) -> None:
-    """RuntimeError naming a worker that ended without reporting (e.g. killed for memory)."""
-    for index, process in running.items():
-        if process.exitcode is not None:
-            raise RuntimeError(f"{plan.specs[index].method}: its search process ended with exit code "
-                               f"{process.exitcode} before reporting a result")
-
-
-def _worker(plan: Plan, index: int, spec: StepSpec, events) -> None:
-    """One method's search in a worker process: ("probe", ...) events, then ("done", index, result)."""
-    try:
-        search = _search(plan, spec, lambda *event: events.put(("probe", index, *event)), {})
-    except Exception as error:  # handed to the parent, which raises it
-        events.put(("error", index, " ".join(str(error).split())))
-        return
-    events.put(("done", index, search))
 
 
 def _how(plan: Plan, spec: StepSpec, search: SearchResult) -> str:
