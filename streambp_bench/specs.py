@@ -5,7 +5,6 @@ Everything here imports neither torch nor transformers, so bad input is refused 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from streambp_bench import options as opt
@@ -29,18 +28,11 @@ def step_specs(model: str, methods: str, **fields: object) -> tuple[StepSpec, ..
 
 
 def writable_results(out: Path | None) -> Path | None:
-    """`out` after checking, before any work, that results can be written there: not a directory, its
-    folder writable, and an existing file a results CSV of this schema (SchemaError otherwise)."""
+    """`out` after `ResultsFile.check_target` (before any work: an existing file must be a results CSV of
+    this schema, the folder writable; SchemaError or ConfigError otherwise); None stays None."""
     if out is None:
         return None
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a directory; give a CSV file path")
-    folder = out.parent if str(out.parent) else Path(".")
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
-    if not os.access(existing, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ConfigError(f"--out {out}: not writable")
-    if out.exists():
-        from streambp_bench.results import ResultsFile
+    from streambp_bench.results import ResultsFile
 
-        ResultsFile(out).rows()
+    ResultsFile(out).check_target()
     return out
