@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from streambp_core.config import ConfigError
+from streambp_core.config import PRESET_DIR, ConfigError
 from streambp_core.models.adapters import SUPPORTED_FAMILIES, model_family
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.precision import norms_in_at_least_float32
@@ -24,7 +24,6 @@ from streambp_core.models.precision import norms_in_at_least_float32
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
 """`model_type`s of the decoder families the engine supports."""
 
-PRESET_DIR = Path(__file__).parent / "presets"
 TINY_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "qwen3-moe", "mixtral")
 
 
