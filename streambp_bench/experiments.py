@@ -23,6 +23,7 @@ from streambp_bench.results import (
     ResultRow,
     ResultsFile,
     allocator_columns,
+    host_columns,
     memory_columns,
     provenance,
     spec_fields,
@@ -114,7 +115,7 @@ def run_point(spec: StepSpec, target, config=None) -> list[ResultRow]:
         message = " ".join(str(error).split())[:300]
         return [ResultRow(**base, metric=m, status=status, error=message) for m in metrics(target)]
     row = ResultRow(**base, **memory_columns(probe.peak_bytes, probe.breakdown_bytes), metric="peak_memory",
-                    value=probe.peak_bytes / 2**30, **allocator_columns(probe),
+                    value=probe.peak_bytes / 2**30, **allocator_columns(probe), **host_columns(probe),
                     **timing.columns(counters=False))
     return [row, replace(row, metric="step_time", value=timing.p50_ms)]
 
@@ -151,7 +152,8 @@ def _simulated_row(spec: StepSpec, base: dict, target, config) -> ResultRow:
     sim = simulate(spec, config)
     fits = target.budget_bytes is None or sim.peak_bytes <= target.budget_bytes
     return ResultRow(**base, **memory_columns(sim.peak_bytes, sim.breakdown_bytes), metric="peak_memory",
-                     status="ok" if fits else "oom", value=sim.peak_gib if fits else None)
+                     status="ok" if fits else "oom", value=sim.peak_gib if fits else None,
+                     **host_columns(sim))
 
 
 def run_points(

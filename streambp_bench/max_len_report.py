@@ -12,7 +12,7 @@ from rich.table import Table
 from streambp_bench import results as rows_file
 from streambp_bench.max_len import MethodResult, Plan
 from streambp_bench.output import stdout_console
-from streambp_bench.results import ResultRow, allocator_columns, memory_columns, spec_fields
+from streambp_bench.results import ResultRow, allocator_columns, host_columns, memory_columns, spec_fields
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB, format_size
 from streambp_core.search import ProbeResult
@@ -172,7 +172,7 @@ def max_len_row(spec, search, stamp: dict) -> ResultRow:
         **spec_fields(spec, seq_len_tokens=0),
         **stamp,
         **memory,
-        **({} if best is None else allocator_columns(best)),
+        **({} if best is None else {**allocator_columns(best), **host_columns(best)}),
         metric="max_len",
         value=float(search.max_len_tokens),
         status="ok" if search.max_len_tokens else "oom",

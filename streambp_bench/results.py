@@ -30,7 +30,7 @@ import pandas as pd
 from streambp_bench import csv_io
 from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
-from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, PROTOCOLS, StepSpec
+from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, OFFLOAD_MODES, PROTOCOLS, StepSpec
 
 SOURCES = ("simulated", "measured-cuda", "measured-cpu")
 STATUSES = ("ok", "oom", "error")
@@ -69,6 +69,9 @@ class ResultRow:
     """Step protocol: default or paper (`streambp_core.measure.protocol`)."""
     grads: str = "resident"
     """Gradients allocated before the step (resident) or made by it (fresh)."""
+    offload: str = "none"
+    """Where the method kept its checkpoints between forward and backward: on the device (none) or in
+    host memory (checkpoints)."""
     source: str
     """One of SOURCES: how the numbers were obtained."""
     status: str = "ok"
@@ -97,6 +100,13 @@ class ResultRow:
     temporaries_gib: float | None = None
     budget_gib: float | None = None
     """Device memory the point was judged against."""
+    host_peak_gib: float | None = None
+    """Most host memory the step held at once (offloaded checkpoints; not part of the device peak); 0
+    without offload; empty where not taken."""
+    to_host_gib: float | None = None
+    """GiB copied device -> host over the step (offloaded checkpoints)."""
+    to_device_gib: float | None = None
+    """GiB copied host -> device over the step (offloaded checkpoints brought back for backward)."""
     confirmed_layers: int | None = None
     """max_len rows: decoder layers of the step that confirmed the answer (the model's full depth)."""
     error: str = ""
@@ -148,11 +158,12 @@ COLUMNS: tuple[str, ...] = tuple(field.name for field in fields(ResultRow))
 """The CSV header, in order."""
 KEY_COLUMNS: tuple[str, ...] = (
     "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
-    "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "source",
-    "metric", "device_name",
+    "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "offload",
+    "source", "metric", "device_name",
 )  # fmt: skip
 _CHOICES = {
     "source": SOURCES, "status": STATUSES, "attn": ATTN_BACKENDS, "protocol": PROTOCOLS, "grads": GRADS_MODES,
+    "offload": OFFLOAD_MODES,
 }  # fmt: skip
 _HINTS = typing.get_type_hints(ResultRow)
 _OPTIONAL = {name for name, hint in _HINTS.items() if type(None) in typing.get_args(hint)}
@@ -211,7 +222,7 @@ def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, 
         "partition_size": spec.partition_size if spec.partitioned else None,
         "head_partition_size": spec.head_partition_size if spec.partitioned else None,
         "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
-        "attn": spec.attn, "protocol": spec.protocol, "grads": spec.grads,
+        "attn": spec.attn, "protocol": spec.protocol, "grads": spec.grads, "offload": spec.offload,
     }  # fmt: skip
 
 
@@ -219,6 +230,15 @@ def memory_columns(peak_bytes: int | None, breakdown_bytes: dict[str, int]) -> d
     """peak_allocated_gib and one `<category>_gib` column per category of a peak."""
     by_category = {f"{name}_gib": value / 2**30 for name, value in breakdown_bytes.items()}
     return {"peak_allocated_gib": None if peak_bytes is None else peak_bytes / 2**30, **by_category}
+
+
+def host_columns(measured: object) -> dict[str, float | None]:
+    """The host pool's columns of a step (a ProbeResult or SimResult: anything with `host_peak_bytes`,
+    `to_host_bytes`, `to_device_bytes`, None where not taken), in GiB."""
+    names = {"host_peak_gib": "host_peak_bytes", "to_host_gib": "to_host_bytes",
+             "to_device_gib": "to_device_bytes"}
+    values = {column: getattr(measured, attribute, None) for column, attribute in names.items()}
+    return {column: None if value is None else value / 2**30 for column, value in values.items()}
 
 
 def allocator_columns(measured: object) -> dict[str, float | int | None]:
@@ -314,7 +334,8 @@ class ResultsFile:
             return [(line, complete_schema_1(record)) for line, record in records]
         added = [name for name in ADDED_COLUMNS if header and name not in header]
         check_header([*header, *added] if header else header, self.path)
-        return [(line, {**record, **dict.fromkeys(added, "")}) for line, record in records]
+        defaults = {name: ADDED_COLUMNS[name] for name in added}
+        return [(line, {**record, **defaults}) for line, record in records]
 
 
 def check_header(header: typing.Sequence[str] | None, path: Path) -> None:

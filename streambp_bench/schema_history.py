@@ -9,8 +9,9 @@ five columns. A schema-1 row is read as what its producers ran:
 - alloc_retries and num_ooms empty.
 Rewriting such a file (any upsert) writes the current header.
 
-Schema 2 (the header before `ADDED_COLUMNS`) reads with those columns empty: each is optional and no
-part of a row's key.
+Schema 2 (the header before `ADDED_COLUMNS`) reads each missing added column as the cell
+`ADDED_COLUMNS` gives it: empty for an optional column, and for a key column the value every older row
+stood for (offload "none": nothing was offloaded before the column existed).
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ SCHEMA_1_COLUMNS: tuple[str, ...] = (
 """The header of schema 1, exactly (committed results/*.csv carry it)."""
 
 
-ADDED_COLUMNS: tuple[str, ...] = ("step_time_p20_ms", "step_time_p80_ms", "confirmed_layers")
-"""Optional, non-key columns added since schema 2; a file without them reads them as empty."""
+ADDED_COLUMNS: dict[str, str] = {
+    "step_time_p20_ms": "", "step_time_p80_ms": "", "confirmed_layers": "",
+    "offload": "none", "host_peak_gib": "", "to_host_gib": "", "to_device_gib": "",
+}  # fmt: skip
+"""Columns added since schema 2 -> the cell a file without the column reads (module docstring)."""
 
 
 def is_schema_1(header: Sequence[str] | None) -> bool:
@@ -37,9 +41,10 @@ def is_schema_1(header: Sequence[str] | None) -> bool:
 
 
 def complete_schema_1(record: dict[str, str]) -> dict[str, str]:
-    """A schema-1 record (column -> cell text) with the five later columns filled (module docstring)."""
+    """A schema-1 record (column -> cell text) with the later columns filled (module docstring)."""
     optimizer = record.get("optimizer") or "none"
     return {
+        **ADDED_COLUMNS,
         **record,
         "attn": "auto",
         "protocol": "default",

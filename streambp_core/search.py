@@ -38,6 +38,12 @@ class ProbeResult:
     """The allocator's `num_alloc_retries` over the step (frees of its cache to retry a cudaMalloc)."""
     num_ooms: int | None = None
     """The allocator's `num_ooms` over the step; None off CUDA."""
+    host_peak_bytes: int | None = None
+    """Most bytes the step held at once in host memory (offloaded checkpoints); None where not taken."""
+    to_host_bytes: int | None = None
+    """Bytes the step copied device -> host; None where not taken."""
+    to_device_bytes: int | None = None
+    """Bytes the step copied host -> device; None where not taken."""
 
     def fits(self, budget_bytes: int) -> bool:
         """Whether the step ran and its peak is within `budget_bytes`."""

@@ -46,7 +46,9 @@ def simulated_probe(
     def probe(seq_len: int) -> ProbeResult:
         sim = simulate(spec.at(seq_len), config, depth=depth, cache=cache)
         return ProbeResult(seq_len_tokens=seq_len, status=OK, peak_bytes=sim.peak_bytes,
-                           breakdown_bytes=sim.breakdown_bytes, source="simulated", message=sim.how)
+                           breakdown_bytes=sim.breakdown_bytes, source="simulated", message=sim.how,
+                           host_peak_bytes=sim.host_peak_bytes, to_host_bytes=sim.to_host_bytes,
+                           to_device_bytes=sim.to_device_bytes)
 
     return probe
 
@@ -64,7 +66,8 @@ def measure_setup(setup: Setup, device: str) -> ProbeResult:
         for param in setup.model.parameters():
             param.grad = None
     return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status=OK, peak_bytes=record.peak_bytes,
-                       breakdown_bytes=record.breakdown_bytes, source=source, **record.cuda_figures())
+                       breakdown_bytes=record.breakdown_bytes, source=source, **record.cuda_figures(),
+                       **record.host_figures())
 
 
 def cpu_probe(spec: StepSpec, config: PretrainedConfig, available_bytes: int | None = None) -> Probe:

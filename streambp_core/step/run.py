@@ -60,6 +60,19 @@ class StepRecord:
         """Bytes by category at the step's peak (the tracker's)."""
         return dict(self.peak.result.peak_breakdown_bytes)
 
+    def host_figures(self) -> dict[str, int]:
+        """The host pool over the step, as `ProbeResult` fields: its peak over the phases (on CUDA at
+        least the pinned-host allocator's peak, where reported), and the bytes copied each way (the
+        tracker counts them from the step's start)."""
+        results = [phase.result for phase in self.phases]
+        pinned = max((r.cuda_peak_pinned_bytes or 0 for r in results), default=0)
+        last = results[-1] if results else None
+        return {
+            "host_peak_bytes": max([pinned, *(r.host_peak_bytes for r in results)]),
+            "to_host_bytes": last.to_host_bytes if last else 0,
+            "to_device_bytes": last.to_device_bytes if last else 0,
+        }
+
     def cuda_figures(self) -> dict[str, int | None]:
         """The allocator's reserved peak, and its alloc retries and OOMs summed over the phases (None
         off CUDA), as `ProbeResult` fields."""

@@ -124,9 +124,8 @@ def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, c
     the step's host figures (host-pool peak, bytes to host, bytes to device: affine in depth too) to
     `hosts`."""
     record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
-    last = record.phases[-1].result
-    hosts.append((max(phase.result.host_peak_bytes for phase in record.phases), last.to_host_bytes,
-                  last.to_device_bytes))
+    host = record.host_figures()
+    hosts.append((host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
     return [(phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes)) for phase in record.phases]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from streambp_bench import experiments as exp
@@ -108,3 +110,18 @@ def test_cpu_point_measures_step_time() -> None:
     assert memory.source == time.source == "measured-cpu"
     assert time.metric == "step_time" and time.value == memory.step_time_ms > 0
     assert memory.step_time_p20_ms <= memory.step_time_ms <= memory.step_time_p80_ms
+
+
+@pytest.mark.parametrize("device", ["sim", "cpu"])
+def test_an_offloaded_point_carries_its_host_figures_and_a_lower_device_peak(device: str) -> None:
+    """Offloaded checkpoints leave the device peak and appear in the host columns, moved out and back."""
+    where = resolve_target(device, 1.0)
+    point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
+                     head_partition_size=16, dtype="float32")
+    (kept,) = exp.run_point(point, where)[:1]
+    (moved,) = exp.run_point(dataclasses.replace(point, offload="checkpoints"), where)[:1]
+    assert (kept.offload, moved.offload) == ("none", "checkpoints")
+    assert (kept.host_peak_gib, kept.to_host_gib, kept.to_device_gib) == (0.0, 0.0, 0.0)
+    assert moved.host_peak_gib > 0 and moved.to_host_gib == moved.to_device_gib >= moved.host_peak_gib
+    assert moved.peak_allocated_gib < kept.peak_allocated_gib
+    assert moved.checkpoints_gib < kept.checkpoints_gib
