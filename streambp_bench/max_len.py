@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from streambp_core.config import ConfigError, StepSpec
-from streambp_core.measure.units import format_size
+from streambp_bench.specs import spec_label
+from streambp_core.config import ConfigError, StepSpec, check_budget_gib
+from streambp_core.measure.units import GIB, format_size
 from streambp_core.models import load_config
 from streambp_core.search import ProbeResult, SearchResult
 from streambp_core.step.probe import max_len
@@ -28,14 +29,22 @@ class Plan:
     target: Target
     config: PretrainedConfig
     resident_bytes: int
+    host_budget_bytes: int | None = None
+    """Host memory every search is also bounded by (offloaded checkpoints); None: reported, not bounded."""
 
     @property
     def model(self) -> str:
         return self.specs[0].model
 
     @property
-    def methods(self) -> tuple[str, ...]:
-        return tuple(spec.method for spec in self.specs)
+    def labels(self) -> tuple[str, ...]:
+        """Each spec's row label: its method, '+ offload' when it offloads (`specs.spec_label`)."""
+        return tuple(spec_label(spec) for spec in self.specs)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any spec keeps its checkpoints in host memory."""
+        return any(spec.offload != "none" for spec in self.specs)
 
     @property
     def budget_bytes(self) -> int:
@@ -59,12 +68,19 @@ class MethodResult:
     def method(self) -> str:
         return self.spec.method
 
+    @property
+    def label(self) -> str:
+        return spec_label(self.spec)
 
-def make_plan(specs: tuple[StepSpec, ...], device: str, budget_gib: float | None) -> Plan:
+
+def make_plan(
+    specs: tuple[StepSpec, ...], device: str, budget_gib: float | None, host_budget_gib: float | None = None
+) -> Plan:
     """Resolve the device, the budget and the model's config once; refuse a budget below what every step
-    holds (ConfigError, one line)."""
+    holds, and a host budget below what the shortest probe offloads (ConfigError, one line)."""
     if not specs:
         raise ConfigError("give at least one method, or 'all'")
+    check_budget_gib(host_budget_gib, "--host-budget-gib")
     target = resolve_target(device, budget_gib)
     if target.device != "sim" and specs[0].is_training_step:
         raise ConfigError("--objective/--lora-rank/--optimizer are simulated only for now: use --device sim")
@@ -75,16 +91,42 @@ def make_plan(specs: tuple[StepSpec, ...], device: str, budget_gib: float | None
             f"budget {target.budget_gib:g} GiB is below what every step of {specs[0].model} holds (weights, "
             f"grads, optimizer state: {format_size(needed)} in {specs[0].dtype}): no sequence length fits"
         )
-    return Plan(specs=specs, target=target, config=config, resident_bytes=needed)
+    host_budget = None if host_budget_gib is None else int(host_budget_gib * GIB)
+    plan = Plan(specs=specs, target=target, config=config, resident_bytes=needed,
+                host_budget_bytes=host_budget)
+    check_host_budget(plan)
+    return plan
+
+
+SHORTEST_PROBE_TOKENS = 2
+"""The shortest length a search probes (`search.max_trainable_length`'s min_len)."""
+
+
+def check_host_budget(plan: Plan) -> None:
+    """ConfigError (one line) when the host budget is below what an offloaded step holds in host memory
+    at the shortest length a search probes (simulated): then no length fits, whatever the device."""
+    if plan.host_budget_bytes is None:
+        return
+    from streambp_core.step.simulate import simulate
+
+    for spec in (spec for spec in plan.specs if spec.offload != "none"):
+        need = simulate(spec.at(SHORTEST_PROBE_TOKENS), plan.config).host_peak_bytes
+        if need > plan.host_budget_bytes:
+            raise ConfigError(
+                f"host budget {plan.host_budget_bytes / GIB:g} GiB is below what {spec_label(spec)} holds in "
+                f"host memory at {SHORTEST_PROBE_TOKENS} tokens ({format_size(need)}, simulated): no "
+                "sequence length fits"
+            )
 
 
 OnProbe = Callable[[str, ProbeResult, int, int | None], None]
+"""on_probe(label, result, ok_len, fail_len): after each probe of the step labelled `label`."""
 
 
 def run_plan(plan: Plan, on_probe: OnProbe) -> list[MethodResult]:
-    """Search every method of the plan (`step.probe.max_len`: guided by the extrapolated simulation,
-    confirmed at full depth or refined by measurement); `on_probe(method, result, ok_len, fail_len)`
-    after each probe. One simulation memo serves every method.
+    """Search every step of the plan (`step.probe.max_len`: guided by the extrapolated simulation,
+    confirmed at full depth or refined by measurement); `on_probe(label, result, ok_len, fail_len)`
+    after each probe. One simulation memo serves every step.
 
     One process: forking worker processes after torch and peft have started threads can deadlock the
     workers (it did for a LoRA step), and spawned workers pay the imports again.
@@ -96,9 +138,10 @@ def run_plan(plan: Plan, on_probe: OnProbe) -> list[MethodResult]:
 
 def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe, cache: dict) -> SearchResult:
     def report(result: ProbeResult, ok: int, fail: int | None) -> None:
-        on_probe(spec.method, result, ok, fail)
+        on_probe(spec_label(spec), result, ok, fail)
 
-    return max_len(spec, plan.budget_bytes, plan.target.device, plan.config, cache=cache, on_probe=report)
+    return max_len(spec, plan.budget_bytes, plan.target.device, plan.config, cache=cache, on_probe=report,
+                   host_budget_bytes=plan.host_budget_bytes)
 
 
 def _how(plan: Plan, spec: StepSpec, search: SearchResult) -> str:

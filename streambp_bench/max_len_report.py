@@ -30,9 +30,20 @@ def breakdown_gib(result: MethodResult) -> dict[str, float]:
     return {} if best is None else {k: v / GIB for k, v in best.breakdown_bytes.items()}
 
 
+def host_gib(result: MethodResult) -> dict[str, float | None]:
+    """The host pool at the maximum length, GiB: its peak and the bytes copied each way per step (None
+    each when nothing fits)."""
+    best = result.search.peak_at_max
+    names = {"host_peak_gib": "host_peak_bytes", "to_host_gib": "to_host_bytes",
+             "to_device_gib": "to_device_bytes"}
+    values = {key: None if best is None else getattr(best, name) for key, name in names.items()}
+    return {key: None if value is None else value / GIB for key, value in values.items()}
+
+
 def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> float | None:
-    """Max length over checkpointing's (None without a checkpoint result that fits)."""
-    reference = next((r for r in results if r.method == "checkpoint"), None)
+    """Max length over checkpointing's at the same offload (None without such a result that fits)."""
+    same = [r for r in results if r.method == "checkpoint" and r.spec.offload == result.spec.offload]
+    reference = next(iter(same), None)
     if reference is None or reference.search.max_len_tokens == 0:
         return None
     return result.search.max_len_tokens / reference.search.max_len_tokens
@@ -44,6 +55,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
     settings = {k: getattr(first, k) for k in ("batch_size", "dtype", "partition_size", "head_partition_size",
                                                "objective", "lora_rank", "optimizer", "attn", "protocol",
                                                "grads")}
+    host_budget = None if plan.host_budget_bytes is None else plan.host_budget_bytes / GIB
     return {
         "model": plan.model,
         "budget_gib": plan.budget_bytes / GIB,
@@ -51,13 +63,17 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
         "device": plan.target.device_name,
         "settings": settings,
         "resident_gib": plan.resident_bytes / GIB,
+        "host_budget_gib": host_budget,
         "results": [
             {
                 "method": r.method,
+                "offload": r.spec.offload,
+                "label": r.label,
                 "max_len_tokens": r.search.max_len_tokens,
                 "confirmed_layers": r.search.confirmed_layers,
                 "peak_gib": peak_gib(r),
                 "breakdown_gib": breakdown_gib(r),
+                **host_gib(r),
                 "bracket_tokens": list(r.search.bracket),
                 "ratio_to_checkpoint": ratio_to_checkpoint(results, r),
                 "probes": len(r.search.probes),
@@ -77,7 +93,8 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         f"{plan.specs[0].dtype}, batch {plan.specs[0].batch_size}"
     )
     lengths = Table(title=title, title_justify="left")
-    for column in ("method", "max length", "bracket (fits, fails)", "peak GiB", "source", "x ckpt"):
+    host = ("host GiB", "copied GiB each way") if plan.offloads else ()
+    for column in ("method", "max length", "bracket (fits, fails)", "peak GiB", *host, "source", "x ckpt"):
         lengths.add_column(column, justify="left" if column in ("method", "source") else "right")
     shown = [c for c in CATEGORIES if any(breakdown_gib(r).get(c, 0) > 0 for r in results)]
     breakdown = Table(title="memory at that peak by category, GiB", title_justify="left")
@@ -86,16 +103,23 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
     for r in results:
         lo, hi = r.search.bracket
         peak, parts, ratio = peak_gib(r), breakdown_gib(r), ratio_to_checkpoint(results, r)
+        moved = host_gib(r)
+        host_cells = [_gib(moved["host_peak_gib"]), _gib(moved["to_host_gib"])] if plan.offloads else []
         lengths.add_row(
-            r.method,
+            r.label,
             f"{r.search.max_len_tokens:,}",
             f"{lo:,}, {'-' if hi is None else f'{hi:,}'}",
-            "-" if peak is None else f"{peak:.2f}",
+            _gib(peak),
+            *host_cells,
             plan.target.source,
             "-" if ratio is None else f"{ratio:.2f}",
         )
-        breakdown.add_row(r.method, *(f"{parts[c]:.2f}" if c in parts else "-" for c in shown))
+        breakdown.add_row(r.label, *(f"{parts[c]:.2f}" if c in parts else "-" for c in shown))
     return lengths, breakdown
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
@@ -122,16 +146,29 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
         f"ps {spec.partition_size} (streambp, mst), ps-head {spec.head_partition_size} (streambp, "
         f"mst); weights + grads + optimizer state {format_size(plan.resident_bytes)}.",
         "Search: secant-guided bracket, then secant/bisection until fails - fits <= max(1%, 128 tokens); "
-        "max length = the longest probe that fits; x ckpt = max length / checkpoint's.",
+        "max length = the longest probe that fits; x ckpt = max length / checkpoint's at the same offload.",
     ]
+    if plan.offloads:
+        lines.append(_offload_line(plan))
     lines += _train_lines(results)
     for r in results:
         if r.search.refused:
             lines.append(
-                f"[yellow]{r.method}: probes were refused ({escape(r.search.refused[0].message)}); "
+                f"[yellow]{r.label}: probes were refused ({escape(r.search.refused[0].message)}); "
                 "its max length is a lower bound set by RAM, not by the budget.[/]"
             )
     return lines
+
+
+def _offload_line(plan: Plan) -> str:
+    """What '+ offload' rows are and how the host pool was judged."""
+    bound = ("reported, not bounded (--host-budget-gib bounds it)" if plan.host_budget_bytes is None
+             else f"bounded by --host-budget-gib {plan.host_budget_bytes / GIB:g}")
+    return ("+ offload: checkpoints in host memory (checkpoint: transformers' own checkpoint offload; "
+            "mst + offload: the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; "
+            "streambp: each layer's input in pinned host memory, prefetched a layer ahead); peak GiB is "
+            f"the device's; host GiB = the host pool's peak, {bound}; copied GiB each way = bytes copied "
+            "device -> host in forward, and as many host -> device in backward, per step.")
 
 
 def _train_lines(results: list[MethodResult]) -> list[str]:
@@ -141,7 +178,7 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     best = max(results, key=lambda r: r.search.max_len_tokens, default=None)
     if best is None or best.search.max_len_tokens == 0:
         return []
-    return [f"Train at {best.search.max_len_tokens:,} tokens ({best.method}): build the trainer with "
+    return [f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
             f"{trainer_settings_line(best.spec)} before trainer.train()."]
 
@@ -186,13 +223,22 @@ class ProgressView:
 
     def __init__(self, plan: Plan, progress: Progress) -> None:
         self.budget, self.progress = plan.budget_bytes, progress
-        self.tasks = {m: progress.add_task(f"{m:<10} waiting", total=None) for m in plan.methods}
+        self.host_budget = plan.host_budget_bytes
+        self.tasks = {m: progress.add_task(f"{m:<10} waiting", total=None) for m in plan.labels}
 
-    def __call__(self, method: str, result: ProbeResult, lo: int, hi: int | None) -> None:
+    def __call__(self, label: str, result: ProbeResult, lo: int, hi: int | None) -> None:
         peak = "no peak" if result.peak_bytes is None else f"{result.peak_bytes / GIB:.2f} GiB"
-        verdict = "fits" if result.fits(self.budget) else result.status if result.status != "ok" else "over"
+        verdict = "fits" if result.fits(self.budget, self.host_budget) else _failure(result, self.host_budget)
         text = (
-            f"{method:<10} {result.source} probe {result.seq_len_tokens:>10,} tokens: {peak} ({verdict}); "
+            f"{label:<10} {result.source} probe {result.seq_len_tokens:>10,} tokens: {peak} ({verdict}); "
             f"bracket [{lo:,}, {'-' if hi is None else f'{hi:,}'}]"
         )
-        self.progress.update(self.tasks[method], description=text)
+        self.progress.update(self.tasks[label], description=text)
+
+
+def _failure(result: ProbeResult, host_budget: int | None) -> str:
+    """Why a probe does not fit, in a word or two: oom (of which pool), over (the device budget), over
+    host budget."""
+    if result.status != "ok":
+        return f"{result.status}, {result.oom_pool}" if result.oom_pool else result.status
+    return "over host budget" if result.over_host_budget(host_budget) else "over"

@@ -17,6 +17,7 @@ from streambp_core.config import (
     DTYPES,
     GRADS_MODES,
     OBJECTIVES,
+    OFFLOAD_MODES,
     OPTIMIZERS,
     PADDINGS,
     PROTOCOLS,
@@ -36,6 +37,8 @@ Attn = _choices("Attn", ATTN_BACKENDS)
 Protocol = _choices("Protocol", PROTOCOLS)
 Grads = _choices("Grads", ("auto", *GRADS_MODES))
 Optimizer = _choices("Optimizer", OPTIMIZERS)
+Offload = _choices("Offload", OFFLOAD_MODES)
+OffloadOrBoth = _choices("OffloadOrBoth", (*OFFLOAD_MODES, "both"))
 
 Model = Annotated[
     str,
@@ -93,6 +96,21 @@ GradsOption = Annotated[
     Grads,
     typer.Option("--grads", help="Gradients allocated before the step (resident) or made by it (fresh); "
                  "auto: fresh with an optimizer, else resident."),
+]
+
+_OFFLOAD_HELP = (
+    "checkpoints: what each method keeps between forward and backward lives in host memory, copied out "
+    "in forward and back in backward (checkpoint: transformers' own checkpoint offload; mst + offload: "
+    "the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; streambp: each layer's "
+    "input in pinned host memory, prefetched a layer ahead); none: on the device"
+)
+OffloadOption = Annotated[
+    Offload, typer.Option("--offload", help=_OFFLOAD_HELP + ". plain has none to offload.")
+]
+OffloadOrBothOption = Annotated[
+    OffloadOrBoth,
+    typer.Option("--offload", help=_OFFLOAD_HELP + "; both: each method with and without (plain without "
+                 "only). Asking plain for checkpoints alone is refused: it keeps no checkpoints."),
 ]
 
 

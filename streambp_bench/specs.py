@@ -5,6 +5,7 @@ Everything here imports neither torch nor transformers, so bad input is refused 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from streambp_bench import options as opt
@@ -21,10 +22,27 @@ def method_list(methods: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chosen))
 
 
-def step_specs(model: str, methods: str, **fields: object) -> tuple[StepSpec, ...]:
-    """One validated `StepSpec` per method of `methods` on `model` (checked to exist)."""
+def step_specs(model: str, methods: str, offload: str = "none", **fields: object) -> tuple[StepSpec, ...]:
+    """One validated `StepSpec` per method of `methods` on `model` (checked to exist), at `offload`
+    (`with_offload`: 'both' gives each method with and without)."""
     check_model(model)
-    return tuple(StepSpec(model=model, method=method, **fields) for method in method_list(methods))
+    specs = tuple(StepSpec(model=model, method=method, **fields) for method in method_list(methods))
+    return with_offload(specs, offload)
+
+
+def with_offload(specs: tuple[StepSpec, ...], offload: str) -> tuple[StepSpec, ...]:
+    """`specs` at `offload`: none or checkpoints (plain refused by name, ConfigError), or both: each spec
+    followed by its offloaded twin (plain, with nothing to offload, only without)."""
+    if offload != "both":
+        return tuple(replace(spec, offload=offload) for spec in specs)
+    twins = ((spec, replace(spec, offload="checkpoints")) if spec.method != "plain" else (spec,)
+             for spec in specs)
+    return tuple(dict.fromkeys(spec for pair in twins for spec in pair))
+
+
+def spec_label(spec: StepSpec) -> str:
+    """How a table names the step: its method, '+ offload' when its checkpoints live in host memory."""
+    return f"{spec.method} + offload" if spec.offload != "none" else spec.method
 
 
 def writable_results(out: Path | None) -> Path | None:

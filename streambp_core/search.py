@@ -5,6 +5,10 @@ CPU): a probe is any callable `probe(seq_len) -> ProbeResult`. A probe that fail
 (a `ProbeResult` with status "oom", or an exception that `is_oom` recognises) and a probe whose peak is
 above the budget are both failures; the search never raises on OOM. It assumes the peak does not
 decrease with the length.
+
+Two pools: with a host budget (offloaded checkpoints live in host memory) a probe fits when its device
+peak is within the budget and its host peak within the host budget; the secant then follows whichever
+pool is fuller, each peak scaled by its own budget.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from streambp_core.measure.cuda import is_oom
+from streambp_core.measure.cuda import is_oom, oom_pool
 
 OK, OOM, REFUSED = "ok", "oom", "refused"
 
@@ -45,9 +49,21 @@ class ProbeResult:
     to_device_bytes: int | None = None
     """Bytes the step copied host -> device; None where not taken."""
 
-    def fits(self, budget_bytes: int) -> bool:
-        """Whether the step ran and its peak is within `budget_bytes`."""
-        return self.status == OK and self.peak_bytes is not None and self.peak_bytes <= budget_bytes
+    oom_pool: str | None = None
+    """On status 'oom': the memory that ran out, 'device' or 'host' (pinned host memory, or RAM)."""
+
+    def fits(self, budget_bytes: int, host_budget_bytes: int | None = None) -> bool:
+        """Whether the step ran, its peak is within `budget_bytes` and (given a host budget) its host
+        peak within `host_budget_bytes`."""
+        if self.status != OK or self.peak_bytes is None or self.peak_bytes > budget_bytes:
+            return False
+        return host_budget_bytes is None or (self.host_peak_bytes or 0) <= host_budget_bytes
+
+    def over_host_budget(self, host_budget_bytes: int | None) -> bool:
+        """Whether the step ran out of host memory or its host peak is over `host_budget_bytes`."""
+        if self.oom_pool == "host":
+            return True
+        return host_budget_bytes is not None and (self.host_peak_bytes or 0) > host_budget_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +80,8 @@ class SearchResult:
     confirmed_layers: int | None = None
     """Decoder layers of the step that confirmed the answer (the model's full depth for a measured or a
     confirmed simulated search); None when nothing confirmed it."""
+    host_budget_bytes: int | None = None
+    """Host memory the probes were also judged against; None: the host pool was reported, not bounded."""
 
     @property
     def refused(self) -> list[ProbeResult]:
@@ -87,6 +105,7 @@ def max_trainable_length(
     max_len: int = 10_000_000,
     max_probes: int = 40,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
+    host_budget_bytes: int | None = None,
 ) -> SearchResult:
     """Longest sequence length whose step fits in `budget_bytes`, to within `tolerance(ok_len)`.
 
@@ -100,8 +119,9 @@ def max_trainable_length(
     `second_len`: where to probe after `start` when `start` fits (default: the secant's aim), e.g. the
     failing end of a simulated search's bracket when a measured search starts at its fitting end.
     `on_probe(result, ok_len, fail_len)` is called after each probe (e.g. for a progress bar).
+    `host_budget_bytes`: also bound each probe's host peak (module docstring).
     """
-    search = _Search(probe, budget_bytes, tolerance, min_len, max_len, on_probe)
+    search = _Search(probe, budget_bytes, tolerance, min_len, max_len, on_probe, host_budget_bytes)
     search.bracket(max(min(start, max_len), min_len), second_len)
     while search.open() and len(search.probes) < max_probes:
         search.refine()
@@ -116,6 +136,7 @@ def guided_max_len(
     confirm: Callable[[int], ProbeResult] | None = None,
     confirmed_layers: int | None = None,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
+    host_budget_bytes: int | None = None,
 ) -> SearchResult:
     """Max length guided by a cheap probe, then refined by measurement or confirmed by a full one.
 
@@ -127,32 +148,34 @@ def guided_max_len(
        Why only that end: the guide can only under-estimate a peak (a maximum of phases each affine in
        depth is convex in depth), so a length that fails guided fails confirmed too.
     `confirmed_layers` (the depth `refine`/`confirm` run at) is recorded on the result. Every probe is
-    listed in the result, the guide's first.
+    listed in the result, the guide's first. `host_budget_bytes` bounds every search's host peak too.
     """
-    guided = max_trainable_length(guide, budget_bytes, on_probe=on_probe)
+    host = {"host_budget_bytes": host_budget_bytes}
+    guided = max_trainable_length(guide, budget_bytes, on_probe=on_probe, **host)
     if refine is not None:
         start, second = max(guided.max_len_tokens, 2), guided.bracket[1]
         refined = max_trainable_length(
-            refine, budget_bytes, start=start, second_len=second, on_probe=on_probe
+            refine, budget_bytes, start=start, second_len=second, on_probe=on_probe, **host
         )
         return replace(refined, probes=[*guided.probes, *refined.probes], confirmed_layers=confirmed_layers)
     if confirm is None or guided.peak_at_max is None:
         return replace(guided, confirmed_layers=confirmed_layers)
     check = confirm(guided.max_len_tokens)
+    fits = check.fits(budget_bytes, host_budget_bytes)
     if on_probe is not None:
-        on_probe(check, guided.max_len_tokens if check.fits(budget_bytes) else 0, guided.bracket[1])
-    if check.fits(budget_bytes):
+        on_probe(check, guided.max_len_tokens if fits else 0, guided.bracket[1])
+    if fits:
         return replace(guided, peak_at_max=check, probes=[*guided.probes, check],
                        confirmed_layers=confirmed_layers)
-    full = max_trainable_length(confirm, budget_bytes, start=guided.max_len_tokens, on_probe=on_probe)
+    full = max_trainable_length(confirm, budget_bytes, start=guided.max_len_tokens, on_probe=on_probe, **host)
     return replace(full, probes=[*guided.probes, check, *full.probes], confirmed_layers=confirmed_layers)
 
 
 class _Search:
     """State of one search: probes so far, the best fitting and the shortest failing probe."""
 
-    def __init__(self, probe, budget_bytes, tolerance, min_len, max_len, on_probe) -> None:
-        self.probe_fn, self.budget = probe, budget_bytes
+    def __init__(self, probe, budget_bytes, tolerance, min_len, max_len, on_probe, host_budget) -> None:
+        self.probe_fn, self.budget, self.host_budget = probe, budget_bytes, host_budget
         self.tolerance, self.min_len, self.max_len, self.on_probe = tolerance, min_len, max_len, on_probe
         self.probes: list[ProbeResult] = []
         self.ok: ProbeResult | None = None
@@ -165,9 +188,10 @@ class _Search:
         except Exception as exc:  # an OOM is a data point; any other error is a bug and propagates
             if not is_oom(exc):
                 raise
-            result = ProbeResult(seq_len_tokens=seq_len, status=OOM, message=" ".join(str(exc).split())[:200])
+            result = ProbeResult(seq_len_tokens=seq_len, status=OOM, message=" ".join(str(exc).split())[:200],
+                                 oom_pool=oom_pool(exc))
         self.probes.append(result)
-        if result.fits(self.budget):
+        if result.fits(self.budget, self.host_budget):
             if self.ok is None or seq_len > self.ok.seq_len_tokens:
                 self.ok = result
         elif self.fail is None or seq_len < self.fail.seq_len_tokens:
@@ -188,7 +212,7 @@ class _Search:
         """Find one fitting and one failing length (or hit `min_len` / `max_len`)."""
         length = start
         while len(self.probes) < 40:
-            fits = self.run(length).fits(self.budget)
+            fits = self.run(length).fits(self.budget, self.host_budget)
             if fits and length >= self.max_len or not fits and length <= self.min_len:
                 return
             if self.ok is not None and self.fail is not None:
@@ -227,7 +251,7 @@ class _Search:
 
     def _secant(self) -> float | None:
         """Length where the line through two probes' peaks meets the budget (None without two peaks)."""
-        points = [(p.seq_len_tokens, p.peak_bytes) for p in self._nearest_with_peaks()]
+        points = [(p.seq_len_tokens, self._load(p)) for p in self._nearest_with_peaks()]
         if len(points) < 2:
             return None
         (t0, p0), (t1, p1) = points
@@ -237,6 +261,13 @@ class _Search:
         if slope <= 0:
             return None
         return t0 + (self.budget - p0) / slope
+
+    def _load(self, probe: ProbeResult) -> float:
+        """The probe's fuller pool in device bytes: its device peak, or its host peak scaled by
+        budget / host budget when larger (the secant then meets the budget where either pool is full)."""
+        if self.host_budget is None or not probe.host_peak_bytes:
+            return probe.peak_bytes
+        return max(probe.peak_bytes, probe.host_peak_bytes * self.budget / self.host_budget)
 
     def _nearest_with_peaks(self) -> list[ProbeResult]:
         """The bracket ends when both have peaks, else the two latest probes that have one."""
@@ -253,4 +284,5 @@ class _Search:
             bracket=(self.ok_len, self.fail_len),
             probes=list(self.probes),
             budget_bytes=self.budget,
+            host_budget_bytes=self.host_budget,
         )

@@ -27,7 +27,12 @@ HELP = (
     "Protocol: random token ids without padding, weights and gradients in --dtype, gradients already "
     "allocated (--grads resident: a gradient-accumulation micro-step, as in the paper's Fig. 3) or not "
     "(--grads fresh); no optimizer. --protocol paper mimics the paper's script on transformers 4.51 "
-    "(output logits held through backward, GQA K/V expanded)."
+    "(output logits held through backward, GQA K/V expanded).\n\n"
+    "[bold]--offload checkpoints[/] keeps what each method saves for backward in host memory (rows "
+    "'+ offload'; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
+    "offload); [bold]--offload both[/] searches each method with and without. The table then shows the "
+    "host pool's peak and the GiB copied each way per step; [bold]--host-budget-gib[/] bounds the search "
+    "by the host pool too (without it the host figure is reported, not bounded)."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -37,6 +42,10 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench max-len -m Qwen/Qwen3-14B --method checkpoint,streambp --json[/]
 
 [cyan]streambp-bench max-len -m Qwen/Qwen3-8B --protocol paper --out results/maxlen.csv[/]
+
+[cyan]streambp-bench max-len -m Qwen/Qwen3-8B --offload both[/]    (each method with and without offload)
+
+[cyan]streambp-bench max-len --method streambp --offload checkpoints --host-budget-gib 256[/]
 
 [cyan]streambp-bench max-len -m Qwen/Qwen3-4B --device cuda --budget-gib 40[/]
 
@@ -60,6 +69,12 @@ def max_len(
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
     optimizer: opt.OptimizerOption = opt.Optimizer.none,
+    offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
+    host_budget_gib: Annotated[
+        float | None,
+        typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take: "
+                     "bounds the search too (default: reported, not bounded)."),
+    ] = None,
     as_json: opt.Json = False,
     out: Annotated[
         Path | None,
@@ -70,14 +85,15 @@ def max_len(
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value, partition_size=ps,
         head_partition_size=ps_head, grads=grads.value, protocol=protocol.value, attn=attn.value,
-        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value,
+        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload.value,
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
+    check_budget_gib(host_budget_gib, "--host-budget-gib")
     results_file = writable_results(out)
     from streambp_bench import max_len_report as report
     from streambp_bench.max_len import make_plan, run_plan
 
-    plan = make_plan(specs, device.value, budget_gib)
+    plan = make_plan(specs, device.value, budget_gib, host_budget_gib)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
         try:

@@ -19,7 +19,7 @@ from rich.progress import (
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import method_list, writable_results
+from streambp_bench.specs import method_list, spec_label, with_offload, writable_results
 from streambp_core.config import ConfigError, StepSpec, check_budget_gib, check_model
 
 if TYPE_CHECKING:
@@ -36,7 +36,12 @@ HELP = (
     "runs the rest. --force re-runs every point and replaces its rows. Lengths take a k suffix (1k = 1024 "
     "tokens) and ranges START:STOP:STEP (inclusive).\n\n"
     "Each row records the attention kernel (--attn), the step protocol and whether gradients existed "
-    "before the step, so a sweep with another --attn is other points: it runs them, it does not skip them."
+    "before the step, so a sweep with another --attn is other points: it runs them, it does not skip "
+    "them.\n\n"
+    "[bold]--offload checkpoints[/] keeps each method's checkpoints in host memory ('mst + offload' is the "
+    "ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint offload); [bold]both[/] runs each point "
+    "with and without (plain only without). Each row records its offload, the host pool's peak "
+    "(host_peak_gib) and the GiB copied each way (to_host_gib, to_device_gib)."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -44,6 +49,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench sweep --seq-len 4k:64k:4k --method checkpoint,streambp[/]    (Qwen/Qwen3-8B, simulated)
 
 [cyan]streambp-bench sweep -m Qwen/Qwen3-8B --method streambp --ps 500,1k,2k,5k --seq-len 8k,32k,64k[/]
+
+[cyan]streambp-bench sweep --method checkpoint,mst,streambp --offload both --seq-len 64k:512k:64k[/]
 
 [cyan]streambp-bench sweep -m Qwen/Qwen3-4B --objective grpo -b 8 --lora-rank 32 --optimizer adamw[/]
 
@@ -66,7 +73,7 @@ def _progress() -> Progress:
 
 
 def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
-    where = f"{point.method} {point.model} T={point.seq_len_tokens:,}"
+    where = f"{spec_label(point)} {point.model} T={point.seq_len_tokens:,}"
     if point.partitioned:
         where += f" ps={point.partition_size}"
     if rows is None:
@@ -104,6 +111,7 @@ def sweep(
     ] = opt.Attn.auto,
     protocol: opt.ProtocolOption = opt.Protocol.default,
     grads: opt.GradsOption = opt.Grads.auto,
+    offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
     device: opt.DeviceOption = opt.Device.auto,
     budget_gib: Annotated[
         float | None, typer.Option("--budget-gib", help="Budget of a point (default: GPU memory, else 80).")
@@ -123,7 +131,7 @@ def sweep(
         raise ConfigError("give at least one model")
     for name in models:
         check_model(name)
-    points = exp.expand_grid(
+    grid = exp.expand_grid(
         methods=method_list(method),
         models=models,
         seq_lens=exp.parse_token_list(seq_len),
@@ -138,6 +146,7 @@ def sweep(
         protocol=protocol.value,
         grads=grads.value,
     )
+    points = with_offload(tuple(grid), offload.value)
     writable_results(out)
     from streambp_bench.results import ResultsFile
     from streambp_core.step.target import resolve_target

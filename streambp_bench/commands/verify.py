@@ -23,7 +23,10 @@ HELP = (
     "max_rel_err = max over parameters of ||g - g_plain|| / ||g_plain||.\n\n"
     "Tolerance: 1e-10 in float64, 1e-4 in float32 (the loss too, relative to max(1, |loss|)). In bfloat16 "
     "the reference is plain in float32 on the same bf16-rounded weights, and a method passes when its error "
-    "is at most 2x plain bfloat16's. Exits 1 when a method fails, 2 on bad input."
+    "is at most 2x plain bfloat16's. Exits 1 when a method fails, 2 on bad input.\n\n"
+    "[bold]--offload checkpoints[/] runs each method with its checkpoints in host memory, through the real "
+    "offload code path (on a CPU the host is the CPU: copies, no pinning); the check is the same, and "
+    "offloading changes no bit of any gradient."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -37,6 +40,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m ./my-model-dir --method streambp --ps 64 --json[/]
 
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
+
+[cyan]streambp-bench verify -m tiny/llama --dtype float64 --offload checkpoints[/]
 """
 
 DEFAULT_METHOD_LIST = ",".join(VERIFY_METHODS)
@@ -74,7 +79,8 @@ def describe(report: VerifyReport) -> str:
     text = (
         f"{spec.source}: {spec.model}, {spec.dtype}, seq_len {spec.seq_len}, batch {spec.batch_size}, "
         f"ps {spec.partition_size}, ps-head {spec.head_partition_size}, padding {spec.padding}, "
-        f"seed {spec.seed}, objective {spec.objective}, lora rank {spec.lora_rank}, attn {spec.attn}; "
+        f"seed {spec.seed}, objective {spec.objective}, lora rank {spec.lora_rank}, attn {spec.attn}, "
+        f"offload {spec.offload}; "
         f"reference loss {report.reference_loss:.6f}"
     )
     if report.reference_dtype != spec.dtype:
@@ -115,6 +121,7 @@ def verify(
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
     attn: opt.AttnOption = opt.Attn.auto,
+    offload: opt.OffloadOption = opt.Offload.none,
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -143,6 +150,7 @@ def verify(
         objective=objective.value,
         lora_rank=lora_rank,
         attn=attn.value,
+        offload=offload.value,
     )
     report = verify_spec(spec)
     print_report(report, as_json=as_json)

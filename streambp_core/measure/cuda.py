@@ -23,7 +23,11 @@ _OOM_MESSAGES = (
     "CUDA out of memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "DefaultCPUAllocator: can't allocate memory",
+    "CUDA error: out of memory",
 )
+_HOST_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
+"""Out-of-memory messages of host allocations: the CPU allocator's, and the pinned-host allocator's
+(`cudaHostAlloc` failing surfaces as a CUDA error, not as the device allocator's OutOfMemoryError)."""
 
 
 def cuda_available() -> bool:
@@ -185,3 +189,14 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+def oom_pool(exc: BaseException) -> str | None:
+    """Which memory an out-of-memory `exc` ran out of: 'device' (the CUDA allocator, cuBLAS), 'host'
+    (pinned host memory, RAM); None when `exc` is no OOM."""
+    if not is_oom(exc):
+        return None
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "device"
+    host = isinstance(exc, MemoryError) or any(m in str(exc) for m in _HOST_OOM_MESSAGES)
+    return "host" if host else "device"

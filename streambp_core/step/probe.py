@@ -25,7 +25,7 @@ import torch
 from transformers import PretrainedConfig
 
 from streambp_core.config import SOURCES, StepSpec
-from streambp_core.measure.cuda import is_oom
+from streambp_core.measure.cuda import is_oom, oom_pool
 from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, guided_max_len
 from streambp_core.step.run import StepOutOfMemory, tracked_step
 from streambp_core.step.setup import Setup, build_setup, build_training_model, resolve_config
@@ -61,7 +61,8 @@ def measure_setup(setup: Setup, device: str) -> ProbeResult:
         record = tracked_step(setup, device)
     except StepOutOfMemory as exc:
         return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status=OOM, source=source,
-                           message=str(exc), **exc.record.cuda_figures())
+                           message=str(exc), oom_pool=oom_pool(exc.__cause__ or exc),
+                           **exc.record.cuda_figures())
     finally:
         for param in setup.model.parameters():
             param.grad = None
@@ -115,10 +116,12 @@ def max_len(
     *,
     cache: dict | None = None,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
+    host_budget_bytes: int | None = None,
 ) -> SearchResult:
-    """The longest `spec.seq_len_tokens` whose step fits in `budget_bytes` on `device` ('sim', 'cpu' or
-    'cuda'): guided by the extrapolated simulation, confirmed at full depth (sim) or refined by
-    measurement (cpu, cuda); the result says at what depth the answer was confirmed."""
+    """The longest `spec.seq_len_tokens` whose step fits in `budget_bytes` (and its host pool in
+    `host_budget_bytes`, when given) on `device` ('sim', 'cpu' or 'cuda'): guided by the extrapolated
+    simulation, confirmed at full depth (sim) or refined by measurement (cpu, cuda); the result says at
+    what depth the answer was confirmed."""
     config = resolve_config(spec, config)
     cache = {} if cache is None else cache
     guide = simulated_probe(spec, config, cache=cache)
@@ -126,19 +129,23 @@ def max_len(
     if device == "sim":
         confirm = None if layers <= 3 else simulated_probe(spec, config, depth="full", cache=cache)
         return guided_max_len(guide, budget_bytes, confirm=confirm, confirmed_layers=layers,
-                              on_probe=on_probe)
+                              on_probe=on_probe, host_budget_bytes=host_budget_bytes)
     refine = cuda_probe(spec, budget_bytes) if device == "cuda" else cpu_probe(spec, config)
-    return guided_max_len(guide, budget_bytes, refine=refine, confirmed_layers=layers, on_probe=on_probe)
+    return guided_max_len(guide, budget_bytes, refine=refine, confirmed_layers=layers, on_probe=on_probe,
+                          host_budget_bytes=host_budget_bytes)
 
 
 def parse_child_output(seq_len: int, returncode: int, stdout: str, stderr: str) -> ProbeResult:
-    """The child's JSON line as a ProbeResult; a child killed by OOM is 'oom'; other failures raise."""
+    """The child's JSON line as a ProbeResult; a child killed by OOM is 'oom' (killed by the kernel: out of
+    host memory); other failures raise."""
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if lines:
         return ProbeResult(**json.loads(lines[-1]))
     tail = " ".join(stderr.split())[-300:]
     if "out of memory" in stderr.lower() or returncode in (-9, 137):
-        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source="measured-cuda", message=tail)
+        pool = "device" if "CUDA out of memory" in stderr and returncode not in (-9, 137) else "host"
+        return ProbeResult(seq_len_tokens=seq_len, status=OOM, source="measured-cuda", message=tail,
+                           oom_pool=pool)
     raise RuntimeError(f"probe at {seq_len} tokens failed (exit {returncode}): {tail}")
 
 
@@ -179,7 +186,7 @@ def _child_main(argv: list[str] | None = None) -> int:
         if not is_oom(exc):
             raise
         result = ProbeResult(seq_len_tokens=spec.seq_len_tokens, status=OOM, source=SOURCES[args.device],
-                             message=str(exc).split("\n")[0])
+                             message=str(exc).split("\n")[0], oom_pool=oom_pool(exc))
     print(json.dumps(asdict(result)), flush=True)
     return 0
 

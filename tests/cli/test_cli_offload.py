@@ -1,0 +1,110 @@
+"""`--offload` on max-len, sweep and verify, and `max-len --host-budget-gib`, on tiny presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from streambp_bench.cli import app
+from streambp_bench.results import ResultsFile
+
+TINY = ["--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16"]
+MAX_LEN = ["max-len", *TINY, "--budget-gib", "0.003", "--device", "sim"]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def _one_line_error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output
+    return lines[0]
+
+
+def test_max_len_offload_both_searches_each_method_with_and_without(runner):
+    result = runner.invoke(app, [*MAX_LEN, "--method", "plain,checkpoint,streambp", "--offload", "both",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    entries = {r["label"]: r for r in json.loads(result.stdout)["results"]}
+    assert list(entries) == ["plain", "checkpoint", "checkpoint + offload", "streambp", "streambp + offload"]
+    for method in ("checkpoint", "streambp"):
+        kept, moved = entries[method], entries[f"{method} + offload"]
+        assert (kept["offload"], moved["offload"]) == ("none", "checkpoints")
+        assert kept["host_peak_gib"] == kept["to_host_gib"] == 0
+        assert moved["host_peak_gib"] > 0 and moved["to_host_gib"] == moved["to_device_gib"] > 0
+        assert moved["max_len_tokens"] >= kept["max_len_tokens"] and moved["peak_gib"] <= 0.003
+    offloaded_checkpoint = entries["checkpoint + offload"]["max_len_tokens"]
+    streambp = entries["streambp + offload"]
+    assert streambp["ratio_to_checkpoint"] == pytest.approx(streambp["max_len_tokens"] / offloaded_checkpoint)
+
+
+def test_max_len_table_labels_offloaded_rows_and_shows_the_host_pool(runner):
+    result = runner.invoke(app, [*MAX_LEN, "--method", "mst", "--offload", "checkpoints"])
+    assert result.exit_code == 0, result.output
+    for text in ("mst + offload", "host GiB", "copied GiB each way", "ALST", "reported, not bounded"):
+        assert text in result.stdout
+    assert "host GiB" not in runner.invoke(app, [*MAX_LEN, "--method", "plain"]).stdout
+
+
+def test_host_budget_bounds_the_search_by_the_host_pool(runner):
+    args = [*MAX_LEN, "--method", "streambp", "--offload", "checkpoints", "--json"]
+    free = json.loads(runner.invoke(app, args).stdout)["results"][0]
+    host_budget = free["host_peak_gib"] / 2
+    result = runner.invoke(app, [*args, "--host-budget-gib", repr(host_budget)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    bounded = doc["results"][0]
+    assert doc["host_budget_gib"] == pytest.approx(host_budget)
+    assert bounded["host_peak_gib"] <= host_budget < free["host_peak_gib"]
+    assert 0 < bounded["max_len_tokens"] < free["max_len_tokens"]
+    assert bounded["probes"] <= 16  # the secant follows the fuller pool
+
+
+def test_host_budget_below_the_shortest_probe_is_one_line(runner):
+    line = _one_line_error(runner.invoke(app, [*MAX_LEN, "--offload", "both", "--host-budget-gib", "1e-9"]))
+    assert "host budget" in line and "no sequence length fits" in line and "checkpoint + offload" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--method", "plain", "--offload", "checkpoints"], "does not apply to plain"),
+        (["--offload", "disk"], "--offload"),
+        (["--host-budget-gib", "-3"], "--host-budget-gib must be a finite positive number"),
+    ],
+)
+def test_bad_offload_input_is_one_line(runner, args, expected):
+    assert expected in _one_line_error(runner.invoke(app, [*MAX_LEN, *args]))
+
+
+def test_sweep_offload_both_writes_host_columns_and_skips_plain_offload(runner, tmp_path):
+    path = tmp_path / "sweep.csv"
+    args = ["sweep", *TINY, "--method", "plain,streambp", "--seq-len", "64", "--offload", "both",
+            "--device", "sim", "--out", str(path)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = {(r.method, r.offload): r for r in ResultsFile(path).rows()}
+    assert sorted(rows) == [("plain", "none"), ("streambp", "checkpoints"), ("streambp", "none")]
+    moved, kept = rows["streambp", "checkpoints"], rows["streambp", "none"]
+    assert moved.host_peak_gib > 0 and moved.to_host_gib == moved.to_device_gib > 0
+    assert kept.host_peak_gib == 0 and moved.peak_allocated_gib < kept.peak_allocated_gib
+    refused = runner.invoke(app, [*args[:-4], "--offload", "checkpoints", "--out", str(path)])
+    assert "does not apply to plain" in _one_line_error(refused)
+
+
+def test_verify_offload_runs_the_offloaded_step_and_matches_plain_bitwise(runner):
+    args = ["verify", "-m", "tiny/llama", "--dtype", "float64", "--seq-len", "40", "--ps", "16",
+            "--ps-head", "8", "--offload", "checkpoints", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["spec"]["offload"] == "checkpoints" and doc["ok"]
+    assert [r["method"] for r in doc["results"]] == ["checkpoint", "mst", "streambp"]
+    assert all(r["max_rel_err"] <= 1e-12 for r in doc["results"])
+    refused = runner.invoke(app, [*args[:-1], "--method", "plain"])
+    assert "does not apply to plain" in _one_line_error(refused)
