@@ -26,7 +26,7 @@ METHOD_ORDER = ("plain", "checkpoint", "mst", "streambp")
 METHOD_COLORS = {"plain": "tab:red", "checkpoint": "tab:blue", "mst": "tab:green", "streambp": "tab:orange"}
 VARIANT_COLUMNS = (
     "source", "objective", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "batch_size",
-    "device_name",
+    "device_name", "offload",
 )  # fmt: skip
 """Columns that split a method's rows into separate lines when they vary within the method."""
 PARTITION_COLUMNS = ("partition_size", "head_partition_size")
@@ -36,7 +36,7 @@ TOKENS_PER_K = 1000
 LENGTH_LABEL = "sequence length (k tokens, k = 1000)"
 _PREFIXES = dict(
     partition_size="ps ", head_partition_size="ps-head ", batch_size="batch ", lora_rank="LoRA r",
-    attn="attn ", protocol="protocol ", grads="grads ",
+    attn="attn ", protocol="protocol ", grads="grads ", offload="offload ",
 )  # fmt: skip
 
 

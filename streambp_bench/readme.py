@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from streambp_bench import paper
+from streambp_bench.offload_item import offload_section
 from streambp_bench.readme_step import step_sections
 from streambp_bench.reproduce_items import frame_of
 
@@ -250,6 +251,7 @@ SECTIONS = {
     "table1": table1_section,
     "table3": table3_section,
     "table6": table6_section,
+    "offload": offload_section,
 }
 
 

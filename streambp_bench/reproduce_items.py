@@ -55,9 +55,8 @@ def _curve(points: list[StepSpec], target: Target, results: ResultsFile) -> None
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
     series: dict[tuple, list[StepSpec]] = {}
     for point in points:
-        series.setdefault((point.method, point.model, point.partition_size, point.lora_rank), []).append(
-            point
-        )
+        key = (point.method, point.model, point.partition_size, point.lora_rank, point.offload)
+        series.setdefault(key, []).append(point)
     for members in series.values():
         for point in sorted(members, key=lambda p: p.seq_len_tokens):
             rows = exp.run_point(point, target)
@@ -197,6 +196,14 @@ def table3(settings: Settings) -> list[Path]:
     return written
 
 
+def offload(settings: Settings) -> list[Path]:
+    """Every method with and without offloaded checkpoints: max lengths and memory curves (simulated;
+    `offload_item`)."""
+    from streambp_bench import offload_item
+
+    return offload_item.run(settings)
+
+
 def table6(settings: Settings) -> list[Path]:
     """Table 6: gradient precision of streambp vs references (see `precision.precision_rows`)."""
     rows = precision_rows("tiny/llama", seq_len=128 if settings.quick else 1024, partition_size=100)
@@ -211,6 +218,7 @@ ITEMS: dict[str, Callable[[Settings], list[Path]]] = {
     "table1": table1,
     "table3": table3,
     "table6": table6,
+    "offload": offload,
 }
 """Items with something to run; table4 waits for multi-GPU support (its README row says so)."""
 

@@ -48,7 +48,6 @@ class ProbeResult:
     """Bytes the step copied device -> host; None where not taken."""
     to_device_bytes: int | None = None
     """Bytes the step copied host -> device; None where not taken."""
-
     oom_pool: str | None = None
     """On status 'oom': the memory that ran out, 'device' or 'host' (pinned host memory, or RAM)."""
 

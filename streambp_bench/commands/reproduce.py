@@ -24,12 +24,17 @@ HELP = (
     "(a streambp/checkpoint ratio). table3: simulated max length with AdamW for SFT, GRPO (group 8), DPO. "
     "table4: waits for multi-GPU support. table6: gradient precision on the CPU "
     "(fp32 vs fp64, bf16 vs fp32). "
+    "offload: max length of every method with and without checkpoints in host memory (Qwen3-8B, 14B, "
+    "32B LoRA r32; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
+    "offload) and device and host memory vs tokens up to 2M (simulated). "
     "all: every item. Memory items are simulated everywhere; time items measure."
 )
 
 EPILOG = """[bold]Examples[/]
 
 [cyan]streambp-bench reproduce fig3[/]    (about 5 minutes on 2 CPU cores)
+
+[cyan]streambp-bench reproduce offload[/]    (every method with and without offload)
 
 [cyan]streambp-bench reproduce all --out results/[/]
 
@@ -46,12 +51,13 @@ class Item(str, Enum):
     table3 = "table3"
     table4 = "table4"
     table6 = "table6"
+    offload = "offload"
     all = "all"
 
 
 @user_errors
 def reproduce(
-    item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6 or all.")],
+    item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6, offload or all.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for CSVs, PNGs and README.md.")] = Path(
         "results"
     ),

@@ -108,3 +108,18 @@ def test_verify_offload_runs_the_offloaded_step_and_matches_plain_bitwise(runner
     assert all(r["max_rel_err"] <= 1e-12 for r in doc["results"])
     refused = runner.invoke(app, [*args[:-1], "--method", "plain"])
     assert "does not apply to plain" in _one_line_error(refused)
+
+
+def test_reproduce_offload_quick_writes_every_method_with_and_without(runner, tmp_path):
+    result = runner.invoke(app, ["reproduce", "offload", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = ResultsFile(tmp_path / "offload.csv").rows()
+    lengths = {(r.method, r.offload): r.value for r in rows if r.metric == "max_len"}
+    assert len(lengths) == 7 and ("plain", "checkpoints") not in lengths
+    assert max(lengths, key=lengths.get) == ("streambp", "checkpoints")
+    curve = [r for r in rows if r.metric == "peak_memory" and r.offload == "checkpoints" and r.status == "ok"]
+    assert curve and all(r.host_peak_gib > 0 for r in curve)
+    readme = (tmp_path / "README.md").read_text()
+    assert "## Host-memory tier" in readme and "| tiny/llama | streambp + offload |" in readme
+    assert "ALST" in readme and "| 1.000 |" in readme
+    assert (tmp_path / "offload-memory.png").stat().st_size > 10_000
