@@ -21,6 +21,13 @@ HEAD_MODES = ("auto", "fused", "recompute")
 OFFLOAD_MODES = ("none", "checkpoints")
 """Where the tensors a method keeps from forward for backward live: on the device ("none"), or in host
 memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""
+SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2")
+"""How one rank of `gpus` holds the model state. none: all of it (one GPU). zero2 and zero3: torch FSDP2,
+what `streambp_core.dist.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
+gathered from forward to backward; zero3: parameters sharded too). deepspeed-zero2: what DeepSpeed ZeRO-2
+allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp32 master weights and AdamW
+moments and a bf16 gradient partition per rank, gradient buckets); simulated only (see
+`streambp_core.dist.simulate`), since DeepSpeed refuses a chunked backward's gradient accumulation."""
 GRADS_MODES = ("resident", "fresh")
 """Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
 OPTIMIZERS = ("none", "adamw")
@@ -172,6 +179,11 @@ class StepSpec:
     offload: str = "none"
     """none, or checkpoints: what the method keeps between forward and backward lives in host memory
     (`StreamConfig.offload`); plain keeps no checkpoints and refuses it."""
+    gpus: int = 1
+    """Ranks the step is data-parallel over (one sequence per rank); the figures are one rank's."""
+    shard: str = "none"
+    """How each rank holds the model state (`SHARD_MODES`); more than one GPU needs a stage, and a stage
+    on one GPU is one FSDP rank (what a single-GPU sharded run holds)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -179,13 +191,17 @@ class StepSpec:
         check_method(self.method)
         for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
                               ("attn", ATTN_BACKENDS), ("protocol", PROTOCOLS),
-                              ("grads", ("auto", *GRADS_MODES)), ("offload", OFFLOAD_MODES)):
+                              ("grads", ("auto", *GRADS_MODES)), ("offload", OFFLOAD_MODES),
+                              ("shard", SHARD_MODES)):
             require_choice(name, getattr(self, name), choices)
         if self.offload != "none" and self.method == "plain":
             raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
                               "nothing to offload")
-        for name in ("batch_size", "partition_size", "head_partition_size"):
+        for name in ("batch_size", "partition_size", "head_partition_size", "gpus"):
             require_positive(name, getattr(self, name))
+        if self.gpus > 1 and self.shard == "none":
+            raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3 or deepspeed-zero2): "
+                              "replicated data parallelism holds on each GPU what one GPU holds")
         if not isinstance(self.seq_len_tokens, int) or isinstance(self.seq_len_tokens, bool) \
                 or self.seq_len_tokens < 2:
             raise ConfigError(f"seq_len must be an integer >= 2, got {self.seq_len_tokens!r}")

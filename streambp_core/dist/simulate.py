@@ -11,7 +11,19 @@ model's parameter shapes (each parameter split along dim 0, padded to a multiple
 - grads: the shards of the simulated gradients, plus, when gradients exist at the peak, the unsharded
   gradients in flight: the root's (reduce-scattered at the end of backward) and two layers' (the one
   being back-propagated and the one being reduce-scattered).
-- the optimizer phase: every unit is resharded and every gradient reduce-scattered: shards only.
+- the optimizer phase: every unit is resharded and every gradient reduce-scattered: shards only (the
+  optimizer's temporaries too: it updates shards).
+
+`deepspeed_breakdown` lays out one rank of DeepSpeed ZeRO-2 with bf16 (`stage_1_and_2.py`, its default
+settings) instead, the paper's Table 4 engine:
+- weights: the bf16 parameters, replicated (ZeRO-2 does not shard them);
+- optimizer: the rank's partition (1/N of the flattened trainable parameters) of the fp32 master weights
+  and of AdamW's two fp32 moments: 12 bytes per partition element;
+- grads: the bf16 gradient partition (`grads_in_partition`, allocated at the first reduction and kept
+  from step to step); in backward also one reduce bucket (`ipg_buffer`: `reduce_bucket_size` = 5e8 elements, bf16; one buffer
+  since `overlap_comm` is off by default for stage 2) and the unsharded gradients in flight as above;
+- the optimizer phase: the bf16 partition, its flattened copy and the fp32 gradient partition the
+  optimizer steps on (4 bytes per element); the bucket is gone.
 """
 
 from __future__ import annotations
@@ -19,13 +31,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+from transformers import PretrainedConfig
 
-from streambp_core.config import ConfigError, require_choice
+from streambp_core.config import ConfigError, StepSpec, require_choice
 from streambp_core.dist.fsdp import SHARD_STAGES
 from streambp_core.models.adapters import decoder_parts
 
 PREFETCHED_LAYERS = 2
 """zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed ZeRO's default `reduce_bucket_size` (elements of the gradient reduce buffer)."""
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +60,10 @@ class ShardLayout:
 
     gpus: int
     units: tuple[UnitBytes, ...]
+    trainable_numel: int = 0
+    """Elements of the trainable parameters (all units)."""
+    grad_element_bytes: int = 2
+    """Bytes per element of a trainable parameter (and its gradient)."""
 
     @classmethod
     def from_model(cls, model: nn.Module, gpus: int) -> ShardLayout:
@@ -54,7 +74,14 @@ class ShardLayout:
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         root = [p for p in model.parameters() if id(p) not in in_layers]
         units = [_unit(root, gpus)] + [_unit(list(layer.parameters()), gpus) for layer in layers]
-        return cls(gpus=gpus, units=tuple(units))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return cls(gpus=gpus, units=tuple(units), trainable_numel=sum(p.numel() for p in trainable),
+                   grad_element_bytes=max((p.element_size() for p in trainable), default=2))
+
+    @property
+    def partition_numel(self) -> int:
+        """Elements of one rank's partition of the flattened trainable parameters (DeepSpeed ZeRO)."""
+        return -(-self.trainable_numel // self.gpus)
 
     def total(self, field: str) -> int:
         """Sum of one `UnitBytes` field over the units."""
@@ -105,8 +132,58 @@ def sharded_breakdown(
     in_step = phase != "optimizer"
     fraction = layout.trainable_fraction
     rank = dict(breakdown_bytes)
-    rank["weights"] = layout.total("shard") + (layout.gathered_bytes(stage) if in_step else 0)
+    buffers = breakdown_bytes.get("weights", 0) - layout.total("full")  # buffers are not sharded
+    rank["weights"] = buffers + layout.total("shard") + (layout.gathered_bytes(stage) if in_step else 0)
     rank["optimizer"] = round(breakdown_bytes.get("optimizer", 0) * fraction)
     grads = breakdown_bytes.get("grads", 0)
     rank["grads"] = round(grads * fraction) + (layout.inflight_grad_bytes() if grads and in_step else 0)
+    if not in_step:
+        rank["temporaries"] = round(breakdown_bytes.get("temporaries", 0) * fraction)
     return rank
+
+
+def deepspeed_breakdown(
+    breakdown_bytes: dict[str, int], layout: ShardLayout, phase: str = "backward", *,
+    optimizer_state: bool = True,
+) -> dict[str, int]:
+    """One rank's bytes by category under DeepSpeed ZeRO-2 with bf16 (module docstring), at the peak of a
+    step phase whose single-rank breakdown is given; `optimizer_state` False: a backprop-only step."""
+    part = layout.partition_numel
+    rank = dict(breakdown_bytes)
+    master = 0 if layout.grad_element_bytes == FP32_BYTES else FP32_BYTES
+    rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state else 0
+    partition = layout.grad_element_bytes * part
+    grads = breakdown_bytes.get("grads", 0)
+    if phase == "optimizer":
+        rank["grads"] = 2 * partition + FP32_BYTES * part
+        rank["temporaries"] = round(breakdown_bytes.get("temporaries", 0) * layout.trainable_fraction)
+    elif phase == "forward":
+        rank["grads"] = partition
+    else:
+        bucket = layout.grad_element_bytes * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, layout.trainable_numel)
+        rank["grads"] = partition + bucket + (layout.inflight_grad_bytes() if grads else 0)
+    return rank
+
+
+def shard_layout(spec: StepSpec, config: PretrainedConfig, cache: dict | None = None) -> ShardLayout:
+    """The layout of `spec`'s model (full depth, LoRA included) over `spec.gpus` ranks, built on the meta
+    device; memoised in `cache` (a simulation's memo) under a key of its own."""
+    from streambp_core.step.setup import build_training_model
+
+    key = ("shard_layout", spec.model, spec.dtype, spec.lora_rank, spec.gpus, config.num_hidden_layers)
+    if cache is not None and key in cache:
+        return cache[key]
+    model, _ = build_training_model(spec.at(2), config, "meta")
+    layout = ShardLayout.from_model(model, spec.gpus)
+    if cache is not None:
+        cache[key] = layout
+    return layout
+
+
+def rank_breakdown(spec: StepSpec, layout: ShardLayout, breakdown_bytes: dict[str, int], phase: str
+                   ) -> dict[str, int]:
+    """One rank's bytes by category under `spec.shard` at a point of phase `phase` whose single-GPU
+    breakdown is given (`sharded_breakdown` or `deepspeed_breakdown`)."""
+    if spec.shard == "deepspeed-zero2":
+        return deepspeed_breakdown(breakdown_bytes, layout, phase, optimizer_state=spec.optimizer != "none")
+    return sharded_breakdown(breakdown_bytes, layout, spec.shard, phase)

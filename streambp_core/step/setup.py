@@ -113,10 +113,17 @@ def build_setup(
 
 def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
     """Bytes every step of `spec` holds whatever its length: the weights, a gradient per trainable
-    parameter and the optimizer's state (counted on a meta model, LoRA included)."""
+    parameter and the optimizer's state (counted on a meta model, LoRA included); one rank's when the
+    step is sharded."""
     model, optimizer = build_training_model(spec, config, "meta")
     params = list(model.parameters())
     trainable = sum(p.nbytes for p in params if p.requires_grad)
     state = 0 if optimizer is None else sum(
         t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    return sum(p.nbytes for p in params) + trainable + state
+    held = {"weights": sum(p.nbytes for p in params), "grads": trainable, "optimizer": state}
+    if spec.shard != "none":  # one rank's: its shards (and what DeepSpeed ZeRO-2 keeps whole)
+        from streambp_core.dist.simulate import ShardLayout, rank_breakdown
+
+        phase = "forward" if spec.shard == "deepspeed-zero2" else "optimizer"
+        held = rank_breakdown(spec, ShardLayout.from_model(model, spec.gpus), held, phase)
+    return sum(held.values())

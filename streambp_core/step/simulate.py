@@ -22,7 +22,16 @@ Speed, as parameters (nothing is patched):
   and a chunk's memory grows with its prefix; 4 because a chunk can peak while what the previous one left
   is still held and the backward's first chunk is partial. Equal to all chunks to the byte in the tests
   (`keep_chunks=None`).
-- `cache`: `fastmeta.SimulationMode`'s memo of meta kernels' output metadata, shared across calls.
+- `cache`: `fastmeta.SimulationMode`'s memo of meta kernels' output metadata, shared across calls (and
+  the shard layout of a sharded step's model).
+
+One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
+step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
+as the shard stage holds the model state (`streambp_core.dist.simulate`): weights, gradients and
+optimizer state become the rank's shards plus what the stage keeps gathered or in flight, activations
+stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
+is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
+is a point too, so a peak that moves earlier when gradients shrink is still seen.
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ KEEP_CHUNKS = 4
 """Chunks kept at each end of an engine chunk loop when thinning."""
 DEPTHS = ("extrapolate", "full")
 
-_Phases = list[tuple[int, dict[str, int]]]
+_Phases = list[tuple[str, int, dict[str, int], dict[str, int]]]
+"""Per phase: its name, its peak bytes, the bytes by category at the peak and at its end."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +90,11 @@ class SimResult:
     @property
     def how(self) -> str:
         """How the figures were obtained, in words."""
+        rank = "" if self.spec.shard == "none" else f"; one rank of {self.spec.gpus}, {self.spec.shard}"
         if self.full_depth:
-            return f"simulated on meta tensors, all {self.num_layers} layers"
+            return f"simulated on meta tensors, all {self.num_layers} layers{rank}"
         a, b = self.layers_simulated
-        return f"simulated on meta tensors with {a} and {b} layers, extrapolated to {self.num_layers}"
+        return f"simulated on meta tensors with {a} and {b} layers, extrapolated to {self.num_layers}{rank}"
 
 
 def simulate(
@@ -108,10 +119,11 @@ def simulate(
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)
     hosts: list[tuple[int, int, int]] = []
     measured = [_phases(spec, with_depth(config, n), keep_chunks, cache, hosts) for n in depths]
-    peak, by_category = _largest(measured[0]) if len(depths) == 1 else _extrapolate(*measured, total)
-    if min(by_category.values()) < 0:  # the peak moved between sub-phases: simulate every layer
-        depths, hosts = (total,), []
-        peak, by_category = _largest(_phases(spec, config, keep_chunks, cache, hosts))
+    phases = measured[0] if len(depths) == 1 else _extrapolate(*measured, total)
+    if _negative(phases, sharded=spec.shard != "none"):
+        depths, hosts = (total,), []  # the peak moved between sub-phases: simulate every layer
+        phases = _phases(spec, config, keep_chunks, cache, hosts)
+    peak, by_category = _largest(phases) if spec.shard == "none" else _rank_peak(spec, config, phases, cache)
     host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
     return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
                      breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
@@ -126,23 +138,50 @@ def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, c
     record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
     host = record.host_figures()
     hosts.append((host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
-    return [(phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes)) for phase in record.phases]
+    return [(phase.name, phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes),
+             dict(phase.result.end_breakdown_bytes)) for phase in record.phases]
+
+
+def _negative(phases: _Phases, *, sharded: bool) -> bool:
+    """Whether an extrapolated breakdown that is used has a negative category (the peak's; a sharded
+    step's uses every phase's peak and end)."""
+    if not sharded:
+        return min(_largest(phases)[1].values()) < 0
+    return any(min(at.values()) < 0 for phase in phases for at in phase[2:])
 
 
 def _largest(phases: _Phases) -> tuple[int, dict[str, int]]:
-    """The phase with the highest peak."""
-    return max(phases, key=lambda phase: phase[0])
+    """The highest phase peak and its breakdown."""
+    _, peak, by_category, _ = max(phases, key=lambda phase: phase[1])
+    return peak, by_category
 
 
-def _extrapolate(two: _Phases, three: _Phases, total: int) -> tuple[int, dict[str, int]]:
-    """Each phase's peak and breakdown extrapolated linearly from 2 and 3 layers; the highest wins.
+def _extrapolate(two: _Phases, three: _Phases, total: int) -> _Phases:
+    """Each phase's peak and breakdowns extrapolated linearly from 2 and 3 layers.
 
     Phases keep the same shape at every depth, so within a phase the peak is affine in depth; across
     phases it is not (a shallow model may peak in the embedding's backward, a deep one while its
     checkpoints are alive), which is why phases are extrapolated separately.
     """
-    phases = []
-    for (p2, c2), (p3, c3) in zip(two, three, strict=True):
-        grown = {k: c2[k] + (total - 2) * (c3[k] - c2[k]) for k in CATEGORIES}
-        phases.append((p2 + (total - 2) * (p3 - p2), grown))
-    return _largest(phases)
+    def grow(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+        return {k: a[k] + (total - 2) * (b[k] - a[k]) for k in CATEGORIES}
+
+    return [(name, p2 + (total - 2) * (p3 - p2), grow(c2, c3), grow(e2, e3))
+            for (name, p2, c2, e2), (_, p3, c3, e3) in zip(two, three, strict=True)]
+
+
+def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: _Phases, cache: dict
+               ) -> tuple[int, dict[str, int]]:
+    """One rank's peak and breakdown: every phase's peak and end laid out as `spec.shard` holds the state
+    (module docstring); a phase's end after the last backward phase is the state the optimizer sees."""
+    from streambp_core.dist.simulate import rank_breakdown, shard_layout
+
+    layout = shard_layout(spec, config, cache)
+    last_backward = max((i for i, phase in enumerate(phases) if phase[0] not in ("forward", "optimizer")),
+                        default=-1)
+    points = []
+    for i, (name, _, at_peak, at_end) in enumerate(phases):
+        points.append(rank_breakdown(spec, layout, at_peak, name))
+        points.append(rank_breakdown(spec, layout, at_end, "optimizer" if i == last_backward else name))
+    best = max(points, key=lambda point: sum(point.values()))
+    return sum(best.values()), best
