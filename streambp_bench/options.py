@@ -15,12 +15,14 @@ from streambp_core.config import (
     ATTN_BACKENDS,
     DEVICES,
     DTYPES,
+    FSDP_STAGES,
     GRADS_MODES,
     OBJECTIVES,
     OFFLOAD_MODES,
     OPTIMIZERS,
     PADDINGS,
     PROTOCOLS,
+    SHARD_MODES,
 )
 
 
@@ -39,6 +41,8 @@ Grads = _choices("Grads", ("auto", *GRADS_MODES))
 Optimizer = _choices("Optimizer", OPTIMIZERS)
 Offload = _choices("Offload", OFFLOAD_MODES)
 OffloadOrBoth = _choices("OffloadOrBoth", (*OFFLOAD_MODES, "both"))
+Shard = _choices("Shard", SHARD_MODES[1:])
+Stage = _choices("Stage", FSDP_STAGES)
 
 Model = Annotated[
     str,
@@ -117,3 +121,14 @@ OffloadOrBothOption = Annotated[
 def split_list(value: str) -> tuple[str, ...]:
     """'a, b,,c' -> ('a', 'b', 'c')."""
     return tuple(item.strip() for item in value.split(",") if item.strip())
+Gpus = Annotated[
+    int | None,
+    typer.Option("--gpus", help="Simulate one rank of N GPUs (data parallel, one sequence each); needs "
+                 "--shard. Simulated only."),
+]
+ShardOption = Annotated[
+    Shard | None,
+    typer.Option("--shard", help="How each rank holds the model state: zero2, zero3 (torch FSDP2, what the "
+                 "engine runs) or deepspeed-zero2 (DeepSpeed ZeRO-2's allocations, the paper's Table 4 "
+                 "engine). Needs --gpus."),
+]

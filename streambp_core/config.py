@@ -28,6 +28,8 @@ gathered from forward to backward; zero3: parameters sharded too). deepspeed-zer
 allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp32 master weights and AdamW
 moments and a bf16 gradient partition per rank, gradient buckets); simulated only (see
 `streambp_core.dist.simulate`), since DeepSpeed refuses a chunked backward's gradient accumulation."""
+FSDP_STAGES = ("zero2", "zero3")
+"""The shard stages the engine runs (torch FSDP2; `streambp_core.dist.fsdp`)."""
 GRADS_MODES = ("resident", "fresh")
 """Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
 OPTIMIZERS = ("none", "adamw")

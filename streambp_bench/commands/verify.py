@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -26,7 +26,13 @@ HELP = (
     "is at most 2x plain bfloat16's. Exits 1 when a method fails, 2 on bad input.\n\n"
     "[bold]--offload checkpoints[/] runs each method with its checkpoints in host memory, through the real "
     "offload code path (on a CPU the host is the CPU: copies, no pinning); the check is the same, and "
-    "offloading changes no bit of any gradient."
+    "offloading changes no bit of any gradient.\n\n"
+    "[bold]--nproc N[/] starts N ranks on this machine (gloo on CPU, nccl on CUDA: one GPU each), shards the "
+    "model with torch FSDP2 (--shard zero2, zero3; both when not given) and compares every parameter's "
+    "all-gathered gradient with single-process plain over the ranks' batches (each rank its own; the "
+    "reference averages them), and counts each step's all-gathers and reduce-scatters (calls and bytes of "
+    "the full tensors, per step and per FSDP unit: one per decoder layer plus the root). Full-parameter "
+    "training in float64 or float32."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -42,6 +48,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
 
 [cyan]streambp-bench verify -m tiny/llama --dtype float64 --offload checkpoints[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3 --method all[/]
 """
 
 DEFAULT_METHOD_LIST = ",".join(VERIFY_METHODS)
@@ -122,6 +130,14 @@ def verify(
     lora_rank: opt.LoraRank = 0,
     attn: opt.AttnOption = opt.Attn.auto,
     offload: opt.OffloadOption = opt.Offload.none,
+    nproc: Annotated[
+        int | None, typer.Option("--nproc", help="Ranks to start (sharded verify); at most the CPU cores "
+                                 "(cpu) or the GPUs (cuda).")
+    ] = None,
+    shard: Annotated[
+        opt.Stage | None, typer.Option("--shard", help="FSDP2 stage of a sharded verify (needs --nproc): "
+                                       "zero2 or zero3; both when not given.")
+    ] = None,
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -130,6 +146,12 @@ def verify(
     where = device.value
     if where == "sim":
         raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
+    if shard is not None and nproc is None:
+        raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
+    if nproc is not None and offload.value != "none":
+        raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
     from streambp_core.verify import VerifySpec, verify_spec
 
@@ -152,7 +174,14 @@ def verify(
         attn=attn.value,
         offload=offload.value,
     )
-    report = verify_spec(spec)
-    print_report(report, as_json=as_json)
-    if not report.ok:
+    if nproc is not None:
+        from streambp_bench.verify_sharded import run_sharded
+
+        stages = (shard.value,) if shard is not None else ("zero2", "zero3")
+        ok = run_sharded(spec, nproc, stages, as_json=as_json)
+    else:
+        report = verify_spec(spec)
+        print_report(report, as_json=as_json)
+        ok = report.ok
+    if not ok:
         raise typer.Exit(code=1)

@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from streambp_core.config import ConfigError, require_choice
+from streambp_core.config import FSDP_STAGES, ConfigError, require_choice
 from streambp_core.models.adapters import decoder_parts
 
-SHARD_STAGES = ("zero2", "zero3")
+SHARD_STAGES = FSDP_STAGES
 """zero2: gradients and optimizer states sharded; zero3: parameters sharded as well."""
 
 R = TypeVar("R")

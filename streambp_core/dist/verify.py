@@ -25,6 +25,7 @@ from streambp_core.dist.comms import CollectiveLog
 from streambp_core.dist.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.models import build_model, load_config
+from streambp_core.models.adapters import decoder_parts
 from streambp_core.verify import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
 
 
@@ -41,6 +42,8 @@ class ShardedResult(MethodResult):
     reduce_scatters: int
     reduce_scatter_bytes: int
     """Collectives of one step (forward + backward) on one rank; bytes of the full tensors."""
+    units: int
+    """FSDP units of the model: one per decoder layer and the root."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,5 +164,6 @@ def _sharded_step(model, method, shard, spec: VerifySpec, batch, reference) -> S
         all_gather_bytes=counts.get("all_gather", {}).get("bytes", 0),
         reduce_scatters=counts.get("reduce_scatter", {}).get("calls", 0),
         reduce_scatter_bytes=counts.get("reduce_scatter", {}).get("bytes", 0),
+        units=len(decoder_parts(sharded).layers) + 1,
         ok=err <= tolerance and loss_err <= reference.loss_tolerance,
     )

@@ -121,3 +121,39 @@ def test_main_turns_a_config_error_into_exit_2(monkeypatch, capsys):
         cli.main()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: unknown model 'nope'")
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--shard", "zero2"], "--shard needs --nproc"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--nproc", "4096"], "more than the"),
+    (["--nproc", "2", "--dtype", "float64", "--lora-rank", "4"], "lora_rank must be 0"),
+])
+def test_sharded_verify_bad_input_is_one_line_before_any_rank_starts(runner, args, expected):
+    result = runner.invoke(app, [*TINY_VERIFY, *args])
+    assert result.exit_code == 2, result.output
+    assert expected in _one_line_error(result)
+
+
+def test_sharded_verify_without_the_backend_is_one_line(runner, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
+    result = runner.invoke(app, [*TINY_VERIFY, "--nproc", "1", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "backend gloo is not available" in _one_line_error(result)
+
+
+@pytest.mark.slow
+def test_sharded_verify_two_ranks_prints_collectives_per_layer(runner):
+    from streambp_core.dist.launch import available_cpus
+
+    if available_cpus() < 2:
+        pytest.skip("needs two CPU cores for two ranks")
+    result = runner.invoke(app, [*TINY_VERIFY, "--dtype", "float64", "--nproc", "2", "--shard", "zero2",
+                                 "--method", "streambp", "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    (row,) = document["results"]
+    assert document["source"] == "measured-cpu" and row["ok"] and row["max_rel_err"] <= 1e-10
+    assert (row["all_gathers"], row["reduce_scatters"]) == (row["units"], row["units"])
