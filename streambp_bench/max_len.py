@@ -84,6 +84,8 @@ def make_plan(
     target = resolve_target(device, budget_gib)
     if target.device != "sim" and specs[0].is_training_step:
         raise ConfigError("--objective/--lora-rank/--optimizer are simulated only for now: use --device sim")
+    if target.device != "sim" and specs[0].shard != "none":
+        raise ConfigError("a sharded step (--gpus/--shard) is simulated only: use --device sim")
     config = load_config(specs[0].model)
     needed = resident_bytes(specs[0], config)
     if needed >= (target.budget_bytes or 0):

@@ -30,7 +30,7 @@ import pandas as pd
 from streambp_bench import csv_io
 from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
-from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, OFFLOAD_MODES, PROTOCOLS, StepSpec
+from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, OFFLOAD_MODES, PROTOCOLS, SHARD_MODES, StepSpec
 
 SOURCES = ("simulated", "measured-cuda", "measured-cpu")
 STATUSES = ("ok", "oom", "error")
@@ -72,6 +72,10 @@ class ResultRow:
     offload: str = "none"
     """Where the method kept its checkpoints between forward and backward: on the device (none) or in
     host memory (checkpoints)."""
+    gpus: int = 1
+    """Ranks of a data-parallel step; the row's memory is one rank's."""
+    shard: str = "none"
+    """How each rank holds the model state: none, zero2, zero3 or deepspeed-zero2 (`SHARD_MODES`)."""
     source: str
     """One of SOURCES: how the numbers were obtained."""
     status: str = "ok"
@@ -159,11 +163,11 @@ COLUMNS: tuple[str, ...] = tuple(field.name for field in fields(ResultRow))
 KEY_COLUMNS: tuple[str, ...] = (
     "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
     "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "offload",
-    "source", "metric", "device_name",
+    "gpus", "shard", "source", "metric", "device_name",
 )  # fmt: skip
 _CHOICES = {
     "source": SOURCES, "status": STATUSES, "attn": ATTN_BACKENDS, "protocol": PROTOCOLS, "grads": GRADS_MODES,
-    "offload": OFFLOAD_MODES,
+    "offload": OFFLOAD_MODES, "shard": SHARD_MODES,
 }  # fmt: skip
 _HINTS = typing.get_type_hints(ResultRow)
 _OPTIONAL = {name for name, hint in _HINTS.items() if type(None) in typing.get_args(hint)}
@@ -223,6 +227,7 @@ def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, 
         "head_partition_size": spec.head_partition_size if spec.partitioned else None,
         "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
         "attn": spec.attn, "protocol": spec.protocol, "grads": spec.grads, "offload": spec.offload,
+        "gpus": spec.gpus, "shard": spec.shard,
     }  # fmt: skip
 
 

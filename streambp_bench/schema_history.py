@@ -11,7 +11,8 @@ Rewriting such a file (any upsert) writes the current header.
 
 Schema 2 (the header before `ADDED_COLUMNS`) reads each missing added column as the cell
 `ADDED_COLUMNS` gives it: empty for an optional column, and for a key column the value every older row
-stood for (offload "none": nothing was offloaded before the column existed).
+stood for (offload "none": nothing was offloaded before the column existed; gpus 1 and shard "none":
+one unsharded GPU).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SCHEMA_1_COLUMNS: tuple[str, ...] = (
 ADDED_COLUMNS: dict[str, str] = {
     "step_time_p20_ms": "", "step_time_p80_ms": "", "confirmed_layers": "",
     "offload": "none", "host_peak_gib": "", "to_host_gib": "", "to_device_gib": "",
+    "gpus": "1", "shard": "none",
 }  # fmt: skip
 """Columns added since schema 2 -> the cell a file without the column reads (module docstring)."""
 

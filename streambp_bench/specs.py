@@ -54,3 +54,18 @@ def writable_results(out: Path | None) -> Path | None:
 
     ResultsFile(out).check_target()
     return out
+
+
+def sharding(gpus: int | None, shard: object | None, device: str) -> tuple[dict[str, object], str]:
+    """StepSpec fields of `--gpus`/`--shard` and the device to run on (auto -> sim when --gpus is given).
+
+    ConfigError (one line): --shard without --gpus; --gpus on cpu or cuda (one rank of N is simulated)."""
+    value = getattr(shard, "value", shard)
+    if value is not None and gpus is None:
+        raise ConfigError("--shard needs --gpus N: the GPUs to shard the model state across")
+    if gpus is None:
+        return {}, device
+    if device in ("cpu", "cuda"):
+        raise ConfigError(f"--gpus is simulated (one rank of N on meta tensors); it does not apply to "
+                          f"--device {device}: use --device sim")
+    return {"gpus": gpus, "shard": value or "none"}, "sim"

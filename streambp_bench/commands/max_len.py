@@ -11,7 +11,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import step_specs, writable_results
+from streambp_bench.specs import sharding, step_specs, writable_results
 from streambp_core.config import check_budget_gib
 
 HELP = (
@@ -32,7 +32,11 @@ HELP = (
     "'+ offload'; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
     "offload); [bold]--offload both[/] searches each method with and without. The table then shows the "
     "host pool's peak and the GiB copied each way per step; [bold]--host-budget-gib[/] bounds the search "
-    "by the host pool too (without it the host figure is reported, not bounded)."
+    "by the host pool too (without it the host figure is reported, not bounded).\n\n"
+    "[bold]--gpus N --shard STAGE[/] simulates one rank of N data-parallel GPUs (one sequence each): its "
+    "shards of the weights, gradients and optimizer state, the layers it holds gathered, the gradients in "
+    "flight and the buckets (zero2/zero3: torch FSDP2, what the engine runs; deepspeed-zero2: DeepSpeed "
+    "ZeRO-2's allocations with bf16); the budget is per GPU."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -50,6 +54,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench max-len -m Qwen/Qwen3-4B --device cuda --budget-gib 40[/]
 
 [cyan]streambp-bench max-len -m tiny/qwen3 --device cpu --budget-gib 0.01 --ps 64 --ps-head 32[/]
+
+[cyan]streambp-bench max-len --optimizer adamw --gpus 8 --shard zero3 --method checkpoint,streambp[/]
 """
 
 
@@ -75,6 +81,8 @@ def max_len(
         typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take: "
                      "bounds the search too (default: reported, not bounded)."),
     ] = None,
+    gpus: opt.Gpus = None,
+    shard: opt.ShardOption = None,
     as_json: opt.Json = False,
     out: Annotated[
         Path | None,
@@ -82,10 +90,12 @@ def max_len(
     ] = None,
 ) -> None:
     """Search every method's maximum length and print it (help text: `HELP`)."""
+    ranks, where = sharding(gpus, shard, device.value)
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value, partition_size=ps,
         head_partition_size=ps_head, grads=grads.value, protocol=protocol.value, attn=attn.value,
         objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload.value,
+        **ranks,
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
@@ -93,7 +103,7 @@ def max_len(
     from streambp_bench import max_len_report as report
     from streambp_bench.max_len import make_plan, run_plan
 
-    plan = make_plan(specs, device.value, budget_gib, host_budget_gib)
+    plan = make_plan(specs, where, budget_gib, host_budget_gib)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
         try:

@@ -19,7 +19,7 @@ from rich.progress import (
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import method_list, spec_label, with_offload, writable_results
+from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
 from streambp_core.config import ConfigError, StepSpec, check_budget_gib, check_model
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench sweep -m tiny/llama --device cpu --dtype float32 --seq-len 256,512 --ps 64 --out r.csv[/]
 
 [cyan]streambp-bench sweep -m Qwen/Qwen3-4B --device cuda --attn sdpa --seq-len 8k,16k --out sdpa.csv[/]
+
+[cyan]streambp-bench sweep --optimizer adamw --gpus 8 --shard zero3 --seq-len 64k:256k:64k --out z3.csv[/]
 """
 
 
@@ -112,6 +114,8 @@ def sweep(
     protocol: opt.ProtocolOption = opt.Protocol.default,
     grads: opt.GradsOption = opt.Grads.auto,
     offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
+    gpus: opt.Gpus = None,
+    shard: opt.ShardOption = None,
     device: opt.DeviceOption = opt.Device.auto,
     budget_gib: Annotated[
         float | None, typer.Option("--budget-gib", help="Budget of a point (default: GPU memory, else 80).")
@@ -126,6 +130,7 @@ def sweep(
     from streambp_bench import experiments as exp
 
     check_budget_gib(budget_gib)
+    ranks, where = sharding(gpus, shard, device.value)
     models = opt.split_list(model)
     if not models:
         raise ConfigError("give at least one model")
@@ -145,13 +150,14 @@ def sweep(
         attn=attn.value,
         protocol=protocol.value,
         grads=grads.value,
+        **ranks,
     )
     points = with_offload(tuple(grid), offload.value)
     writable_results(out)
     from streambp_bench.results import ResultsFile
     from streambp_core.step.target import resolve_target
 
-    target = resolve_target(device.value, budget_gib, cpu_budget=False)
+    target = resolve_target(where, budget_gib, cpu_budget=False)
     results = ResultsFile(out)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
     with _progress() as progress:

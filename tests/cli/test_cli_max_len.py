@@ -175,3 +175,27 @@ def test_the_report_ends_with_the_trainer_call_for_the_longest_length(runner):
     assert result.exit_code == 0, result.output
     line = next(line for line in result.stdout.splitlines() if line.startswith("Train at "))
     assert '(streambp)' in line and 'stream_trainer(trainer, "streambp", partition_size=32' in line
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--shard", "zero2"], "--shard needs --gpus"),
+    (["--gpus", "2", "--shard", "zero2", "--device", "cpu"], "does not apply to --device cpu"),
+    (["--gpus", "4"], "gpus 4 needs a shard stage"),
+    (["--gpus", "0", "--shard", "zero3"], "gpus must be a positive integer"),
+])
+def test_sharding_bad_input_is_one_line(runner, args, expected):
+    assert expected in _one_line_error(runner.invoke(app, [*TINY, *args]))
+
+
+def test_gpus_and_shard_search_one_rank_and_are_key_columns(runner, tmp_path):
+    out = tmp_path / "r.csv"
+    args = [*TINY, "--method", "checkpoint", "--optimizer", "adamw", "--budget-gib", "0.006",
+            "--out", str(out)]
+    single = runner.invoke(app, [*args, "--json"])
+    sharded = runner.invoke(app, [*args, "--gpus", "4", "--shard", "zero3", "--json"])
+    assert single.exit_code == 0 and sharded.exit_code == 0, sharded.output
+    one, four = (json.loads(r.stdout)["results"][0] for r in (single, sharded))
+    assert four["max_len_tokens"] > one["max_len_tokens"]
+    rows = {(row.gpus, row.shard): row for row in ResultsFile(out).rows()}
+    assert set(rows) == {(1, "none"), (4, "zero3")}
+    assert rows[4, "zero3"].optimizer_gib < rows[1, "none"].optimizer_gib

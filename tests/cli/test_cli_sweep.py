@@ -151,3 +151,17 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], messag
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_sweep_gpus_and_shard_write_one_ranks_rows(tmp_path):
+    out = tmp_path / "z.csv"
+    base = ["sweep", "-m", "tiny/llama", "--method", "checkpoint", "--seq-len", "64", "--optimizer", "adamw",
+            "--out", str(out)]
+    assert CliRunner().invoke(app, base).exit_code == 0
+    result = CliRunner().invoke(app, [*base, "--gpus", "4", "--shard", "zero3"])
+    assert result.exit_code == 0, result.output
+    rows = {(r.gpus, r.shard): r for r in ResultsFile(out).rows()}
+    assert set(rows) == {(1, "none"), (4, "zero3")}
+    assert rows[4, "zero3"].optimizer_gib < rows[1, "none"].optimizer_gib
+    bad = CliRunner().invoke(app, [*base, "--gpus", "4", "--shard", "zero3", "--device", "cpu"])
+    assert bad.exit_code == 2 and "does not apply to --device cpu" in bad.output

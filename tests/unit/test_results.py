@@ -54,13 +54,15 @@ def test_columns_hold_the_contract_in_order() -> None:
                 "source", "status", "metric", "value", "peak_allocated_gib", "peak_reserved_gib",
                 "step_time_ms", "step_time_p20_ms", "step_time_p80_ms", "alloc_retries", "num_ooms",
                 "weights_gib", "confirmed_layers", "offload", "host_peak_gib", "to_host_gib", "to_device_gib",
+                "gpus", "shard",
                 "grads_gib", "optimizer_gib", "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib",
                 "budget_gib", "error", "device_name", "torch_version", "transformers_version",
                 "package_version", "git_sha", "timestamp"}  # fmt: skip
     assert set(COLUMNS) == required
     assert COLUMNS[0] == "method" and COLUMNS[-1] == "timestamp"
     assert set(KEY_COLUMNS) <= set(COLUMNS) and "value" not in KEY_COLUMNS and "timestamp" not in KEY_COLUMNS
-    assert {"attn", "protocol", "grads", "offload"} <= set(KEY_COLUMNS) and "alloc_retries" not in KEY_COLUMNS
+    assert {"attn", "protocol", "grads", "offload", "gpus", "shard"} <= set(KEY_COLUMNS)
+    assert "alloc_retries" not in KEY_COLUMNS
     assert "host_peak_gib" not in KEY_COLUMNS
     later = {"attn", "protocol", "grads", "alloc_retries", "num_ooms", *ADDED_COLUMNS}
     assert set(COLUMNS) - set(SCHEMA_1_COLUMNS) == later
@@ -117,7 +119,8 @@ def test_key_is_the_point_not_the_measurement() -> None:
 
 
 @pytest.mark.parametrize(
-    "setting", [{"protocol": "paper"}, {"attn": "flash"}, {"grads": "fresh"}, {"offload": "checkpoints"}]
+    "setting", [{"protocol": "paper"}, {"attn": "flash"}, {"grads": "fresh"}, {"offload": "checkpoints"},
+                {"gpus": 8, "shard": "zero3"}]
 )
 def test_rows_differing_only_in_protocol_attn_grads_or_offload_are_different_points(
     tmp_path: Path, setting: dict
@@ -313,6 +316,20 @@ def test_a_file_from_before_the_offload_columns_reads_offload_none_and_empty_hos
     file.upsert(make_row(offload="checkpoints", host_peak_gib=3.5, to_host_gib=3.5, to_device_gib=3.5))
     assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
     assert [(r.offload, r.host_peak_gib) for r in file.rows()] == [("none", None), ("checkpoints", 3.5)]
+
+
+def test_a_file_from_before_the_gpus_and_shard_columns_reads_one_unsharded_gpu(tmp_path: Path) -> None:
+    path = tmp_path / "before.csv"
+    before = [name for name in COLUMNS if name not in ("gpus", "shard")]
+    record = make_row().to_record()
+    path.write_text(",".join(before) + "\n" + ",".join(record[name] for name in before) + "\n")
+    file = ResultsFile(path)
+    [row] = file.rows()
+    assert (row.gpus, row.shard) == (1, "none") and row.key() == make_row().key()
+    file.upsert(make_row(gpus=4, shard="deepspeed-zero2"))
+    assert [(r.gpus, r.shard) for r in file.rows()] == [(1, "none"), (4, "deepspeed-zero2")]
+    with pytest.raises(ValueError, match="shard must be one of"):
+        make_row(shard="zero1")
 
 
 def test_committed_results_of_schema_1_still_load() -> None:
