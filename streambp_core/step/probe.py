@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 from transformers import PretrainedConfig
 
-from streambp_core.config import SOURCES, StepSpec
+from streambp_core.config import SOURCES, ConfigError, StepSpec
 from streambp_core.measure.cuda import is_oom, oom_pool
 from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, guided_max_len
 from streambp_core.step.run import StepOutOfMemory, tracked_step
@@ -122,6 +122,8 @@ def max_len(
     `host_budget_bytes`, when given) on `device` ('sim', 'cpu' or 'cuda'): guided by the extrapolated
     simulation, confirmed at full depth (sim) or refined by measurement (cpu, cuda); the result says at
     what depth the answer was confirmed."""
+    if spec.shard != "none" and device != "sim":
+        raise ConfigError("a sharded step (gpus/shard) is simulated only: one rank of N on meta tensors")
     config = resolve_config(spec, config)
     cache = {} if cache is None else cache
     guide = simulated_probe(spec, config, cache=cache)

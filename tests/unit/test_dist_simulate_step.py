@@ -98,3 +98,10 @@ def test_resident_bytes_are_one_ranks():
     whole = resident_bytes(_spec(optimizer="adamw"), config)
     shards = resident_bytes(_spec(optimizer="adamw", gpus=4, shard="zero3"), config)
     assert whole / 4 <= shards <= whole / 4 * 1.2
+
+
+def test_a_sharded_step_is_not_measured_as_one_unsharded_gpu():
+    from streambp_core.step.probe import max_len
+
+    with pytest.raises(ConfigError, match="simulated only"):
+        max_len(_spec(gpus=2, shard="zero2"), 2**30, "cpu")
