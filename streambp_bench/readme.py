@@ -11,6 +11,7 @@ from streambp_bench import paper
 from streambp_bench.offload_item import offload_section
 from streambp_bench.readme_step import step_sections
 from streambp_bench.reproduce_items import frame_of
+from streambp_bench.table4 import section as table4_section
 
 PROTOCOL = """\
 Memory rows are simulated: the real training step runs on meta tensors under a live-tensor tracker
@@ -236,27 +237,19 @@ CHANGES = [
     "",
 ]
 
-TABLE4 = [
-    "## Table 4 — ZeRO-2 across GPUs",
-    "",
-    "| GPUs | source | status |",
-    "|---|---|---|",
-    "| 3-8 | – | waits for multi-GPU support (DeepSpeed ZeRO-2): not run |",
-    "",
-]
-
 SECTIONS = {
     "fig3": fig3_section,
     "fig5": fig5_section,
     "table1": table1_section,
     "table3": table3_section,
+    "table4": table4_section,
     "table6": table6_section,
     "offload": offload_section,
 }
 
 
 def render(out_dir: Path) -> str:
-    """The README text for every item whose CSV is in `out_dir` (plus the table4 note)."""
+    """The README text for every item whose CSV is in `out_dir`."""
     lines = [
         "# Reproduced results",
         "",
@@ -270,4 +263,4 @@ def render(out_dir: Path) -> str:
         frame = frame_of(out_dir / f"{item}.csv")
         if frame is not None and len(frame):
             lines += section(frame)
-    return "\n".join(lines + step_sections(out_dir) + TABLE4 + MODELS + CHANGES)
+    return "\n".join(lines + step_sections(out_dir) + MODELS + CHANGES)

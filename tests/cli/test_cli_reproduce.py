@@ -18,7 +18,7 @@ def test_reproduce_fig5_quick_writes_csv_png_and_readme(tmp_path: Path) -> None:
     assert (tmp_path / "fig5-memory.png").stat().st_size > 10_000
     readme = (tmp_path / "README.md").read_text()
     assert "## Fig. 5" in readme and "ps 16" in readme and "(simulated)" in readme
-    assert "waits for multi-GPU support" in readme
+    assert "## Table 4" not in readme  # no table4.csv here
 
 
 def test_reproduce_fig3_quick_puts_max_len_next_to_slopes(tmp_path: Path) -> None:
@@ -33,10 +33,19 @@ def test_reproduce_fig3_quick_puts_max_len_next_to_slopes(tmp_path: Path) -> Non
     assert (tmp_path / "fig3-memory.png").exists() and (tmp_path / "fig3-maxlen.png").exists()
 
 
-def test_reproduce_table4_says_it_waits(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["reproduce", "table4", "--out", str(tmp_path)])
-    assert result.exit_code == 0 and "multi-GPU" in result.output
-    assert "waits for multi-GPU support" in (tmp_path / "README.md").read_text()
+def test_reproduce_table4_quick_writes_each_engine_and_the_zero3_rows(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["reproduce", "table4", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = {(r.method, r.shard, r.gpus, r.offload): r for r in ResultsFile(tmp_path / "table4.csv").rows()}
+    for method in ("checkpoint", "streambp"):
+        assert {(method, shard, 2, "none") for shard in ("deepspeed-zero2", "zero2", "zero3")} <= set(rows)
+        assert rows[method, "zero3", 2, "checkpoints"].source == "simulated"
+        fsdp, ds = rows[method, "zero2", 2, "none"], rows[method, "deepspeed-zero2", 2, "none"]
+        assert fsdp.optimizer_gib < ds.optimizer_gib  # bf16 moments vs fp32 master weights and moments
+    assert rows["streambp", "zero3", 2, "none"].value > rows["checkpoint", "zero3", 2, "none"].value
+    readme = (tmp_path / "README.md").read_text()
+    assert "## Table 4" in readme and "| tiny/llama |" in readme
+    assert (tmp_path / "table4-maxlen.png").exists()
 
 
 def test_reproduce_into_a_foreign_csv_is_a_one_line_error(tmp_path: Path) -> None:
