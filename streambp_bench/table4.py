@@ -151,7 +151,7 @@ def plot(frame: pd.DataFrame):
     data = frame[(frame["metric"] == "max_len") & frame["shard"].isin(ENGINES) & (frame["offload"] == "none")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method, color in zip(METHODS, ("tab:orange", "tab:blue"), strict=True):
-        ax.plot(paper.TABLE4_GPUS, [k * 1000 for k in paper.TABLE4_MAX_LEN_K[method]], "k:", marker="x",
+        ax.plot(paper.TABLE4_GPUS, [k * 1000 for k in paper.TABLE4_MAX_LEN_K[method]], ":", marker="x",
                 color=color, label=f"{method} paper")
         for engine, style in zip(ENGINES, ("--", "-"), strict=True):
             rows = data[(data["method"] == method) & (data["shard"] == engine)].sort_values("gpus")
