@@ -132,14 +132,19 @@ def _zero3_lines(data: pd.DataFrame) -> list[str]:
     gpus = "/".join(str(n) for n in sorted(set(zero3["gpus"]))) or str(ZERO3_GPUS)
     lines = [
         f"Beyond the paper: ZeRO-3 (torch FSDP2, pure-bf16 AdamW) on {gpus} GPUs, and ZeRO-3 with "
-        "checkpoint offload (host memory is not budgeted):",
+        "checkpoint offload (host memory is reported per rank, not budgeted):",
         "",
         "| model | ckpt | streambp | ckpt + offload | streambp + offload |",
         "|---|---|---|---|---|",
     ]
-    for model in dict.fromkeys(zero3["model"]):
-        cells = [_k(_cell(zero3, model=model, method=m, offload=o))
-                 for o in ("none", "checkpoints") for m in METHODS]
+    present = list(dict.fromkeys(zero3["model"]))
+    for model in sorted(present, key=lambda m: ZERO3_MODELS.index(m) if m in ZERO3_MODELS else len(present)):
+        cells = [_k(_cell(zero3, model=model, method=m, offload="none")) for m in METHODS]
+        for method in METHODS:
+            host = _cell(zero3.assign(value=zero3["host_peak_gib"]), model=model, method=method,
+                         offload="checkpoints")
+            length = _k(_cell(zero3, model=model, method=method, offload="checkpoints"))
+            cells.append(length if host is None or pd.isna(host) else f"{length} (host {host:.0f} GiB)")
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return lines
 
