@@ -94,7 +94,8 @@ AttnOption = Annotated[
 ProtocolOption = Annotated[
     Protocol,
     typer.Option("--protocol", help="default: this project's step; paper: the paper's script (transformers "
-                 "4.51: logits held through backward, GQA K/V expanded); backprop-only steps."),
+                 "4.51: logits held through backward, GQA K/V expanded); backprop-only steps; trl: plain's "
+                 "and checkpoint's GRPO/DPO losses as TRL 0.17's trainers compute them (Table 3's)."),
 ]
 GradsOption = Annotated[
     Grads,

@@ -28,15 +28,26 @@ the completion tokens, reference log-probs given as inputs (no reference model r
 """
 
 GAPS = """\
-The likely cause of checkpoint cells far from the paper's (not verified on the paper's code) is a
-protocol difference in the baseline's loss, not in the method: our baselines compute the objective
-from the full logits of every position of every row (bf16 logits, an fp32 copy, their gradients:
-about 12 bytes per vocabulary entry per token at the peak; see the logits_gib column of table3.csv).
-TRL's trainers, which the paper used, compute logits only for the completion (`logits_to_keep`) and
-take per-token log-probs row by row (`selective_log_softmax`), so at equal length they hold fewer logit
-bytes; GRPO (8 rows) and DPO (2 rows) multiply the gap, SFT (1 row) barely shows it. The paper may also
-run a GRPO group in micro-batches, which we do not. StreamBP never holds full logits, so its cells are
-unaffected.
+Table 3 runs the trl protocol (`--protocol trl`): plain's and checkpoint's GRPO and DPO losses are
+computed as TRL 0.17's trainers compute them with their defaults (the TRL the paper ran;
+`streambp_core.methods.trl_loss`). GRPOTrainer takes logits for the completion only (`logits_to_keep`:
+the last three quarters here), divides them by GRPOConfig's default temperature 0.9 and takes per-token
+log-probs with `selective_log_softmax`, one row's bf16 log-softmax at a time, without a float32 copy;
+DPOTrainer (`use_logits_to_keep=False`, its default) does the same for every position. The loss is the
+default protocol's (every method matches plain under both in float64); the logits at the peak drop from
+about 12 bytes per position and vocabulary entry (bf16 logits, their float32 copy and its
+log-softmax) to about 4 on the kept positions. StreamBP's streamed head is unchanged (its GRPO logits
+are divided by the same temperature). SFT is transformers' loss under both protocols (TRL's SFTTrainer
+calls the model with labels), so its cells do not move.
+
+Not emulated, each of which the paper's runs paid and ours do not: the reference model TRL copies for
+full-parameter training (GRPO with beta 0.04, DPO without precomputed reference log-probs: one more
+copy of the bf16 weights, 7.5 GiB for Qwen3-4B and 15.3 GiB for Qwen3-8B, for every method); DPOTrainer's
+reference forward inside the step (a no-grad forward with the logits of every position while the policy's
+log-softmax is held for backward, about half as many logit bytes again); DPO's mean-logit metrics (a copy
+of the completion logits inside the forward); the 20% random completion padding of the public reference
+scripts (a (T, T) mask per row in transformers 4.51); and whether the paper's GRPO length counts the
+scripts' 1000-token prompt. Here reference log-probs are inputs, as in every protocol.
 """
 
 

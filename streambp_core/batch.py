@@ -86,8 +86,9 @@ def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch
     """Labels and extra inputs of a synthetic `objective` step on `batch` (random but fixed by `seed`).
 
     The first quarter of each row is the prompt. grpo: one advantage per row (a group), the prompt out of
-    the completion mask, reference log-probs for a k3 KL term (beta 0.04). dpo: rows 0..B/2-1 chosen,
-    B/2..B-1 rejected, prompt labels ignored, reference sequence log-probs, beta 0.1.
+    the completion mask (the completion: the last `logits_to_keep` tokens), reference log-probs for a k3
+    KL term (beta 0.04). dpo: rows 0..B/2-1 chosen, B/2..B-1 rejected, prompt labels ignored, reference
+    sequence log-probs, beta 0.1.
     """
     generator = torch.Generator().manual_seed(seed + 7)
     device = batch.input_ids.device
@@ -100,7 +101,7 @@ def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch
         advantages = torch.randn(rows, generator=generator)
         ref = -10.0 - 4.0 * torch.rand(rows, seq_len, generator=generator)
         inputs = {"advantages": advantages.to(device), "completion_mask": (labels != IGNORE_INDEX).long(),
-                  "ref_logps": ref.to(device), "beta": 0.04}
+                  "ref_logps": ref.to(device), "beta": 0.04, "logits_to_keep": seq_len - seq_len // 4}
         return labels, inputs
     if objective == "dpo":
         if rows % 2:

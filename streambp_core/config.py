@@ -14,8 +14,10 @@ ATTN_BACKENDS = ("auto", "sdpa", "flash")
 BASELINE_ATTENTION = ("auto", "engine", "model")
 PADDINGS = ("none", "right", "left")
 """Where padding goes in each row of a random batch."""
-PROTOCOLS = ("default", "paper")
+PROTOCOLS = ("default", "paper", "trl")
 """Step protocols of a memory figure (see `streambp_core.measure.protocol`)."""
+BASELINE_LOSSES = ("full", "trl")
+"""How plain and checkpoint compute a GRPO or DPO loss from the model's logits (see StreamConfig)."""
 HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
 OFFLOAD_MODES = ("none", "checkpoints")
@@ -77,6 +79,12 @@ class StreamConfig:
     A chunk's memory depends only on its position, so the peak is unchanged while the step is not a
     real step; `prepare` refuses it on a model whose parameters are not on the meta device."""
 
+    baseline_loss: str = "full"
+    """plain and checkpoint, GRPO and DPO: 'full' takes the objective from the logits of every position in
+    at least float32 (`engine.objectives`); 'trl' computes it as TRL 0.17's GRPOTrainer and DPOTrainer do
+    (`methods.trl_loss`: GRPO's logits for the completion only, per-token log-probs row by row in the
+    logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
+
     offload: str = "none"
     """'checkpoints': keep what the method saves between forward and backward (layer inputs) in host
     memory. checkpoint and mst through transformers' checkpoint offload; streambp through
@@ -85,6 +93,7 @@ class StreamConfig:
     def __post_init__(self) -> None:
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
         require_choice("offload", self.offload, OFFLOAD_MODES)
+        require_choice("baseline_loss", self.baseline_loss, BASELINE_LOSSES)
         if self.keep_chunks is not None:
             require_positive("keep_chunks", self.keep_chunks)
         for name in ("partition_size", "head_partition_size"):
@@ -171,7 +180,8 @@ class StepSpec:
     attn: str = "auto"
     """Attention kernel on CUDA (auto, sdpa, flash); a simulation uses its flash-like fake kernel."""
     protocol: str = "default"
-    """default (this project's step) or paper (the paper's script; backprop-only steps)."""
+    """default (this project's step), paper (the paper's script; backprop-only steps) or trl (the baselines'
+    GRPO and DPO losses as TRL 0.17's trainers compute them, with GRPOTrainer's sampling temperature)."""
     grads: str = "auto"
     """resident (zero gradients exist before the step: a gradient-accumulation micro-step) or fresh (the
     step makes them); auto resolves to fresh with an optimizer (its step sets them to None), else
@@ -246,7 +256,8 @@ class StepSpec:
         kernel, as on the meta device, so every method runs the same attention)."""
         return {"objective": self.objective, "partition_size": self.partition_size,
                 "head_partition_size": self.head_partition_size, "attn": self.attn,
-                "baseline_attention": "engine", "offload": self.offload}
+                "baseline_attention": "engine", "offload": self.offload,
+                "baseline_loss": "trl" if self.protocol == "trl" else "full"}
 
     def describe(self) -> str:
         """The step in words, for a result's `how`."""

@@ -90,7 +90,8 @@ class GRPOObjective:
     Per completion token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) + beta * k3, where
     r = exp(logp - old_logp) and k3 = exp(ref - logp) - (ref - logp) - 1. Normalisations follow TRL's GRPO:
     'grpo' averages each sequence over its completion tokens then over sequences; 'bnpo' averages over all
-    completion tokens of the batch; 'dr_grpo' divides by batch size x `max_completion_length`.
+    completion tokens of the batch; 'dr_grpo' divides by batch size x `max_completion_length`. logp is
+    taken from the logits divided by `temperature` (TRL's sampling temperature; 1 leaves them as they are).
     """
 
     targets: Tensor  # (B, T) token predicted at each position, -100 where nothing is predicted
@@ -101,22 +102,25 @@ class GRPOObjective:
     beta: float
     epsilon_low: float
     epsilon_high: float
+    temperature: float = 1.0
 
     name = "grpo"
     linear_reduce = True
     logits_dtype = staticmethod(at_least_float32)
 
     def token_terms(self, logits: Tensor, start: int, end: int) -> Tensor:
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         logp = token_logprobs(logits, self.targets[:, start:end])
         old = logp.detach() if self.old_logps is None else self.old_logps[:, start:end]
         ratio = torch.exp(logp - old)
-        adv = self.advantages[:, None]
+        adv = self.advantages[:, None].to(ratio.dtype)
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         if self.beta and self.ref_logps is not None:
             delta = self.ref_logps[:, start:end] - logp
             per_token = per_token + self.beta * (torch.exp(delta) - delta - 1)
-        return per_token * self.weights[:, start:end]
+        return per_token * self.weights[:, start:end].to(per_token.dtype)
 
     def reduce(self, stats: Tensor) -> Tensor:
         return stats.sum()
@@ -125,17 +129,21 @@ class GRPOObjective:
 def grpo_objective(input_ids: Tensor, completion_mask: Tensor, advantages: Tensor, *,
                    old_logps: Tensor | None = None, ref_logps: Tensor | None = None, beta: float = 0.0,
                    epsilon: float = 0.2, epsilon_high: float | None = None, loss_type: str = "grpo",
-                   max_completion_length: int | None = None) -> GRPOObjective:
+                   max_completion_length: int | None = None, temperature: float = 1.0,
+                   logits_to_keep: int | None = None) -> GRPOObjective:
     """Build the GRPO objective. Per-token tensors (B, T) are indexed like input_ids: entry j scores
-    token j. `completion_mask` marks completion tokens (prompt and padding 0)."""
-    mask = shifted_per_token(completion_mask.to(torch.float32))
+    token j. `completion_mask` marks completion tokens (prompt and padding 0); `logits_to_keep` (the
+    completion's length, the last columns; checked by `methods.objective_inputs`) changes no value.
+    Weights are kept in float64 and cast to the per-token terms' dtype (exact normalisers in float64)."""
+    mask = shifted_per_token(completion_mask.to(torch.float64))
     weights = mask * _grpo_normaliser(mask, loss_type, max_completion_length)
     targets = shifted_targets(input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX))
     return GRPOObjective(
-        targets=targets, weights=weights, advantages=advantages.to(torch.float32),
+        targets=targets, weights=weights, advantages=advantages,
         old_logps=None if old_logps is None else shifted_per_token(old_logps),
         ref_logps=None if ref_logps is None else shifted_per_token(ref_logps),
         beta=beta, epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        temperature=temperature,
     )
 
 
@@ -147,7 +155,7 @@ def _grpo_normaliser(mask: Tensor, loss_type: str, max_completion_length: int | 
         return 1.0 / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         length = max_completion_length or mask.shape[1]
-        return torch.tensor(1.0 / (mask.shape[0] * length))
+        return mask.new_tensor(1.0 / (mask.shape[0] * length))
     raise ValueError(f"unknown GRPO loss_type {loss_type!r}; choose from {', '.join(GRPO_LOSS_TYPES)}")
 
 

@@ -3,7 +3,8 @@
 - sft: no extra inputs.
 - grpo: `advantages` (B,), `completion_mask` (B, T); optional `old_logps`, `ref_logps` (B, T, indexed like
   input_ids), `beta`, `epsilon`, `epsilon_high`, `loss_type` ('grpo' | 'bnpo' | 'dr_grpo'),
-  `max_completion_length`.
+  `max_completion_length`, `temperature` (logits divided by it, as TRL's GRPOTrainer does), `logits_to_keep`
+  (TRL's name: the completion is the last `logits_to_keep` tokens; the completion mask is 0 before them).
 - dpo: rows 0..P-1 chosen, P..2P-1 rejected; `ref_chosen_logps` (P,), `ref_rejected_logps` (P,), `beta`.
 """
 
@@ -22,7 +23,7 @@ from streambp_core.engine.objectives import (
 )
 
 GRPO_KEYS = {"advantages", "completion_mask", "old_logps", "ref_logps", "beta", "epsilon", "epsilon_high",
-             "loss_type", "max_completion_length"}
+             "loss_type", "max_completion_length", "temperature", "logits_to_keep"}
 DPO_KEYS = {"ref_chosen_logps", "ref_rejected_logps", "beta"}
 
 
@@ -62,8 +63,25 @@ def _grpo(input_ids: Tensor, labels: Tensor, inputs: dict):
             raise ConfigError(f"grpo {key} must have the shape of input_ids {tuple(input_ids.shape)}")
     if inputs.get("loss_type", "grpo") not in GRPO_LOSS_TYPES:
         raise ConfigError(f"grpo loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}")
+    _check_grpo_scalars(inputs, completion_mask)
     options = {k: v for k, v in inputs.items() if k not in ("advantages", "completion_mask")}
     return grpo_objective(input_ids, completion_mask, inputs["advantages"], **options)
+
+
+def _check_grpo_scalars(inputs: dict, completion_mask: Tensor) -> None:
+    """temperature > 0; logits_to_keep in 1..T-1 with no completion token before the last that many."""
+    temperature = inputs.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ConfigError(f"grpo temperature must be a positive number, got {temperature!r}")
+    keep = inputs.get("logits_to_keep")
+    if keep is None:
+        return
+    seq_len = completion_mask.shape[1]
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep < seq_len:
+        raise ConfigError(f"grpo logits_to_keep must be an integer in 1..{seq_len - 1}, got {keep!r}")
+    if completion_mask.device.type != "meta" and bool(completion_mask[:, : seq_len - keep].any()):
+        raise ConfigError(f"grpo completion_mask marks tokens before the last logits_to_keep={keep}: the "
+                          "completion must be the last logits_to_keep tokens")
 
 
 def _dpo(input_ids: Tensor, labels: Tensor, inputs: dict):

@@ -1,6 +1,7 @@
 """plain: the model untouched; transformers' own forward, loss and backward. The reference.
 
 A float64 model's loss is computed from its float64 logits (transformers' loss would cast them to float32).
+With `baseline_loss="trl"` a GRPO or DPO loss is computed as TRL's trainers do (`methods.trl_loss`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from contextlib import ExitStack
 import torch
 
 from streambp_core.engine.hf_attention import engine_attention, engine_mask_argument
-from streambp_core.methods import guards
+from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 
 
@@ -58,6 +59,21 @@ class PlainRun(Run):
         mask = self.mask_argument(attention_mask)
         if self.objective_name == "sft" and not objective_inputs and not self._float64_head:
             return self.model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        if self.config.baseline_loss == "trl" and self.objective_name != "sft":
+            return self._trl_loss(input_ids, mask, attention_mask, labels, objective_inputs)
         outputs = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
         loss = full_logits_loss(self, outputs.logits, labels, **objective_inputs)
         return loss + self.router_loss(getattr(outputs, "router_logits", None), attention_mask)
+
+    def _trl_loss(self, input_ids, mask, attention_mask, labels, inputs):
+        """The objective's loss as TRL 0.17's GRPO or DPO trainer computes it (checked as the objective)."""
+        self.make_objective(labels, **inputs)
+        grpo = self.objective_name == "grpo"
+        if grpo and inputs.get("completion_mask") is None:
+            inputs = {**inputs, "completion_mask": (labels != -100).long()}
+        keep = trl_loss.grpo_logits_to_keep(input_ids, inputs) + 1 if grpo else 0
+        outputs = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
+        router = self.router_loss(getattr(outputs, "router_logits", None), attention_mask)
+        if grpo:
+            return trl_loss.grpo_loss(outputs, input_ids, inputs) + router
+        return trl_loss.dpo_loss(outputs.logits, labels, inputs) + router

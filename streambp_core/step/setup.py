@@ -9,7 +9,8 @@ Protocol of a step (the same simulated and measured):
 3. Inputs: `spec.sequences` rows of random tokens, no padding. A backprop-only SFT step passes the ids
    alone (labels are the inputs, made inside the step); a training step passes labels and the
    objective's inputs from `streambp_core.batch.objective_inputs` (first quarter of each row the prompt;
-   reference log-probs are inputs: no reference model).
+   reference log-probs are inputs: no reference model). GRPO's completion is the last three quarters
+   (`logits_to_keep`); under the trl protocol its logits are divided by TRL's sampling temperature.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import PretrainedConfig
 
 from streambp_core.batch import objective_inputs, random_batch
 from streambp_core.config import ConfigError, StepSpec
+from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
 from streambp_core.models.load import build_model, load_config
 from streambp_core.models.lora import apply_lora
 from streambp_core.optim import make_optimizer
@@ -93,6 +95,8 @@ def step_inputs(spec: StepSpec, vocab_size: int, device: str) -> dict:
     if not spec.is_training_step:
         return {"input_ids": batch.input_ids.to(device)}
     labels, extra = objective_inputs(spec.objective, batch, spec.seed)
+    if spec.protocol == "trl" and spec.objective == "grpo":
+        extra["temperature"] = TRL_GRPO_TEMPERATURE
     moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
     return {"input_ids": batch.input_ids.to(device), "labels": labels.to(device), **moved}
 
