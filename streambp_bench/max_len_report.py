@@ -178,6 +178,13 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     best = max(results, key=lambda r: r.search.max_len_tokens, default=None)
     if best is None or best.search.max_len_tokens == 0:
         return []
+    if best.spec.shard == "deepspeed-zero2":
+        return ["deepspeed-zero2 sizes what DeepSpeed allocates; DeepSpeed itself refuses a chunked "
+                "backward's gradient accumulation, so train with --shard zero2 or zero3 (torch FSDP2)."]
+    if best.spec.shard != "none":  # the trainer integration runs one process
+        return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}): shard the model "
+                "with streambp_core.dist.shard_model in each rank's process group, then prepare it as on "
+                "one GPU (the trainer integration runs one process)."]
     return [f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
             f"{trainer_settings_line(best.spec)} before trainer.train()."]
