@@ -245,6 +245,16 @@ CHANGES = [
     "Table 3 the full-parameter streambp cells: sft Qwen3-4B 299.9k -> 296.8k, Qwen3-8B 110.6k -> 109.8k; "
     "grpo Qwen3-4B 37.2k -> 36.8k, Qwen3-8B 13.5k -> 13.4k; dpo Qwen3-4B 149.8k -> 148.2k, Qwen3-8B "
     "55.1k -> 54.7k. LoRA cells and baselines unchanged.",
+    "- Table 3 under the trl protocol (plain's and checkpoint's GRPO and DPO losses as TRL 0.17's trainers "
+    "compute them): checkpoint grpo 4B full 3.7k -> 11.6k (paper 8.5k), 4B LoRA 4.7k -> 14.8k (12.1k), 8B "
+    "full 2.0k -> 5.8k, 8B LoRA 4.0k -> 11.1k (9.5k), 14B LoRA 3.0k -> 7.3k (6.9k), 32B LoRA 0.79k -> "
+    "1.6k: -61%..-56% -> +6%..+37% of the paper; checkpoint dpo 4B full 15.2k -> 37.9k (18.7k), 4B LoRA "
+    "19.1k -> 47.9k (32.2k), 8B full 8.5k -> 19.6k, 8B LoRA 16.0k -> 37.2k (25.5k), 14B LoRA 12.1k -> "
+    "26.3k (18.5k), 32B LoRA 3.4k -> 6.4k (4.4k): -41%..-19% -> +42%..+103% (DPOTrainer's in-step "
+    "reference forward and the full-parameter reference copy, not emulated, are the likely rest); plain "
+    "grpo 0.90k/0.90k/0.41k/0.62k/0.33k -> 1.1k/1.1k/0.49k/0.71k/0.36k, plain dpo 3.8k/3.8k/1.8k/2.7k/"
+    "1.5k/0.19k -> 4.5k/4.3k/2.1k/3.0k/1.6k/0.26k; streambp grpo 4B full, 4B LoRA and 8B LoRA one token "
+    "lower (logits divided by the temperature); sft and every other cell unchanged.",
     "",
 ]
 
