@@ -20,6 +20,8 @@ BASELINE_LOSSES = ("full", "trl")
 """How plain and checkpoint compute a GRPO or DPO loss from the model's logits (see StreamConfig)."""
 HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
+FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
+"""Objectives whose loss is linear in its per-sequence sums, so the fused head can serve them."""
 OFFLOAD_MODES = ("none", "checkpoints")
 """Where the tensors a method keeps from forward for backward live: on the device ("none"), or in host
 memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""
@@ -196,6 +198,10 @@ class StepSpec:
     shard: str = "none"
     """How each rank holds the model state (`SHARD_MODES`); more than one GPU needs a stage, and a stage
     on one GPU is one FSDP rank (what a single-GPU sharded run holds)."""
+    head_mode: str = "recompute"
+    """streambp's LM head (`StreamConfig.head_mode`): recompute, fused (sft and grpo; one vocab x hidden
+    gradient buffer from forward to backward, one head GEMM per chunk fewer), or auto, resolved here to
+    fused where the objective allows it; the other methods have no such head and read recompute."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -204,7 +210,7 @@ class StepSpec:
         for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
                               ("attn", ATTN_BACKENDS), ("protocol", PROTOCOLS),
                               ("grads", ("auto", *GRADS_MODES)), ("offload", OFFLOAD_MODES),
-                              ("shard", SHARD_MODES)):
+                              ("shard", SHARD_MODES), ("head_mode", HEAD_MODES)):
             require_choice(name, getattr(self, name), choices)
         if self.offload != "none" and self.method == "plain":
             raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
@@ -220,6 +226,20 @@ class StepSpec:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         self._check_training_step()
+        self._resolve_head_mode()
+
+    def _resolve_head_mode(self) -> None:
+        """Methods without a streamed head read recompute (as they ignore partitions); for streambp, auto
+        -> fused where the objective allows it, and fused refused where it does not."""
+        if self.method != "streambp":
+            object.__setattr__(self, "head_mode", "recompute")
+            return
+        fusable = self.objective in FUSED_HEAD_OBJECTIVES
+        if self.head_mode == "fused" and not fusable:
+            raise ConfigError(f"head_mode fused needs a loss linear in its per-sequence sums "
+                              f"({', '.join(FUSED_HEAD_OBJECTIVES)}); {self.objective} takes recompute")
+        if self.head_mode == "auto":
+            object.__setattr__(self, "head_mode", "fused" if fusable else "recompute")
 
     def _check_training_step(self) -> None:
         """Resolve grads; the paper protocol and resident grads belong to a backprop-only step."""
@@ -257,7 +277,7 @@ class StepSpec:
         return {"objective": self.objective, "partition_size": self.partition_size,
                 "head_partition_size": self.head_partition_size, "attn": self.attn,
                 "baseline_attention": "engine", "offload": self.offload,
-                "baseline_loss": "trl" if self.protocol == "trl" else "full"}
+                "baseline_loss": "trl" if self.protocol == "trl" else "full", "head_mode": self.head_mode}
 
     def describe(self) -> str:
         """The step in words, for a result's `how`."""

@@ -122,7 +122,8 @@ def _linear_chunk_backward(plan, objective, h, start, end, d_stats, params) -> N
     d_logits_2d, x_2d = d_logits.flatten(0, 1), x.flatten(0, 1)
     if weight.requires_grad:
         if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
+            with memory_category(GRADS):
+                weight.grad = torch.zeros_like(weight)
         weight.grad.addmm_(d_logits_2d.t(), x_2d)
     d_x = (d_logits_2d @ weight).view_as(x)
     del d_logits, d_logits_2d

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from streambp_core.engine.chunks import backward_into, leaf
+from streambp_core.measure.tags import GRADS, memory_category
 
 GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
 """MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
@@ -47,17 +48,18 @@ def _linear_backward(module: nn.Linear, x_2d: Tensor, grad_2d: Tensor) -> Tensor
     if weight.requires_grad:
         _accumulate_mm(weight, grad_2d.t(), x_2d)
     if bias is not None and bias.requires_grad:
-        bias_grad = grad_2d.sum(dim=0)
         if bias.grad is None:
-            bias.grad = bias_grad
+            with memory_category(GRADS):
+                bias.grad = grad_2d.sum(dim=0)
         else:
-            bias.grad.add_(bias_grad)
+            bias.grad.add_(grad_2d.sum(dim=0))
     return grad_2d @ weight
 
 
 def _accumulate_mm(param: Tensor, a: Tensor, b: Tensor) -> None:
     if param.grad is None:
-        param.grad = a @ b
+        with memory_category(GRADS):  # the tracker's accumulate-grad hook does not see a `.grad` set here
+            param.grad = a @ b
     else:
         param.grad.addmm_(a, b)
 
