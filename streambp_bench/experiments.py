@@ -8,8 +8,13 @@ into result rows:
 - on "cpu" / "cuda": a real step (`step.probe.measure_setup` for the tracked or allocator peak, on CUDA
   with the reserved peak, alloc retries and OOM count), then timed steps (`step.timing.time_step`): a
   second row, metric step_time, with the median and the p20/p80 of the repeats.
+- with a GPU model (`gpu`): a row more, metric step_time, source "estimated", device the GPU's name:
+  the roofline estimate of the step (`step.estimate.estimate_step`); empty with the peak row's status
+  when the point does not fit.
 `run_points` writes each point's rows as soon as it finishes (atomic upsert), so Ctrl-C or a kill
-loses no finished point, and skips points already in the file unless `force` (resume).
+loses no finished point, and skips points already in the file unless `force` (resume). Its `resolve`
+turns a point into the one to run (automatic partition sizes), before the resume check: rows record
+the sizes that ran.
 """
 
 from __future__ import annotations
@@ -88,6 +93,22 @@ def expand_grid(
     return list(dict.fromkeys(points))
 
 
+def estimate_key(spec: StepSpec, gpu) -> tuple[str, ...]:
+    """The key of the estimated step_time row of `spec` on `gpu` (a `step.estimate.GpuModel`)."""
+    return ResultRow.key_of(**spec_fields(spec), source="estimated", device_name=gpu.name, metric="step_time")
+
+
+def estimated_row(spec: StepSpec, gpu, peak_row: ResultRow, config=None,
+                  cache: dict | None = None) -> ResultRow:
+    """The estimated step_time row of `spec` on `gpu` (ms in `value`), given the point's peak row."""
+    from streambp_core.step.estimate import estimate_step
+
+    fields = {**spec_fields(spec), **provenance("estimated", gpu.name), "metric": "step_time"}
+    if peak_row.status != "ok":
+        return ResultRow(**fields, status=peak_row.status, error=peak_row.error or "the step does not fit")
+    return ResultRow(**fields, value=estimate_step(spec, gpu, config, cache).step_time_ms)
+
+
 def metrics(target) -> tuple[str, ...]:
     """The metrics a point writes: the peak; measured points also the step time."""
     return ("peak_memory",) if target.device == "sim" else ("peak_memory", "step_time")
@@ -163,10 +184,13 @@ def run_points(
     *,
     force: bool = False,
     on_point: Callable[[StepSpec, list[ResultRow] | None], None] | None = None,
+    resolve: Callable[[StepSpec, object], StepSpec] | None = None,
+    gpu=None,
 ) -> list[ResultRow]:
     """Run the points not yet in `results` (all of them when `force`), upserting each one's rows at once.
 
-    `on_point(point, rows)` is called after each point (rows None for a point skipped as done). Each
+    `on_point(point, rows)` is called after each point (rows None for a point skipped as done).
+    `resolve(point, config)` gives the point to run (module docstring); `gpu` adds the estimated row. Each
     model's config is resolved once. A KeyboardInterrupt propagates after the finished points are on disk.
     """
     from streambp_core.models import load_config
@@ -174,12 +198,18 @@ def run_points(
     configs = {model: load_config(model) for model in dict.fromkeys(p.model for p in points)}
     done = set() if force else {row.key() for row in results.rows() if row.status != "error"}
     written: list[ResultRow] = []
+    cache: dict = {}
     for point in points:
-        if point_keys(point, target) <= done:
+        config = configs[point.model]
+        point = point if resolve is None else resolve(point, config)
+        keys = point_keys(point, target) | (set() if gpu is None else {estimate_key(point, gpu)})
+        if keys <= done:
             if on_point is not None:
                 on_point(point, None)
             continue
-        rows = run_point(point, target, configs[point.model])
+        rows = run_point(point, target, config)
+        if gpu is not None:
+            rows.append(estimated_row(point, gpu, rows[0], config, cache))
         results.append_many(rows)
         written.extend(rows)
         if on_point is not None:

@@ -201,11 +201,11 @@ def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> N
         console.print(f"rows upserted into {escape(str(out))}", soft_wrap=True)
 
 
-def write_rows(plan: Plan, results: list[MethodResult], path: Path) -> None:
-    """Upsert one `max_len` row per method into the results CSV at `path`."""
+def write_rows(plan: Plan, results: list[MethodResult], path: Path, extra_rows: tuple | list = ()) -> None:
+    """Upsert one `max_len` row per method, and `extra_rows`, into the results CSV at `path`."""
     stamp = rows_file.provenance(plan.target.source, plan.target.device_name)
     rows = [max_len_row(r.spec, r.search, stamp) for r in results]
-    rows_file.ResultsFile(path).append_many(rows)
+    rows_file.ResultsFile(path).append_many([*rows, *extra_rows])
 
 
 def max_len_row(spec, search, stamp: dict) -> ResultRow:

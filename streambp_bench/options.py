@@ -16,6 +16,7 @@ from streambp_core.config import (
     DEVICES,
     DTYPES,
     FSDP_STAGES,
+    GPU_MODEL_NAMES,
     GRADS_MODES,
     OBJECTIVES,
     OFFLOAD_MODES,
@@ -43,6 +44,7 @@ Offload = _choices("Offload", OFFLOAD_MODES)
 OffloadOrBoth = _choices("OffloadOrBoth", (*OFFLOAD_MODES, "both"))
 Shard = _choices("Shard", SHARD_MODES[1:])
 Stage = _choices("Stage", FSDP_STAGES)
+GpuModelName = _choices("GpuModelName", GPU_MODEL_NAMES)
 
 Model = Annotated[
     str,
@@ -65,6 +67,15 @@ PartitionSize = Annotated[
     int, typer.Option("--ps", help="Tokens per decoder-layer chunk (streambp partition size, mst chunk).")
 ]
 HeadPartitionSize = Annotated[int, typer.Option("--ps-head", help="Tokens per LM-head and loss chunk.")]
+AutoHeadPartitionSize = Annotated[
+    str, typer.Option("--ps-head", help="Tokens per LM-head and loss chunk, or auto: the largest whose "
+                      "simulated peak fits the budget.")
+]
+GpuModelOption = Annotated[
+    GpuModelName | None,
+    typer.Option("--gpu-model", help="Also estimate the step time on this GPU (roofline over the step's ops "
+                 "from datasheet figures; labelled estimated)."),
+]
 DtypeOption = Annotated[Dtype, typer.Option("--dtype", help="Precision of weights and compute.")]
 PaddingOption = Annotated[
     Padding, typer.Option("--padding", help="No padding, or ~20% padding per row on the right or left.")

@@ -32,7 +32,7 @@ from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
 from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, OFFLOAD_MODES, PROTOCOLS, SHARD_MODES, StepSpec
 
-SOURCES = ("simulated", "measured-cuda", "measured-cpu")
+SOURCES = ("simulated", "measured-cuda", "measured-cpu", "estimated")
 STATUSES = ("ok", "oom", "error")
 METRICS = ("peak_memory", "step_time", "max_len", "grad_rel_err")
 """Known metrics; `value` is GiB, milliseconds, tokens and a relative error respectively."""

@@ -41,6 +41,11 @@ OPTIMIZERS = ("none", "adamw")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 DEVICES = ("sim", "cpu", "cuda")
 """Where a step runs: simulated on meta tensors, or measured on CPU or CUDA tensors."""
+MIN_AUTO_PARTITION = 64
+"""The smallest layer and head partition (tokens) the automatic choice considers
+(`streambp_core.step.partitions`)."""
+GPU_MODEL_NAMES = ("h100", "h200", "a100", "a800")
+"""GPUs whose datasheet figures the step-time estimate knows (`streambp_core.step.estimate.GPU_MODELS`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 """How a figure of a step run on each device was obtained, as every result row says."""
 

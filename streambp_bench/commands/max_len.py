@@ -11,8 +11,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import sharding, step_specs, writable_results
-from streambp_core.config import check_budget_gib
+from streambp_bench.specs import partition_option, sharding, step_specs, writable_results
+from streambp_core.config import MIN_AUTO_PARTITION, check_budget_gib
 
 HELP = (
     "Find the longest sequence each method can back-propagate within a memory budget, and show where the "
@@ -36,7 +36,12 @@ HELP = (
     "[bold]--gpus N --shard STAGE[/] simulates one rank of N data-parallel GPUs (one sequence each): its "
     "shards of the weights, gradients and optimizer state, the layers it holds gathered, the gradients in "
     "flight and the buckets (zero2/zero3: torch FSDP2, what the engine runs; deepspeed-zero2: DeepSpeed "
-    "ZeRO-2's allocations with bf16); the budget is per GPU."
+    "ZeRO-2's allocations with bf16); the budget is per GPU.\n\n"
+    "[bold]--ps auto[/] / [bold]--ps-head auto[/]: the search runs with the smallest partitions the "
+    "automatic choice considers (64 tokens; they reach furthest), then reports the largest partitions that "
+    "still fit at each maximum (the fastest: fewer, larger chunks); rows record those. [bold]--at[/] "
+    "lengths: the largest partitions that fit there. [bold]--gpu-model[/]: each of those steps' time, "
+    "estimated (roofline over its ops, datasheet figures)."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -56,6 +61,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench max-len -m tiny/qwen3 --device cpu --budget-gib 0.01 --ps 64 --ps-head 32[/]
 
 [cyan]streambp-bench max-len --optimizer adamw --gpus 8 --shard zero3 --method checkpoint,streambp[/]
+
+[cyan]streambp-bench max-len --method streambp --ps auto --ps-head auto --at 32k,128k --gpu-model h100[/]
 """
 
 
@@ -65,8 +72,12 @@ def max_len(
     method: opt.Methods = "all",
     device: opt.DeviceOption = opt.Device.auto,
     budget_gib: opt.BudgetGib = None,
-    ps: opt.PartitionSize = 500,
-    ps_head: opt.HeadPartitionSize = 100,
+    ps: Annotated[str, typer.Option("--ps", help="Tokens per decoder-layer chunk (streambp partition, mst "
+                                    "chunk), or auto: the largest that fits.")] = "500",
+    ps_head: opt.AutoHeadPartitionSize = "100",
+    gpu_model: opt.GpuModelOption = None,
+    at: Annotated[str | None, typer.Option("--at", help="Comma list of lengths (k = 1024): the partitions "
+                                           "that fit at each, and the estimated step time.")] = None,
     batch_size: opt.BatchSize = 1,
     dtype: opt.DtypeOption = opt.Dtype.bfloat16,
     grads: opt.GradsOption = opt.Grads.auto,
@@ -91,18 +102,24 @@ def max_len(
 ) -> None:
     """Search every method's maximum length and print it (help text: `HELP`)."""
     ranks, where = sharding(gpus, shard, device.value)
+    layer_size, head_size = partition_option(ps, "--ps"), partition_option(ps_head, "--ps-head")
     specs = step_specs(
-        model, method, batch_size=batch_size, dtype=dtype.value, partition_size=ps,
-        head_partition_size=ps_head, grads=grads.value, protocol=protocol.value, attn=attn.value,
+        model, method, batch_size=batch_size, dtype=dtype.value,
+        partition_size=layer_size or MIN_AUTO_PARTITION, head_partition_size=head_size or MIN_AUTO_PARTITION,
+        grads=grads.value, protocol=protocol.value, attn=attn.value,
         objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload.value,
         **ranks,
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
+    at_lengths = tuple(partition_option(length, "--at") or 0 for length in opt.split_list(at or ""))
     results_file = writable_results(out)
+    from streambp_bench import max_len_auto as auto
     from streambp_bench import max_len_report as report
     from streambp_bench.max_len import make_plan, run_plan
 
+    extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
+                         gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
     plan = make_plan(specs, where, budget_gib, host_budget_gib)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
@@ -112,6 +129,16 @@ def max_len(
             progress.stop()
             print_error(error)
             raise typer.Exit(code=1) from None
+    steps: list = []
+    if extras.active:
+        with stderr_console().status("partitions and estimated step times"):
+            results, steps = auto.finish(plan, results, extras)
     if results_file is not None:
-        report.write_rows(plan, results, results_file)
-    emit(report.to_dict(plan, results), as_json, lambda console: report.print_report(plan, results, out))
+        report.write_rows(plan, results, results_file, extra_rows=auto.estimated_rows(steps, extras))
+    document = report.to_dict(plan, results) | (auto.to_dict(steps, extras) if extras.active else {})
+
+    def render(console) -> None:
+        report.print_report(plan, results, out)
+        if extras.active:
+            console.print(auto.render_table(steps, extras))
+    emit(document, as_json, render)

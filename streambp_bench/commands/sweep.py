@@ -19,8 +19,15 @@ from rich.progress import (
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
-from streambp_core.config import ConfigError, StepSpec, check_budget_gib, check_model
+from streambp_bench.specs import (
+    method_list,
+    partition_option,
+    sharding,
+    spec_label,
+    with_offload,
+    writable_results,
+)
+from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib, check_model
 
 if TYPE_CHECKING:
     from streambp_bench.results import ResultRow
@@ -41,7 +48,10 @@ HELP = (
     "[bold]--offload checkpoints[/] keeps each method's checkpoints in host memory ('mst + offload' is the "
     "ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint offload); [bold]both[/] runs each point "
     "with and without (plain only without). Each row records its offload, the host pool's peak "
-    "(host_peak_gib) and the GiB copied each way (to_host_gib, to_device_gib)."
+    "(host_peak_gib) and the GiB copied each way (to_host_gib, to_device_gib).\n\n"
+    "[bold]--ps auto[/] / [bold]--ps-head auto[/]: per point, the largest partitions whose simulated "
+    "peak fits the budget (the paper's advice; rows record the sizes chosen). [bold]--gpu-model[/] adds "
+    "a row per point, metric step_time, source estimated: a roofline estimate of the step on that GPU."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -59,6 +69,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench sweep -m Qwen/Qwen3-4B --device cuda --attn sdpa --seq-len 8k,16k --out sdpa.csv[/]
 
 [cyan]streambp-bench sweep --optimizer adamw --gpus 8 --shard zero3 --seq-len 64k:256k:64k --out z3.csv[/]
+
+[cyan]streambp-bench sweep -m Qwen/Qwen3-8B --method streambp --ps auto --ps-head auto --gpu-model h100[/]
 """
 
 
@@ -92,9 +104,11 @@ def sweep(
         str, typer.Option("--seq-len", "-T", help="Comma list and/or START:STOP:STEP ranges; k = 1024.")
     ] = "4k:32k:4k",
     ps: Annotated[
-        str, typer.Option("--ps", help="Comma list of layer partition sizes (streambp, mst).")
+        str, typer.Option("--ps", help="Comma list of layer partition sizes (streambp, mst), or auto: the "
+                          "largest whose simulated peak fits the budget.")
     ] = "500",
-    ps_head: opt.HeadPartitionSize = 100,
+    ps_head: opt.AutoHeadPartitionSize = "100",
+    gpu_model: opt.GpuModelOption = None,
     method: opt.Methods = "checkpoint,streambp",
     model: opt.Models = "Qwen/Qwen3-8B",
     objective: opt.ObjectiveOption = opt.Objective.sft,
@@ -136,12 +150,14 @@ def sweep(
         raise ConfigError("give at least one model")
     for name in models:
         check_model(name)
+    auto_layer = ps.strip().lower() == "auto"
+    head_size = partition_option(ps_head, "--ps-head")
     grid = exp.expand_grid(
         methods=method_list(method),
         models=models,
         seq_lens=exp.parse_token_list(seq_len),
-        partition_sizes=exp.parse_token_list(ps, "partition size"),
-        head_partition_size=ps_head,
+        partition_sizes=(MIN_AUTO_PARTITION,) if auto_layer else exp.parse_token_list(ps, "partition size"),
+        head_partition_size=head_size or MIN_AUTO_PARTITION,
         objective=objective.value,
         batch_size=batch_size,
         dtype=dtype.value,
@@ -158,6 +174,8 @@ def sweep(
     from streambp_core.step.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)
+    resolve = _auto_partitions(target, auto_layer, head_size is None)
+    gpu = None if gpu_model is None else _gpu(gpu_model.value)
     results = ResultsFile(out)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
     with _progress() as progress:
@@ -169,7 +187,7 @@ def sweep(
             progress.update(task, advance=1, description=escape(_describe(point, rows)))
 
         try:
-            exp.run_points(points, target, results, force=force, on_point=advance)
+            exp.run_points(points, target, results, force=force, on_point=advance, resolve=resolve, gpu=gpu)
         except KeyboardInterrupt:
             progress.stop()
             stderr_console().print(
@@ -184,3 +202,28 @@ def sweep(
                       f"failed ({target.source}); rows in {escape(str(out))}", soft_wrap=True)
 
     emit(summary, as_json, render)
+
+
+def _gpu(name: str):
+    from streambp_core.step.estimate import gpu_model
+
+    return gpu_model(name)
+
+
+def _auto_partitions(target, layer: bool, head: bool):
+    """resolve(point, config) for `run_points`: the largest partitions whose simulated peak fits the
+    target's budget (a point nothing fits keeps the smallest and is written oom); None when not asked."""
+    if not (layer or head):
+        return None
+    if target.budget_bytes is None:
+        raise ConfigError("--ps auto / --ps-head auto need a budget: give --budget-gib")
+    from streambp_core.step.partitions import fitting_partitions
+
+    cache: dict = {}
+
+    def resolve(point: StepSpec, config) -> StepSpec:
+        try:
+            return fitting_partitions(point, target.budget_bytes, config, layer=layer, head=head, cache=cache)
+        except ConfigError:
+            return point
+    return resolve

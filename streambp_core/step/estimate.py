@@ -15,7 +15,9 @@ what tuned kernels reach on them, not fitted to this project's measurements:
   committed H200 step times in view (5, 10, 15, 20 us were tried; 10 us puts all six within 15 %); the
   others are the datasheets' and the kernels' published figures.
 
-Offload transfers (PCIe) are not in the op record of a meta step; `pcie_bytes_per_s` is there for them.
+Offload transfers (PCIe) are not in the op record of a meta step: `estimate_step` takes the bytes each
+way from the simulation and adds the part of their PCIe time that the step's compute cannot hide,
+max(0, transfer - compute), as if every copy overlapped compute (it runs on a side stream): a lower bound.
 Depth: the ops of a 1-layer and a 2-layer model are recorded and the difference is scaled to the full
 depth (every decoder layer dispatches the same ops), so a 36-layer model costs two short meta steps.
 """
@@ -74,10 +76,12 @@ class StepEstimate:
     launch_s: float
     launches: int
     source: str = "estimated"
+    transfer_s: float = 0.0
+    """Host-device copies (offload) not hidden by compute."""
 
     @property
     def step_time_ms(self) -> float:
-        return 1e3 * (self.matmul_s + self.attention_s + self.other_s + self.launch_s)
+        return 1e3 * (self.matmul_s + self.attention_s + self.other_s + self.launch_s + self.transfer_s)
 
 
 def op_time_s(record: OpRecord, gpu: GpuModel) -> float:
@@ -116,3 +120,28 @@ def estimate_by_depth(record_step: Callable[[int], Sequence[OpRecord]], num_laye
 
     return StepEstimate(gpu.name, extend("matmul_s"), extend("attention_s"), extend("other_s"),
                         extend("launch_s"), round(extend("launches")))
+
+
+def estimate_step(spec, gpu: GpuModel, config=None, cache: dict | None = None) -> StepEstimate:
+    """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
+    at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
+    compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `cache`: the memo of
+meta kernels (`fastmeta.SimulationMode`), shared between calls."""
+    from dataclasses import replace
+
+    from streambp_core.step.ops import spec_step_ops
+    from streambp_core.step.setup import build_setup, resolve_config, with_depth
+
+    config = resolve_config(spec, config)
+    cache = {} if cache is None else cache
+    estimate = estimate_by_depth(
+        lambda depth: spec_step_ops(build_setup(spec, with_depth(config, depth), "meta"), cache),
+        config.num_hidden_layers, gpu)
+    if spec.offload == "none":
+        return estimate
+    from streambp_core.step.simulate import simulate
+
+    sim = simulate(spec, config, cache=cache)
+    transfer_s = (sim.to_host_bytes + sim.to_device_bytes) / gpu.pcie_bytes_per_s
+    compute_s = estimate.step_time_ms / 1e3
+    return replace(estimate, transfer_s=max(0.0, transfer_s - compute_s))

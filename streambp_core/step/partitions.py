@@ -17,22 +17,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from streambp_core.config import ConfigError
+from streambp_core.config import MIN_AUTO_PARTITION, ConfigError
 
 Fits = Callable[[int, int], bool]
+MIN_PARTITION = MIN_AUTO_PARTITION
 
 
-def layer_candidates(seq_len: int, min_partition: int = 64) -> list[int]:
+def layer_candidates(seq_len: int, min_partition: int = MIN_PARTITION) -> list[int]:
     """Layer partitions ceil(T / k), ascending, for k in 1, 2, 3, 4, 6, 8, 12, 16, ... (x1.5 / x4/3
-    steps), none below `min_partition` unless T itself is smaller."""
+    steps), none below `min_partition` unless T itself is smaller, and `min_partition` itself (the
+    smallest, so the longest length any candidate reaches is the one `min_partition` reaches)."""
     splits, k = [], 1
     while -(-seq_len // k) >= min_partition or k == 1:
         splits.append(k)
         k = k + 1 if k < 4 else (k * 3 // 2 if k % 4 == 0 else k * 4 // 3)
-    return sorted({-(-seq_len // k) for k in splits})
+    return sorted({-(-seq_len // k) for k in splits} | {min(min_partition, seq_len)})
 
 
-def head_candidates(seq_len: int, min_head: int = 64) -> list[int]:
+def head_candidates(seq_len: int, min_head: int = MIN_PARTITION) -> list[int]:
     """Head partitions, ascending: powers of two from `min_head` below T, then T."""
     sizes, size = [], min_head
     while size < seq_len:
@@ -57,8 +59,8 @@ def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> i
 
 
 def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = None,
-                    head_partition_size: int | None = None, min_partition: int = 64,
-                    min_head: int = 64) -> tuple[int, int]:
+                    head_partition_size: int | None = None, min_partition: int = MIN_PARTITION,
+                    min_head: int = MIN_PARTITION) -> tuple[int, int]:
     """(partition_size, head_partition_size): the largest that fit; a size given is kept as it is.
 
     Raises ConfigError when nothing fits even at the smallest candidates.
@@ -73,3 +75,41 @@ def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = No
                           f"head partition {heads[0]}")
     head = largest_fitting(heads, lambda size: fits(layer, size))
     return layer, head
+
+
+def smallest_partitions(spec):
+    """`spec` (a `StepSpec`) with the smallest partitions the automatic choice considers: the ones that
+    reach the longest length."""
+    from dataclasses import replace
+
+    return replace(spec, partition_size=min(MIN_PARTITION, spec.seq_len_tokens),
+                   head_partition_size=MIN_PARTITION)
+
+
+def fitting_partitions(spec, budget_bytes: int, config=None, *, layer: bool = True, head: bool = True,
+                       cache: dict | None = None):
+    """`spec` (a `StepSpec`) with the largest layer (`layer`) and/or head (`head`) partitions whose
+    simulated peak fits `budget_bytes` (`auto_partitions`); the others as given. The search simulates
+    at 2 and 3 layers extrapolated; its answer is checked with every layer and, when that does not fit
+    (extrapolation can only under-estimate), searched again at full depth. Raises ConfigError when even
+    the smallest candidates do not fit. Methods without partitions come back unchanged."""
+    from dataclasses import replace
+
+    from streambp_core.step.simulate import simulate
+
+    if not spec.partitioned or not (layer or head):
+        return spec
+    cache = {} if cache is None else cache
+
+    def fits_at(depth: str) -> Fits:
+        def fits(partition: int, head_partition: int) -> bool:
+            trial = replace(spec, partition_size=partition, head_partition_size=head_partition)
+            return simulate(trial, config, depth=depth, cache=cache).peak_bytes <= budget_bytes
+        return fits
+
+    given = {"partition_size": None if layer else spec.partition_size,
+             "head_partition_size": None if head else spec.head_partition_size}
+    sizes = auto_partitions(spec.seq_len_tokens, fits_at("extrapolate"), **given)
+    if not fits_at("full")(*sizes):
+        sizes = auto_partitions(spec.seq_len_tokens, fits_at("full"), **given)
+    return replace(spec, partition_size=sizes[0], head_partition_size=sizes[1])

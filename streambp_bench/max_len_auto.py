@@ -1,0 +1,131 @@
+"""What `max-len` adds with `--ps auto` / `--ps-head auto`, `--gpu-model` and `--at`.
+
+- Automatic partitions: a length is reachable when the smallest partitions the automatic choice
+  considers fit (64 tokens: peaks only grow with a partition), so the search runs with those; at each
+  method's maximum the partitions that reach it are the largest that still fit there
+  (`step.partitions.fitting_partitions`). Rows and the trainer call carry those sizes.
+- `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
+  paper's advice: fewer and larger chunks), or that nothing fits.
+- `--gpu-model`: the estimated step time (`step.estimate.estimate_step`, labelled estimated) at each
+  method's maximum and at each `--at` length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rich.table import Table
+
+from streambp_bench.max_len import MethodResult, Plan
+from streambp_core.config import ConfigError, StepSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Extras:
+    """The options of this module: which partitions are automatic, the GPU model, the `--at` lengths."""
+
+    auto_layer: bool = False
+    auto_head: bool = False
+    gpu: object | None = None
+    """A `step.estimate.GpuModel`, or None."""
+    at_lengths: tuple[int, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.auto_layer or self.auto_head or self.gpu is not None or bool(self.at_lengths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepAt:
+    """One method at one length: the spec that runs there (None: nothing fits) and its estimated time."""
+
+    method: str
+    seq_len_tokens: int
+    spec: StepSpec | None
+    estimated_ms: float | None = None
+
+    def to_dict(self) -> dict:
+        spec = self.spec
+        sizes = {} if spec is None or not spec.partitioned else {
+            "partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size}
+        return {"method": self.method, "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
+                **sizes, "estimated_step_time_ms": self.estimated_ms}
+
+
+def finish(plan: Plan, results: list[MethodResult],
+           extras: Extras) -> tuple[list[MethodResult], list[StepAt]]:
+    """(results with the partitions reaching each maximum, one StepAt per method at its maximum and at
+    each `--at` length)."""
+    cache: dict = {}
+    finished, steps = [], []
+    for result in results:
+        at_max = _step_at(plan, result.spec, result.search.max_len_tokens, extras, cache)
+        finished.append(result if at_max.spec is None else replace(result, spec=at_max.spec))
+        steps.append(at_max)
+        steps += [_step_at(plan, result.spec, length, extras, cache) for length in extras.at_lengths]
+    return finished, steps
+
+
+def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras, cache: dict) -> StepAt:
+    from streambp_core.step.estimate import estimate_step
+    from streambp_core.step.partitions import fitting_partitions
+    from streambp_core.step.simulate import simulate
+
+    if seq_len < 2:
+        return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
+    try:
+        run = fitting_partitions(spec.at(seq_len), plan.budget_bytes, plan.config, layer=extras.auto_layer,
+                                 head=extras.auto_head, cache=cache)
+    except ConfigError:  # not even the smallest partitions fit
+        return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
+    automatic = spec.partitioned and (extras.auto_layer or extras.auto_head)
+    full = simulate(run, plan.config, depth="full", cache=cache) if not automatic else None
+    if full is not None and full.peak_bytes > plan.budget_bytes:
+        return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
+    estimated = None if extras.gpu is None else estimate_step(run, extras.gpu, plan.config,
+                                                                cache).step_time_ms
+    return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimated)
+
+
+def to_dict(steps: list[StepAt], extras: Extras) -> dict:
+    """The JSON entries of this module (added to max-len's document)."""
+    return {"partitions": {"layer": "auto" if extras.auto_layer else "given",
+                           "head": "auto" if extras.auto_head else "given"},
+            "gpu_model": None if extras.gpu is None else extras.gpu.name,
+            "steps": [step.to_dict() for step in steps]}
+
+
+def render_table(steps: list[StepAt], extras: Extras) -> Table:
+    """Per method and length: the partitions that run there and the estimated step time."""
+    gpu = "" if extras.gpu is None else f"; step time estimated for {extras.gpu.name}"
+    searched = " (the search ran with 64-token partitions, which reach furthest)" if (
+        extras.auto_layer or extras.auto_head) else ""
+    table = Table(title=f"partitions that fit (largest = fastest){searched}{gpu}", title_justify="left")
+    for column in ("method", "length", "partition", "head partition", "est. step s"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for step in steps:
+        spec = step.spec
+        sizes = ("-", "-") if spec is None or not spec.partitioned else (
+            f"{spec.partition_size:,}", f"{spec.head_partition_size:,}")
+        estimate = "-" if step.estimated_ms is None else f"{step.estimated_ms / 1e3:.2f}"
+        fits = "" if spec is not None else " (does not fit)"
+        table.add_row(step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate)
+    return table
+
+
+def estimated_rows(steps: list[StepAt], extras: Extras) -> list:
+    """One `step_time` row (source estimated, device the GPU's name) per step that fits and was estimated."""
+    from streambp_bench.results import ResultRow, provenance, spec_fields
+
+    if extras.gpu is None:
+        return []
+    stamp = provenance("estimated", extras.gpu.name)
+    return [ResultRow(**spec_fields(step.spec), **stamp, metric="step_time", value=step.estimated_ms)
+            for step in steps if step.spec is not None and step.estimated_ms is not None]
+
+
+def gpu(name: str):
+    """The `step.estimate.GpuModel` named `name`."""
+    from streambp_core.step.estimate import gpu_model
+
+    return gpu_model(name)

@@ -1,0 +1,50 @@
+"""`--ps auto --ps-head auto` and `--gpu-model` on sweep and max-len, through the real app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from streambp_bench.cli import app
+from streambp_bench.results import ResultsFile
+
+STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--budget-gib", "0.00466",
+        "--ps", "auto", "--ps-head", "auto", "--gpu-model", "h100", "--device", "sim"]
+"""At 1024 tokens in 5,003,706 bytes the largest partitions that fit are (171, 256)."""
+
+
+def test_sweep_records_the_partitions_chosen_and_an_estimated_step_time(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.csv"
+    result = CliRunner().invoke(app, ["sweep", *STEP, "--seq-len", "1024", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    peak, estimate = sorted(ResultsFile(out).rows(), key=lambda row: row.source == "estimated")
+    assert (peak.partition_size, peak.head_partition_size, peak.status) == (171, 256, "ok")
+    assert (estimate.source, estimate.metric, estimate.device_name) == (
+        "estimated", "step_time", "NVIDIA H100 SXM5 80GB")
+    assert (estimate.partition_size, estimate.head_partition_size) == (171, 256) and estimate.value > 0
+    again = CliRunner().invoke(app, ["sweep", *STEP, "--seq-len", "1024", "--out", str(out), "--json"])
+    assert json.loads(again.stdout)["skipped"] == 1
+
+
+def test_max_len_reports_the_partitions_that_reach_a_length_and_its_step_time(tmp_path: Path) -> None:
+    out = tmp_path / "max_len.csv"
+    result = CliRunner().invoke(app, ["max-len", *STEP, "--at", "1024", "--json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    at_max, at_1024 = document["steps"]
+    estimated_ms = at_1024.pop("estimated_step_time_ms")
+    assert at_1024 == {"method": "streambp", "seq_len_tokens": 1024, "fits": True, "partition_size": 171,
+                       "head_partition_size": 256}
+    assert estimated_ms > 0
+    assert at_max["seq_len_tokens"] == document["results"][0]["max_len_tokens"] > 1024
+    rows = {row.metric: row for row in ResultsFile(out).rows() if row.seq_len_tokens in (0, 1024)}
+    assert (rows["max_len"].partition_size, rows["max_len"].head_partition_size) == (
+        at_max["partition_size"], at_max["head_partition_size"])
+
+
+def test_auto_partitions_without_a_budget_are_refused_in_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["sweep", "-m", "tiny/qwen3", "--ps", "auto", "--device", "cpu",
+                                      "--seq-len", "64", "--out", str(tmp_path / "r.csv")])
+    assert result.exit_code == 2 and "need a budget" in result.output
