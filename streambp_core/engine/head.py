@@ -183,6 +183,14 @@ class FusedHead(torch.autograd.Function):
         return (grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)), None, None, *([None] * len(ctx.params)))
 
 
+NORM_BLOCK_CHUNKS = 16
+"""The fused head runs the final norm, and its backward, once per block of this many chunks (a bias-free
+linear head): their small ops are dispatched once per block, not per chunk. A block's norm keeps about
+3 x d values per token against a chunk's logits' several x vocab, so a block of 16 chunks adds less
+memory than one chunk's logits. Blocks lie on the unthinned chunk grid, so a thinned simulation
+(`keep_chunks`) holds what the real step holds."""
+
+
 def fused_pass(plan: HeadPlan, objective, hidden: Tensor, d_stats: Tensor, params):
     """Per-sequence sums S (B,), dL/dhidden and one gradient per parameter, for dL/dS = d_stats, chunk by
     chunk: each chunk's logits are computed once and serve both its loss terms and its gradients."""
@@ -190,12 +198,18 @@ def fused_pass(plan: HeadPlan, objective, hidden: Tensor, d_stats: Tensor, param
     grad_hidden = torch.empty_like(hidden)
     with memory_category(GRADS):
         param_grads = [torch.zeros_like(p) for p in params]
-    chunk_pass = _fused_linear_chunk if _plain_linear(plan.lm_head) else _fused_autograd_chunk
-    for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):
-        h = leaf(hidden[:, start:end])
-        terms = chunk_pass(plan, objective, h, start, end, d_stats, params, param_grads)
-        stats += terms.to(stats.dtype)
-        grad_hidden[:, start:end] = grad_or_zeros(h)
+    chunks = chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks)
+    if not _plain_linear(plan.lm_head):
+        for start, end in chunks:
+            h = leaf(hidden[:, start:end])
+            stats += _fused_autograd_chunk(plan, objective, h, start, end, d_stats, params, param_grads)
+            grad_hidden[:, start:end] = grad_or_zeros(h)
+        return stats, grad_hidden, param_grads
+    block = _LinearBlock(plan, objective, d_stats.to(stats.dtype), params, param_grads)
+    for first, last in chunk_bounds(hidden.shape[1], plan.partition_size * NORM_BLOCK_CHUNKS):
+        inner = [(start, end) for start, end in chunks if first <= start < last]
+        if inner:
+            stats += block.run(hidden, first, last, inner, grad_hidden)
     return stats, grad_hidden, param_grads
 
 
@@ -210,33 +224,53 @@ def _fused_autograd_chunk(plan, objective, h, start, end, d_stats, params, param
     return sums.detach()
 
 
-def _fused_linear_chunk(plan, objective, h, start, end, d_stats, params, param_grads) -> Tensor:
-    """A bias-free nn.Linear head, by hand: logits once, dW += dlogits^T x in place, dx = dlogits W, then
-    the norm by autograd."""
-    weight = plan.lm_head.weight
-    with torch.enable_grad():
-        x = h if plan.norm is None else plan.norm(h)
-    x_2d = x.detach().flatten(0, 1)
-    with memory_category("logits"):
-        logits = leaf(torch.nn.functional.linear(x.detach(), weight))
-    with torch.enable_grad(), memory_category("logits"):
-        sums = objective.token_terms(logits.to(objective.logits_dtype(logits.dtype)), start, end).sum(dim=1)
-        (d_logits,) = torch.autograd.grad(sums, logits, d_stats.to(sums.dtype))
-    del logits
-    d_logits_2d = d_logits.flatten(0, 1)
-    index = {id(p): i for i, p in enumerate(params)}
-    if id(weight) in index:
-        param_grads[index[id(weight)]].addmm_(d_logits_2d.t(), x_2d)
-    d_x = (d_logits_2d @ weight).view_as(x)
-    del d_logits, d_logits_2d
-    if plan.norm is None:
-        h.grad = d_x
+class _LinearBlock:
+    """A bias-free nn.Linear head, by hand, one block of chunks at a time: the block's norm with grad,
+    then per chunk the logits once, dW += dlogits^T x in place and dx = dlogits W; then the block's norm
+    backward by autograd, from the chunks' dx."""
+
+    def __init__(self, plan: HeadPlan, objective, d_stats: Tensor, params, param_grads) -> None:
+        self.plan, self.objective, self.d_stats = plan, objective, d_stats
+        weight = plan.lm_head.weight
+        index = {id(p): i for i, p in enumerate(params)}
+        self.weight_grad = param_grads[index[id(weight)]] if id(weight) in index else None
+        self.norm_params = [p for p in params if p is not weight]
+        self.norm_grads = [param_grads[index[id(p)]] for p in self.norm_params]
+        self.logits_dtype = objective.logits_dtype(weight.dtype)
+
+    def run(self, hidden: Tensor, first: int, last: int, chunks, grad_hidden: Tensor) -> Tensor:
+        """Sums S (B,) of positions first..last (its chunks `chunks`); writes dL/dhidden there."""
+        norm = self.plan.norm
+        h = leaf(hidden[:, first:last])
+        with torch.enable_grad():
+            x = h if norm is None else norm(h)
+        x_data = x.detach()
+        d_x = grad_hidden[:, first:last] if norm is None else torch.empty_like(x_data)
+        sums = None
+        for start, end in chunks:
+            chunk_sums = self._chunk(x_data[:, start - first:end - first], start, end,
+                                     d_x[:, start - first:end - first])
+            sums = chunk_sums if sums is None else sums.add_(chunk_sums)
+        if norm is not None:
+            grads = torch.autograd.grad(x, [h, *self.norm_params], d_x, allow_unused=True)
+            grad_hidden[:, first:last] = grads[0]
+            _accumulate(self.norm_grads, grads[1:])
+        return sums
+
+    def _chunk(self, x: Tensor, start: int, end: int, d_x_out: Tensor) -> Tensor:
+        """The chunk's sums (B,); its dx written into `d_x_out`, dW accumulated."""
+        weight = self.plan.lm_head.weight
+        with memory_category("logits"):
+            logits = leaf(torch.nn.functional.linear(x, weight))
+        with torch.enable_grad(), memory_category("logits"):
+            sums = self.objective.token_terms(logits.to(self.logits_dtype), start, end).sum(dim=1)
+            (d_logits,) = torch.autograd.grad(sums, logits, self.d_stats)
+        del logits
+        d_logits_2d = d_logits.flatten(0, 1)
+        if self.weight_grad is not None:
+            self.weight_grad.addmm_(d_logits_2d.t(), x.flatten(0, 1))
+        d_x_out.copy_((d_logits_2d @ weight).view_as(x))
         return sums.detach()
-    norm_params = [p for p in params if p is not weight]
-    grads = torch.autograd.grad(x, [h, *norm_params], d_x, allow_unused=True)
-    h.grad = grads[0]
-    _accumulate([param_grads[index[id(p)]] for p in norm_params], grads[1:])
-    return sums.detach()
 
 
 def _accumulate(buffers: list[Tensor], grads) -> None:

@@ -29,6 +29,14 @@ def test_head_modes_exact(family, head_mode):
                          head_mode=head_mode)
 
 
+def test_fused_head_across_norm_blocks_exact():
+    """17 one-token chunks: two blocks of the final norm (16 chunks, then 1), padding in both."""
+    model = model_of("qwen3")
+    ids, mask = batch(model.config.vocab_size, 2, 17, "left")
+    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=6, head_partition_size=1,
+                         head_mode="fused")
+
+
 def test_fused_head_of_any_module_exact():
     """A head that is not a bias-free nn.Linear takes the fused path through autograd."""
     model = model_of("llama")
