@@ -12,7 +12,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import partition_option, sharding, step_specs, writable_results
-from streambp_core.config import MIN_AUTO_PARTITION, check_budget_gib
+from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, check_budget_gib
 
 HELP = (
     "Find the longest sequence each method can back-propagate within a memory budget, and show where the "
@@ -102,6 +102,8 @@ def max_len(
 ) -> None:
     """Search every method's maximum length and print it (help text: `HELP`)."""
     ranks, where = sharding(gpus, shard, device.value)
+    if gpu_model is not None and (gpus or 1) > 1:
+        raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
     layer_size, head_size = partition_option(ps, "--ps"), partition_option(ps_head, "--ps-head")
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value,

@@ -151,6 +151,8 @@ def sweep(
     for name in models:
         check_model(name)
     auto_layer = ps.strip().lower() == "auto"
+    if gpu_model is not None and (gpus or 1) > 1:
+        raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
     head_size = partition_option(ps_head, "--ps-head")
     grid = exp.expand_grid(
         methods=method_list(method),

@@ -132,6 +132,9 @@ meta kernels (`fastmeta.SimulationMode`), shared between calls."""
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.setup import build_setup, resolve_config, with_depth
 
+    if spec.gpus > 1:
+        raise ConfigError("the step-time estimate covers a step on one GPU; it does not model the "
+                          "collectives of a sharded step (--gpus)")
     config = resolve_config(spec, config)
     cache = {} if cache is None else cache
     estimate = estimate_by_depth(
