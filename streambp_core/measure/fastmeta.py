@@ -8,7 +8,10 @@ On the meta device it memoises: a meta kernel has no data, so its outputs' metad
 dtype) is a function of the op, its inputs' metadata and its other arguments. The first call with a
 given key runs the real meta kernel with every dispatch mode disabled (the tracker does not see that
 throw-away run) and records the metadata; every call then allocates its outputs with
-`torch.empty_strided`, which the tracker underneath sees as exactly the allocations the kernel makes.
+`torch.empty_strided`, exactly the allocations the kernel makes. Given its tracker (the mode directly
+underneath), it allocates them below the tracker's mode and hands them to `tracker.record_new`, runs
+view ops below it too, and runs an in-place op on its first argument once per key (later calls return
+that argument): what the tracker would have recorded, one Python dispatch per op instead of two.
 Why: many meta kernels are Python decompositions (an elementwise `add` costs ~200 us) and a chunked
 step repeats the same ops on the same shapes hundreds of times. Outputs that `empty_strided` would not
 reproduce byte for byte (an offset, a storage larger than the view) or that share an input's storage
@@ -25,31 +28,34 @@ is not matched: its last dimension is the hidden size. `checkpoint_tags` files l
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
+from streambp_core.measure.schema import EagerDispatchMode, returns_fresh, writes_any, writes_first_only
 from streambp_core.measure.tags import CHECKPOINTS, LOGITS, current_category, memory_category
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.models.adapters import decoder_parts
 
 _Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 _META = torch.device("meta")
+_IN_PLACE = "in place"
+"""Memo value of an in-place op that changes nothing but its first argument's (absent) data."""
 
 
-class SimulationMode(TorchDispatchMode):
+class SimulationMode(EagerDispatchMode):
     """Memoised meta kernels and the logits category (see the module docstring).
 
     Args:
         vocab_size: outputs with >= 2 dims whose last one is this count as logits; None: no categories.
         cache: a memo to share between steps in one process (its keys hold everything that determines
             its values, so sharing is safe); None starts an empty one.
-        tracker: the tracker underneath; off the meta device, an op then runs untracked and this mode
-            files its fresh outputs with `tracker.track` under their category. None: such ops pass through.
+        tracker: the tracker directly underneath: on the meta device this mode hands it the allocations
+            (see the module docstring); off it, an op then runs untracked and this mode files its fresh
+            outputs with `tracker.track` under their category. None: every op passes through.
     """
 
     def __init__(
@@ -62,8 +68,8 @@ class SimulationMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not _returns_fresh(func):
-            return func(*args, **kwargs)
+        if not returns_fresh(func):
+            return self._aliasing(func, args, kwargs)
         devices: set[torch.device] = set()
         try:
             key = (func, _key(args, devices), _key(tuple(kwargs.items()), devices))
@@ -78,8 +84,37 @@ class SimulationMode(TorchDispatchMode):
         with memory_category(LOGITS) if self._is_logits(first_shape) else nullcontext():
             if specs is None:
                 return func(*args, **kwargs)
-            outs = tuple(_empty(spec) for spec in specs)
+            if self.tracker is None:
+                outs = tuple(_empty(spec) for spec in specs)
+            else:  # allocate below the tracker's mode and hand it the outputs: one dispatch, not two
+                with torch._C._DisableTorchDispatch():
+                    outs = tuple(_empty(spec) for spec in specs)
+                self.tracker.record_new(outs)
         return outs if returns_tuple else outs[0]
+
+    def _aliasing(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op returning its inputs or views of them. Above a tracker that ignores it, on plain meta
+        tensors: a view runs below the tracker's mode; an in-place op on its first argument alone runs
+        once per key, and later calls return that argument (a meta kernel computes no data, and the
+        first run showed that the op changes neither the argument's layout nor its storage's size)."""
+        if self.tracker is None or not self.tracker.ignores(func) or not _plain_meta(args, kwargs):
+            return func(*args, **kwargs)
+        if not writes_first_only(func):
+            if writes_any(func):
+                return func(*args, **kwargs)
+            with torch._C._DisableTorchDispatch():
+                return func(*args, **kwargs)
+        try:
+            key = (func, _key(args, set()), _key(tuple(kwargs.items()), set()))
+            if self.cache.get(key) is _IN_PLACE:
+                return args[0]
+        except TypeError:  # an unhashable argument
+            return func(*args, **kwargs)
+        before = _layout(args[0])
+        out = func(*args, **kwargs)
+        if out is args[0] and _layout(out) == before:
+            self.cache[key] = _IN_PLACE
+        return out
 
     def _run_and_file(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Off the meta device: run the op untracked, then file its new storages under their category."""
@@ -126,21 +161,6 @@ def checkpoint_tags(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[
             handle.remove()
 
 
-@functools.cache
-def _returns_fresh(func: Any) -> bool:
-    """Whether `func`'s schema returns only new tensors: no alias annotations, only `Tensor` returns.
-
-    A pure function of the op's schema, memoised per op overload.
-    """
-    schema = getattr(func, "_schema", None)
-    return (
-        schema is not None
-        and len(schema.returns) > 0
-        and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
-        and all(a.alias_info is None for a in schema.arguments)
-    )
-
-
 def _key(values: Any, devices: set[torch.device]) -> tuple:
     """Hashable metadata of op arguments, tensors as (shape, stride, dtype, offset); adds their devices."""
     out = []
@@ -167,6 +187,16 @@ def _outputs_spec(func: Any, args: tuple, kwargs: dict) -> tuple[bool, tuple, li
     taken = _storages((args, kwargs))
     specs = [None if _storages(t) & taken else _spec(t) for t in outs]  # e.g. `_unsafe_view` aliases
     return isinstance(out, tuple), first_shape, None if any(s is None for s in specs) else specs
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.untyped_storage().nbytes()
+
+
+def _plain_meta(args: tuple, kwargs: dict) -> bool:
+    """Whether every tensor argument is a plain `torch.Tensor` (no subclass) on the meta device."""
+    values = (*args, *kwargs.values())
+    return all(type(a) is torch.Tensor and a.device == _META for a in values if isinstance(a, torch.Tensor))
 
 
 def _storages(tree: Any) -> set[int]:

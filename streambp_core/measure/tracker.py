@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from streambp_core.measure.cuda import CudaPeak
 from streambp_core.measure.ledger import StorageLedger
 from streambp_core.measure.result import TrackerResult
+from streambp_core.measure.schema import FRESH_OPS, EagerDispatchMode, returns_aliases_only, takes_tensors
 from streambp_core.measure.tags import (
     GRADS,
     HOST_CATEGORIES,
@@ -55,13 +55,11 @@ from streambp_core.measure.tags import (
     memory_category,
 )
 
-_FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
-"""Ops whose output storage is new although it is also their input (`torch.tensor` data)."""
 _COPY_OPS = frozenset({torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default})
 """Ops that may move bytes between the device and the host pool: (destination, source) below."""
 
 
-class _AllocationWatcher(TorchDispatchMode):
+class _AllocationWatcher(EagerDispatchMode):
     """Runs each op unchanged, then shows its inputs and outputs to the tracker."""
 
     def __init__(self, tracker: MemoryTracker) -> None:
@@ -211,27 +209,46 @@ class MemoryTracker:
 
     # --- the dispatch-mode callback ---------------------------------------------------------------
 
+    def record_new(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count `tensors`, just made by a factory op that ran below this tracker's dispatch mode (e.g.
+        `fastmeta.SimulationMode`'s memoised meta kernels), exactly as if the mode had seen that op."""
+        with self._lock:
+            self._ledger.drain()
+            self._add_outputs(tensors, None)
+
+    def ignores(self, func: Any) -> bool:
+        """Whether a call of `func` that changes no storage's size (the caller vouches for that) can run
+        below this tracker's mode, or not at all, leaving every figure as if the mode had seen it: an op
+        returning only its inputs or views of them (a view or in-place op; not a copy, which may move
+        bytes between pools), while storages made before entry are not picked up (`count_existing`)."""
+        return not self._count_existing and func not in _COPY_OPS and returns_aliases_only(func)
+
     def _observe(self, func: Any, inputs: Any, out: Any) -> None:
         """Record the new storages among an op's outputs (called by the dispatch mode after each op)."""
         with self._lock:
             self._ledger.drain()
             if self._count_existing:
                 self._add_untracked(_tensors(inputs))
-            input_ids: set[int] | None = None
-            for tensor in _tensors(out):
-                storage = _storage(tensor)
-                if storage is None or self._ledger.resize(storage):
-                    continue
-                category = self._category_of_new(tensor)
-                if category is None:
-                    continue
-                if func not in _FRESH_OPS:
-                    input_ids = _storage_ids(inputs) if input_ids is None else input_ids
-                    if id(storage) in input_ids:
-                        continue  # a view of, or in-place result on, an untracked input
-                self._ledger.add(storage, category, str(tensor.device))
+            aliased = func not in FRESH_OPS and takes_tensors(func)
+            self._add_outputs(_tensors(out), inputs if aliased else None)
             if func in _COPY_OPS:
                 self._count_transfer(func, inputs, out)
+
+    def _add_outputs(self, tensors: Iterable[torch.Tensor], inputs: Any) -> None:
+        """Track the new storages among `tensors`; with `inputs`, not those shared with an input."""
+        input_ids: set[int] | None = None
+        for tensor in tensors:
+            storage = _storage(tensor)
+            if storage is None or self._ledger.resize(storage):
+                continue
+            category = self._category_of_new(tensor)
+            if category is None:
+                continue
+            if inputs is not None:
+                input_ids = _storage_ids(inputs) if input_ids is None else input_ids
+                if id(storage) in input_ids:
+                    continue  # a view of, or in-place result on, an untracked input
+            self._ledger.add(storage, category, str(tensor.device))
 
     def _category_of_new(self, tensor: torch.Tensor) -> str | None:
         """The category a new storage of `tensor` is filed under; None when this tracker ignores it."""
@@ -365,17 +382,22 @@ class MemoryTracker:
         )
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a (nested) op argument or result: aten ops take and return tensors, lists and
-    tuples of them, and keyword dicts (walked directly: torch's pytree costs ~1/4 of a simulation)."""
+def _tensors(tree: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in a (nested) op argument or result, in order: aten ops take and return tensors,
+    lists and tuples of them, and keyword dicts (walked directly: torch's pytree costs ~1/4 of a
+    simulation)."""
+    found = [] if found is None else found
     if isinstance(tree, torch.Tensor):
-        yield tree
+        found.append(tree)
     elif isinstance(tree, (list, tuple)):
         for item in tree:
-            yield from _tensors(item)
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                _tensors(item, found)
     elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _tensors(item)
+        _tensors(tuple(tree.values()), found)
+    return found
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:

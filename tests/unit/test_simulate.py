@@ -7,7 +7,9 @@ import torch
 
 from streambp_core.config import METHODS, ConfigError, StepSpec
 from streambp_core.measure.fastmeta import SimulationMode
+from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.measure.units import GIB
+from streambp_core.methods import prepare
 from streambp_core.models import load_config, tiny_config
 from streambp_core.step.probe import measure_setup
 from streambp_core.step.setup import build_setup, resident_bytes
@@ -94,6 +96,27 @@ def test_memoised_meta_kernels_give_the_same_peak_as_plain_meta_kernels() -> Non
     shared = simulate_step(TINY, "streambp", 301, dtype="float32", **SMALL)
     fresh = simulate_step(TINY, "streambp", 301, dtype="float32", cache=NoMemo(), **SMALL)
     assert shared.peak_bytes == fresh.peak_bytes and shared.breakdown_bytes == fresh.breakdown_bytes
+
+
+@pytest.mark.parametrize("method", ["streambp", "checkpoint"])
+def test_simulation_mode_handing_allocations_to_its_tracker_changes_no_figure(method: str) -> None:
+    """Given its tracker, SimulationMode allocates below the tracker's mode and hands it the outputs, runs
+    views below it and repeats no in-place meta kernel; without it the tracker sees every op. A step with
+    an AdamW update either way: the same figures, to the byte."""
+    spec = StepSpec(model=TINY, method=method, seq_len_tokens=301, dtype="float32", optimizer="adamw",
+                    **SMALL)
+    figures = []
+    for handed in (True, False):
+        setup = build_setup(spec, load_config(TINY), "meta")
+        run = prepare(setup.model, method, **spec.stream_options())
+        with MemoryTracker(setup.model, setup.optimizer, device="meta") as tracker:
+            with SimulationMode(vocab_size=512, tracker=tracker if handed else None):
+                run.loss(**setup.inputs).backward()
+                setup.optimizer.step()
+        run.close()
+        result = tracker.result()
+        figures.append((result.peak_bytes, result.peak_breakdown_bytes, result.end_breakdown_bytes))
+    assert figures[0] == figures[1]
 
 
 def test_simulation_mode_memoises_and_files_logits() -> None:
