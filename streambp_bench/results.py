@@ -24,13 +24,15 @@ from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from streambp_bench import csv_io
 from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
 from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, OFFLOAD_MODES, PROTOCOLS, SHARD_MODES, StepSpec
+
+if TYPE_CHECKING:  # pandas is imported where a frame is built: writing rows does not need it
+    import pandas as pd
 
 SOURCES = ("simulated", "measured-cuda", "measured-cpu", "estimated")
 STATUSES = ("ok", "oom", "error")
@@ -364,6 +366,8 @@ def _some(names: list[str], limit: int = 8) -> str:
 
 def rows_to_frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
     """Rows as a DataFrame with one column per field, in schema order, int columns as nullable Int64."""
+    import pandas as pd
+
     frame = pd.DataFrame([asdict(row) for row in rows], columns=list(COLUMNS))
     dtypes = {name: {int: "Int64", float: "float64"}.get(_TYPES[name], "str") for name in COLUMNS}
     return frame.astype(dtypes)
