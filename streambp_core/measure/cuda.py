@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from streambp_core.measure.units import bytes_to_gib
+from streambp_core.measure.units import bytes_to_gib, gib_of
 
 NVML_MISSING_NOTE = (
     "pynvml not installed (pip install 'streambp-bench[cuda]'): name and total memory from torch, "
@@ -151,13 +151,8 @@ class CudaPeak:
         self.peak_pinned_bytes = _pinned_peak_bytes()
         return self
 
-    @property
-    def peak_allocated_gib(self) -> float:
-        return bytes_to_gib(self.peak_allocated_bytes)
-
-    @property
-    def peak_reserved_gib(self) -> float:
-        return bytes_to_gib(self.peak_reserved_bytes)
+    peak_allocated_gib = gib_of("peak_allocated_bytes")
+    peak_reserved_gib = gib_of("peak_reserved_bytes")
 
 
 def _reset_pinned_peak() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streambp_core.measure.units import bytes_to_gib
+from streambp_core.measure.units import bytes_to_gib, gib_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,30 +41,10 @@ class TrackerResult:
     to_device_bytes: int = 0
     """Bytes copied from the host pool back into device memory over the region."""
 
-    @property
-    def peak_gib(self) -> float:
-        return bytes_to_gib(self.peak_bytes)
-
-    @property
-    def end_gib(self) -> float:
-        return bytes_to_gib(self.end_bytes)
-
-    @property
-    def host_peak_gib(self) -> float:
-        return bytes_to_gib(self.host_peak_bytes)
+    peak_gib = gib_of("peak_bytes")
+    cuda_peak_allocated_gib = gib_of("cuda_peak_allocated_bytes")
+    cuda_peak_reserved_gib = gib_of("cuda_peak_reserved_bytes")
 
     @property
     def peak_breakdown_gib(self) -> dict[str, float]:
         return {name: bytes_to_gib(n) for name, n in self.peak_breakdown_bytes.items()}
-
-    @property
-    def cuda_peak_allocated_gib(self) -> float | None:
-        return _optional_gib(self.cuda_peak_allocated_bytes)
-
-    @property
-    def cuda_peak_reserved_gib(self) -> float | None:
-        return _optional_gib(self.cuda_peak_reserved_bytes)
-
-
-def _optional_gib(num_bytes: int | None) -> float | None:
-    return None if num_bytes is None else bytes_to_gib(num_bytes)

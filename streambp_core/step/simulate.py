@@ -42,7 +42,7 @@ from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
-from streambp_core.measure.units import bytes_to_gib
+from streambp_core.measure.units import gib_of
 from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup, resolve_config, with_depth
 
@@ -74,13 +74,8 @@ class SimResult:
     to_device_bytes: int = 0
     """Bytes copied host -> device over the step."""
 
-    @property
-    def host_gib(self) -> float:
-        return bytes_to_gib(self.host_peak_bytes)
-
-    @property
-    def peak_gib(self) -> float:
-        return bytes_to_gib(self.peak_bytes)
+    host_gib = gib_of("host_peak_bytes")
+    peak_gib = gib_of("peak_bytes")
 
     @property
     def full_depth(self) -> bool:
