@@ -39,6 +39,10 @@ MEASURE_REPEATS = 5
 """Timed steps per measured point (after one warm-up); the median is its step time."""
 
 
+MAX_GRID_POINTS = 10_000
+"""Most points one sweep runs (and most values one list or range expands to): a larger grid is a typo
+(a STEP of 1 token), refused before it is built."""
+
 _NUMBER = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
 
 
@@ -66,12 +70,19 @@ def parse_token_list(text: str, what: str = "length") -> tuple[int, ...]:
             start, stop, step = (parse_tokens(part, what) for part in parts)
             if stop < start:
                 raise ConfigError(f"bad {what} range {item!r}: STOP is below START")
+            _check_count(len(values) + len(range(start, stop + 1, step)), f"{what} list {text!r}")
             values.extend(range(start, stop + 1, step))
         else:
             values.append(parse_tokens(item, what))
     if not values:
         raise ConfigError(f"give at least one {what}")
     return tuple(dict.fromkeys(values))
+
+
+def _check_count(count: int, what: str, hint: str = "use a larger STEP") -> None:
+    """ConfigError when `what` has more than MAX_GRID_POINTS values."""
+    if count > MAX_GRID_POINTS:
+        raise ConfigError(f"{what} has {count:,} points; a sweep runs at most {MAX_GRID_POINTS:,} ({hint})")
 
 
 def expand_grid(
@@ -84,6 +95,8 @@ def expand_grid(
 ) -> list[StepSpec]:
     """Every combination, in model, method, partition size, length order; methods without partitions get
     one point per length, not one per partition size. Each point is validated (ConfigError)."""
+    _check_count(len(models) * len(methods) * len(partition_sizes) * len(seq_lens), "the grid",
+                 "fewer models, methods, partition sizes or lengths")
     points: list[StepSpec] = []
     for model, method in itertools.product(models, methods):
         sizes = partition_sizes if StepSpec(model=model, method=method).partitioned else partition_sizes[:1]

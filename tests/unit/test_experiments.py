@@ -25,6 +25,15 @@ def test_bad_token_lists_raise_config_error(text: str) -> None:
         exp.parse_token_list(text)
 
 
+def test_a_grid_too_large_to_run_is_refused_before_it_is_built() -> None:
+    with pytest.raises(ConfigError, match="has 2,999,999 points; a sweep runs at most 10,000"):
+        exp.parse_token_list("2:3000000:1")  # a STEP of 1 token: the list alone would fill memory
+    assert len(exp.parse_token_list("2:10001:1")) == exp.MAX_GRID_POINTS
+    with pytest.raises(ConfigError, match="the grid has 40,000 points"):
+        exp.expand_grid(methods=("streambp",) * 4, models=("tiny/llama",), seq_lens=tuple(range(2, 102)),
+                        partition_sizes=tuple(range(1, 101)))
+
+
 def test_grid_gives_partition_sizes_only_to_partitioned_methods() -> None:
     points = exp.expand_grid(
         methods=("checkpoint", "streambp"),
