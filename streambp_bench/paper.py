@@ -83,3 +83,23 @@ TABLE6_REL_ERR: dict[str, float] = {
     "bf16 lm_head (streambp = baseline)": 0.015,
     "bf16 layers (streambp = baseline)": 0.066,
 }
+
+
+def max_len_records() -> list[dict[str, object]]:
+    """Every published maximum length as a results-like record: model, lora_rank (None: full
+    parameters), objective, optimizer, budget_gib (80, the A800), method and value (tokens): Fig. 3
+    (BP only: sft, no optimizer) and Table 3 (AdamW)."""
+    base = {"budget_gib": 80.0}
+    fig3 = [
+        {**base, "model": FIG3_MODELS[label][0], "lora_rank": FIG3_MODELS[label][1] or None,
+         "objective": "sft", "optimizer": "none", "method": method, "value": k * 1000}
+        for label, values in FIG3_MAX_LEN_K.items()
+        for method, k in values.items()
+    ]
+    table3 = [
+        {**base, "model": TABLE3_CELLS[cell][0], "lora_rank": TABLE3_CELLS[cell][1] or None,
+         "objective": objective, "optimizer": "adamw", "method": method, "value": k * 1000}
+        for (objective, method, cell), k in TABLE3_MAX_LEN_K.items()
+        if k
+    ]
+    return fig3 + table3

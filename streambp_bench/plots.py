@@ -151,10 +151,14 @@ def available_kinds(df: pd.DataFrame) -> list[str]:
     return [kind for kind in KINDS if has[kind]]
 
 
-def make_figure(kind: str, df: pd.DataFrame, *, budget_gib: float | None = None) -> Figure:
-    """The figure of `kind` (one of KINDS) for `df`."""
+def make_figure(
+    kind: str, df: pd.DataFrame, *, budget_gib: float | None = None, paper: pd.DataFrame | None = None
+) -> Figure:
+    """The figure of `kind` (one of KINDS) for `df`; `paper`: published max lengths (`max_length_bars`)."""
     if kind == "memory":
         return memory_vs_length(df, budget_gib=budget_gib)
+    if kind == "maxlen":
+        return max_length_bars(df, paper)
     builders = {"time": time_vs_length, "ablation": partition_ablation, "maxlen": max_length_bars}
     if kind not in builders:
         raise ValueError(f"unknown figure kind {kind!r}; choose from {', '.join(KINDS)}")
@@ -242,7 +246,7 @@ def _paper_value(paper: pd.DataFrame | None, rows: pd.DataFrame, method: str) ->
     if paper is None:
         return None
     match = paper["method"] == method
-    for column in {"model", "objective", "lora_rank", "optimizer"} & set(paper.columns):
+    for column in {"model", "objective", "lora_rank", "optimizer", "budget_gib"} & set(paper.columns):
         ours = rows[column].iloc[0]
         match &= paper[column].isna() if pd.isna(ours) else paper[column] == ours
     values = paper.loc[match, "value"]

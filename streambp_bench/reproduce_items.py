@@ -25,6 +25,10 @@ from streambp_core.step.target import DEFAULT_BUDGET_GIB, Target, resolve_target
 FIG3_METHODS = ("plain", "checkpoint", "streambp")
 
 
+def print_nothing(_text: str) -> None:
+    """The default `Settings.note`: no progress display."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """Where results go, whether to run the tiny variants, and the resolved device for measured items."""
@@ -33,6 +37,13 @@ class Settings:
     quick: bool = False
     device: str = "sim"
     """'cuda' when a GPU is present, else 'sim' (time items then measure on the CPU)."""
+    note: Callable[[str], None] = print_nothing
+    """Hears what an item runs now (a point, a search), for a progress display."""
+
+    def on_point(self, point: StepSpec, rows: object = None) -> None:
+        """`note` a point (a `run_points` callback)."""
+        self.note(f"{point.method} {point.model} T={point.seq_len_tokens:,}"
+                  + (f" ps={point.partition_size}" if point.partitioned else ""))
 
     def budget_gib(self) -> float:
         return 0.005 if self.quick else DEFAULT_BUDGET_GIB
@@ -41,17 +52,21 @@ class Settings:
         return ResultsFile(self.out_dir / f"{item}.csv")
 
 
-def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None) -> ResultRow:
+def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
+                note: Callable[[str], None] = print_nothing) -> ResultRow:
     """Search the simulated max length of `spec` within `budget_gib` (confirmed at full depth) and return
     it as a max_len row."""
     from streambp_bench.max_len_report import max_len_row as row_of
     from streambp_core.step.probe import max_len
 
+    note(f"max length: {spec.method} {spec.model}" + (f" LoRA r{spec.lora_rank}" if spec.lora_rank else "")
+         + ("" if spec.objective == "sft" else f" {spec.objective}"))
+
     search = max_len(spec, int(budget_gib * GIB), "sim", cache=cache)
     return row_of(spec, search, provenance("simulated", "meta"))
 
 
-def _curve(points: list[StepSpec], target: Target, results: ResultsFile) -> None:
+def _curve(points: list[StepSpec], target: Target, results: ResultsFile, settings: Settings) -> None:
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
     series: dict[tuple, list[StepSpec]] = {}
     for point in points:
@@ -59,6 +74,7 @@ def _curve(points: list[StepSpec], target: Target, results: ResultsFile) -> None
         series.setdefault(key, []).append(point)
     for members in series.values():
         for point in sorted(members, key=lambda p: p.seq_len_tokens):
+            settings.on_point(point)
             rows = exp.run_point(point, target)
             results.append_many(rows)
             if rows[0].status != "ok":
@@ -73,7 +89,8 @@ def fig3(settings: Settings) -> list[Path]:
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
     cache: dict = {}
     rows = [
-        max_len_row(StepSpec(model=model, method=method, lora_rank=rank, **sizes), budget, cache)
+        max_len_row(StepSpec(model=model, method=method, lora_rank=rank, **sizes), budget, cache,
+                    settings.note)
         for model, rank in models.values()
         for method in FIG3_METHODS
     ]
@@ -85,7 +102,7 @@ def fig3(settings: Settings) -> list[Path]:
         for method in FIG3_METHODS
         for length in lengths
     ]
-    _curve(points, target, results)
+    _curve(points, target, results, settings)
     frame = results.load()
     paper_frame = pd.DataFrame(
         [
@@ -123,7 +140,7 @@ def fig5(settings: Settings) -> list[Path]:
         partition_sizes=sizes,
         head_partition_size=16 if settings.quick else 100,
     )
-    exp.run_points(points, target, results, force=True)
+    exp.run_points(points, target, results, force=True, on_point=settings.on_point)
     return [plots.save(plots.partition_ablation(results.load()), settings.out_dir / "fig5-memory.png")]
 
 
@@ -143,7 +160,7 @@ def table1(settings: Settings) -> list[Path]:
         for length in lengths
     ]
     results = settings.csv("table1")
-    exp.run_points(points, target, results, force=True)
+    exp.run_points(points, target, results, force=True, on_point=settings.on_point)
     frame = results.load().assign(partition_size=pd.NA)  # ps = T/3 varies with T: one line per method
     return [plots.save(plots.time_vs_length(frame), settings.out_dir / "table1-time.png")]
 
@@ -173,7 +190,7 @@ def table3(settings: Settings) -> list[Path]:
                     protocol="trl",
                     **sizes,
                 )
-                rows.append(max_len_row(spec, settings.budget_gib(), cache))
+                rows.append(max_len_row(spec, settings.budget_gib(), cache, settings.note))
     results.append_many(rows)
     frame = results.load()
     paper_frame = pd.DataFrame(

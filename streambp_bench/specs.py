@@ -86,3 +86,20 @@ def partition_option(text: str, option: str) -> int | None:
         raise ConfigError(f"{option}: {field} must be a positive number of tokens (k = 1024) or auto, "
                           f"got {text!r}")
     return int(tokens)
+
+
+def writable_folder(out: Path, option: str = "--out") -> Path:
+    """`out` when files can be written into it, checked before any work: ConfigError when it is an
+    existing file rather than a folder, or when it (or its nearest existing parent, where it will be
+    created) is not a writable folder."""
+    import os
+
+    folder = out.resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        what = f"{option} {out} is a file" if folder == out.resolve() else f"{folder} is a file"
+        raise ConfigError(f"{what}, not a folder: give a folder for {option} (it is created when missing)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write into {option} {out}: no permission to write in {folder}")
+    return out

@@ -18,6 +18,7 @@ that runs until the machine dies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -238,16 +239,35 @@ def _check(
     )
 
 
+Progress = Callable[[str, int, int], None]
+"""Called before each stage of a verification: (what runs now, stages done, stages in all)."""
+
+
+def _stages(spec: VerifySpec, progress: Progress | None) -> Callable[[str], None]:
+    """A `note(stage)` that reports each stage to `progress` (no-op without one), counting them."""
+    total = 2 + (spec.dtype not in TOLERANCE) + len(spec.methods)  # model, reference, [baseline], methods
+    done = [0]
+
+    def note(stage: str) -> None:
+        if progress is not None:
+            progress(stage, done[0], total)
+        done[0] += 1
+
+    return note
+
+
 def _exact_bounds(spec: VerifySpec, reference: Step) -> Bounds:
     tol = TOLERANCE[spec.dtype]
     return Bounds(grad_rel=tol, loss_abs=tol * max(1.0, abs(reference.loss)))
 
 
-def _verify_exact(model: PreTrainedModel, batch: Batch, spec: VerifySpec) -> VerifyReport:
+def _verify_exact(model: PreTrainedModel, batch: Batch, spec: VerifySpec, note: Callable[[str], None]
+                  ) -> VerifyReport:
     """float64 / float32: each method against plain in the same dtype, under a fixed tolerance."""
+    note("plain (reference)")
     reference = run_step(model, "plain", batch, spec)
     bounds = _exact_bounds(spec, reference)
-    results = tuple(_check(model, method, batch, spec, reference, bounds) for method in spec.methods)
+    results = _check_methods(model, batch, spec, reference, bounds, note)
     return VerifyReport(spec=spec, results=results, reference_loss=reference.loss, reference_dtype=spec.dtype)
 
 
@@ -263,7 +283,18 @@ def _low_precision_bounds(model: PreTrainedModel, batch: Batch, spec: VerifySpec
     )
 
 
-def _verify_low_precision(model: PreTrainedModel, batch: Batch, spec: VerifySpec) -> VerifyReport:
+def _check_methods(model: PreTrainedModel, batch: Batch, spec: VerifySpec, reference: Step, bounds: Bounds,
+                   note: Callable[[str], None]) -> tuple[MethodResult, ...]:
+    """`_check` of every method of `spec`, each noted before it runs."""
+    results = []
+    for method in spec.methods:
+        note(method)
+        results.append(_check(model, method, batch, spec, reference, bounds))
+    return tuple(results)
+
+
+def _verify_low_precision(model: PreTrainedModel, batch: Batch, spec: VerifySpec,
+                          note: Callable[[str], None]) -> VerifyReport:
     """bfloat16: each method against plain fp32 on bf16-rounded weights, bounded by plain bf16's error.
 
     `model` arrives in float32; its weights are rounded to bfloat16 values, the fp32 reference runs,
@@ -273,20 +304,25 @@ def _verify_low_precision(model: PreTrainedModel, batch: Batch, spec: VerifySpec
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(low))
+    note("plain float32 (reference)")
     reference = run_step(model, "plain", batch, spec)
     model.to(low)
+    note(f"plain {spec.dtype}")
     bounds = _low_precision_bounds(model, batch, spec, reference)
-    results = tuple(_check(model, method, batch, spec, reference, bounds) for method in spec.methods)
+    results = _check_methods(model, batch, spec, reference, bounds, note)
     return VerifyReport(spec=spec, results=results, reference_loss=reference.loss, reference_dtype="float32")
 
 
-def verify_spec(spec: VerifySpec) -> VerifyReport:
-    """Run the reference and every method of `spec`; see the module docstring for the steps."""
+def verify_spec(spec: VerifySpec, progress: Progress | None = None) -> VerifyReport:
+    """Run the reference and every method of `spec`; see the module docstring for the steps. `progress`
+    hears of each stage before it runs (`Progress`)."""
+    note = _stages(spec, progress)
     config = load_config(spec.model)
     low_precision = spec.dtype not in TOLERANCE
     build_dtype = torch.float32 if low_precision else DTYPES[spec.dtype]
     if torch.device(spec.device).type == "cpu":
         check_ram(config, spec, build_dtype)
+    note("building the model")
     model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.seed)
     if spec.lora_rank:
         model = apply_lora(model, spec.lora_rank)
@@ -299,8 +335,8 @@ def verify_spec(spec: VerifySpec) -> VerifyReport:
         device=spec.device,
     )
     if low_precision:
-        return _verify_low_precision(model, batch, spec)
-    return _verify_exact(model, batch, spec)
+        return _verify_low_precision(model, batch, spec, note)
+    return _verify_exact(model, batch, spec, note)
 
 
 def verify_methods(

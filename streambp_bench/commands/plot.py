@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from streambp_bench.errors import user_errors
-from streambp_core.config import ConfigError
+from streambp_bench.specs import writable_folder
+from streambp_core.config import ConfigError, check_budget_gib
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -64,15 +65,50 @@ def choose_kinds(df: pd.DataFrame, kind: Kind) -> list[str]:
     return [kind.value]
 
 
+def paper_reference(df: pd.DataFrame) -> pd.DataFrame | None:
+    """The paper's published max lengths for the max_len rows of `df` that are the paper's cells (same
+    model, LoRA rank, objective, optimizer and budget), or None when no row is one."""
+    import pandas as pd
+
+    from streambp_bench import paper
+
+    columns = ["model", "lora_rank", "objective", "optimizer", "budget_gib", "method"]
+    published = pd.DataFrame(paper.max_len_records())
+    ours = df.loc[(df["metric"] == "max_len") & (df["status"] == "ok"), columns].drop_duplicates()
+    ours = ours.astype({"lora_rank": "float64"})
+    matched = published.astype({"lora_rank": "float64"}).merge(ours, on=columns)
+    return None if matched.empty else published
+
+
+def figure_paths(out: Path | None, kinds: list[str], name: str) -> list[Path]:
+    """Where each kind's PNG goes: `<out>/<name>-<kind>.png` (out: a folder, default the current one),
+    or `out` itself when it names a .png file and one figure is drawn; checked before drawing."""
+    if name != Path(name).name or name in (".", ".."):
+        raise ConfigError(f"--name {name!r} must be a file-name prefix, not a path (--out names the folder)")
+    if out is not None and out.suffix.lower() == ".png":
+        if len(kinds) != 1:
+            raise ConfigError(
+                f"--out {out} names one PNG, but {len(kinds)} figures would be drawn ({', '.join(kinds)}): "
+                "pick one with --kind, or give a folder"
+            )
+        writable_folder(out.parent)
+        if out.is_dir():
+            raise ConfigError(f"--out {out} is a folder; give a .png file name or a folder")
+        return [out]
+    folder = writable_folder(out if out is not None else Path("."))
+    return [folder / f"{name}-{kind}.png" for kind in kinds]
+
+
 def write_figures(
-    df: pd.DataFrame, kinds: list[str], out_dir: Path, name: str, budget_gib: float | None
+    df: pd.DataFrame, kinds: list[str], paths: list[Path], budget_gib: float | None
 ) -> list[Path]:
-    """Draw and save each kind as `<out_dir>/<name>-<kind>.png`; return the paths written."""
+    """Draw each kind and save it at its path; return the paths written (existing files are replaced)."""
     from streambp_bench import plots
 
+    reference = paper_reference(df) if "maxlen" in kinds else None
     return [
-        plots.save(plots.make_figure(kind, df, budget_gib=budget_gib), out_dir / f"{name}-{kind}.png")
-        for kind in kinds
+        plots.save(plots.make_figure(kind, df, budget_gib=budget_gib, paper=reference), path)
+        for kind, path in zip(kinds, paths, strict=True)
     ]
 
 
@@ -86,7 +122,11 @@ def plot(
         ),
     ],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Directory for the PNGs (default: the first CSV's).")
+        Path | None,
+        typer.Option(
+            "--out", "-o",
+            help="Folder for the PNGs (default: the current folder), or a .png file for one figure.",
+        ),
     ] = None,
     kind: Annotated[
         Kind, typer.Option("--kind", help="Figure to draw; auto: every one the data has.")
@@ -109,23 +149,26 @@ def plot(
     [bold]ablation[/]  memory and time vs length, one line per partition size
     [bold]maxlen[/]    maximum trainable length, bars per model and method
 
-    Files are written as <out>/<name>-<kind>.png and listed.
+    Files are written as <out>/<name>-<kind>.png (an existing PNG of that name is replaced) and listed;
+    nothing is written next to the CSVs unless --out says so. A max-length figure of the paper's cells
+    (Fig. 3, Table 3: same model, LoRA rank, objective, optimizer, 80 GiB) shows the paper's values as
+    hatched bars, as [bold]reproduce[/] draws it.
 
     [bold]Examples[/]
 
-    [cyan]streambp-bench plot results/fig3.csv[/]  (every figure its rows support, next to the CSV)
+    [cyan]streambp-bench plot results/fig3.csv[/]  (every figure its rows support, in the current folder)
 
     [cyan]streambp-bench plot results/sim.csv results/gpu/measured.csv --out results/figures[/]
 
-    [cyan]streambp-bench plot results/fig5.csv --kind ablation[/]
+    [cyan]streambp-bench plot results/fig5.csv --kind ablation --out ablation.png[/]
 
     [cyan]streambp-bench plot results/fig3.csv --kind memory --budget-gib 40 --name fig3-40g[/]
     """
+    check_budget_gib(budget_gib)
     df = read_results(csv)
     kinds = choose_kinds(df, kind)
-    out_dir = out if out is not None else csv[0].parent
     stem = name or (csv[0].stem if len(csv) == 1 else "combined")
-    written = write_figures(df, kinds, out_dir, stem, budget_gib)
+    written = write_figures(df, kinds, figure_paths(out, kinds, stem), budget_gib)
     console = Console(highlight=False)
     console.print(f"wrote {len(written)} figure{'s' if len(written) != 1 else ''}:")
     for path in written:

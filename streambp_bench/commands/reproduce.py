@@ -10,14 +10,19 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
-from streambp_bench.output import emit
+from streambp_bench.output import emit, stderr_console
+from streambp_bench.specs import writable_folder
+from streambp_core.config import ConfigError
 
 HELP = (
     "Reproduce a figure or table of the StreamBP paper: run what it needs, write [bold]<item>.csv[/] and "
-    "PNGs under --out, and regenerate [bold]<out>/README.md[/] with our numbers next to the paper's.\n\n"
+    "PNGs under --out, and regenerate [bold]<out>/README.md[/] with our numbers next to the paper's. "
+    "An existing <item>.csv there keeps its rows (the item's rows are merged in, replacing equal points); "
+    "the item's PNGs and README.md are replaced. --out is checked before any work.\n\n"
     "fig3: BP-only max length (simulated search) and memory-vs-length curves, Qwen3-8B, 14B, 32B LoRA r32. "
     "fig5: partition-size ablation of memory (simulated, Qwen3-8B, ps 500/1k/2k/5k). "
     "table1: step time — measured on a GPU (Qwen3-4B); without one, CPU-measured step time of a tiny model "
@@ -34,7 +39,7 @@ HELP = (
 
 EPILOG = """[bold]Examples[/]
 
-[cyan]streambp-bench reproduce fig3[/]    (about 5 minutes on 2 CPU cores)
+[cyan]streambp-bench reproduce fig3[/]    (under a minute on 2 CPU cores; results/fig3.csv and PNGs)
 
 [cyan]streambp-bench reproduce offload[/]    (every method with and without offload)
 
@@ -73,24 +78,54 @@ def reproduce(
     from streambp_bench import reproduce_items as items
     from streambp_core.measure.cuda import cuda_available
 
-    console = Console(stderr=True, highlight=False)
-    settings = items.Settings(out_dir=out, quick=quick, device="cuda" if cuda_available() else "sim")
+    console = stderr_console()
     chosen = list(items.ITEMS) if item is Item.all else [item.value]
-    if "table1" in chosen and settings.device != "cuda":
+    _check_out(out, chosen)
+    device = "cuda" if cuda_available() else "sim"
+    if "table1" in chosen and device != "cuda":
         console.print(
             "table1 needs a GPU (none here): measuring CPU step-time ratios of a tiny model instead"
         )
-    written: list[Path] = []
-    seconds: dict[str, float] = {}
-    for name in chosen:
-        start = time.perf_counter()
-        console.print(f"reproducing {name} ...")
-        written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
-        seconds[name] = time.perf_counter() - start
-        console.print(f"{name}: done in {seconds[name]:.0f} s")
+    written, seconds = _run_items(chosen, out, quick, device, console)
     out.mkdir(parents=True, exist_ok=True)
     readme_path = out / "README.md"
     readme_path.write_text(readme.render(out), encoding="utf-8")
     files = [str(path) for path in [*dict.fromkeys(written), readme_path]]
     document = {"items": chosen, "out": str(out), "files": files, "seconds": seconds}
     emit(document, as_json, lambda stdout: [stdout.print(f"  {escape(f)}", soft_wrap=True) for f in files])
+
+
+def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: Console
+               ) -> tuple[list[Path], dict[str, float]]:
+    """Run each item under a progress line on stderr; (files written, seconds per item)."""
+    from streambp_bench import reproduce_items as items
+
+    written: list[Path] = []
+    seconds: dict[str, float] = {}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        for name in chosen:
+            start = time.perf_counter()
+            task = progress.add_task(f"{name} ...", total=None)
+
+            def note(text: str, name: str = name, task: TaskID = task) -> None:
+                progress.update(task, description=escape(f"{name}: {text}"))
+
+            settings = items.Settings(out_dir=out, quick=quick, device=device, note=note)
+            written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
+            seconds[name] = time.perf_counter() - start
+            progress.remove_task(task)
+            progress.console.print(f"{name}: done in {seconds[name]:.0f} s")
+    return written, seconds
+
+
+def _check_out(out: Path, chosen: list[str]) -> None:
+    """Before any work: --out is a writable folder, each item's CSV there is a results CSV (its rows are
+    kept and merged), and README.md is a file (ConfigError, SchemaError)."""
+    from streambp_bench.results import ResultsFile
+
+    writable_folder(out)
+    for name in chosen:
+        ResultsFile(out / f"{name}.csv").check_target()
+    if (out / "README.md").is_dir():
+        raise ConfigError(f"{out / 'README.md'} is a folder; reproduce writes its README.md there")

@@ -10,27 +10,46 @@ import typer
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
+from streambp_bench.specs import writable_folder
 
 HELP = (
     "Check the GPU path in a few minutes: bf16 gradients of every method and objective against the "
     "2x-plain-error rule, measured peak memory next to the simulator's prediction, step time of "
     "streambp (LM-head partitions 100 and 1024) vs checkpoint, and one profiled step of each at the "
-    "longest length, kernel time by class. Writes [bold]selfcheck.csv[/] into --out and prints a "
-    "summary.\n\n"
-    "Without a GPU it says so and runs the same code paths on CPU with a tiny preset (exit 0)."
+    "longest length, kernel time by class. Writes [bold]selfcheck.csv[/] into --out (default on a GPU: "
+    "results/gpu, merged with the rows there) and prints a summary.\n\n"
+    "Without a GPU it says so and runs the same code paths on CPU with a tiny preset (exit 0); that dry "
+    "run writes nothing unless --out is given (then selfcheck-cpu-dry-run.csv in it)."
 )
 
 EPILOG = """[bold]Examples[/]
 
-[cyan]streambp-bench selfcheck[/]    (results/gpu/selfcheck.csv)
+[cyan]streambp-bench selfcheck[/]    (on a GPU: results/gpu/selfcheck.csv; on a CPU: summary only)
 
 [cyan]streambp-bench selfcheck --out /tmp/check --skip-time --skip-profile[/]
 """
 
 
+def _results_file(out: Path | None, device: str):
+    """The CSV the rows go to (checked before any work): selfcheck.csv in --out, default results/gpu on
+    CUDA; selfcheck-cpu-dry-run.csv in --out on a CPU, none without --out."""
+    from streambp_bench.results import ResultsFile
+
+    folder = Path("results/gpu") if out is None and device == "cuda" else out
+    if folder is None:
+        return None
+    results = ResultsFile(writable_folder(folder) / (
+        "selfcheck.csv" if device == "cuda" else "selfcheck-cpu-dry-run.csv"))
+    results.check_target()
+    return results
+
+
 @user_errors
 def selfcheck(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for selfcheck.csv.")] = Path("results/gpu"),
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Folder for the CSV (default: results/gpu on a GPU; a CPU: none)."),
+    ] = None,
     skip_verify: Annotated[bool, typer.Option("--skip-verify", help="Skip the bf16 gradient check.")] = False,
     skip_memory: Annotated[bool, typer.Option("--skip-memory", help="Skip the memory comparison.")] = False,
     skip_time: Annotated[bool, typer.Option("--skip-time", help="Skip the step-time comparison.")] = False,
@@ -39,15 +58,16 @@ def selfcheck(
 ) -> None:
     """Run the self-check (see the command help)."""
     from streambp_bench import selfcheck as check
-    from streambp_bench.results import ResultsFile
+    from streambp_bench.results import rows_to_frame
     from streambp_bench.selfcheck_report import print_summary
 
     console = stderr_console()
     plan = check.default_plan()
+    results = _results_file(out, plan.device)
     if plan.device == "cpu":
         console.print("[yellow]No CUDA device: a CPU dry run of the same code paths (tiny preset).[/]")
     where = check.device_name(plan)
-    results = ResultsFile(out / ("selfcheck.csv" if plan.device == "cuda" else "selfcheck-cpu-dry-run.csv"))
+    made: list = []
     steps = [("verify", skip_verify, lambda: check.verify_rows(plan, where))]
     model = None if (skip_memory and skip_time and skip_profile) else check.memory_model(plan)
     steps += [("memory", skip_memory, lambda: check.memory_rows(plan, model, where)),
@@ -58,16 +78,20 @@ def selfcheck(
             continue
         with console.status(f"selfcheck: {name} on {where} ..."):
             for row in make_rows():
-                results.upsert(row)
+                made.append(row)
+                if results is not None:
+                    results.upsert(row)
         console.print(f"[green]done[/] {name}")
-    frame = results.load() if results.path.exists() else None
+    frame = results.load() if results is not None and results.path.exists() else None
+    frame = rows_to_frame(made) if frame is None and made else frame
     outcome = {"failed": frame is not None and bool((frame["status"] == "error").any())}
-    document = {"device": where, "csv": str(results.path), "failed": outcome["failed"],
-                "rows": [] if frame is None else frame.to_dict(orient="records")}
+    document = {"device": where, "csv": None if results is None else str(results.path),
+                "failed": outcome["failed"], "rows": [] if frame is None else frame.to_dict(orient="records")}
 
     def render(stdout) -> None:
         outcome["failed"] = print_summary(stdout, frame, where)
-        stdout.print(f"rows written to {results.path}")
+        stdout.print("rows not saved (give --out to keep them)" if results is None
+                     else f"rows written to {results.path}")
 
     emit(document, as_json, render)
     if outcome["failed"] and plan.device == "cuda":

@@ -164,12 +164,18 @@ def test_plot_command_writes_every_figure_the_data_supports(tmp_path: Path) -> N
     assert "wrote 4 figures" in result.stdout and all(name in result.stdout for name in names)
 
 
-def test_plot_command_one_kind_named_after_the_csv(tmp_path: Path) -> None:
-    csv = tmp_path / "fig3.csv"
+def test_plot_command_one_kind_named_after_the_csv_in_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results, work = tmp_path / "results", tmp_path / "work"
+    results.mkdir(), work.mkdir()
+    csv = results / "fig3.csv"
     csv.write_bytes((FIXTURES / "sample_results.csv").read_bytes())
+    monkeypatch.chdir(work)
     result = runner.invoke(app, [str(csv), "--kind", "memory", "--budget-gib", "60"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fig3-memory.png", "fig3.csv"]
+    assert sorted(p.name for p in work.iterdir()) == ["fig3-memory.png"]
+    assert sorted(p.name for p in results.iterdir()) == ["fig3.csv"]  # nothing written next to the CSV
 
 
 def _header_only(path: Path) -> Path:
