@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 
 import streambp_core
+from streambp_bench.errors import USER_ERRORS, print_error
+from streambp_bench.experiments import parse_token_list
 from streambp_bench.results import ResultRow, ResultsFile, provenance
-from streambp_core.config import ConfigError
+from streambp_bench.specs import writable_results
+from streambp_core.config import ConfigError, StepSpec, check_model
 from streambp_core.measure.cuda import cuda_available
 from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.models.load import build_model
@@ -66,29 +69,46 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
+def variants(args: argparse.Namespace, partition: int) -> list[tuple[str, int]]:
+    """(method, LM-head partition) to profile, each checked as a step spec (ConfigError) before any work."""
+    check_model(args.model)
+    head_partitions = parse_token_list(args.ps_head, "LM-head partition")
+    found = [(method, head) for method in args.methods.split(",")
+             for head in (head_partitions if method != "checkpoint" else (100,))]
+    for method, head in found:
+        StepSpec(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=partition,
+                 head_partition_size=head, dtype=args.dtype, attn=args.attn)
+    return found
+
+
 def main() -> int:
+    """Run the profile; bad input (options, model, --out) is one `error:` line and exit code 2."""
     args = parse_args()
+    try:
+        return run(args)
+    except USER_ERRORS as error:
+        print_error(error)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile every variant and print (and with --out, upsert) its rows."""
     device = ("cuda" if cuda_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not cuda_available():
-        print("error: --device cuda: no CUDA device is available; use --device cpu", file=sys.stderr)
-        return 2
-    try:
-        model = build_model(args.model, dtype=getattr(torch, args.dtype), device=device)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError("--device cuda: no CUDA device is available; use --device cpu")
+    partition = args.ps or max(1, -(-args.seq_len // 3))
+    chosen = variants(args, partition)
+    writable_results(args.out)
+    model = build_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     ids = torch.randint(model.config.vocab_size, (1, args.seq_len), device=device)
-    partition = args.ps or -(-args.seq_len // 3)
     rows = []
-    for method in args.methods.split(","):
-        head_partitions = [int(p) for p in args.ps_head.split(",")] if method != "checkpoint" else [100]
-        for head_partition in head_partitions:
-            found = profile_rows(model, ids, method, partition, head_partition, args, device)
-            print(f"== {method}, ps-head {head_partition}: {found[0].value:.1f} ms per step (median) at "
-                  f"{args.seq_len} tokens (partition {partition}, {found[0].source}, {found[0].device_name})")
-            for row in found[1:]:
-                print(f"   {row.metric.removeprefix('kernel_ms_'):18s} {row.value:9.1f} ms")
-            rows += found
+    for method, head_partition in chosen:
+        found = profile_rows(model, ids, method, partition, head_partition, args, device)
+        print(f"== {method}, ps-head {head_partition}: {found[0].value:.1f} ms per step (median) at "
+              f"{args.seq_len} tokens (partition {partition}, {found[0].source}, {found[0].device_name})")
+        for row in found[1:]:
+            print(f"   {row.metric.removeprefix('kernel_ms_'):18s} {row.value:9.1f} ms")
+        rows += found
     if args.out:
         ResultsFile(args.out).append_many(rows)
         print(f"rows upserted into {args.out}")

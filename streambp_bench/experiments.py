@@ -43,15 +43,18 @@ MAX_GRID_POINTS = 10_000
 """Most points one sweep runs (and most values one list or range expands to): a larger grid is a typo
 (a STEP of 1 token), refused before it is built."""
 
-_NUMBER = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
+_NUMBER = re.compile(r"^(\d+(?:\.\d+)?)(k|ki)?$", re.IGNORECASE)
+SUFFIXES = {"": 1, "k": 1000, "ki": 1024}
+"""Token-count suffixes: k = 1000 (the paper's unit, as on every plot axis and table), ki = 1024."""
 
 
 def parse_tokens(text: str, what: str = "length") -> int:
-    """'4096' -> 4096, '4k' -> 4096, '1.5k' -> 1536 (k = 1024); ConfigError otherwise."""
+    """'4096' -> 4096, '4k' -> 4000, '1.5k' -> 1500, '4ki' -> 4096 (`SUFFIXES`); ConfigError otherwise."""
     match = _NUMBER.match(text.strip())
     if not match:
-        raise ConfigError(f"bad {what} {text!r}: use an integer, optionally with a k suffix (4k = 4096)")
-    value = float(match.group(1)) * (1024 if match.group(2) else 1)
+        raise ConfigError(f"bad {what} {text!r}: use an integer, optionally with a k suffix "
+                          "(k = 1000: 4k = 4000; ki = 1024: 4ki = 4096)")
+    value = float(match.group(1)) * SUFFIXES[(match.group(2) or "").lower()]
     if not value.is_integer() or value < 1:
         raise ConfigError(f"bad {what} {text!r}: must be a positive whole number of tokens")
     return int(value)

@@ -14,7 +14,7 @@ from streambp_bench.max_len import MethodResult, Plan
 from streambp_bench.output import stdout_console
 from streambp_bench.results import ResultRow, allocator_columns, host_columns, memory_columns, spec_fields
 from streambp_core.measure.tags import CATEGORIES
-from streambp_core.measure.units import GIB, format_size
+from streambp_core.measure.units import GIB, format_size, memory_unit
 from streambp_core.search import ProbeResult
 
 
@@ -94,10 +94,12 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
     )
     lengths = Table(title=title, title_justify="left")
     host = ("host GiB", "copied GiB each way") if plan.offloads else ()
-    for column in ("method", "max length", "bracket (fits, fails)", "peak GiB", *host, "source", "x ckpt"):
+    scale, unit = memory_unit([peak for r in results if (peak := peak_gib(r)) is not None])
+    columns = ("method", "max length", "bracket (fits, fails)", f"peak {unit}", *host, "source", "x ckpt")
+    for column in columns:
         lengths.add_column(column, justify="left" if column in ("method", "source") else "right")
     shown = [c for c in CATEGORIES if any(breakdown_gib(r).get(c, 0) > 0 for r in results)]
-    breakdown = Table(title="memory at that peak by category, GiB", title_justify="left")
+    breakdown = Table(title=f"memory at that peak by category, {unit}", title_justify="left")
     for column in ("method", *shown):
         breakdown.add_column(column, justify="left" if column == "method" else "right")
     for r in results:
@@ -109,12 +111,12 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
             r.label,
             f"{r.search.max_len_tokens:,}",
             f"{lo:,}, {'-' if hi is None else f'{hi:,}'}",
-            _gib(peak),
+            "-" if peak is None else f"{peak * scale:.2f}",
             *host_cells,
             plan.target.source,
             "-" if ratio is None else f"{ratio:.2f}",
         )
-        breakdown.add_row(r.label, *(f"{parts[c]:.2f}" if c in parts else "-" for c in shown))
+        breakdown.add_row(r.label, *(f"{parts[c] * scale:.2f}" if c in parts else "-" for c in shown))
     return lengths, breakdown
 
 
@@ -234,7 +236,7 @@ class ProgressView:
         self.tasks = {m: progress.add_task(f"{m:<10} waiting", total=None) for m in plan.labels}
 
     def __call__(self, label: str, result: ProbeResult, lo: int, hi: int | None) -> None:
-        peak = "no peak" if result.peak_bytes is None else f"{result.peak_bytes / GIB:.2f} GiB"
+        peak = "no peak" if result.peak_bytes is None else format_size(result.peak_bytes)
         verdict = "fits" if result.fits(self.budget, self.host_budget) else _failure(result, self.host_budget)
         text = (
             f"{label:<10} {result.source} probe {result.seq_len_tokens:>10,} tokens: {peak} ({verdict}); "

@@ -20,6 +20,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from streambp_core.measure.units import memory_unit
+
 KINDS = ("memory", "time", "ablation", "maxlen")
 """Figure kinds, in the order `available_kinds` lists them."""
 METHOD_ORDER = ("plain", "checkpoint", "mst", "streambp")
@@ -130,13 +132,6 @@ def max_length_bars(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> Figu
     ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Maximum trainable length ({_sources(data)}{'' if paper is None else '; hatched: paper'})")
     return fig
-
-
-def memory_unit(values_gib) -> tuple[float, str]:
-    """(factor from GiB, unit): MiB when every value is below 1 GiB (so small models do not read 0.00),
-    else GiB."""
-    values = [abs(float(v)) for v in values_gib]
-    return (1024.0, "MiB") if values and max(values) < 1.0 else (1.0, "GiB")
 
 
 def available_kinds(df: pd.DataFrame) -> list[str]:

@@ -276,7 +276,8 @@ def render(out_dir: Path) -> str:
         "",
         "Written by `streambp-bench reproduce` from the CSVs in this directory "
         f"(numbers next to {paper.PAPER}: Fig. 3 and Tables 1, 3, 4 and 6). Each table names its source: "
-        "simulated, measured-cpu or measured-cuda.",
+        "simulated, measured-cpu or measured-cuda. Lengths in k are thousands of tokens (k = 1000, the "
+        "paper's unit).",
         "",
         PROTOCOL,
     ]

@@ -28,6 +28,7 @@ from streambp_bench.specs import (
     writable_results,
 )
 from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib, check_model
+from streambp_core.measure.units import format_size
 
 if TYPE_CHECKING:
     from streambp_bench.results import ResultRow
@@ -40,8 +41,9 @@ HELP = (
     "peak above --budget-gib is written with status oom. [bold]cpu[/] / [bold]cuda[/] run real steps.\n\n"
     "Each point is written as soon as it finishes (atomic rewrite of the CSV), so Ctrl-C or a kill loses "
     "no finished point; running the same sweep again skips the points already in the file (resume) and "
-    "runs the rest. --force re-runs every point and replaces its rows. Lengths take a k suffix (1k = 1024 "
-    "tokens) and ranges START:STOP:STEP (inclusive).\n\n"
+    "runs the rest. --force re-runs every point and replaces its rows. Lengths and partition sizes take a "
+    "k suffix (k = 1000 tokens, the paper's unit and the plots': 4k = 4000) or ki (1024: 4ki = 4096), and "
+    "ranges START:STOP:STEP (inclusive).\n\n"
     "Each row records the attention kernel (--attn), the step protocol and whether gradients existed "
     "before the step, so a sweep with another --attn is other points: it runs them, it does not skip "
     "them.\n\n"
@@ -95,17 +97,18 @@ def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
     row = rows[0]
     if row.status == "error":
         return f"{where}: error"
-    return f"{where}: {row.peak_allocated_gib or 0:.2f} GiB ({row.status})"
+    return f"{where}: {format_size((row.peak_allocated_gib or 0) * 2**30)} ({row.status})"
 
 
 @user_errors
 def sweep(
     seq_len: Annotated[
-        str, typer.Option("--seq-len", "-T", help="Comma list and/or START:STOP:STEP ranges; k = 1024.")
+        str,
+        typer.Option("--seq-len", "-T", help="Comma list and/or START:STOP:STEP ranges; k = 1000, ki = 1024"),
     ] = "4k:32k:4k",
     ps: Annotated[
-        str, typer.Option("--ps", help="Comma list of layer partition sizes (streambp, mst), or auto: the "
-                          "largest whose simulated peak fits the budget.")
+        str, typer.Option("--ps", help="Comma list of layer partition sizes (streambp, mst; k = 1000), or "
+                          "auto: the largest whose simulated peak fits the budget.")
     ] = "500",
     ps_head: opt.AutoHeadPartitionSize = "100",
     gpu_model: opt.GpuModelOption = None,
@@ -135,7 +138,7 @@ def sweep(
         float | None, typer.Option("--budget-gib", help="Budget of a point (default: GPU memory, else 80).")
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Results CSV to upsert into.")] = Path(
-        "results/sweep.csv"
+        "sweep.csv"
     ),
     force: Annotated[bool, typer.Option("--force", help="Re-run points already in --out.")] = False,
     as_json: opt.Json = False,

@@ -1,5 +1,5 @@
 """StreamBP for one decoder layer: a no-grad chunked forward that keeps only the layer input, and a
-backward that recomputes the layer chunk by chunk along the sequence (PAPER.md section 1).
+backward that recomputes the layer chunk by chunk along the sequence (the StreamBP paper, arXiv 2506.03077).
 
 Backward, per layer:
 1. From the saved input H_in, compute K and V of the whole sequence once, without grad (B, Hkv, T, hd)

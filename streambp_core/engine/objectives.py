@@ -3,8 +3,8 @@
 Every objective splits into (1) per-token terms that need only one chunk of logits and per-token inputs
 fixed before the step, summed into per-sequence statistics S (B,), and (2) a small `reduce(S)` that may be
 non-linear (DPO). The head runs a no-grad pass for S, then dL/dS from `reduce`, then a chunked backward
-of sum_b dL/dS[b] * S[b] (PAPER.md section 1, "Objectives"). For SFT this is the usual mean token
-cross-entropy; the same code path serves every method, so the objectives are defined once.
+of sum_b dL/dS[b] * S[b] (as in the StreamBP paper, arXiv 2506.03077). For SFT this is the usual mean
+token cross-entropy; the same code path serves every method, so the objectives are defined once.
 """
 
 from __future__ import annotations

@@ -29,3 +29,10 @@ def format_size(num_bytes: float) -> str:
     if num_bytes >= GIB:
         return f"{num_bytes / GIB:.2f} GiB"
     return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def memory_unit(values_gib) -> tuple[float, str]:
+    """(factor from GiB, unit) for showing `values_gib` together: MiB when every value is below 1 GiB (so
+    small models do not read 0.00), else GiB."""
+    values = [abs(float(v)) for v in values_gib]
+    return (1024.0, "MiB") if values and max(values) < 1.0 else (1.0, "GiB")

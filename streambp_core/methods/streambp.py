@@ -1,4 +1,4 @@
-"""streambp: every decoder layer and the LM head streamed along the sequence (PAPER.md section 1).
+"""streambp: every decoder layer and the LM head streamed along the sequence (arXiv 2506.03077).
 
 The model itself is not changed: `loss` drives its modules through the engine's autograd functions —
 embedding, then one `StreamedLayer` per decoder layer, then the `StreamedHead` (final norm, lm_head and

@@ -13,10 +13,12 @@ from streambp_core.config import ConfigError, StepSpec
 from streambp_core.step.target import resolve_target
 
 
-def test_token_lists_accept_k_suffix_and_inclusive_ranges() -> None:
-    assert exp.parse_token_list("1k,2048") == (1024, 2048)
-    assert exp.parse_token_list("4k:16k:4k") == (4096, 8192, 12288, 16384)
-    assert exp.parse_token_list("100, 100,1.5k") == (100, 1536)
+def test_token_lists_take_k_as_1000_as_the_plots_do_and_ki_as_1024() -> None:
+    assert exp.parse_token_list("1k,2048") == (1000, 2048)
+    assert exp.parse_token_list("4k:16k:4k") == (4000, 8000, 12000, 16000)
+    assert exp.parse_token_list("100, 100,1.5k") == (100, 1500)
+    assert exp.parse_token_list("4ki:8Ki:4KI,1K") == (4096, 8192, 1000)
+    assert exp.parse_token_list("500,1k,2k,5k", "partition size") == (500, 1000, 2000, 5000)  # the paper's
 
 
 @pytest.mark.parametrize("text", ["", "4x", "0", "8k:4k:1k", "1:2", "-5"])

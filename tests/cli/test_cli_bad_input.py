@@ -1,0 +1,114 @@
+"""The README's "Bad input" promise across commands: one `error:` line on stderr, exit 2, before any work;
+and the numbers a hostile user tries (nan, inf, negative, zero) on every command that takes them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from streambp_bench.cli import app
+from streambp_bench.results import ResultsFile
+
+REPO = Path(__file__).parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+TINY = ["-m", "tiny/llama"]
+
+
+def _one_line_error(result, *words: str) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output and all(word in lines[0] for word in words), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("number", ["nan", "inf", "-inf", "-1", "0"])
+@pytest.mark.parametrize(
+    "command", [["max-len", *TINY], ["sweep", *TINY], ["plot", str(FIXTURES / "max_len.csv")]]
+)
+def test_every_budget_is_a_finite_positive_number(tmp_path: Path, command: list[str], number: str) -> None:
+    result = CliRunner().invoke(app, [*command, "--budget-gib", number, "--out", str(tmp_path / "o.csv")])
+    _one_line_error(result, "--budget-gib must be a finite positive number")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["verify", *TINY, "-T", "1"], ["seq_len"]),
+        (["verify", *TINY, "--ps-head", "0"], ["head_partition_size"]),
+        (["verify", *TINY, "--lora-rank", "-1"], ["lora rank"]),
+        (["max-len", *TINY, "-b", "0"], ["batch_size"]),
+        (["max-len", *TINY, "--ps", "-3"], ["partition_size"]),
+        (["sweep", *TINY, "--seq-len", "nan"], ["bad length 'nan'", "k = 1000"]),
+        (["sweep", *TINY, "--seq-len", "inf"], ["bad length 'inf'"]),
+        (["sweep", *TINY, "--seq-len", "-1k"], ["bad length '-1k'"]),
+        (["sweep", *TINY, "--seq-len", "0.5"], ["whole number"]),
+        (["sweep", *TINY, "--seq-len", "2:1000000000:1"], ["at most 10,000"]),
+        (["sweep", *TINY, "--ps", "nan"], ["bad partition size 'nan'"]),
+        (["sweep", *TINY, "--ps-head", "0"], ["head_partition_size"]),
+        (["verify", *TINY, "--seq-len", "abc"], ["'--seq-len'", "valid integer"]),
+    ],
+)
+def test_numbers_out_of_range_are_one_line(tmp_path: Path, args: list[str], words: list[str]) -> None:
+    out = ["--out", str(tmp_path / "o.csv")] if args[0] == "sweep" else []
+    _one_line_error(CliRunner().invoke(app, [*args, *out]), *words)
+
+
+def test_sweep_writes_into_the_current_folder_by_default(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["sweep", *TINY, "--seq-len", "0.064k", "--method", "checkpoint",
+                                      "--device", "sim", "--budget-gib", "1"])
+    assert result.exit_code == 0, result.output
+    written = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]  # .sweep.csv.lock: the lock
+    assert written == ["sweep.csv"]  # not results/sweep.csv
+    rows = ResultsFile(tmp_path / "sweep.csv").rows()
+    assert [row.seq_len_tokens for row in rows] == [64]  # 0.064k: k = 1000
+
+
+def test_max_len_tables_of_a_small_budget_are_in_mib() -> None:
+    sizes = ["--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]
+    result = CliRunner().invoke(app, ["max-len", *TINY, "--method", "streambp", "--device", "sim", *sizes])
+    assert result.exit_code == 0, result.output
+    assert "peak MiB" in result.stdout and "by category, MiB" in result.stdout
+    assert " 0.00 " not in result.stdout
+
+
+def _profile_step():
+    spec = importlib.util.spec_from_file_location("profile_step", REPO / "benchmarks" / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--seq-len", "0"], ["seq_len must be"]),
+        (["--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
+        (["--methods", "nosuch"], ["unknown method 'nosuch'"]),
+        (["--model", "nosuch"], ["unknown model 'nosuch'"]),
+    ],
+)
+def test_profile_step_bad_input_is_one_line_before_building_a_model(
+    args: list[str], words: list[str], monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--model", "tiny/qwen3", "--device", "cpu", *args])
+    assert _profile_step().main() == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), lines
+
+
+def test_profile_step_checks_its_out_before_any_work(tmp_path: Path, monkeypatch, capsys) -> None:
+    damaged = tmp_path / "profile.csv"
+    damaged.write_bytes(b"\x89PNG\x00\xff")
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--model", "tiny/qwen3", "--device", "cpu",
+                                      "--seq-len", "32", "--out", str(damaged)])
+    module = _profile_step()
+    monkeypatch.setattr(module, "build_model", lambda *a, **k: pytest.fail("built a model before --out"))
+    assert module.main() == 2
+    assert "not a text CSV" in capsys.readouterr().err
