@@ -160,11 +160,14 @@ def run_point(spec: StepSpec, target, config=None) -> list[ResultRow]:
 def _measured(spec: StepSpec, device: str, config):
     """A tracked step on real tensors (the peak), then `MEASURE_REPEATS` timed steps after a warm-up."""
     from streambp_core.methods import prepare
-    from streambp_core.step.probe import measure_setup
+    from streambp_core.step.probe import cpu_ram_refusal, measure_setup
     from streambp_core.step.setup import build_setup, reset_grads, resolve_config
     from streambp_core.step.timing import time_step
 
-    setup = build_setup(spec, resolve_config(spec, config), device)
+    config = resolve_config(spec, config)
+    if device == "cpu" and (refusal := cpu_ram_refusal(spec, config)) is not None:
+        raise MemoryError(f"not run: {refusal}")  # an oom row: RAM is a CPU step's device memory
+    setup = build_setup(spec, config, device)
     probe = measure_setup(setup, device)
     if probe.status != "ok":
         raise MemoryError(probe.message or "out of memory")

@@ -28,7 +28,6 @@ from streambp_bench.specs import (
     writable_results,
 )
 from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib, check_model
-from streambp_core.measure.units import format_size
 
 if TYPE_CHECKING:
     from streambp_bench.results import ResultRow
@@ -89,6 +88,8 @@ def _progress() -> Progress:
 
 
 def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
+    from streambp_core.measure.units import format_size
+
     where = f"{spec_label(point)} {point.model} T={point.seq_len_tokens:,}"
     if point.partitioned:
         where += f" ps={point.partition_size}"

@@ -78,14 +78,9 @@ def cpu_probe(spec: StepSpec, config: PretrainedConfig, available_bytes: int | N
     built: list = []
 
     def probe(seq_len: int) -> ProbeResult:
-        need = simulate(spec.at(seq_len), config).peak_bytes + cpu_attention_workspace_bytes(
-            spec.at(seq_len), config)
-        if need > CPU_RAM_FRACTION * ram:
-            return ProbeResult(
-                seq_len_tokens=seq_len, status=REFUSED, source="measured-cpu",
-                message=f"needs ~{need / 2**30:.1f} GiB of RAM (simulated peak + attention workspace); "
-                f"{ram / 2**30:.1f} GiB available, probes use at most {CPU_RAM_FRACTION:.0%}",
-            )
+        refusal = cpu_ram_refusal(spec.at(seq_len), config, ram)
+        if refusal is not None:
+            return ProbeResult(seq_len_tokens=seq_len, status=REFUSED, source="measured-cpu", message=refusal)
         if not built:
             built.extend(build_training_model(spec, config, "cpu"))
         model, optimizer = built
@@ -93,6 +88,18 @@ def cpu_probe(spec: StepSpec, config: PretrainedConfig, available_bytes: int | N
                                          optimizer=optimizer), "cpu")
 
     return probe
+
+
+def cpu_ram_refusal(spec: StepSpec, config: PretrainedConfig, available_bytes: int | None = None
+                    ) -> str | None:
+    """Why a real CPU step of `spec` must not run (its simulated peak plus the attention workspace is over
+    CPU_RAM_FRACTION of the RAM available: it would allocate until the machine dies), or None."""
+    ram = available_ram_bytes() if available_bytes is None else available_bytes
+    need = simulate(spec, config).peak_bytes + cpu_attention_workspace_bytes(spec, config)
+    if need <= CPU_RAM_FRACTION * ram:
+        return None
+    return (f"needs ~{need / 2**30:.1f} GiB of RAM (simulated peak + attention workspace); "
+            f"{ram / 2**30:.1f} GiB available, a CPU step uses at most {CPU_RAM_FRACTION:.0%}")
 
 
 def cuda_probe(spec: StepSpec, budget_bytes: int, timeout_s: float = 1800) -> Probe:

@@ -112,3 +112,18 @@ def test_profile_step_checks_its_out_before_any_work(tmp_path: Path, monkeypatch
     monkeypatch.setattr(module, "build_model", lambda *a, **k: pytest.fail("built a model before --out"))
     assert module.main() == 2
     assert "not a text CSV" in capsys.readouterr().err
+
+
+def test_a_cpu_sweep_point_that_would_not_fit_in_ram_is_not_run(tmp_path: Path, monkeypatch) -> None:
+    from streambp_core.step import probe
+
+    monkeypatch.setattr(probe, "available_ram_bytes", lambda: 2**20)  # 1 MiB of RAM: nothing fits
+    monkeypatch.setattr("streambp_core.step.setup.build_setup", lambda *a, **k: pytest.fail("built a model"))
+    out = tmp_path / "cpu.csv"
+    result = CliRunner().invoke(app, ["sweep", *TINY, "--device", "cpu", "--seq-len", "64", "--method",
+                                      "checkpoint", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = ResultsFile(out).rows()
+    assert {row.status for row in rows} == {"oom"} and {row.metric for row in rows} == {"peak_memory",
+                                                                                        "step_time"}
+    assert all(row.error.startswith("not run: needs ~") and "GiB of RAM" in row.error for row in rows)
