@@ -87,9 +87,10 @@ TABLE6_REL_ERR: dict[str, float] = {
 
 def max_len_records() -> list[dict[str, object]]:
     """Every published maximum length as a results-like record: model, lora_rank (None: full
-    parameters), objective, optimizer, budget_gib (80, the A800), method and value (tokens): Fig. 3
+    parameters), objective, optimizer, budget_gib (80, the A800), offload (none), method and value
+    (tokens): Fig. 3
     (BP only: sft, no optimizer) and Table 3 (AdamW)."""
-    base = {"budget_gib": 80.0}
+    base = {"budget_gib": 80.0, "offload": "none"}
     fig3 = [
         {**base, "model": FIG3_MODELS[label][0], "lora_rank": FIG3_MODELS[label][1] or None,
          "objective": "sft", "optimizer": "none", "method": method, "value": k * 1000}

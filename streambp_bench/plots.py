@@ -236,12 +236,16 @@ def _describe(column: str, value: object) -> str:
     return f"{prefix}{value}"
 
 
+PAPER_MATCH_COLUMNS = {"model", "objective", "lora_rank", "optimizer", "budget_gib", "offload"}
+"""Columns a published value is matched on, those of them the published frame has."""
+
+
 def _paper_value(paper: pd.DataFrame | None, rows: pd.DataFrame, method: str) -> float | None:
     """The published value for this group and method, matched on the columns `paper` has."""
     if paper is None:
         return None
     match = paper["method"] == method
-    for column in {"model", "objective", "lora_rank", "optimizer", "budget_gib"} & set(paper.columns):
+    for column in PAPER_MATCH_COLUMNS & set(paper.columns):
         ours = rows[column].iloc[0]
         match &= paper[column].isna() if pd.isna(ours) else paper[column] == ours
     values = paper.loc[match, "value"]

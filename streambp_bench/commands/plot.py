@@ -67,12 +67,12 @@ def choose_kinds(df: pd.DataFrame, kind: Kind) -> list[str]:
 
 def paper_reference(df: pd.DataFrame) -> pd.DataFrame | None:
     """The paper's published max lengths for the max_len rows of `df` that are the paper's cells (same
-    model, LoRA rank, objective, optimizer and budget), or None when no row is one."""
+    model, LoRA rank, objective, optimizer, budget, no offload), or None when no row is one."""
     import pandas as pd
 
     from streambp_bench import paper
 
-    columns = ["model", "lora_rank", "objective", "optimizer", "budget_gib", "method"]
+    columns = ["model", "lora_rank", "objective", "optimizer", "budget_gib", "offload", "method"]
     published = pd.DataFrame(paper.max_len_records())
     ours = df.loc[(df["metric"] == "max_len") & (df["status"] == "ok"), columns].drop_duplicates()
     ours = ours.astype({"lora_rank": "float64"})

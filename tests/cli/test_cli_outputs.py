@@ -106,6 +106,7 @@ def test_plot_of_the_papers_cells_draws_the_papers_bars_as_reproduce_does() -> N
     assert dict(zip(ours["method"], ours["value"], strict=True)) == {
         "plain": 4700, "checkpoint": 20000, "streambp": 110000}
     assert paper_reference(rows.assign(budget_gib=40.0)) is None  # another budget is not the paper's cell
+    assert paper_reference(rows.assign(offload="checkpoints")) is None
     assert paper_reference(rows.assign(model="tiny/llama")) is None
 
 
