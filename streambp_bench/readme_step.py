@@ -13,11 +13,13 @@ One training step (loss and backward) of two Qwen3-1.7B decoder layers at 16k to
 every aten op recorded (`benchmarks/step_flops.py --out results/benchmarks/step_flops.csv`): matmul
 FLOPs by torch's formulas (in-place `addmm_` included), ops dispatched (views included) and kernels
 launched (ops that move data). Layer partition T/3 (the paper's timing protocol). Targets: FLOPs
-<= 1.00x checkpoint (met by the fused head), dispatched ops <= 2x checkpoint (not met: a layer chunk
-dispatches about as many ops as a whole checkpointed layer, ~420, most of them the model's own RMSNorm,
-RoPE and their backward, so three chunks per layer cost ~3x; fewer ops per chunk needs fused kernels,
-which only a GPU can show to be faster).
+<= 1.00x checkpoint (met by the fused head), dispatched ops <= 2x checkpoint (not met: 3.17x with the
+fused head at partition 1024, from 3.79x before its final norm ran once per block of 16 chunks and RoPE's
+rotate_half became a roll times a sign, bit for bit the same; each of the three chunks of a layer
+dispatches the model's own RMSNorm, RoPE, projections and their backward, about as many ops as a whole
+checkpointed layer, so fewer needs fused kernels, which only a GPU can show to be faster).
 """
+
 
 ESTIMATE_TEXT = """\
 Roofline estimate (`streambp_core.step.estimate`): per op max(FLOPs / (datasheet bf16 peak x 0.70 for

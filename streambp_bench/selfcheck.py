@@ -33,7 +33,7 @@ from streambp_core.measure.units import GIB
 from streambp_core.methods import prepare
 from streambp_core.models.load import build_model, load_config
 from streambp_core.search import OK, ProbeResult
-from streambp_core.step.partitions import auto_partitions
+from streambp_core.step.partitions import fitting_partitions
 from streambp_core.step.probe import measure_setup
 from streambp_core.step.setup import build_setup
 from streambp_core.step.simulate import simulate
@@ -160,22 +160,16 @@ def timed_variants(plan: CheckPlan) -> list[tuple[str, int | str]]:
 
 def _partitions(plan: CheckPlan, seq_len: int, head_partition: int | str) -> tuple[int, int]:
     """(layer partition, head partition) of a timed variant: T/3 and the given head partition, or for
-    AUTO the largest pair whose simulated peak fits the plan's budget."""
+    AUTO the largest pair whose simulated peak (the fused head the timed step runs, its vocab x hidden
+    gradient buffer included) fits the plan's budget."""
     if head_partition != AUTO:
         return -(-seq_len // 3), head_partition
     budget = (plan.budget_gib * GIB if plan.budget_gib is not None
               else torch.cuda.get_device_properties(plan.device).total_memory)
-    config = load_config(plan.memory_model)
-    weight_bytes = torch.finfo(getattr(torch, plan.dtype)).bits // 8
-    budget -= config.vocab_size * config.hidden_size * weight_bytes  # the fused head's weight-gradient
-    cache: dict = {}  # buffer, which the simulated step (recomputing head) does not hold
-
-    def fits(partition: int, head: int) -> bool:
-        spec = StepSpec(model=plan.memory_model, method="streambp", seq_len_tokens=seq_len, dtype=plan.dtype,
-                        partition_size=partition, head_partition_size=head)
-        return simulate(spec, config, cache=cache).peak_bytes <= budget
-
-    return auto_partitions(seq_len, fits)
+    spec = StepSpec(model=plan.memory_model, method="streambp", seq_len_tokens=seq_len, dtype=plan.dtype,
+                    head_mode="auto")
+    chosen = fitting_partitions(spec, int(budget), load_config(plan.memory_model))
+    return chosen.partition_size, chosen.head_partition_size
 
 
 def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_partition: int | str):

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from streambp_core.engine.attention import prefix_attention
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf, window_start
 from streambp_core.engine.linear_grads import (
+    Rope,
     down_projection_backward,
     gated_mlp,
     kv_projection_backward,
@@ -69,7 +69,7 @@ class LayerPlan:
         return ChunkRouting(self.parts.router, self.router_aux, grad)
 
 
-def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
     """Normed input x (B, c, d) -> rotated q (B, H, c, hd), rotated k and v (B, Hkv, c, hd)."""
     b, c, _ = x.shape
     q = parts.q_proj(x).view(b, c, parts.num_heads, parts.head_dim)
@@ -77,8 +77,7 @@ def project_qkv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple
     v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
     if parts.q_norm is not None:
         q, k = parts.q_norm(q), parts.k_norm(k)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    return q, k, v.transpose(1, 2)
+    return rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope), v.transpose(1, 2)
 
 
 def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
@@ -98,33 +97,29 @@ def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, va
     return h + (mlp if parts.mlp_out_norm is None else parts.mlp_out_norm(mlp))
 
 
-def project_q(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
     """Normed input x (B, c, d) -> rotated q (B, H, c, hd)."""
     b, c, _ = x.shape
     q = parts.q_proj(x).view(b, c, parts.num_heads, parts.head_dim)
     if parts.q_norm is not None:
         q = parts.q_norm(q)
-    return rotate(q.transpose(1, 2), cos, sin)
+    return rotate(q.transpose(1, 2), rope)
 
 
-def project_kv(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
     """Normed input x (B, c, d) -> rotated k, v (B, Hkv, c, hd) and k before its norm (B, c, Hkv, hd)."""
     b, c, _ = x.shape
     raw_k = parts.k_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
     k = raw_k if parts.k_norm is None else parts.k_norm(raw_k)
-    return rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2), raw_k
-
-
-def _rope(cos: Tensor, sin: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
-    return cos[:, start:end], sin[:, start:end]
+    return rotate(k.transpose(1, 2), rope), v.transpose(1, 2), raw_k
 
 
 def _valid(key_valid: Tensor | None, first: int, end: int) -> Tensor | None:
     return None if key_valid is None else key_valid[:, first:end]
 
 
-def _kv_cache(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor):
+def _kv_cache(plan: LayerPlan, h_in: Tensor, rope: Rope):
     """Rotated K and V of the whole sequence (B, Hkv, T, hd), computed chunk by chunk, without grad, and
     the keys before the k-norm (B, T, Hkv, hd) when the backward takes a k-norm's gradient from them."""
     parts = plan.parts
@@ -136,7 +131,7 @@ def _kv_cache(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor):
         raw_keys = h_in.new_empty((b, t, parts.num_kv_heads, parts.head_dim)) if keep_raw else None
     for start, end in chunk_bounds(t, plan.partition_size, plan.keep_chunks):
         x = parts.input_norm(h_in[:, start:end])
-        k, v, raw_k = project_kv(parts, x, *_rope(cos, sin, start, end))
+        k, v, raw_k = project_kv(parts, x, rope.chunk(start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
         if raw_keys is not None:
             raw_keys[:, start:end] = raw_k
@@ -156,7 +151,7 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
                      routing: ChunkRouting | None = None):
     """Layer output without grad, one query chunk at a time; K/V fill in as the chunks advance. With
     `routing`, each chunk's routing sums are added to it."""
-    parts = plan.parts
+    parts, rope = plan.parts, Rope.of(cos, sin)
     b, t, _ = h_in.shape
     shape = (b, parts.num_kv_heads, t, parts.head_dim)
     with memory_category("kv"):
@@ -165,7 +160,7 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
         h_out = torch.empty_like(h_in)
     for start, end in chunk_bounds(t, plan.partition_size, plan.keep_chunks):
         h = h_in[:, start:end]
-        q, k, v = project_qkv(parts, parts.input_norm(h), *_rope(cos, sin, start, end))
+        q, k, v = project_qkv(parts, parts.input_norm(h), rope.chunk(start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
         first = window_start(end, end - start, parts.sliding_window)
         with _routed(routing, _valid(key_valid, start, end)):
@@ -182,7 +177,8 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
     its own slice of dL/dH_out, and chunks run last to first), so one (B, T, d) gradient is alive, not two.
     `chunk_done(start, end)` is called once chunk start..end no longer reads H_in (offload prefetch).
     """
-    keys, values, raw_keys = _kv_cache(plan, h_in, cos, sin)
+    rope = Rope.of(cos, sin)
+    keys, values, raw_keys = _kv_cache(plan, h_in, rope)
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
@@ -190,7 +186,7 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
         band = slice(window_start(end, end - start, plan.parts.sliding_window), end)
         kv = _KVState(keys[:, :, band], values[:, :, band], d_keys[:, :, band], d_values[:, :, band],
                       None if raw_keys is None else raw_keys[:, start:end])
-        chunk_grad = _chunk_backward(plan, h_in[:, start:end], *_rope(cos, sin, start, end),
+        chunk_grad = _chunk_backward(plan, h_in[:, start:end], rope.chunk(start, end),
                                      _valid(key_valid, band.start, end), kv, grad_out[:, start:end], params,
                                      routing)
         grad_in[:, start:end] = chunk_grad
@@ -212,7 +208,7 @@ class _KVState:
     """The chunk's own keys before the k-norm (B, c, Hkv, hd), or None."""
 
 
-def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk, params, routing) -> Tensor:
+def _chunk_backward(plan, h_in_chunk, rope: Rope, valid, kv: _KVState, grad_chunk, params, routing) -> Tensor:
     """Back-propagate one chunk; returns its dL/dH_in. Three passes, so the prefix needs no copy:
     1. the chunk's output against the cached K/V prefix (views, no concatenation) -> dQ path, o_proj, MLP,
        residual, and dK/dV of positions 0..e, added to the accumulated ones;
@@ -227,9 +223,9 @@ def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk,
         x = parts.input_norm(h)
         x_leaf = leaf(x)
         if by_hand:
-            q = project_q(parts, x_leaf, cos, sin)
+            q = project_q(parts, x_leaf, rope)
         else:
-            q, k, v = project_qkv(parts, x_leaf, cos, sin)
+            q, k, v = project_qkv(parts, x_leaf, rope)
         with _routed(routing, None if valid is None else valid[:, -h.shape[1]:]):
             outputs = _chunk_outputs(plan, h, q, prefix_k, prefix_v, valid)
     grads = _output_grads(plan, outputs, grad_chunk)
@@ -244,7 +240,7 @@ def _chunk_backward(plan, h_in_chunk, cos, sin, valid, kv: _KVState, grad_chunk,
     d_k, d_v = kv.d_keys[:, :, -c:], kv.d_values[:, :, -c:]
     if by_hand:
         grad_x = grad_or_zeros(x_leaf)
-        grad_x.add_(kv_projection_backward(parts, x_leaf.detach(), kv.raw_keys, d_k, d_v, cos, sin, params))
+        grad_x.add_(kv_projection_backward(parts, x_leaf.detach(), kv.raw_keys, d_k, d_v, rope, params))
     else:
         backward_into([k, v], [d_k, d_v], [x_leaf], params)
         grad_x = grad_or_zeros(x_leaf)

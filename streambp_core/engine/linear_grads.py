@@ -15,9 +15,10 @@ Weight gradients accumulate in `.grad` in place, as `backward_into` does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 from streambp_core.engine.chunks import backward_into, leaf
 from streambp_core.measure.tags import GRADS, memory_category
@@ -64,16 +65,41 @@ def _accumulate_mm(param: Tensor, a: Tensor, b: Tensor) -> None:
         param.grad.addmm_(a, b)
 
 
-def rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+@dataclass(frozen=True)
+class Rope:
+    """RoPE tables of a sequence laid out for heads on dim 1: cos, sin (B, 1, T, hd), and `sign` (hd,),
+    -1 on the first half and +1 on the second, so that transformers' rotate_half(t) = cat(-t2, t1) is
+    roll(t, hd / 2) * sign: two ops instead of four, bit for bit the same values."""
+
+    cos: Tensor
+    sin: Tensor
+    sign: Tensor
+
+    @classmethod
+    def of(cls, cos: Tensor, sin: Tensor) -> Rope:
+        """From transformers' (B, T, hd) tables."""
+        sign = cos.new_ones(cos.shape[-1])
+        sign[: cos.shape[-1] // 2] = -1
+        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign)
+
+    def chunk(self, start: int, end: int) -> Rope:
+        """The tables of positions start..end."""
+        return Rope(self.cos[:, :, start:end], self.sin[:, :, start:end], self.sign)
+
+
+def rotate_half(t: Tensor, rope: Rope) -> Tensor:
+    """transformers' rotate_half of t (..., hd)."""
+    return torch.roll(t, t.shape[-1] // 2, -1).mul_(rope.sign)
+
+
+def rotate(t: Tensor, rope: Rope) -> Tensor:
     """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return t * cos + rotate_half(t) * sin
+    return t * rope.cos + rotate_half(t, rope) * rope.sin
 
 
-def rope_transpose(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1, cos/sin (B, c, hd))."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return grad * cos - rotate_half(grad * sin)
+def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
+    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1)."""
+    return grad * rope.cos - rotate_half(grad * rope.sin, rope)
 
 
 def mlp_inner(mlp: nn.Module, x: Tensor) -> Tensor:
@@ -82,14 +108,14 @@ def mlp_inner(mlp: nn.Module, x: Tensor) -> Tensor:
 
 
 def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Tensor, d_values: Tensor,
-                           cos: Tensor, sin: Tensor, params) -> Tensor:
+                           rope: Rope, params) -> Tensor:
     """dL/dx (B, c, d) through a chunk's k/v projections from its complete dK, dV (B, Hkv, c, hd).
 
     `x` is the chunk's normed input; `raw_keys` (B, c, Hkv, hd) its keys before the k-norm, needed only
     when the layer has one.
     """
     b, c, _ = x.shape
-    d_k = rope_transpose(d_keys, cos, sin).transpose(1, 2)  # (B, c, Hkv, hd), after the k-norm
+    d_k = rope_transpose(d_keys, rope).transpose(1, 2)  # (B, c, Hkv, hd), after the k-norm
     if parts.k_norm is not None:
         raw = leaf(raw_keys)
         with torch.enable_grad():

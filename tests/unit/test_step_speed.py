@@ -9,7 +9,7 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError, StreamConfig
-from streambp_core.engine.linear_grads import linear_backward, rope_transpose, rotate
+from streambp_core.engine.linear_grads import Rope, linear_backward, rope_transpose, rotate
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.step.ops import OpRecorder
 from streambp_core.verify import VerifySpec
@@ -105,8 +105,20 @@ def test_rope_transpose_is_the_vjp_of_rope():
     k = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     cos, sin = torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=gen).unbind(1)
     grad = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=gen)
-    (expected,) = torch.autograd.grad(rotate(k, cos, sin), k, grad)
-    torch.testing.assert_close(rope_transpose(grad, cos, sin), expected, rtol=1e-14, atol=1e-14)
+    rope = Rope.of(cos, sin)
+    (expected,) = torch.autograd.grad(rotate(k, rope), k, grad)
+    torch.testing.assert_close(rope_transpose(grad, rope), expected, rtol=1e-14, atol=1e-14)
+
+
+def test_rope_rotates_bit_for_bit_as_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 2, 3, 5, 8, dtype=torch.bfloat16, generator=gen).unbind(0)
+    cos, sin = torch.randn(2, 2, 5, 8, dtype=torch.bfloat16, generator=gen).unbind(0)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rope = Rope.of(cos, sin)
+    assert torch.equal(rotate(q, rope), expected_q) and torch.equal(rotate(k, rope), expected_k)
 
 
 def test_linear_backward_accumulates_like_autograd():
