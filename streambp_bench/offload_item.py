@@ -67,7 +67,7 @@ def run(settings: Settings) -> list[Path]:
     curve_model = "tiny/llama" if settings.quick else CURVE_MODEL
     lengths = (256, 1024, 4096) if settings.quick else CURVE_TOKENS
     points = [spec.at(length) for spec in specs if spec.model == curve_model for length in lengths]
-    _curve(points, resolve_target("sim", budget), results)
+    _curve(points, resolve_target("sim", budget), results, settings)
     return [plots.save(memory_figure(results.load()), settings.out_dir / "offload-memory.png")]
 
 

@@ -66,7 +66,8 @@ def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
     return row_of(spec, search, provenance("simulated", "meta"))
 
 
-def _curve(points: list[StepSpec], target: Target, results: ResultsFile, settings: Settings) -> None:
+def _curve(points: list[StepSpec], target: Target, results: ResultsFile, settings: Settings | None = None
+           ) -> None:
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
     series: dict[tuple, list[StepSpec]] = {}
     for point in points:
@@ -74,7 +75,8 @@ def _curve(points: list[StepSpec], target: Target, results: ResultsFile, setting
         series.setdefault(key, []).append(point)
     for members in series.values():
         for point in sorted(members, key=lambda p: p.seq_len_tokens):
-            settings.on_point(point)
+            if settings is not None:
+                settings.on_point(point)
             rows = exp.run_point(point, target)
             results.append_many(rows)
             if rows[0].status != "ok":
