@@ -109,7 +109,7 @@ def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: 
             task = progress.add_task(f"{name} ...", total=None)
 
             def note(text: str, name: str = name, task: TaskID = task) -> None:
-                progress.update(task, description=escape(f"{name}: {text}"))
+                progress.update(task, description=escape(f"{name}: {text}"), refresh=True)
 
             settings = items.Settings(out_dir=out, quick=quick, device=device, note=note)
             written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]

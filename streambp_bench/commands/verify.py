@@ -140,7 +140,7 @@ def verify_with_progress(spec) -> VerifyReport:
 
         def on_stage(stage: str, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total,
-                            description=escape(f"verify {spec.model}: {stage}"))
+                            description=escape(f"verify {spec.model}: {stage}"), refresh=True)
 
         return verify_spec(spec, on_stage)
 

@@ -12,18 +12,11 @@ from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
+from tests.cli.errors import one_line_error
 
 REPO = Path(__file__).parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 TINY = ["-m", "tiny/llama"]
-
-
-def _one_line_error(result, *words: str) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 2, result.output
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output and all(word in lines[0] for word in words), lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize("number", ["nan", "inf", "-inf", "-1", "0"])
@@ -32,7 +25,7 @@ def _one_line_error(result, *words: str) -> str:
 )
 def test_every_budget_is_a_finite_positive_number(tmp_path: Path, command: list[str], number: str) -> None:
     result = CliRunner().invoke(app, [*command, "--budget-gib", number, "--out", str(tmp_path / "o.csv")])
-    _one_line_error(result, "--budget-gib must be a finite positive number")
+    one_line_error(result, "--budget-gib must be a finite positive number")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -56,7 +49,7 @@ def test_every_budget_is_a_finite_positive_number(tmp_path: Path, command: list[
 )
 def test_numbers_out_of_range_are_one_line(tmp_path: Path, args: list[str], words: list[str]) -> None:
     out = ["--out", str(tmp_path / "o.csv")] if args[0] == "sweep" else []
-    _one_line_error(CliRunner().invoke(app, [*args, *out]), *words)
+    one_line_error(CliRunner().invoke(app, [*args, *out]), *words)
 
 
 def test_sweep_writes_into_the_current_folder_by_default(tmp_path: Path, monkeypatch) -> None:

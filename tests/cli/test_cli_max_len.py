@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
 from streambp_core.step import target as target_module
+from tests.cli.errors import one_line_error
 
 TINY = ["max-len", "--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]
 SIM = [*TINY, "--device", "sim"]
@@ -18,14 +19,6 @@ SIM = [*TINY, "--device", "sim"]
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
-
-
-def _one_line_error(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 2, result.output
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.output and lines[0].startswith("error: ")
-    return lines[0]
 
 
 def test_json_reports_every_method_with_its_breakdown(runner):
@@ -125,20 +118,20 @@ def test_help_has_examples(runner):
 )
 def test_bad_input_is_one_line_and_exit_2(runner, args, expected):
     result = runner.invoke(app, [*SIM, *args])
-    assert expected in _one_line_error(result)
+    assert expected in one_line_error(result)
 
 
 def test_budget_below_weights_and_grads_gives_the_figure(runner):
     result = runner.invoke(
         app, ["max-len", "--model", "Qwen/Qwen3-8B", "--budget-gib", "24", "--device", "sim"]
     )
-    assert "30.51 GiB in bfloat16" in _one_line_error(result)
+    assert "30.51 GiB in bfloat16" in one_line_error(result)
 
 
 def test_cuda_without_a_gpu_is_one_line(runner, monkeypatch):
     monkeypatch.setattr(target_module, "cuda_available", lambda: False)
     result = runner.invoke(app, [*TINY, "--device", "cuda"])
-    assert "no CUDA device" in _one_line_error(result)
+    assert "no CUDA device" in one_line_error(result)
 
 
 def test_training_step_options_search_a_full_step(runner):
@@ -167,7 +160,7 @@ def test_training_step_options_search_a_full_step(runner):
 )
 def test_bad_training_options(runner, args, expected):
     result = runner.invoke(app, [*TINY, *([] if "--device" in args else ["--device", "sim"]), *args])
-    assert expected in _one_line_error(result)
+    assert expected in one_line_error(result)
 
 
 def test_the_report_ends_with_the_trainer_call_for_the_longest_length(runner):
@@ -184,7 +177,7 @@ def test_the_report_ends_with_the_trainer_call_for_the_longest_length(runner):
     (["--gpus", "0", "--shard", "zero3"], "gpus must be a positive integer"),
 ])
 def test_sharding_bad_input_is_one_line(runner, args, expected):
-    assert expected in _one_line_error(runner.invoke(app, [*TINY, *args]))
+    assert expected in one_line_error(runner.invoke(app, [*TINY, *args]))
 
 
 def test_gpus_and_shard_search_one_rank_and_are_key_columns(runner, tmp_path):

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
+from tests.cli.errors import one_line_error
 
 TINY = ["--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16"]
 MAX_LEN = ["max-len", *TINY, "--budget-gib", "0.003", "--device", "sim"]
@@ -17,13 +18,6 @@ MAX_LEN = ["max-len", *TINY, "--budget-gib", "0.003", "--device", "sim"]
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
-
-
-def _one_line_error(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 2, result.output
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output
-    return lines[0]
 
 
 def test_max_len_offload_both_searches_each_method_with_and_without(runner):
@@ -66,7 +60,7 @@ def test_host_budget_bounds_the_search_by_the_host_pool(runner):
 
 
 def test_host_budget_below_the_shortest_probe_is_one_line(runner):
-    line = _one_line_error(runner.invoke(app, [*MAX_LEN, "--offload", "both", "--host-budget-gib", "1e-9"]))
+    line = one_line_error(runner.invoke(app, [*MAX_LEN, "--offload", "both", "--host-budget-gib", "1e-9"]))
     assert "host budget" in line and "no sequence length fits" in line and "checkpoint + offload" in line
 
 
@@ -79,7 +73,7 @@ def test_host_budget_below_the_shortest_probe_is_one_line(runner):
     ],
 )
 def test_bad_offload_input_is_one_line(runner, args, expected):
-    assert expected in _one_line_error(runner.invoke(app, [*MAX_LEN, *args]))
+    assert expected in one_line_error(runner.invoke(app, [*MAX_LEN, *args]))
 
 
 def test_sweep_offload_both_writes_host_columns_and_skips_plain_offload(runner, tmp_path):
@@ -94,7 +88,7 @@ def test_sweep_offload_both_writes_host_columns_and_skips_plain_offload(runner, 
     assert moved.host_peak_gib > 0 and moved.to_host_gib == moved.to_device_gib > 0
     assert kept.host_peak_gib == 0 and moved.peak_allocated_gib < kept.peak_allocated_gib
     refused = runner.invoke(app, [*args[:-4], "--offload", "checkpoints", "--out", str(path)])
-    assert "does not apply to plain" in _one_line_error(refused)
+    assert "does not apply to plain" in one_line_error(refused)
 
 
 def test_verify_offload_runs_the_offloaded_step_and_matches_plain_bitwise(runner):
@@ -107,7 +101,7 @@ def test_verify_offload_runs_the_offloaded_step_and_matches_plain_bitwise(runner
     assert [r["method"] for r in doc["results"]] == ["checkpoint", "mst", "streambp"]
     assert all(r["max_rel_err"] <= 1e-12 for r in doc["results"])
     refused = runner.invoke(app, [*args[:-1], "--method", "plain"])
-    assert "does not apply to plain" in _one_line_error(refused)
+    assert "does not apply to plain" in one_line_error(refused)
 
 
 def test_reproduce_offload_quick_writes_every_method_with_and_without(runner, tmp_path):

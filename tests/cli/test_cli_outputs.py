@@ -13,19 +13,12 @@ from streambp_bench import selfcheck as check
 from streambp_bench.cli import app
 from streambp_bench.commands.plot import paper_reference
 from streambp_bench.results import ResultRow, ResultsFile, provenance
+from tests.cli.errors import one_line_error
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 FIG3_CSV = str(FIXTURES / "sample_results.csv")
 TTY = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}
 """A terminal for rich, so progress is drawn on stderr as a user would see it."""
-
-
-def _one_line_error(result, *words: str) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 2, result.output
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert all(word in lines[0] for word in words), lines[0]
-    return lines[0]
 
 
 COMMANDS = {
@@ -40,7 +33,7 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path: Path, comman
     afile = tmp_path / "notes.txt"
     afile.write_text("mine\n")
     result = CliRunner().invoke(app, [*COMMANDS[command], "--out", str(afile)])
-    _one_line_error(result, "is a file, not a folder")
+    one_line_error(result, "is a file, not a folder")
     assert afile.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [afile]
 
 
@@ -51,13 +44,13 @@ def test_an_unwritable_out_is_one_line(tmp_path: Path, command: str, monkeypatch
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and Path(path) != folder)
     result = CliRunner().invoke(app, [*COMMANDS[command], "--out", str(folder / "sub")])
-    _one_line_error(result, "no permission to write in", str(folder))
+    one_line_error(result, "no permission to write in", str(folder))
 
 
 def test_reproduce_refuses_a_damaged_item_csv_before_running(tmp_path: Path) -> None:
     (tmp_path / "table6.csv").write_bytes(b"\x89PNG\x00\xff")
     result = CliRunner().invoke(app, ["reproduce", "table6", "--quick", "--out", str(tmp_path)])
-    _one_line_error(result, "table6.csv", "not a text CSV")
+    one_line_error(result, "table6.csv", "not a text CSV")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["table6.csv"]
 
 
@@ -81,7 +74,7 @@ def test_plot_out_may_name_the_png_of_one_figure(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert png.read_bytes().startswith(b"\x89PNG") and sorted(png.parent.iterdir()) == [png]
     both = CliRunner().invoke(app, ["plot", str(FIXTURES / "cpu_measured.csv"), "--out", str(png)])
-    _one_line_error(both, "pick one with --kind")
+    one_line_error(both, "pick one with --kind")
 
 
 @pytest.mark.parametrize(
@@ -94,7 +87,7 @@ def test_plot_out_may_name_the_png_of_one_figure(tmp_path: Path) -> None:
 )
 def test_plot_bad_numbers_and_names_are_one_line(tmp_path: Path, extra: list[str], words: list[str]) -> None:
     result = CliRunner().invoke(app, ["plot", FIG3_CSV, *extra, "--out", str(tmp_path / "o")])
-    _one_line_error(result, *words)
+    one_line_error(result, *words)
     assert not (tmp_path / "o").exists()
 
 

@@ -11,6 +11,7 @@ from streambp_bench import cli
 from streambp_bench.cli import app
 from streambp_core import verify as verify_module
 from streambp_core.models import list_presets
+from tests.cli.errors import one_line_error
 
 TINY_VERIFY = ["verify", "--model", "tiny/qwen3", "--seq-len", "24", "--ps", "7", "--ps-head", "5"]
 
@@ -18,14 +19,6 @@ TINY_VERIFY = ["verify", "--model", "tiny/qwen3", "--seq-len", "24", "--ps", "7"
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
-
-
-def _one_line_error(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.output
-    assert lines[0].startswith("error: ")
-    return lines[0]
 
 
 def test_root_help_lists_the_commands(runner):
@@ -56,12 +49,12 @@ def test_each_command_help_has_example_invocations(runner, command):
 def test_bad_input_is_one_line_without_traceback_and_exit_2(runner, args, expected):
     result = runner.invoke(app, [*TINY_VERIFY, *args])
     assert result.exit_code == 2
-    assert expected in _one_line_error(result)
+    assert expected in one_line_error(result)
 
 
 def test_unknown_model_error_lists_every_preset(runner):
     result = runner.invoke(app, ["verify", "--model", "Qwen/Qwen3-9000B"])
-    line = _one_line_error(result)
+    line = one_line_error(result)
     assert all(name in line for name in list_presets())
 
 
@@ -69,7 +62,7 @@ def test_cuda_without_a_gpu_is_a_one_line_error(runner, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     result = runner.invoke(app, [*TINY_VERIFY, "--device", "cuda"])
     assert result.exit_code == 2
-    assert "cuda" in _one_line_error(result)
+    assert "cuda" in one_line_error(result)
 
 
 def test_verify_json_in_float64_matches_plain_for_every_method(runner):
@@ -132,7 +125,7 @@ def test_main_turns_a_config_error_into_exit_2(monkeypatch, capsys):
 def test_sharded_verify_bad_input_is_one_line_before_any_rank_starts(runner, args, expected):
     result = runner.invoke(app, [*TINY_VERIFY, *args])
     assert result.exit_code == 2, result.output
-    assert expected in _one_line_error(result)
+    assert expected in one_line_error(result)
 
 
 def test_sharded_verify_without_the_backend_is_one_line(runner, monkeypatch):
@@ -141,7 +134,7 @@ def test_sharded_verify_without_the_backend_is_one_line(runner, monkeypatch):
     monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
     result = runner.invoke(app, [*TINY_VERIFY, "--nproc", "1", "--device", "cpu"])
     assert result.exit_code == 2
-    assert "backend gloo is not available" in _one_line_error(result)
+    assert "backend gloo is not available" in one_line_error(result)
 
 
 @pytest.mark.slow
