@@ -61,11 +61,11 @@ def direct_dpo(model, ids, mask, labels, inputs):
     return -F.logsigmoid(inputs["beta"] * margin).mean()
 
 
-def run_step(model, method, objective, ids, mask, labels=None, **inputs):
+def run_step(model, method, objective, ids, mask, labels=None, baseline_loss="full", **inputs):
+    """One prepared step (partitions 4 and 3); (loss, {name: grad})."""
     model.zero_grad(set_to_none=True)
-    with streambp_core.prepare(
-        model, method, objective=objective, partition_size=4, head_partition_size=3
-    ) as run:
+    with streambp_core.prepare(model, method, objective=objective, partition_size=4, head_partition_size=3,
+                               baseline_loss=baseline_loss) as run:
         loss = run.loss(ids, attention_mask=mask, labels=labels, **inputs)
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -5,6 +5,7 @@ simulator sees its allocations (completion-only logits in their own dtype, no fl
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -18,18 +19,12 @@ from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup, step_inputs
 from tests.unit.test_exactness import GRAD_RTOL, batch, relative_errors
 from tests.unit.test_objectives import grpo_inputs
+from tests.unit.test_objectives import run_step as objectives_run_step
 
 PROMPT = 5
 
 
-def run_step(model, method, objective, ids, mask, labels=None, baseline_loss="trl", **inputs):
-    model.zero_grad(set_to_none=True)
-    with streambp_core.prepare(model, method, objective=objective, partition_size=4, head_partition_size=3,
-                               baseline_loss=baseline_loss) as run:
-        loss = run.loss(ids, attention_mask=mask, labels=labels, **inputs)
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+run_step = partial(objectives_run_step, baseline_loss="trl")  # one step under trl unless told otherwise
 
 
 def assert_methods_match_trl_plain(model, objective, ids, mask, labels=None, **inputs):
