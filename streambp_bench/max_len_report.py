@@ -74,6 +74,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
                 "peak_gib": peak_gib(r),
                 "breakdown_gib": breakdown_gib(r),
                 **host_gib(r),
+                "host_breakdown_gib": {"offloaded": host_gib(r)["host_peak_gib"]},
                 "bracket_tokens": list(r.search.bracket),
                 "ratio_to_checkpoint": ratio_to_checkpoint(results, r),
                 "probes": len(r.search.probes),
@@ -100,7 +101,8 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         lengths.add_column(column, justify="left" if column in ("method", "source") else "right")
     shown = [c for c in CATEGORIES if any(breakdown_gib(r).get(c, 0) > 0 for r in results)]
     breakdown = Table(title=f"memory at that peak by category, {unit}", title_justify="left")
-    for column in ("method", *shown):
+    offloaded = ("offloaded (host)",) if plan.offloads else ()
+    for column in ("method", *shown, *offloaded):
         breakdown.add_column(column, justify="left" if column == "method" else "right")
     for r in results:
         lo, hi = r.search.bracket
@@ -116,7 +118,10 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
             plan.target.source,
             "-" if ratio is None else f"{ratio:.2f}",
         )
-        breakdown.add_row(r.label, *(f"{parts[c] * scale:.2f}" if c in parts else "-" for c in shown))
+        on_host = [] if not plan.offloads else [
+            "-" if moved["host_peak_gib"] is None else f"{moved['host_peak_gib'] * scale:.2f}"]
+        device_cells = [f"{parts[c] * scale:.2f}" if c in parts else "-" for c in shown]
+        breakdown.add_row(r.label, *device_cells, *on_host)
     return lengths, breakdown
 
 

@@ -32,6 +32,8 @@ def test_max_len_offload_both_searches_each_method_with_and_without(runner):
         assert kept["host_peak_gib"] == kept["to_host_gib"] == 0
         assert moved["host_peak_gib"] > 0 and moved["to_host_gib"] == moved["to_device_gib"] > 0
         assert moved["max_len_tokens"] >= kept["max_len_tokens"] and moved["peak_gib"] <= 0.003
+        assert moved["host_breakdown_gib"] == {"offloaded": moved["host_peak_gib"]}
+        assert "offloaded" not in moved["breakdown_gib"]  # the device breakdown holds device bytes only
     offloaded_checkpoint = entries["checkpoint + offload"]["max_len_tokens"]
     streambp = entries["streambp + offload"]
     assert streambp["ratio_to_checkpoint"] == pytest.approx(streambp["max_len_tokens"] / offloaded_checkpoint)
@@ -40,7 +42,8 @@ def test_max_len_offload_both_searches_each_method_with_and_without(runner):
 def test_max_len_table_labels_offloaded_rows_and_shows_the_host_pool(runner):
     result = runner.invoke(app, [*MAX_LEN, "--method", "mst", "--offload", "checkpoints"])
     assert result.exit_code == 0, result.output
-    for text in ("mst + offload", "host GiB", "copied GiB each way", "ALST", "reported, not bounded"):
+    for text in ("mst + offload", "host GiB", "copied GiB each way", "ALST", "reported, not bounded",
+                 "offloaded (host)"):
         assert text in result.stdout
     assert "host GiB" not in runner.invoke(app, [*MAX_LEN, "--method", "plain"]).stdout
 
