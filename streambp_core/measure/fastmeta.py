@@ -35,7 +35,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from streambp_core.measure.schema import EagerDispatchMode, returns_fresh, writes_any, writes_first_only
+from streambp_core.measure.schema import (
+    EagerDispatchMode,
+    returns_fresh,
+    storage_ids,
+    writes_any,
+    writes_first_only,
+)
 from streambp_core.measure.tags import CHECKPOINTS, LOGITS, current_category, memory_category
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.models.adapters import decoder_parts
@@ -123,8 +129,8 @@ class SimulationMode(EagerDispatchMode):
         with _disable_current_modes():
             out = func(*args, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
-        taken = _storages((args, kwargs))
-        fresh = [t for t in outs if isinstance(t, torch.Tensor) and not _storages(t) & taken]
+        taken = storage_ids((args, kwargs))
+        fresh = [t for t in outs if isinstance(t, torch.Tensor) and not storage_ids(t) & taken]
         logits = bool(outs) and self._is_logits(tuple(outs[0].shape))
         self.tracker.track(fresh, LOGITS if logits else current_category())
         return out
@@ -184,8 +190,8 @@ def _outputs_spec(func: Any, args: tuple, kwargs: dict) -> tuple[bool, tuple, li
         out = func(*args, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     first_shape = tuple(outs[0].shape) if outs else ()
-    taken = _storages((args, kwargs))
-    specs = [None if _storages(t) & taken else _spec(t) for t in outs]  # e.g. `_unsafe_view` aliases
+    taken = storage_ids((args, kwargs))
+    specs = [None if storage_ids(t) & taken else _spec(t) for t in outs]  # e.g. `_unsafe_view` aliases
     return isinstance(out, tuple), first_shape, None if any(s is None for s in specs) else specs
 
 
@@ -197,17 +203,6 @@ def _plain_meta(args: tuple, kwargs: dict) -> bool:
     """Whether every tensor argument is a plain `torch.Tensor` (no subclass) on the meta device."""
     values = (*args, *kwargs.values())
     return all(type(a) is torch.Tensor and a.device == _META for a in values if isinstance(a, torch.Tensor))
-
-
-def _storages(tree: Any) -> set[int]:
-    """Identities of the storages of the tensors in `tree` (nested lists, tuples, dicts)."""
-    if isinstance(tree, torch.Tensor):
-        return {tree.untyped_storage()._cdata}
-    if isinstance(tree, dict):
-        tree = tuple(tree.values())
-    if isinstance(tree, (list, tuple)):
-        return set().union(*(_storages(item) for item in tree)) if tree else set()
-    return set()
 
 
 def _spec(tensor: Any) -> _Spec | None:

@@ -43,7 +43,15 @@ from torch.utils._pytree import tree_leaves
 from streambp_core.measure.cuda import CudaPeak
 from streambp_core.measure.ledger import StorageLedger
 from streambp_core.measure.result import TrackerResult
-from streambp_core.measure.schema import FRESH_OPS, EagerDispatchMode, returns_aliases_only, takes_tensors
+from streambp_core.measure.schema import (
+    FRESH_OPS,
+    EagerDispatchMode,
+    returns_aliases_only,
+    storage_ids,
+    storage_of,
+    takes_tensors,
+    tensors_in,
+)
 from streambp_core.measure.tags import (
     GRADS,
     HOST_CATEGORIES,
@@ -194,7 +202,7 @@ class MemoryTracker:
     def retag(self, tensor: torch.Tensor, category: str) -> None:
         """File `tensor`'s storage under `category` (counting it from now if it was not tracked)."""
         check_category(category)
-        storage = _storage(tensor)
+        storage = storage_of(tensor)
         if storage is None or not self._counts(tensor):
             return
         with self._lock:
@@ -228,9 +236,9 @@ class MemoryTracker:
         with self._lock:
             self._ledger.drain()
             if self._count_existing:
-                self._add_untracked(_tensors(inputs))
+                self._add_untracked(tensors_in(inputs))
             aliased = func not in FRESH_OPS and takes_tensors(func)
-            self._add_outputs(_tensors(out), inputs if aliased else None)
+            self._add_outputs(tensors_in(out), inputs if aliased else None)
             if func in _COPY_OPS:
                 self._count_transfer(func, inputs, out)
 
@@ -238,14 +246,14 @@ class MemoryTracker:
         """Track the new storages among `tensors`; with `inputs`, not those shared with an input."""
         input_ids: set[int] | None = None
         for tensor in tensors:
-            storage = _storage(tensor)
+            storage = storage_of(tensor)
             if storage is None or self._ledger.resize(storage):
                 continue
             category = self._category_of_new(tensor)
             if category is None:
                 continue
             if inputs is not None:
-                input_ids = _storage_ids(inputs) if input_ids is None else input_ids
+                input_ids = storage_ids(inputs) if input_ids is None else input_ids
                 if id(storage) in input_ids:
                     continue  # a view of, or in-place result on, an untracked input
             self._ledger.add(storage, category, str(tensor.device))
@@ -273,12 +281,12 @@ class MemoryTracker:
             self.to_device_bytes += dst.numel() * dst.element_size()
 
     def _in_host_pool(self, tensor: torch.Tensor) -> bool:
-        storage = _storage(tensor)
+        storage = storage_of(tensor)
         return storage is not None and self._ledger.category(storage) in HOST_CATEGORIES
 
     def _add_untracked(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
-            storage = _storage(tensor)
+            storage = storage_of(tensor)
             if storage is not None and not self._ledger.knows(storage) and self._counts(tensor):
                 self._ledger.add(storage, current_category(), str(tensor.device))
 
@@ -381,32 +389,3 @@ class MemoryTracker:
             to_device_bytes=self.to_device_bytes,
         )
 
-
-def _tensors(tree: Any, found: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors in a (nested) op argument or result, in order: aten ops take and return tensors,
-    lists and tuples of them, and keyword dicts (walked directly: torch's pytree costs ~1/4 of a
-    simulation)."""
-    found = [] if found is None else found
-    if isinstance(tree, torch.Tensor):
-        found.append(tree)
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            if isinstance(item, torch.Tensor):
-                found.append(item)
-            elif isinstance(item, (list, tuple, dict)):
-                _tensors(item, found)
-    elif isinstance(tree, dict):
-        _tensors(tuple(tree.values()), found)
-    return found
-
-
-def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """The tensor's storage object, or None for tensors without one (sparse, some subclasses)."""
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def _storage_ids(inputs: Any) -> set[int]:
-    return {id(s) for s in map(_storage, _tensors(inputs)) if s is not None}
