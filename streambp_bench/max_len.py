@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -125,20 +126,32 @@ OnProbe = Callable[[str, ProbeResult, int, int | None], None]
 """on_probe(label, result, ok_len, fail_len): after each probe of the step labelled `label`."""
 
 
-def run_plan(plan: Plan, on_probe: OnProbe) -> list[MethodResult]:
+def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | None = None
+             ) -> list[MethodResult]:
     """Search every step of the plan (`step.probe.max_len`: guided by the extrapolated simulation,
     confirmed at full depth or refined by measurement); `on_probe(label, result, ok_len, fail_len)`
-    after each probe. One simulation memo serves every step.
+    after each probe.
 
-    One process: forking worker processes after torch and peft have started threads can deadlock the
-    workers (it did for a LoRA step), and spawned workers pay the imports again.
+    With a fork-server `context` (`workers.start_server`) the searches run on up to `workers` worker
+    processes, the costliest first; else one after another here, sharing one simulation memo. Each
+    search is the same either way, probe for probe (the memo changes no figure).
     """
-    cache: dict = {}
-    return [MethodResult(spec=spec, search=(search := _search(plan, spec, on_probe, cache)),
-                         how=_how(plan, spec, search)) for spec in plan.specs]
+    from streambp_bench.workers import Task, run_tasks
+
+    order = sorted(range(len(plan.specs)), key=lambda i: -SEARCH_COST.get(plan.specs[i].method, 0))
+    cache: dict | None = {} if context is None else None  # a worker starts its own
+    tasks = [Task(spec_label(plan.specs[i]), _search, (plan, plan.specs[i], cache)) for i in order]
+    found = run_tasks(tasks, workers, context, on_probe)
+    searches = {i: search for i, search in zip(order, found, strict=True)}
+    return [MethodResult(spec=spec, search=searches[i], how=_how(plan, spec, searches[i]))
+            for i, spec in enumerate(plan.specs)]
 
 
-def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe, cache: dict) -> SearchResult:
+SEARCH_COST = {"streambp": 4, "mst": 3, "checkpoint": 2, "plain": 1}
+"""Relative cost of a method's simulated search (more chunk loops: more ops), to start the costliest first."""
+
+
+def _search(plan: Plan, spec: StepSpec, cache: dict | None, on_probe: OnProbe) -> SearchResult:
     def report(result: ProbeResult, ok: int, fail: int | None) -> None:
         on_probe(spec_label(spec), result, ok, fail)
 

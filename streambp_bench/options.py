@@ -89,6 +89,12 @@ BudgetGib = Annotated[
     float | None,
     typer.Option("--budget-gib", help="Memory budget in GiB (2^30 B); default: the GPU's memory, else 80."),
 ]
+Jobs = Annotated[
+    int | None,
+    typer.Option("--jobs", "-j", min=1, envvar="STREAMBP_BENCH_JOBS",
+                 help="Worker processes for independent searches (default: one per core when simulated, "
+                      "1 when measured)."),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of tables.")]
 ObjectiveOption = Annotated[
     Objective, typer.Option("--objective", help="sft (cross-entropy), grpo (clipped policy gradient) or dpo.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -142,6 +143,11 @@ def check_model(name: str) -> str:
         return name
     raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
                       f"presets: {', '.join(presets)}")
+
+
+def available_cpus() -> int:
+    """CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_budget_gib(budget_gib: float | None, option: str = "--budget-gib") -> float | None:

@@ -1,4 +1,5 @@
-"""Shared test settings: the `gpu` marker skips without CUDA; a CLI runner; the tiny presets' names.
+"""Shared test settings: the `gpu` marker skips without CUDA; a CLI runner; the tiny presets' names;
+searches in the test process (STREAMBP_BENCH_JOBS=1: tests of worker processes pass --jobs themselves).
 
 Markers (pyproject.toml): `gpu` needs a CUDA device; `slow` marks a test of over ~30 s on 2 CPU cores
 (CI runs them all; `-m "not slow"` skips them locally).
@@ -22,6 +23,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def searches_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command runs its searches in the test process unless a test passes --jobs."""
+    monkeypatch.setenv("STREAMBP_BENCH_JOBS", "1")
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import partition_option, sharding, step_specs, writable_results
+from streambp_bench.workers import start_server, worker_count
 from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, check_budget_gib
 
 HELP = (
@@ -23,7 +24,9 @@ HELP = (
     "[bold]--device cuda[/] measures the allocator's peak, one child process per probe (an OOM is a data "
     "point); [bold]--device cpu[/] measures real CPU tensors with the tracker (small models).\n\n"
     "Search: a secant-guided bracket, then secant/bisection until the bracket (longest length that fits, "
-    "shortest that does not) is within max(1%, 128 tokens).\n\n"
+    "shortest that does not) is within max(1%, 128 tokens). "
+    "Simulated searches run side by side, one worker process per core ([bold]--jobs[/], or "
+    "STREAMBP_BENCH_JOBS); each gives the same answer as in one process.\n\n"
     "Protocol: random token ids without padding, weights and gradients in --dtype, gradients already "
     "allocated (--grads resident: a gradient-accumulation micro-step, as in the paper's Fig. 3) or not "
     "(--grads fresh); no optimizer. --protocol paper mimics the paper's script on transformers 4.51 "
@@ -94,6 +97,7 @@ def max_len(
     ] = None,
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,
+    jobs: opt.Jobs = None,
     as_json: opt.Json = False,
     out: Annotated[
         Path | None,
@@ -116,6 +120,8 @@ def max_len(
     check_budget_gib(host_budget_gib, "--host-budget-gib")
     at_lengths = tuple(partition_option(length, "--at") or 0 for length in opt.split_list(at or ""))
     results_file = writable_results(out)
+    workers = worker_count(jobs, len(specs), where)
+    context = start_server(workers)  # its imports overlap with the ones below
     from streambp_bench import max_len_auto as auto
     from streambp_bench import max_len_report as report
     from streambp_bench.max_len import make_plan, run_plan
@@ -126,7 +132,8 @@ def max_len(
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
         try:
-            results = run_plan(plan, report.ProgressView(plan, progress))
+            results = run_plan(plan, report.ProgressView(plan, progress), workers=workers,
+                               context=context if plan.target.device == "sim" else None)
         except RuntimeError as error:  # a measured probe that failed for another reason than OOM
             progress.stop()
             print_error(error)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, available_cpus
 
 DEFAULT_TIMEOUT_S = 120.0
 """Process-group timeout: the longest a collective waits for a peer."""
@@ -34,11 +34,6 @@ FAILURE_GRACE_S = 3.0
 
 class RankError(RuntimeError):
     """A rank failed (raised, was killed or timed out); the message names the rank, on one line."""
-
-
-def available_cpus() -> int:
-    """CPU cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def backend_for(device: str) -> str:

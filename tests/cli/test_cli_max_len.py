@@ -114,6 +114,7 @@ def test_help_has_examples(runner):
         (["--batch-size", "0"], "batch_size"),
         (["--budget-gib", "0.0001"], "holds (weights, grads, optimizer state: 0.5 MiB in bfloat16)"),
         (["--budget-gib", "-1"], "must be a finite positive number"),
+        (["--jobs", "0"], "--jobs"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(runner, args, expected):
@@ -192,3 +193,28 @@ def test_gpus_and_shard_search_one_rank_and_are_key_columns(runner, tmp_path):
     rows = {(row.gpus, row.shard): row for row in ResultsFile(out).rows()}
     assert set(rows) == {(1, "none"), (4, "zero3")}
     assert rows[4, "zero3"].optimizer_gib < rows[1, "none"].optimizer_gib
+
+
+def test_worker_processes_give_the_same_answers_as_one_process(runner):
+    """--jobs 2 runs the searches on two workers forked from a fork server; each search is the same, probe
+    for probe, so the report is the same to the byte."""
+    serial = runner.invoke(app, [*SIM, "--json", "--jobs", "1"])
+    parallel = runner.invoke(app, [*SIM, "--json", "--jobs", "2"])
+    assert serial.exit_code == 0 and parallel.exit_code == 0, parallel.output
+    assert json.loads(parallel.stdout) == json.loads(serial.stdout)
+    assert [r["method"] for r in json.loads(parallel.stdout)["results"]] == ["plain", "checkpoint", "mst",
+                                                                             "streambp"]
+
+
+def test_the_entry_point_exits_with_the_command_s_code_after_all_its_output():
+    """`main` flushes and exits without the interpreter's teardown: the JSON is whole, the code kept."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "streambp_bench.cli", *SIM, "--method", "checkpoint,streambp"]
+    done = subprocess.run([*command, "--json", "--jobs", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [r["method"] for r in json.loads(done.stdout)["results"]] == ["checkpoint", "streambp"]
+    refused = subprocess.run([*command, "--budget-gib", "1e-4"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("error:") and refused.stderr.count("\n") == 1
