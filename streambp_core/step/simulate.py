@@ -17,11 +17,12 @@ Speed, as parameters (nothing is patched):
   a negative category (the peak moved between sub-phases) every layer is simulated instead. Exact to the
   byte against `depth="full"` in the tests; a max-length search confirms its answer at full depth
   (`probe.max_len`), since the step's peak (a maximum of affine phases) can only be under-estimated.
-- `keep_chunks` (default `KEEP_CHUNKS`): every engine chunk loop runs only its first and last 4 chunks
+- `keep_chunks` (default `KEEP_CHUNKS`): every engine chunk loop runs only its first and last 3 chunks
   (`StreamConfig.keep_chunks`): chunks differ only in position, what outlives a chunk is preallocated,
-  and a chunk's memory grows with its prefix; 4 because a chunk can peak while what the previous one left
-  is still held and the backward's first chunk is partial. Equal to all chunks to the byte in the tests
-  (`keep_chunks=None`).
+  and a chunk's memory grows with its prefix. 3 because the backward's first chunk may be partial, and a
+  chunk can peak while what the previous one left is still held: the third is the first full chunk whose
+  predecessor is full too (2 missed such a peak, see the tests). Equal to all chunks to the byte in the
+  tests (`keep_chunks=None`), over random shapes, objectives, offload and sharding too.
 - `cache`: `fastmeta.SimulationMode`'s memo of meta kernels' output metadata, shared across calls (and
   the shard layout of a sharded step's model).
 
@@ -46,7 +47,7 @@ from streambp_core.measure.units import gib_of
 from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup, resolve_config, with_depth
 
-KEEP_CHUNKS = 4
+KEEP_CHUNKS = 3
 """Chunks kept at each end of an engine chunk loop when thinning."""
 DEPTHS = ("extrapolate", "full")
 

@@ -66,7 +66,7 @@ def test_depth_extrapolation_is_exact_against_full_depth(method: str) -> None:
     [("streambp", 512, 301, "resident"), ("streambp", 8192, 150, "fresh"), ("mst", 8192, 301, "fresh")],
 )
 def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len: int, grads: str) -> None:
-    """Running each engine chunk loop's first and last two chunks only changes nothing, to the byte."""
+    """Running each engine chunk loop's first and last KEEP_CHUNKS chunks only changes nothing, to the byte."""
     config = tiny_config("qwen3", vocab_size=vocab, num_hidden_layers=3, layer_types=["full_attention"] * 3)
     options = dict(grads=grads, dtype="float32", **SMALL)
     thin = simulate_step(config, method, seq_len, **options)
@@ -77,7 +77,7 @@ def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len
 
 def test_thinning_keeps_the_event_where_a_chunk_meets_its_predecessors_leftovers() -> None:
     """A GQA shape (16 heads on 4 KV heads) whose peak fell at the third backward chunk's start while the
-    second chunk's leftovers were held (2 kept chunks per end missed it): 4 per end give every chunk's."""
+    second chunk's leftovers were held (2 kept chunks per end missed it): 3 per end give every chunk's."""
     config = tiny_config("qwen3", hidden_size=128, num_attention_heads=16, num_key_value_heads=4, head_dim=8,
                          intermediate_size=384)  # fmt: skip
     options = dict(partition_size=64, head_partition_size=64)
