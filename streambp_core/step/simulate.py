@@ -44,6 +44,7 @@ from transformers import PretrainedConfig
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
+from streambp_core.models.load import MOE_FAMILIES
 from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup, resolve_config, with_depth
 
@@ -110,6 +111,12 @@ def simulate(
     if depth not in DEPTHS:
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
     config = resolve_config(spec, config)
+    if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":
+        raise ConfigError(
+            f"a mixture-of-experts step is simulated in bfloat16 only ({spec.model} in {spec.dtype}): the "
+            "experts' grouped matmul has a bfloat16 meta kernel only, and their per-expert loop picks tokens "
+            "by value, which meta tensors have none of; measure it on cpu or cuda"
+        )
     total = config.num_hidden_layers
     cache = {} if cache is None else cache
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)

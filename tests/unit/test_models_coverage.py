@@ -4,6 +4,8 @@ engine cannot run exactly are refused by name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -194,3 +196,18 @@ def test_presets_carry_the_published_windows_and_experts():
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (128, 8, 768)
     mixtral = load_config("mistralai/Mixtral-8x7B-v0.1")
     assert (mixtral.num_local_experts, mixtral.num_experts_per_tok, mixtral.sliding_window) == (8, 2, None)
+
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_a_moe_step_outside_bfloat16_is_refused_by_the_simulator_by_name(family):
+    """The experts' grouped matmul has a bfloat16 meta kernel only and their per-expert loop reads token
+    values: a float32 MoE step cannot be simulated, and says so (it runs measured on the CPU)."""
+    from streambp_core.config import ConfigError, StepSpec
+    from streambp_core.step.simulate import simulate
+
+    spec = StepSpec(model=f"tiny/{family}", method="streambp", seq_len_tokens=100, dtype="float32",
+                    partition_size=32, head_partition_size=16)
+    with pytest.raises(ConfigError, match="mixture-of-experts step is simulated in bfloat16 only"):
+        simulate(spec)
+    assert simulate(replace(spec, dtype="bfloat16")).peak_bytes > 0

@@ -66,7 +66,8 @@ def test_depth_extrapolation_is_exact_against_full_depth(method: str) -> None:
     [("streambp", 512, 301, "resident"), ("streambp", 8192, 150, "fresh"), ("mst", 8192, 301, "fresh")],
 )
 def test_thinned_chunk_loops_give_the_same_peak(method: str, vocab: int, seq_len: int, grads: str) -> None:
-    """Running each engine chunk loop's first and last KEEP_CHUNKS chunks only changes nothing, to the byte."""
+    """Running only each engine chunk loop's first and last KEEP_CHUNKS chunks changes nothing, to the
+    byte."""
     config = tiny_config("qwen3", vocab_size=vocab, num_hidden_layers=3, layer_types=["full_attention"] * 3)
     options = dict(grads=grads, dtype="float32", **SMALL)
     thin = simulate_step(config, method, seq_len, **options)
