@@ -150,8 +150,8 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
         f"{target.source}: {where}; peak = {peak}; GiB = 2^30 B; every answer confirmed with all "
         f"{plan.num_layers} layers.",
         f"Step: protocol {spec.protocol}, grads {spec.grads}, random ids without padding, "
-        f"ps {spec.partition_size} (streambp, mst), ps-head {spec.head_partition_size} (streambp, "
-        f"mst); weights + grads + optimizer state {format_size(plan.resident_bytes)}.",
+        f"{_partitions(plan, results)}; weights + grads + optimizer state "
+        f"{format_size(plan.resident_bytes)}.",
         "Search: secant-guided bracket, then secant/bisection until fails - fits <= max(1%, 128 tokens); "
         "max length = the longest probe that fits; x ckpt = max length / checkpoint's at the same offload.",
     ]
@@ -195,6 +195,18 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     return [f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
             f"{trainer_settings_line(best.spec)} before trainer.train()."]
+
+
+def _partitions(plan: Plan, results: list[MethodResult]) -> str:
+    """The partition sizes of the rows: one pair for all (streambp, mst), or each method's where they
+    differ (`--ps auto`: the largest that fit at each method's maximum)."""
+    chunked = [r for r in results if r.spec.partitioned]
+    sizes = {(r.spec.partition_size, r.spec.head_partition_size) for r in chunked}
+    if len(sizes) > 1:
+        return "partitions " + ", ".join(
+            f"{r.label} ps {r.spec.partition_size} ps-head {r.spec.head_partition_size}" for r in chunked)
+    layer, head = sizes.pop() if sizes else (plan.specs[0].partition_size, plan.specs[0].head_partition_size)
+    return f"ps {layer} (streambp, mst), ps-head {head} (streambp, mst)"
 
 
 def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:

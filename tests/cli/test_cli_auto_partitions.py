@@ -48,3 +48,20 @@ def test_auto_partitions_without_a_budget_are_refused_in_one_line(tmp_path: Path
     result = CliRunner().invoke(app, ["sweep", "-m", "tiny/qwen3", "--ps", "auto", "--device", "cpu",
                                       "--seq-len", "64", "--out", str(tmp_path / "r.csv")])
     assert result.exit_code == 2 and "need a budget" in result.output
+
+
+def test_the_step_line_names_the_partitions_of_the_rows_not_the_search_s() -> None:
+    """Under --ps auto the search runs at 64 tokens; the table's rows carry the partitions that fit at
+    each maximum, and the provenance line says those, per method where they differ."""
+    step = [arg for arg in STEP if arg not in ("--gpu-model", "h100")]
+    both = ["max-len", *step[:2], "--method", "mst,streambp", *step[4:]]
+    result = CliRunner().invoke(app, [*both, "--json"])
+    assert result.exit_code == 0, result.output
+    steps = json.loads(result.stdout)["steps"]
+    sizes = {step["method"]: (step["partition_size"], step["head_partition_size"]) for step in steps}
+    assert sorted(sizes) == ["mst", "streambp"]
+    table = CliRunner().invoke(app, both)
+    line = next(text for text in table.stdout.splitlines() if text.startswith("Step:"))
+    assert "ps 64 " not in line
+    for method, (layer, head) in sizes.items():
+        assert f"{method} ps {layer} ps-head {head}" in line
