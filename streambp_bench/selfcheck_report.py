@@ -25,9 +25,9 @@ def print_summary(console: Console, frame: pd.DataFrame | None, where: str) -> b
             table.add_row(row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
         failed = bool((grads.status != "ok").any())
         console.print(table)
-    console.print(_memory_table(frame, where))
-    console.print(_time_table(frame, where))
-    console.print(_profile_table(frame, where))
+    for table in (_memory_table(frame, where), _time_table(frame, where), _profile_table(frame, where)):
+        if table.row_count:  # a skipped step (--skip-*) has no rows: no empty table
+            console.print(table)
     return failed
 
 

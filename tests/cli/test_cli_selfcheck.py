@@ -110,6 +110,19 @@ def test_memory_rows_carry_the_allocators_reserved_peak_retries_and_ooms():
     assert [row[-3:] for row in cells] == [["0.5", "2", "0"]] * len(check.METHODS)
 
 
+def test_the_summary_prints_no_empty_table_for_a_skipped_step():
+    """Memory rows only (as with --skip-time --skip-profile --skip-verify): the memory table, and no
+    step-time or kernel table without rows."""
+    plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,))
+    with mock.patch.object(check, "measure_setup", _measured_on_a_fake_gpu):
+        rows = list(check.memory_rows(plan, check.memory_model(plan), "NVIDIA H200"))
+    console = Console(record=True, width=200)
+    assert selfcheck_report.print_summary(console, rows_to_frame(rows), "NVIDIA H200") is False
+    text = console.export_text()
+    assert "peak GiB: simulated vs measured" in text
+    assert "step time ms" not in text and "kernel time ms" not in text
+
+
 class _FakeCudaPeak:
     """A `CudaPeak` whose region saw 2 alloc retries and no OOM; logs when it is entered and left."""
 
