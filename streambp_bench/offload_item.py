@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from streambp_bench import paper, plots
-from streambp_bench.reproduce_items import Settings, _curve, max_len_row
+from streambp_bench.reproduce_items import Settings, max_len_row, memory_curve
 from streambp_bench.specs import with_offload
 from streambp_core.config import METHODS, StepSpec
 from streambp_core.step.target import resolve_target
@@ -67,7 +67,7 @@ def run(settings: Settings) -> list[Path]:
     curve_model = "tiny/llama" if settings.quick else CURVE_MODEL
     lengths = (256, 1024, 4096) if settings.quick else CURVE_TOKENS
     points = [spec.at(length) for spec in specs if spec.model == curve_model for length in lengths]
-    _curve(points, resolve_target("sim", budget), results, settings)
+    memory_curve(points, resolve_target("sim", budget), results, settings)
     return [plots.save(memory_figure(results.load()), settings.out_dir / "offload-memory.png")]
 
 

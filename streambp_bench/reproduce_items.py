@@ -66,8 +66,8 @@ def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
     return row_of(spec, search, provenance("simulated", "meta"))
 
 
-def _curve(points: list[StepSpec], target: Target, results: ResultsFile, settings: Settings | None = None
-           ) -> None:
+def memory_curve(points: list[StepSpec], target: Target, results: ResultsFile,
+                 settings: Settings | None = None) -> None:
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
     series: dict[tuple, list[StepSpec]] = {}
     for point in points:
@@ -104,7 +104,7 @@ def fig3(settings: Settings) -> list[Path]:
         for method in FIG3_METHODS
         for length in lengths
     ]
-    _curve(points, target, results, settings)
+    memory_curve(points, target, results, settings)
     frame = results.load()
     paper_frame = pd.DataFrame(
         [
