@@ -87,6 +87,50 @@ def test_thinning_keeps_the_event_where_a_chunk_meets_its_predecessors_leftovers
     assert thin.peak_bytes == every.peak_bytes and thin.breakdown_bytes == every.breakdown_bytes
 
 
+def _random_steps(count: int, seed: int = 7) -> list[tuple[str, dict, dict]]:
+    """`count` (tiny family, config overrides, StepSpec fields) drawn at random over families, GQA shapes,
+    vocabularies, lengths, partitions and every step option (the ones a StepSpec refuses are redrawn)."""
+    import random
+
+    rng = random.Random(seed)
+    steps: list[tuple[str, dict, dict]] = []
+    while len(steps) < count:
+        family = rng.choice(["qwen3", "llama", "gemma3", "qwen3-moe", "mixtral"])
+        heads = rng.choice([2, 4, 8, 16])
+        overrides = dict(hidden_size=rng.choice([32, 64, 96]), num_attention_heads=heads,
+                         num_key_value_heads=rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0]),
+                         intermediate_size=rng.choice([64, 200]), vocab_size=rng.choice([300, 512, 4096]))
+        ps, method = rng.choice([16, 32, 50]), rng.choice(["streambp", "streambp", "mst"])
+        fields = dict(method=method, seq_len_tokens=rng.randint(2 * ps, 30 * ps), partition_size=ps,
+                      head_partition_size=rng.choice([8, 16, 64]), grads=rng.choice(["resident", "fresh"]),
+                      objective=rng.choice(["sft", "grpo", "dpo"]), lora_rank=rng.choice([0, 4]),
+                      optimizer=rng.choice(["none", "adamw"]), offload=rng.choice(["none", "checkpoints"]),
+                      batch_size=rng.choice([1, 2]), protocol=rng.choice(["default", "trl"]))
+        if method == "streambp":
+            fields.update(head_mode=rng.choice(["recompute", "auto"]))
+            if rng.random() < 0.3:
+                fields.update(gpus=2, shard=rng.choice(["zero2", "zero3"]))
+        try:
+            StepSpec(model=f"tiny/{family}", **fields)
+        except ConfigError:
+            continue
+        steps.append((family, overrides, fields))
+    return steps
+
+
+@pytest.mark.parametrize(("family", "overrides", "fields"), _random_steps(10))
+def test_thinned_chunk_loops_give_the_same_figures_on_random_steps(family, overrides, fields) -> None:
+    """Full depth, bfloat16 (what the grouped experts' meta kernel takes): thinned vs every chunk, the peak,
+    its breakdown and the host pool's figures, to the byte."""
+    config = tiny_config(family, **overrides)
+    spec = StepSpec(model=f"tiny/{family}", **fields)
+    thin = simulate(spec, config, depth="full")
+    every = simulate(spec, config, depth="full", keep_chunks=None)
+    assert (thin.peak_bytes, thin.breakdown_bytes) == (every.peak_bytes, every.breakdown_bytes)
+    host = ("host_peak_bytes", "to_host_bytes", "to_device_bytes")
+    assert [getattr(thin, name) for name in host] == [getattr(every, name) for name in host]
+
+
 def test_memoised_meta_kernels_give_the_same_peak_as_plain_meta_kernels() -> None:
     """An empty memo per op call (every op runs its real meta kernel) vs one shared memo."""
 
