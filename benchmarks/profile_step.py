@@ -22,7 +22,7 @@ import torch
 import streambp_core
 from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_bench.experiments import parse_token_list
-from streambp_bench.results import ResultRow, ResultsFile, provenance
+from streambp_bench.results import ResultRow, ResultsFile, provenance, row_head_mode
 from streambp_bench.specs import writable_results
 from streambp_core.config import ConfigError, StepSpec, check_model
 from streambp_core.measure.cuda import cuda_available
@@ -54,6 +54,7 @@ def profile_rows(model, ids, method: str, partition: int, head_partition: int, a
                   partition_size=partition, head_partition_size=head_partition, dtype=args.dtype,
                   attn=args.attn, **provenance(f"measured-{device}", _device_name(device)))
     head = {"head_mode": args.head_mode} if method == "streambp" else {}
+    common["head_mode"] = row_head_mode(StepSpec(model=args.model, method=method, head_mode=args.head_mode))
     with streambp_core.prepare(model, method, partition_size=partition, head_partition_size=head_partition,
                                baseline_attention="engine", attn=args.attn, **head) as run:
         step = lambda: run.loss(ids).backward()  # noqa: E731

@@ -12,7 +12,14 @@ from rich.table import Table
 from streambp_bench import results as rows_file
 from streambp_bench.max_len import MethodResult, Plan
 from streambp_bench.output import stdout_console
-from streambp_bench.results import ResultRow, allocator_columns, host_columns, memory_columns, spec_fields
+from streambp_bench.results import (
+    ResultRow,
+    allocator_columns,
+    host_columns,
+    memory_columns,
+    row_head_mode,
+    spec_fields,
+)
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB, format_size, memory_unit
 from streambp_core.search import ProbeResult
@@ -69,6 +76,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
                 "method": r.method,
                 "offload": r.spec.offload,
                 "label": r.label,
+                "head_mode": row_head_mode(r.spec) or None,
                 "max_len_tokens": r.search.max_len_tokens,
                 "confirmed_layers": r.search.confirmed_layers,
                 "peak_gib": peak_gib(r),
@@ -150,7 +158,7 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
         f"{target.source}: {where}; peak = {peak}; GiB = 2^30 B; every answer confirmed with all "
         f"{plan.num_layers} layers.",
         f"Step: protocol {spec.protocol}, grads {spec.grads}, random ids without padding, "
-        f"{_partitions(plan, results)}; weights + grads + optimizer state "
+        f"{_partitions(plan, results)}{_head(results)}; weights + grads + optimizer state "
         f"{format_size(plan.resident_bytes)}.",
         "Search: secant-guided bracket, then secant/bisection until fails - fits <= max(1%, 128 tokens); "
         "max length = the longest probe that fits; x ckpt = max length / checkpoint's at the same offload.",
@@ -207,6 +215,12 @@ def _partitions(plan: Plan, results: list[MethodResult]) -> str:
             f"{r.label} ps {r.spec.partition_size} ps-head {r.spec.head_partition_size}" for r in chunked)
     layer, head = sizes.pop() if sizes else (plan.specs[0].partition_size, plan.specs[0].head_partition_size)
     return f"ps {layer} (streambp, mst), ps-head {head} (streambp, mst)"
+
+
+def _head(results: list[MethodResult]) -> str:
+    """', LM head <mode> (streambp)' when streambp is in the run, else ''."""
+    heads = dict.fromkeys(r.spec.head_mode for r in results if r.spec.method == "streambp")
+    return f", LM head {' / '.join(heads)} (streambp)" if heads else ""
 
 
 def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:

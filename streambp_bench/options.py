@@ -18,6 +18,7 @@ from streambp_core.config import (
     FSDP_STAGES,
     GPU_MODEL_NAMES,
     GRADS_MODES,
+    HEAD_MODES,
     OBJECTIVES,
     OFFLOAD_MODES,
     OPTIMIZERS,
@@ -45,6 +46,7 @@ OffloadOrBoth = _choices("OffloadOrBoth", (*OFFLOAD_MODES, "both"))
 Shard = _choices("Shard", SHARD_MODES[1:])
 Stage = _choices("Stage", FSDP_STAGES)
 GpuModelName = _choices("GpuModelName", GPU_MODEL_NAMES)
+HeadMode = _choices("HeadMode", HEAD_MODES)
 
 Model = Annotated[
     str,
@@ -113,6 +115,14 @@ ProtocolOption = Annotated[
     typer.Option("--protocol", help="default: this project's step; paper: the paper's script (transformers "
                  "4.51: logits held through backward, GQA K/V expanded); backprop-only steps; trl: plain's "
                  "and checkpoint's GRPO/DPO losses as TRL 0.17's trainers compute them (Table 3's)."),
+]
+HeadModeOption = Annotated[
+    HeadMode,
+    typer.Option("--head-mode", help="streambp's LM head: recompute (each chunk's logits again in "
+                 "backward; every objective), fused (each chunk's gradients in the forward pass: one head "
+                 "GEMM per chunk fewer, a vocab x hidden gradient buffer held from forward to backward; sft "
+                 "and grpo) or auto (fused where the objective allows it). Other methods have no streamed "
+                 "head."),
 ]
 GradsOption = Annotated[
     Grads,

@@ -44,7 +44,8 @@ def precision_rows(model_name: str, *, seq_len: int, partition_size: int, seed: 
         (m, "float32", "plain float64", run_step(model, m, batch, spec).grads)
         for m in ("plain", "checkpoint", "streambp")
     ]
-    rows = _rows(model_name, seq_len, sizes, runs, reference)
+    streamed = {**sizes, "head_mode": spec.step("streambp").head_mode}  # the cells of streambp's rows
+    rows = _rows(model_name, seq_len, streamed, runs, reference)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16))
@@ -54,13 +55,13 @@ def precision_rows(model_name: str, *, seq_len: int, partition_size: int, seed: 
         (m, "bfloat16", "plain float32, bf16-rounded weights", run_step(model, m, batch, spec).grads)
         for m in ("checkpoint", "streambp")
     ]
-    return rows + _rows(model_name, seq_len, sizes, runs, reference)
+    return rows + _rows(model_name, seq_len, streamed, runs, reference)
 
 
-def _rows(model_name, seq_len, sizes, runs, reference) -> list[ResultRow]:
+def _rows(model_name, seq_len, streamed, runs, reference) -> list[ResultRow]:
     rows = []
     for method, dtype, reference_name, grads in runs:
-        partitioned = sizes if method == "streambp" else {}
+        partitioned = streamed if method == "streambp" else {}
         for group in GROUPS:
             rows.append(
                 ResultRow(

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 from streambp_bench import csv_io
 from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
-from streambp_core.config import ATTN_BACKENDS, GRADS_MODES, OFFLOAD_MODES, PROTOCOLS, SHARD_MODES, StepSpec
+from streambp_core.config import (
+    ATTN_BACKENDS,
+    GRADS_MODES,
+    HEAD_MODES,
+    OFFLOAD_MODES,
+    PROTOCOLS,
+    SHARD_MODES,
+    StepSpec,
+)
 
 if TYPE_CHECKING:  # pandas is imported where a frame is built: writing rows does not need it
     import pandas as pd
@@ -38,6 +46,8 @@ SOURCES = ("simulated", "measured-cuda", "measured-cpu", "estimated")
 STATUSES = ("ok", "oom", "error")
 METRICS = ("peak_memory", "step_time", "max_len", "grad_rel_err")
 """Known metrics; `value` is GiB, milliseconds, tokens and a relative error respectively."""
+RESOLVED_HEAD_MODES = tuple(mode for mode in HEAD_MODES if mode != "auto")
+"""The head modes a streambp row records: what ran (auto is resolved by `StepSpec`)."""
 CATEGORY_COLUMNS = tuple(
     f"{name}_gib" for name in "weights grads optimizer checkpoints kv logits temporaries".split()
 )
@@ -78,6 +88,10 @@ class ResultRow:
     """Ranks of a data-parallel step; the row's memory is one rank's."""
     shard: str = "none"
     """How each rank holds the model state: none, zero2, zero3 or deepspeed-zero2 (`SHARD_MODES`)."""
+    head_mode: str | None = None
+    """streambp's LM head, as resolved (`StepSpec.head_mode`): recompute or fused; empty for the other
+    methods, which have no streamed head. Not given (None, an empty cell): the method's default head,
+    recompute for streambp (StepSpec's default, and the only head before this column existed)."""
     source: str
     """One of SOURCES: how the numbers were obtained."""
     status: str = "ok"
@@ -128,6 +142,7 @@ class ResultRow:
             object.__setattr__(self, field.name, _coerce(field.name, getattr(self, field.name)))
         for name, allowed in _CHOICES.items():
             _require_one_of(name, getattr(self, name), allowed)
+        object.__setattr__(self, "head_mode", _head_mode_cell(self.method, self.head_mode))
         for name in ("method", "model", "metric", "device_name"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
@@ -143,11 +158,13 @@ class ResultRow:
 
     @classmethod
     def key_of(cls, **key_fields: object) -> tuple[str, ...]:
-        """The key a row with these KEY_COLUMNS values would have (the dataclass defaults fill the rest)."""
+        """The key a row with these KEY_COLUMNS values would have (the dataclass defaults fill the rest; a
+        streambp point without head_mode is recompute, as its row would be)."""
         values = {**_KEY_DEFAULTS, **key_fields}
         if sorted(values) != sorted(KEY_COLUMNS):
             wrong = sorted(set(values) ^ set(KEY_COLUMNS))
             raise TypeError(f"key_of() takes the KEY_COLUMNS; missing or unknown: {', '.join(wrong)}")
+        values["head_mode"] = _head_mode_cell(str(values["method"]), values["head_mode"])
         return tuple(_format(_coerce(name, values[name])) for name in KEY_COLUMNS)
 
     def to_record(self) -> dict[str, str]:
@@ -165,7 +182,7 @@ COLUMNS: tuple[str, ...] = tuple(field.name for field in fields(ResultRow))
 KEY_COLUMNS: tuple[str, ...] = (
     "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
     "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "offload",
-    "gpus", "shard", "source", "metric", "device_name",
+    "gpus", "shard", "head_mode", "source", "metric", "device_name",
 )  # fmt: skip
 _CHOICES = {
     "source": SOURCES, "status": STATUSES, "attn": ATTN_BACKENDS, "protocol": PROTOCOLS, "grads": GRADS_MODES,
@@ -183,6 +200,19 @@ _KEY_DEFAULTS = {
 def _require_one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _head_mode_cell(method: str, head_mode: str | None) -> str:
+    """A row's head_mode: a streambp row's head (recompute when not given), checked; empty for any other
+    method (ValueError when one is given)."""
+    if method == "streambp":
+        head_mode = head_mode or "recompute"
+        _require_one_of("head_mode", head_mode, RESOLVED_HEAD_MODES)
+        return head_mode
+    if head_mode:
+        raise ValueError(f"head_mode is streambp's LM head: a {method} row leaves it empty, "
+                         f"got {head_mode!r}")
+    return ""
 
 
 def _coerce(name: str, value: object) -> object:
@@ -219,8 +249,8 @@ def _parse(name: str, text: str) -> object:
 
 def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, object]:
     """The KEY_COLUMNS of a row about step `spec` but source, metric and device_name (partition cells
-    empty for methods without partitions, LoRA rank empty for full parameters); `seq_len_tokens`
-    overrides the spec's (0 for a max_len row)."""
+    empty for methods without partitions, LoRA rank empty for full parameters, head mode empty but for
+    streambp); `seq_len_tokens` overrides the spec's (0 for a max_len row)."""
     return {
         "method": spec.method, "model": spec.model, "objective": spec.objective,
         "seq_len_tokens": spec.seq_len_tokens if seq_len_tokens is None else seq_len_tokens,
@@ -229,8 +259,13 @@ def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, 
         "head_partition_size": spec.head_partition_size if spec.partitioned else None,
         "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
         "attn": spec.attn, "protocol": spec.protocol, "grads": spec.grads, "offload": spec.offload,
-        "gpus": spec.gpus, "shard": spec.shard,
+        "gpus": spec.gpus, "shard": spec.shard, "head_mode": row_head_mode(spec),
     }  # fmt: skip
+
+
+def row_head_mode(spec: StepSpec) -> str:
+    """The head_mode cell of a row about step `spec`: its resolved head for streambp, else empty."""
+    return spec.head_mode if spec.method == "streambp" else ""
 
 
 def memory_columns(peak_bytes: int | None, breakdown_bytes: dict[str, int]) -> dict[str, float | None]:

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from streambp_bench.results import ResultRow, allocator_columns, memory_columns, provenance, spec_fields
+from streambp_bench.results import (
+    ResultRow,
+    allocator_columns,
+    memory_columns,
+    provenance,
+    row_head_mode,
+    spec_fields,
+)
 from streambp_core.config import StepSpec
 from streambp_core.measure.cuda import cuda_available, device_info
 from streambp_core.measure.kernels import profile_kernel_time
@@ -111,7 +118,7 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
                     method=result.method, model=plan.verify_model, objective=objective,
                     seq_len_tokens=plan.verify_seq_len, batch_size=2, partition_size=256,
                     head_partition_size=100, dtype=plan.verify_dtype, attn=attn,
-                    status="ok" if result.ok else "error",
+                    head_mode=row_head_mode(spec.step(result.method)), status="ok" if result.ok else "error",
                     metric="grad_rel_err", value=result.max_rel_err,
                     error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
                     **provenance(f"measured-{plan.device}", where),
@@ -172,6 +179,11 @@ def _partitions(plan: CheckPlan, seq_len: int, head_partition: int | str) -> tup
     return chosen.partition_size, chosen.head_partition_size
 
 
+def timed_head_mode(plan: CheckPlan, method: str) -> str:
+    """The head_mode cell of a timed variant's rows: the head its sft step runs (streambp: auto, fused)."""
+    return row_head_mode(StepSpec(model=plan.memory_model, method=method, head_mode="auto"))
+
+
 def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_partition: int | str):
     """(layer partition, head partition, the prepared run, step()) of one timed variant on random ids;
     the caller enters the run (a context manager) around its steps."""
@@ -193,7 +205,7 @@ def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[
             model.zero_grad(set_to_none=True)
             yield ResultRow(
                 method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
-                partition_size=partition, head_partition_size=head,
+                partition_size=partition, head_partition_size=head, head_mode=timed_head_mode(plan, method),
                 dtype=plan.dtype, metric="step_time", value=timing.p50_ms, **timing.columns(),
                 **provenance(f"measured-{plan.device}", where),
             )
@@ -206,7 +218,7 @@ def profile_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
         partition, head_partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
         common = dict(method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
                       partition_size=partition, head_partition_size=head_partition, dtype=plan.dtype,
-                      **provenance(f"measured-{plan.device}", where))
+                      head_mode=timed_head_mode(plan, method), **provenance(f"measured-{plan.device}", where))
         with run:
             step()  # warm-up: the profile sees a steady-state step
             message = "the profiler recorded no kernels"

@@ -30,6 +30,14 @@ def step_specs(model: str, methods: str, offload: str = "none", **fields: object
     return with_offload(specs, offload)
 
 
+def streambp_head(methods: tuple[str, ...], objective: str, head_mode: str) -> str:
+    """The head streambp runs under `head_mode` at `objective` (auto resolved to fused or recompute), checked
+    when streambp is among `methods` (fused with dpo: ConfigError); `head_mode` as given otherwise."""
+    if "streambp" not in methods:
+        return head_mode
+    return StepSpec(model="-", method="streambp", objective=objective, head_mode=head_mode).head_mode
+
+
 def with_offload(specs: tuple[StepSpec, ...], offload: str) -> tuple[StepSpec, ...]:
     """`specs` at `offload`: none or checkpoints (plain refused by name, ConfigError), or both: each spec
     followed by its offloaded twin (plain, with nothing to offload, only without)."""

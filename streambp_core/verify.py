@@ -110,7 +110,8 @@ class VerifySpec:
         return StepSpec(model=self.model, method=method, seq_len_tokens=self.seq_len,
                         batch_size=self.batch_size, partition_size=self.partition_size,
                         head_partition_size=self.head_partition_size, dtype=self.dtype,
-                        objective=self.objective, attn=self.attn, lora_rank=self.lora_rank, seed=self.seed)
+                        objective=self.objective, attn=self.attn, lora_rank=self.lora_rank, seed=self.seed,
+                        head_mode=self.head_mode)
 
     @property
     def source(self) -> str:

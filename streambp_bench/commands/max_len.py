@@ -44,7 +44,11 @@ HELP = (
     "automatic choice considers (64 tokens; they reach furthest), then reports the largest partitions that "
     "still fit at each maximum (the fastest: fewer, larger chunks); rows record those. [bold]--at[/] "
     "lengths: the largest partitions that fit there. [bold]--gpu-model[/]: each of those steps' time, "
-    "estimated (roofline over its ops, datasheet figures)."
+    "estimated (roofline over its ops, datasheet figures).\n\n"
+    "[bold]--head-mode[/]: streambp's LM head. recompute (the default) recomputes each chunk's logits in "
+    "backward; fused takes each chunk's gradients in the forward pass (one head GEMM per chunk fewer; a "
+    "vocab x hidden gradient buffer held from forward to backward; sft and grpo); auto: fused where the "
+    "objective allows it. The Step line, the JSON and each row name the head."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -66,6 +70,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench max-len --optimizer adamw --gpus 8 --shard zero3 --method checkpoint,streambp[/]
 
 [cyan]streambp-bench max-len --method streambp --ps auto --ps-head auto --at 32k,128k --gpu-model h100[/]
+
+[cyan]streambp-bench max-len -m Qwen/Qwen3-4B --method checkpoint,streambp --head-mode fused[/]
 """
 
 
@@ -86,6 +92,7 @@ def max_len(
     grads: opt.GradsOption = opt.Grads.auto,
     protocol: opt.ProtocolOption = opt.Protocol.default,
     attn: opt.AttnOption = opt.Attn.auto,
+    head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
     optimizer: opt.OptimizerOption = opt.Optimizer.none,
@@ -112,7 +119,7 @@ def max_len(
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value,
         partition_size=layer_size or MIN_AUTO_PARTITION, head_partition_size=head_size or MIN_AUTO_PARTITION,
-        grads=grads.value, protocol=protocol.value, attn=attn.value,
+        grads=grads.value, protocol=protocol.value, attn=attn.value, head_mode=head_mode.value,
         objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload.value,
         **ranks,
     )  # every cheap check, before torch is imported

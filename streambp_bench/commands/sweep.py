@@ -52,7 +52,11 @@ HELP = (
     "(host_peak_gib) and the GiB copied each way (to_host_gib, to_device_gib).\n\n"
     "[bold]--ps auto[/] / [bold]--ps-head auto[/]: per point, the largest partitions whose simulated "
     "peak fits the budget (the paper's advice; rows record the sizes chosen). [bold]--gpu-model[/] adds "
-    "a row per point, metric step_time, source estimated: a roofline estimate of the step on that GPU."
+    "a row per point, metric step_time, source estimated: a roofline estimate of the step on that GPU.\n\n"
+    "[bold]--head-mode[/]: streambp's LM head, recorded in its rows (column head_mode): recompute (the "
+    "default), fused (each chunk's gradients in the forward pass: one head GEMM per chunk fewer, one vocab "
+    "x hidden gradient buffer more; sft and grpo) or auto (fused where the objective allows it). Rows of "
+    "the two heads are different points."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -72,6 +76,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench sweep --optimizer adamw --gpus 8 --shard zero3 --seq-len 64k:256k:64k --out z3.csv[/]
 
 [cyan]streambp-bench sweep -m Qwen/Qwen3-8B --method streambp --ps auto --ps-head auto --gpu-model h100[/]
+
+[cyan]streambp-bench sweep -m Qwen/Qwen3-4B --method streambp --head-mode fused --seq-len 8k,16k,32k[/]
 """
 
 
@@ -93,6 +99,8 @@ def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
     where = f"{spec_label(point)} {point.model} T={point.seq_len_tokens:,}"
     if point.partitioned:
         where += f" ps={point.partition_size}"
+    if point.method == "streambp":
+        where += f" head={point.head_mode}"
     if rows is None:
         return f"{where}: already done"
     row = rows[0]
@@ -131,6 +139,7 @@ def sweep(
     ] = opt.Attn.auto,
     protocol: opt.ProtocolOption = opt.Protocol.default,
     grads: opt.GradsOption = opt.Grads.auto,
+    head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
     offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,
@@ -172,6 +181,7 @@ def sweep(
         attn=attn.value,
         protocol=protocol.value,
         grads=grads.value,
+        head_mode=head_mode.value,
         **ranks,
     )
     points = with_offload(tuple(grid), offload.value)
@@ -201,13 +211,20 @@ def sweep(
                 "again to resume"
             )
             raise typer.Exit(code=130) from None
-    summary = {"out": str(out), "source": target.source, "points": len(points), **counts}
+    heads = {"head_mode": head} if (head := _streambp_head(points)) else {}
+    summary = {"out": str(out), "source": target.source, "points": len(points), **counts, **heads}
+    how = target.source + (f"; streambp head {head}" if head else "")
 
     def render(console) -> None:
         console.print(f"{counts['ran']} points run, {counts['skipped']} already done, {counts['failed']} "
-                      f"failed ({target.source}); rows in {escape(str(out))}", soft_wrap=True)
+                      f"failed ({how}); rows in {escape(str(out))}", soft_wrap=True)
 
     emit(summary, as_json, render)
+
+
+def _streambp_head(points: tuple[StepSpec, ...]) -> str:
+    """The LM head of the grid's streambp points (one objective and --head-mode: one head); '' without."""
+    return next((point.head_mode for point in points if point.method == "streambp"), "")
 
 
 def _gpu(name: str):

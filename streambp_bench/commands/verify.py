@@ -19,7 +19,7 @@ from rich.table import Table
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import method_list
+from streambp_bench.specs import method_list, streambp_head
 from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
 
 if TYPE_CHECKING:
@@ -40,6 +40,9 @@ HELP = (
     "[bold]--offload checkpoints[/] runs each method with its checkpoints in host memory, through the real "
     "offload code path (on a CPU the host is the CPU: copies, no pinning); the check is the same, and "
     "offloading changes no bit of any gradient.\n\n"
+    "[bold]--head-mode fused[/] checks streambp's fused LM head (each chunk's gradients taken in the "
+    "forward pass; sft and grpo), [bold]auto[/] the head the objective allows (fused for sft and grpo); "
+    "the default is the recomputing head.\n\n"
     "[bold]--nproc N[/] starts N ranks on this machine (gloo on CPU, nccl on CUDA: one GPU each), shards the "
     "model with torch FSDP2 (--shard zero2, zero3; both when not given) and compares every parameter's "
     "all-gathered gradient with single-process plain over the ranks' batches (each rank its own; the "
@@ -61,6 +64,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
 
 [cyan]streambp-bench verify -m tiny/llama --dtype float64 --offload checkpoints[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective grpo -b 2 --head-mode fused[/]
 
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3 --method all[/]
 """
@@ -99,11 +104,12 @@ def render_table(report: VerifyReport) -> Table:
 def describe(report: VerifyReport) -> str:
     """One line saying how the numbers were obtained."""
     spec = report.spec
+    head = f", streambp head {spec.head_mode}" if "streambp" in spec.methods else ""
     text = (
         f"{spec.source}: {spec.model}, {spec.dtype}, seq_len {spec.seq_len}, batch {spec.batch_size}, "
         f"ps {spec.partition_size}, ps-head {spec.head_partition_size}, padding {spec.padding}, "
         f"seed {spec.seed}, objective {spec.objective}, lora rank {spec.lora_rank}, attn {spec.attn}, "
-        f"offload {spec.offload}; "
+        f"offload {spec.offload}{head}; "
         f"reference loss {report.reference_loss:.6f}"
     )
     if report.reference_dtype != spec.dtype:
@@ -160,6 +166,7 @@ def verify(
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
     attn: opt.AttnOption = opt.Attn.auto,
+    head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
     offload: opt.OffloadOption = opt.Offload.none,
     nproc: Annotated[
         int | None, typer.Option("--nproc", help="Ranks to start (sharded verify); at most the CPU cores "
@@ -181,6 +188,10 @@ def verify(
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     if nproc is not None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
+    head = streambp_head(methods, objective.value, head_mode.value)
+    if nproc is not None and "streambp" in methods and head != "recompute":
+        raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
+                          "recomputing head (--head-mode recompute)")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
@@ -203,6 +214,7 @@ def verify(
         objective=objective.value,
         lora_rank=lora_rank,
         attn=attn.value,
+        head_mode=head,
         offload=offload.value,
     )
     if nproc is not None:
