@@ -31,6 +31,9 @@ VARIANT_COLUMNS = (
     "device_name", "offload",
 )  # fmt: skip
 """Columns that split a method's rows into separate lines when they vary within the method."""
+WITHIN_METHOD_COLUMNS = ("head_mode",)
+"""Columns of one method's setting (empty for the others) that split lines and bar groups only when they
+vary within a method."""
 PARTITION_COLUMNS = ("partition_size", "head_partition_size")
 DPI = 150
 TOKENS_PER_K = 1000
@@ -38,7 +41,7 @@ TOKENS_PER_K = 1000
 LENGTH_LABEL = "sequence length (k tokens, k = 1000)"
 _PREFIXES = dict(
     partition_size="ps ", head_partition_size="ps-head ", batch_size="batch ", lora_rank="LoRA r",
-    attn="attn ", protocol="protocol ", grads="grads ", offload="offload ",
+    attn="attn ", protocol="protocol ", grads="grads ", offload="offload ", head_mode="head ",
 )  # fmt: skip
 
 
@@ -197,10 +200,15 @@ def _series(
     rows: pd.DataFrame, extra: Sequence[str], always: Sequence[str] = ()
 ) -> Iterator[tuple[str, str, pd.DataFrame]]:
     """(label, method, rows) per line: by method, `always`, and the variant and `extra` columns that vary."""
-    keys = ["method", *always, *_varying(rows, [*VARIANT_COLUMNS, *extra], ["method"])]
+    keys = ["method", *always, *_varying(rows, [*VARIANT_COLUMNS, *_within(rows), *extra], ["method"])]
     groups = rows.groupby(keys, dropna=False, sort=False)
     for values, series in sorted(groups, key=lambda group: _order(group[0])):
         yield _join(" ", keys, values), values[0], series
+
+
+def _within(rows: pd.DataFrame) -> list[str]:
+    """The WITHIN_METHOD_COLUMNS that `rows` have."""
+    return [column for column in WITHIN_METHOD_COLUMNS if column in rows.columns]
 
 
 def _order(values: tuple) -> tuple:
@@ -215,7 +223,8 @@ def _order(values: tuple) -> tuple:
 
 def _groups(data: pd.DataFrame) -> Iterator[tuple[str, pd.DataFrame]]:
     """(label, rows) per bar group: a model plus the variant columns that vary anywhere in `data`."""
-    keys = ["model", *(column for column in VARIANT_COLUMNS if data[column].nunique(dropna=False) > 1)]
+    keys = ["model", *(column for column in VARIANT_COLUMNS if data[column].nunique(dropna=False) > 1),
+            *_varying(data, _within(data), ["model", "method"])]
     for values, rows in data.groupby(keys, dropna=False, sort=False):
         yield _join("\n", keys, values), rows
 
@@ -228,7 +237,7 @@ def _join(separator: str, columns: Sequence[str], values: Sequence[object]) -> s
 
 def _describe(column: str, value: object) -> str:
     """A short, readable label for one column value ('ps 500', 'LoRA r32', 'batch 2')."""
-    if pd.isna(value):
+    if pd.isna(value) or value == "":
         return "full" if column == "lora_rank" else ""
     prefix = _PREFIXES.get(column, "")
     if column in PARTITION_COLUMNS and int(value) % 1000 == 0:

@@ -105,6 +105,18 @@ def test_rows_of_another_protocol_or_kernel_are_other_lines(memory_df: pd.DataFr
     assert {"streambp attn auto", "streambp attn sdpa", "checkpoint attn auto"} <= labels
 
 
+def test_streambp_rows_of_another_head_are_other_lines_and_bar_groups(memory_df: pd.DataFrame) -> None:
+    assert set(memory_df.loc[memory_df["method"] == "streambp", "head_mode"]) == {"recompute"}
+    fused = memory_df[memory_df["method"] == "streambp"].assign(head_mode="fused", value=1.0)
+    labels = set(lines_by_label(plots.memory_vs_length(pd.concat([memory_df, fused]))))
+    assert {"streambp head fused", "streambp head recompute", "checkpoint"} <= labels
+    assert set(lines_by_label(plots.memory_vs_length(memory_df))) >= {"streambp", "checkpoint"}
+    bars = load("max_len.csv")
+    fused = bars[bars["method"] == "streambp"].assign(head_mode="fused")
+    ticks = plots.max_length_bars(pd.concat([bars, fused])).axes[0].get_xticklabels()
+    assert "Qwen/Qwen3-8B\nfull\nhead fused" in [tick.get_text() for tick in ticks]
+
+
 def test_time_figure_is_in_seconds_per_partition_size() -> None:
     fig = plots.time_vs_length(load("cpu_measured.csv"))
     lines = lines_by_label(fig)
