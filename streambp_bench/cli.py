@@ -48,14 +48,20 @@ app.command("selfcheck", help=selfcheck.HELP, epilog=selfcheck.EPILOG)(selfcheck
 
 
 def main() -> None:
-    """Console-script entry point: run the app; a ConfigError that escapes a command is one line, exit 2.
-    Then exit at once (`exit_now`)."""
+    """Run the app; a ConfigError that escapes a command is one line, exit 2 (SystemExit, so a caller in
+    Python keeps its process)."""
     try:
         app()
-        code = 0
     except USER_ERRORS as error:
         print_error(error)
-        code = USER_ERROR_EXIT_CODE
+        sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def run() -> None:
+    """Console-script entry point: `main`, then `exit_now` with its exit code."""
+    try:
+        main()
+        code: object = 0
     except SystemExit as done:
         code = done.code
     exit_now(code)
@@ -79,4 +85,4 @@ def exit_now(code: object) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run()
