@@ -1,6 +1,7 @@
 """Sharded training on existing engines: torch FSDP2 (`fsdp.py`), ranks on one machine (`launch.py`),
-collective counts (`comms.py`), exactness across ranks (`verify.py`) and one rank of N in the simulator
-(`simulate.py`). Public names load on first use, so importing one submodule stays light."""
+collective counts (`comms.py`), exactness across ranks (`verify.py`), one rank of N in the simulator
+(`simulate.py`) and measured on CPU ranks (`memory.py`). Public names load on first use, so importing one
+submodule stays light."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ _LAZY = {
     "run_ranks": "streambp_core.dist.launch",
     "RankError": "streambp_core.dist.launch",
     "CollectiveLog": "streambp_core.dist.comms",
+    "measure_ranks": "streambp_core.dist.memory",
+    "RankMemory": "streambp_core.dist.memory",
 }
 
 __all__ = sorted(_LAZY)

@@ -95,6 +95,25 @@ def sharded_forward(module: nn.Module, fn: Callable[..., R], *args: Any) -> R:
         delattr(module, name)
 
 
+def gathered_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors every FSDP unit of `model` gathers its parameters into, once FSDP2 has allocated them.
+
+    Each unit is unsharded and resharded in turn (a collective: every rank must call it): FSDP2 makes a
+    unit's unsharded parameters on its first all-gather and keeps those tensors for good, freeing and
+    re-allocating their storage in place (`UntypedStorage.resize_`) on every reshard and all-gather. While
+    one unit is unsharded, its parameters are the model's only ones that are not `DTensor`s. A memory
+    tracker counts them with `MemoryTracker.track_resizable`. Empty for an unsharded model.
+    """
+    from torch.distributed.tensor import DTensor
+
+    gathered: list[torch.Tensor] = []
+    for unit in (module for module in model.modules() if is_sharded(module)):
+        unit.unshard()
+        gathered.extend(p for p in unit.parameters() if not isinstance(p, DTensor))
+        unit.reshard()
+    return gathered
+
+
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Every trainable parameter's gradient as a full tensor (sharded ones all-gathered), by name.
 

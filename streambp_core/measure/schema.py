@@ -92,7 +92,11 @@ def tensors_in(tree: Any, found: list[torch.Tensor] | None = None) -> list[torch
 
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """The tensor's storage object, or None for tensors without one (sparse, some subclasses)."""
+    """The tensor's storage object, or None for tensors without one (sparse, some subclasses). A sharded
+    `DTensor` (FSDP2's parameters, gradients and optimizer state) answers with its local shard's storage:
+    its own is a placeholder of the global size that holds no bytes."""
+    if type(tensor) is not torch.Tensor:
+        tensor = getattr(tensor, "_local_tensor", tensor)
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):

@@ -14,6 +14,10 @@ What is and is not seen:
 - Not seen: memory an op's kernel allocates and frees inside itself (workspaces, the real body of a
   custom op: only its outputs count), and storages made before entering that are not model parameters,
   gradients or optimizer state (e.g. `input_ids`), unless `count_existing=True` or `track()` adds them.
+  Nor a storage resized outside any op (`UntypedStorage.resize_`, how torch FSDP2 frees and re-allocates
+  its gathered parameters), unless `track_resizable()` names it: its size is then re-read before every
+  op, so its bytes count exactly from the first op after it grows until the first op after it shrinks.
+- Sharded tensors (`DTensor`: FSDP2's parameters, gradients, optimizer state) count their local shard.
 - Categories: parameters and buffers count as weights, `.grad` tensors as grads and optimizer state as
   optimizer from the start. A gradient autograd creates inside the region is first filed under the
   category active when its op ran (usually temporaries) and moved to grads when the parameter's
@@ -32,6 +36,7 @@ What is and is not seen:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -122,6 +127,7 @@ class MemoryTracker:
         self._cuda_peak: CudaPeak | None = None
         self._result: TrackerResult | None = None
         self._pinned_is_host = False
+        self._resizable: list[weakref.ref] = []
         self.to_host_bytes = 0
         """Bytes copied from the device pool into the host pool since entry."""
         self.to_device_bytes = 0
@@ -131,6 +137,7 @@ class MemoryTracker:
         if self._mode is not None:
             raise RuntimeError("MemoryTracker is already active")
         self._ledger = StorageLedger()
+        self._resizable = []
         self._result = None
         self._cuda_peak = None
         self.to_host_bytes = self.to_device_bytes = 0
@@ -165,21 +172,21 @@ class MemoryTracker:
     def live_bytes(self) -> int:
         """Bytes of tracked storages alive now."""
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             return self._ledger.live_bytes
 
     @property
     def host_live_bytes(self) -> int:
         """Bytes of host-pool storages alive now."""
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             return self._ledger.host_live_bytes
 
     @property
     def peak_bytes(self) -> int:
         """Most bytes live at once since entry or the last `reset_peak()`."""
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             return self._ledger.peak_bytes
 
     def result(self) -> TrackerResult:
@@ -194,7 +201,7 @@ class MemoryTracker:
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (and reset the CUDA allocator's peak too)."""
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             self._ledger.reset_peak()
             if self._cuda_peak is not None:
                 self._cuda_peak.reset()
@@ -206,7 +213,7 @@ class MemoryTracker:
         if storage is None or not self._counts(tensor):
             return
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             if not self._ledger.retag(storage, category):
                 self._ledger.add(storage, category, str(tensor.device))
 
@@ -215,13 +222,24 @@ class MemoryTracker:
         for tensor in tensors:
             self.retag(tensor, category)
 
+    def track_resizable(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Count `tensors`' storages under `category` from now on, re-reading their sizes before every op:
+        for storages their owner resizes in place outside any op (FSDP2's unsharded parameters, which it
+        frees with `UntypedStorage.resize_(0)` and re-allocates before the next all-gather's copy-out)."""
+        tensors = list(tensors)
+        self.track(tensors, category)
+        for tensor in tensors:
+            storage = storage_of(tensor)
+            if storage is not None and self._counts(tensor):
+                self._resizable.append(weakref.ref(storage))
+
     # --- the dispatch-mode callback ---------------------------------------------------------------
 
     def record_new(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count `tensors`, just made by a factory op that ran below this tracker's dispatch mode (e.g.
         `fastmeta.SimulationMode`'s memoised meta kernels), exactly as if the mode had seen that op."""
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             self._add_outputs(tensors, None)
 
     def ignores(self, func: Any) -> bool:
@@ -234,7 +252,7 @@ class MemoryTracker:
     def _observe(self, func: Any, inputs: Any, out: Any) -> None:
         """Record the new storages among an op's outputs (called by the dispatch mode after each op)."""
         with self._lock:
-            self._ledger.drain()
+            self._drain()
             if self._count_existing:
                 self._add_untracked(tensors_in(inputs))
             aliased = func not in FRESH_OPS and takes_tensors(func)
@@ -349,6 +367,14 @@ class MemoryTracker:
 
     # --- helpers --------------------------------------------------------------------------------------
 
+    def _drain(self) -> None:
+        """Apply the frees queued since the last call and re-read the sizes of resizable storages."""
+        self._ledger.drain()
+        for ref in self._resizable:
+            storage = ref()
+            if storage is not None:
+                self._ledger.resize(storage)
+
     def _counts(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives on the device this tracker counts."""
         wanted = self._device
@@ -369,7 +395,7 @@ class MemoryTracker:
         return next((p.device for p in self._parameters() if p.is_cuda and not is_fake(p)), None)
 
     def _snapshot(self) -> TrackerResult:
-        self._ledger.drain()
+        self._drain()
         ledger, cuda_peak = self._ledger, self._cuda_peak
         device = str(self._device) if self._device is not None else ",".join(sorted(ledger.devices))
         return TrackerResult(

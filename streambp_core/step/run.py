@@ -10,14 +10,17 @@ is what lets the simulator extrapolate each one from two shallow depths.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
 from streambp_core.measure.protocol import step_protocol
 from streambp_core.measure.result import TrackerResult
+from streambp_core.measure.tags import WEIGHTS
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.adapters import decoder_parts
@@ -128,7 +131,8 @@ def _embedding_cut(model, phases: _Phases) -> Iterator[list[bool]]:
 
 
 def tracked_step(
-    setup: Setup, device: str, *, keep_chunks: int | None = None, cache: dict | None = None
+    setup: Setup, device: str, *, keep_chunks: int | None = None, cache: dict | None = None,
+    gathered: Iterable[torch.Tensor] = (),
 ) -> StepRecord:
     """Run one step of `setup` on `device` ('meta', 'cpu' or 'cuda') under the tracker, phase by phase.
 
@@ -136,12 +140,14 @@ def tracked_step(
     under the spec's protocol, the tracker and `SimulationMode` (memoised meta kernels, `cache` shared
     between steps; the logits category), tag the forward's checkpoints, then `run.loss(...)`,
     `loss.backward()` and the optimizer step, cutting a phase after each (and at the embedding's output
-    gradient); close the run whatever happens.
+    gradient); close the run whatever happens. `gathered`: a sharded model's unsharded parameters
+    (`dist.fsdp.gathered_parameters`), counted as weights while FSDP2 holds them allocated.
     """
     spec, model, optimizer = setup.spec, setup.model, setup.optimizer
     run = prepare(model, spec.method, keep_chunks=keep_chunks, **spec.stream_options())
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, optimizer, device=device) as tracker:
+            tracker.track_resizable(gathered, WEIGHTS)
             phases = _Phases(tracker, device)
             with (
                 SimulationMode(setup.config.vocab_size, cache, tracker),

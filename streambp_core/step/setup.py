@@ -16,6 +16,7 @@ Protocol of a step (the same simulated and measured):
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,16 @@ def with_depth(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
 
 
 def build_training_model(
-    spec: StepSpec, config: PretrainedConfig, device: str
+    spec: StepSpec, config: PretrainedConfig, device: str,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-    """The (LoRA-wrapped) model on `device` and its optimizer with state initialised (protocol 1-2)."""
+    """The (LoRA-wrapped) model on `device` and its optimizer with state initialised (protocol 1-2);
+    `wrap` (e.g. sharding) applies to the model before its optimizer is made."""
     model = build_model(config, dtype=torch_dtype(spec.dtype), device=device, seed=spec.seed)
     if spec.lora_rank:
         model = apply_lora(model, spec.lora_rank)
+    if wrap is not None:
+        model = wrap(model)
     optimizer = make_optimizer(model, spec.optimizer)
     if optimizer is not None:
         for param in model.parameters():

@@ -138,6 +138,23 @@ def test_torch_tensor_data_and_in_place_resize_are_counted() -> None:
     del a, b
 
 
+def test_storages_resized_outside_any_op_count_from_the_next_op_when_tracked_resizable() -> None:
+    """FSDP2 frees and re-allocates its gathered parameters with `UntypedStorage.resize_`, which no
+    dispatch mode sees; a resizable storage's size is re-read before every op."""
+    gathered = torch.empty(100)
+    gathered.untyped_storage().resize_(0)
+    with MemoryTracker() as tracker:
+        tracker.track_resizable([gathered], WEIGHTS)
+        assert tracker.live_bytes == 0
+        gathered.untyped_storage().resize_(100 * F32)  # an all-gather's copy-out
+        scratch = torch.ones(10)  # the next op reads the new size before its own output
+        assert tracker.result().end_breakdown_bytes == _zeros(weights=100 * F32, temporaries=10 * F32)
+        gathered.untyped_storage().resize_(0)  # reshard
+        scratch.add_(1)
+        assert tracker.live_bytes == 10 * F32
+        assert tracker.peak_bytes == 110 * F32
+
+
 def test_device_filter_counts_only_that_device() -> None:
     with MemoryTracker(device="meta") as tracker:
         on_cpu = torch.empty(1000)
