@@ -5,12 +5,16 @@ a rank's own and stay as simulated; the model state is laid out as FSDP2 lays it
 model's parameter shapes (each parameter split along dim 0, padded to a multiple of N):
 
 - weights: every parameter's shard, plus the gathered units. zero2 keeps every unit gathered from its
-  forward to the end of its backward (at the step's peak, all of them); zero3 gathers the root
+  forward to the end of its backward (at the step's peak, all of them); in forward also the flat
+  all-gather output of the last unit gathered (a decoder layer's padded bytes), which FSDP2 frees only
+  when the root's forward returns, and the head and the loss run inside it. zero3 gathers the root
   (embedding, final norm, head) and two decoder layers at most (the one running and the one prefetched).
 - optimizer: the state of the shards (the simulated state times the trainable shard fraction).
-- grads: the shards of the simulated gradients, plus, when gradients exist at the peak, the unsharded
-  gradients in flight: the root's (reduce-scattered at the end of backward) and two layers' (the one
-  being back-propagated and the one being reduce-scattered).
+- grads: the shards of the simulated gradients, plus, in backward, the unsharded gradients in flight:
+  the root's (reduce-scattered at the end of backward) and two layers' (the one being back-propagated
+  and the flat reduce-scatter input of the one before, which FSDP2 holds until the next unit's
+  reduce-scatter). In flight are gradients of the step, so never more bytes than the single-rank step
+  holds as gradients at that point (with fresh gradients, what exists of them). None in forward.
 - the optimizer phase: every unit is resharded and every gradient reduce-scattered: shards only (the
   optimizer's temporaries too: it updates shards).
 
@@ -100,6 +104,13 @@ class ShardLayout:
         layers = sorted((unit.full for unit in self.units[1:]), reverse=True)
         return self.units[0].full + sum(layers[:PREFETCHED_LAYERS])
 
+    def forward_gather_bytes(self, stage: str) -> int:
+        """Bytes of the flat all-gather output FSDP2 holds on top of the gathered units in forward: zero2
+        keeps the last layer's until the root's forward returns (zero3's is within its two layers)."""
+        if stage != "zero2" or len(self.units) < 2:
+            return 0
+        return max(unit.shard * self.gpus for unit in self.units[1:])
+
     def inflight_grad_bytes(self) -> int:
         """Unsharded gradients alive at once in backward: the root's and two layers'."""
         layers = sorted((unit.trainable_full for unit in self.units[1:]), reverse=True)
@@ -126,17 +137,20 @@ def sharded_breakdown(
     """One rank's bytes by category at the peak of a step phase whose single-rank breakdown is given.
 
     `phase` "optimizer" (after backward: every unit resharded, every gradient reduce-scattered) holds
-    shards only; any other phase (forward, backward) the gathered units and in-flight gradients too.
+    shards only; "forward" the gathered units and zero2's last all-gather output; any other phase (the
+    backward's) the gathered units and the gradients in flight, at most the gradients there are.
     """
     require_choice("shard", stage, SHARD_STAGES)
     in_step = phase != "optimizer"
     fraction = layout.trainable_fraction
     rank = dict(breakdown_bytes)
     buffers = breakdown_bytes.get("weights", 0) - layout.total("full")  # buffers are not sharded
-    rank["weights"] = buffers + layout.total("shard") + (layout.gathered_bytes(stage) if in_step else 0)
+    gathered = layout.gathered_bytes(stage) + (layout.forward_gather_bytes(stage) if phase == "forward" else 0)
+    rank["weights"] = buffers + layout.total("shard") + (gathered if in_step else 0)
     rank["optimizer"] = round(breakdown_bytes.get("optimizer", 0) * fraction)
     grads = breakdown_bytes.get("grads", 0)
-    rank["grads"] = round(grads * fraction) + (layout.inflight_grad_bytes() if grads and in_step else 0)
+    in_backward = in_step and phase != "forward"
+    rank["grads"] = round(grads * fraction) + (min(grads, layout.inflight_grad_bytes()) if in_backward else 0)
     if not in_step:
         rank["temporaries"] = round(breakdown_bytes.get("temporaries", 0) * fraction)
     return rank

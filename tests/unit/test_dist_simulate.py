@@ -60,6 +60,28 @@ def test_the_optimizer_phase_holds_shards_only(meta_model):
     assert rank["weights"] == rank["grads"] == layout.total("shard")
 
 
+def test_forward_holds_no_gradients_in_flight_and_zero2_the_last_all_gather(meta_model):
+    """In forward no unsharded gradient exists yet (resident ones are shards); zero2 also holds the flat
+    all-gather output of the last layer gathered, freed only when the root's forward returns."""
+    layout = ShardLayout.from_model(meta_model, 4)
+    full = layout.total("full")
+    single = {"weights": full, "grads": full, "logits": GIB}
+    zero2, zero3 = (sharded_breakdown(single, layout, stage, phase="forward") for stage in ("zero2", "zero3"))
+    assert zero2["grads"] == zero3["grads"] == layout.total("shard")
+    layer = max(unit.shard * 4 for unit in layout.units[1:])
+    assert zero2["weights"] == layout.total("shard") + full + layer
+    assert zero3["weights"] == layout.total("shard") + layout.gathered_bytes("zero3")
+
+
+def test_gradients_in_flight_are_at_most_the_gradients_there_are(meta_model):
+    """Fresh gradients early in backward (the head's only): in flight are those, not root + two layers."""
+    layout = ShardLayout.from_model(meta_model, 4)
+    head = layout.units[0].trainable_full
+    assert head < layout.inflight_grad_bytes()
+    rank = sharded_breakdown({"weights": layout.total("full"), "grads": head}, layout, "zero2")
+    assert rank["grads"] == round(head * layout.trainable_fraction) + head
+
+
 def test_no_gradients_at_the_peak_means_none_in_flight(meta_model):
     layout = ShardLayout.from_model(meta_model, 4)
     assert sharded_breakdown({"weights": 1, "grads": 0}, layout, "zero3")["grads"] == 0
