@@ -28,7 +28,7 @@ from functools import partial
 from transformers import PretrainedConfig
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec
-from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, run_ranks
+from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
 from streambp_core.step.setup import resolve_config
 
 SOURCE = "measured-cpu"
@@ -68,6 +68,7 @@ def measure_ranks(specs: Sequence[StepSpec], config: PretrainedConfig | None = N
         if spec.shard not in FSDP_STAGES:
             raise ConfigError(f"a rank is measured under torch FSDP2 ({', '.join(FSDP_STAGES)}), "
                               f"got shard {spec.shard}")
+    check_nproc(specs[0].gpus, "cpu")
     config = resolve_config(specs[0], config)
     for spec in specs:
         _check_ram(spec, config)

@@ -1,0 +1,111 @@
+"""One rank's peak under torch FSDP2: measured on real CPU ranks (gloo) against the sharded simulation.
+
+    python benchmarks/fsdp_rank_memory.py --out results/benchmarks/fsdp_rank_memory.csv
+
+For each shard stage, method and optimizer, runs the step on `--gpus` CPU ranks with the model sharded by
+FSDP2 and rank 0 under the memory tracker (`streambp_core.dist.memory.measure_ranks`; rows labelled
+`measured-cpu`), and simulates the same `StepSpec` on meta tensors (`simulated`). Defaults: the tiny
+Qwen3 preset widened to a 4096-token vocabulary, hidden 128, MLP 256 (so the model state is visible next
+to the activations), 256 tokens, float32: what tests/unit/test_dist_memory.py checks. The simulated rank
+is an upper bound of the measured one (see `streambp_core.dist.memory`); `simulated_minus_measured`
+says by how much. Bytes throughout (the model is tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+from pathlib import Path
+
+from csv_out import write_csv
+
+from streambp_bench.errors import USER_ERRORS, print_error
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.measure.tags import CATEGORIES
+
+COLUMNS = ("model", "vocab_size", "hidden_size", "num_layers", "seq_len_tokens", "dtype", "gpus", "shard",
+           "method", "optimizer", "source", "peak_bytes", *(f"{c}_bytes" for c in CATEGORIES),
+           "simulated_minus_measured")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", default="tiny/qwen3", help="preset name or local config directory")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="0: the preset's")
+    parser.add_argument("--hidden-size", type=int, default=128, help="0: the preset's")
+    parser.add_argument("--intermediate-size", type=int, default=256, help="0: the preset's")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--ps", type=int, default=64, help="layer partition (streambp)")
+    parser.add_argument("--ps-head", type=int, default=64, help="LM-head partition (streambp)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--gpus", type=int, default=2, help="CPU ranks (at most the cores)")
+    parser.add_argument("--shards", default="zero2,zero3", help="comma-separated FSDP2 stages")
+    parser.add_argument("--methods", default="streambp,checkpoint", help="comma-separated methods")
+    parser.add_argument("--optimizers", default="none,adamw", help="comma-separated optimizers")
+    parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")
+    return parser.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace):
+    """The preset's config with the sizes the options override."""
+    from streambp_core.models import load_config
+
+    config = load_config(args.model)
+    for name in ("vocab_size", "hidden_size", "intermediate_size"):
+        if getattr(args, name):
+            setattr(config, name, getattr(args, name))
+    return config
+
+
+def specs(args: argparse.Namespace) -> list[StepSpec]:
+    """One spec per (shard, method, optimizer); bad values are ConfigError before anything runs."""
+    combos = itertools.product(*(value.split(",") for value in (args.shards, args.methods, args.optimizers)))
+    return [StepSpec(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=args.ps,
+                     head_partition_size=args.ps_head, dtype=args.dtype, optimizer=optimizer,
+                     gpus=args.gpus, shard=shard) for shard, method, optimizer in combos]
+
+
+def rows(args: argparse.Namespace) -> list[dict]:
+    """A measured-cpu and a simulated row per spec (see COLUMNS)."""
+    from streambp_core.dist.memory import measure_ranks
+    from streambp_core.step.simulate import simulate
+
+    chosen = specs(args)
+    if any(spec.gpus < 2 for spec in chosen):
+        raise ConfigError("--gpus must be at least 2: one rank of several")
+    config = model_config(args)
+    out = []
+    for spec, rank in zip(chosen, measure_ranks(chosen, config), strict=True):
+        sim = simulate(spec, config)
+        common = {"model": args.model, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                  "num_layers": config.num_hidden_layers, "seq_len_tokens": spec.seq_len_tokens,
+                  "dtype": spec.dtype, "gpus": spec.gpus, "shard": spec.shard, "method": spec.method,
+                  "optimizer": spec.optimizer}
+        for source, peak, breakdown in (("measured-cpu", rank.peak_bytes, rank.breakdown_bytes),
+                                        ("simulated", sim.peak_bytes, sim.breakdown_bytes)):
+            out.append({**common, "source": source, "peak_bytes": peak,
+                        **{f"{c}_bytes": breakdown.get(c, 0) for c in CATEGORIES},
+                        "simulated_minus_measured": sim.peak_bytes - rank.peak_bytes})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the rows (and write them with --out); bad input is one `error:` line and exit code 2."""
+    args = parse_args(argv)
+    try:
+        found = rows(args)
+    except USER_ERRORS as error:
+        print_error(error)
+        return 2
+    writer = csv.DictWriter(sys.stdout, COLUMNS)
+    writer.writeheader()
+    writer.writerows(found)
+    write_csv(args.out, COLUMNS, found)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
