@@ -151,16 +151,17 @@ def _rank_main(rank, fn, nproc, backend, workdir, timeout_s, args) -> None:
         os.environ[name] = str(nproc)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank,
-                            world_size=nproc, timeout=timedelta(seconds=timeout_s))
-    try:
+    try:  # joining is inside: a rank whose peer failed while it joined records why too (after the peer)
+        dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank,
+                                world_size=nproc, timeout=timedelta(seconds=timeout_s))
         torch.save(fn(rank, nproc, *args), Path(workdir) / f"rank{rank}.pt")
     except Exception as error:
         message = str(error) or traceback.format_exc(limit=1)
         (Path(workdir) / f"rank{rank}.error").write_text(f"{type(error).__name__}\n{message}")
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the result is on disk; skip interpreter teardown (seconds with torch and transformers)
