@@ -136,6 +136,7 @@ def guided_max_len(
     confirmed_layers: int | None = None,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
     host_budget_bytes: int | None = None,
+    confirm_both_ends: bool = False,
 ) -> SearchResult:
     """Max length guided by a cheap probe, then refined by measurement or confirmed by a full one.
 
@@ -145,7 +146,10 @@ def guided_max_len(
     3. Else `confirm` (a full-depth simulation): probe the guide's answer with it; if that fits, keep the
        guide's bracket with that probe as the peak; if not, search again with `confirm` from there.
        Why only that end: the guide can only under-estimate a peak (a maximum of phases each affine in
-       depth is convex in depth), so a length that fails guided fails confirmed too.
+       depth is convex in depth), so a length that fails guided fails confirmed too. With
+       `confirm_both_ends` (a guide that may also over-estimate: one sharded rank, whose layout of the
+       extrapolated categories is not affine) the failing end is confirmed too, and a search with
+       `confirm` continues from it if it fits.
     `confirmed_layers` (the depth `refine`/`confirm` run at) is recorded on the result. Every probe is
     listed in the result, the guide's first. `host_budget_bytes` bounds every search's host peak too.
     """
@@ -163,6 +167,19 @@ def guided_max_len(
     fits = check.fits(budget_bytes, host_budget_bytes)
     if on_probe is not None:
         on_probe(check, guided.max_len_tokens if fits else 0, guided.bracket[1])
+    fail_len = guided.bracket[1]
+    if fits and confirm_both_ends and fail_len is not None:
+        above = confirm(fail_len)
+        above_fits = above.fits(budget_bytes, host_budget_bytes)
+        if on_probe is not None:
+            ok_len = fail_len if above_fits else guided.max_len_tokens
+            on_probe(above, ok_len, None if above_fits else fail_len)
+        if above_fits:  # the guide over-estimated: search on, confirmed, from the length that fits
+            full = max_trainable_length(confirm, budget_bytes, start=fail_len, on_probe=on_probe, **host)
+            return replace(full, probes=[*guided.probes, check, above, *full.probes],
+                           confirmed_layers=confirmed_layers)
+        return replace(guided, peak_at_max=check, probes=[*guided.probes, check, above],
+                       confirmed_layers=confirmed_layers)
     if fits:
         return replace(guided, peak_at_max=check, probes=[*guided.probes, check],
                        confirmed_layers=confirmed_layers)

@@ -138,7 +138,8 @@ def max_len(
     if device == "sim":
         confirm = None if layers <= 3 else simulated_probe(spec, config, depth="full", cache=cache)
         return guided_max_len(guide, budget_bytes, confirm=confirm, confirmed_layers=layers,
-                              on_probe=on_probe, host_budget_bytes=host_budget_bytes)
+                              on_probe=on_probe, host_budget_bytes=host_budget_bytes,
+                              confirm_both_ends=spec.shard != "none")
     refine = cuda_probe(spec, budget_bytes) if device == "cuda" else cpu_probe(spec, config)
     return guided_max_len(guide, budget_bytes, refine=refine, confirmed_layers=layers, on_probe=on_probe,
                           host_budget_bytes=host_budget_bytes)

@@ -16,7 +16,9 @@ Speed, as parameters (nothing is patched):
   each phase's figures are extrapolated linearly, f(L) = f(2) + (L - 2) * (f(3) - f(2)); when that gives
   a negative category (the peak moved between sub-phases) every layer is simulated instead. Exact to the
   byte against `depth="full"` in the tests; a max-length search confirms its answer at full depth
-  (`probe.max_len`), since the step's peak (a maximum of affine phases) can only be under-estimated.
+  (`probe.max_len`), since the step's peak (a maximum of affine phases) can only be under-estimated;
+  one sharded rank's layout of extrapolated categories may also over-estimate it: there the search
+  confirms both ends of its bracket.
 - `keep_chunks` (default `KEEP_CHUNKS`): every engine chunk loop runs only its first and last 3 chunks
   (`StreamConfig.keep_chunks`): chunks differ only in position, what outlives a chunk is preallocated,
   and a chunk's memory grows with its prefix. 3 because the backward's first chunk may be partial, and a

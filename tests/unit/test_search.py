@@ -156,6 +156,32 @@ def test_guided_search_confirms_the_fitting_end_at_full_depth(full_extra_gib):
     assert result.confirmed_layers == 36
 
 
+@pytest.mark.parametrize("guide_extra_gib", [0.0, 3.0])
+def test_a_guide_that_may_over_estimate_has_both_ends_confirmed(guide_extra_gib):
+    """One sharded rank: the extrapolated guide may peak above full depth (3 GiB here); with both ends
+    confirmed the bracket holds at full depth, where the answer is longer than the guide's."""
+
+    def simulated(depth: str):
+        extra = guide_extra_gib * GIB if depth == "extrapolate" else 0
+        return lambda t: ProbeResult(seq_len_tokens=t, status=OK,
+                                     peak_bytes=int(30 * GIB + extra + 300_000 * t), message=depth)
+
+    budget = 80 * GIB
+    guide, confirm = simulated("extrapolate"), simulated("full")
+    guided = guided_max_len(guide, budget, confirm=confirm)
+    result = guided_max_len(guide, budget, confirm=confirm, confirm_both_ends=True)
+
+    def full(t):
+        return 30 * GIB + 300_000 * t
+
+    lo, hi = result.bracket
+    assert full(lo) <= budget < full(hi) and hi - lo <= default_tolerance(lo)
+    assert result.peak_at_max.message == "full" and result.peak_at_max.seq_len_tokens == lo
+    assert {p.message for p in result.probes if p.seq_len_tokens == hi} >= {"full"}
+    if guide_extra_gib:  # one end confirmed only: the guide's too-short answer stands
+        assert guided.max_len_tokens < lo and full(guided.bracket[1]) <= budget
+
+
 def test_guided_search_refines_from_the_guides_bracket():
     """A measured probe 2 GiB above the simulation: the refined answer is the measured one, and the
     measured search starts at the guide's fitting end."""
