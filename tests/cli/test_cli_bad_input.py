@@ -3,7 +3,6 @@ and the numbers a hostile user tries (nan, inf, negative, zero) on every command
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
-from tests.cli.errors import one_line_error
+from tests.cli.errors import benchmark_script, error_line, one_line_error
 
 REPO = Path(__file__).parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -72,28 +71,32 @@ def test_max_len_tables_of_a_small_budget_are_in_mib() -> None:
 
 
 def _profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step", REPO / "benchmarks" / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("profile_step")
+
+
+PROFILE = ["--model", "tiny/qwen3", "--device", "cpu"]
 
 
 @pytest.mark.parametrize(
-    ("args", "words"),
+    ("script", "args", "words"),
     [
-        (["--seq-len", "0"], ["seq_len must be"]),
-        (["--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
-        (["--methods", "nosuch"], ["unknown method 'nosuch'"]),
-        (["--model", "nosuch"], ["unknown model 'nosuch'"]),
+        ("profile_step", [*PROFILE, "--seq-len", "0"], ["seq_len must be"]),
+        ("profile_step", [*PROFILE, "--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
+        ("profile_step", [*PROFILE, "--methods", "nosuch"], ["unknown method 'nosuch'"]),
+        ("profile_step", ["--model", "nosuch", "--device", "cpu"], ["unknown model 'nosuch'"]),
+        ("fsdp_rank_memory", ["--shards", "zero1"], ["shard must be one of"]),
+        ("fsdp_rank_memory", ["--shards", "deepspeed-zero2"], ["torch FSDP2"]),
+        ("fsdp_rank_memory", ["--methods", "nosuch"], ["unknown method 'nosuch'"]),
+        ("fsdp_rank_memory", ["--gpus", "1"], ["--gpus must be at least 2"]),
+        ("fsdp_rank_memory", ["--gpus", "4096"], ["more than the"]),
     ],
 )
-def test_profile_step_bad_input_is_one_line_before_building_a_model(
-    args: list[str], words: list[str], monkeypatch, capsys
-) -> None:
-    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--model", "tiny/qwen3", "--device", "cpu", *args])
-    assert _profile_step().main() == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), lines
+def test_a_benchmark_s_bad_input_is_one_line_before_any_work(script, args, words, monkeypatch, capsys):
+    """profile_step reads sys.argv, fsdp_rank_memory takes its arguments: either way exit 2, one line."""
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    module = benchmark_script(script)
+    assert (module.main() if script == "profile_step" else module.main(args)) == 2
+    error_line(capsys.readouterr().err, *words)
 
 
 def test_profile_step_checks_its_out_before_any_work(tmp_path: Path, monkeypatch, capsys) -> None:
