@@ -151,6 +151,12 @@ class CudaPeak:
         self.peak_pinned_bytes = _pinned_peak_bytes()
         return self
 
+    def figures(self) -> dict[str, int | None]:
+        """The figures by `TrackerResult`'s field names (cuda_...)."""
+        names = ("peak_allocated_bytes", "peak_reserved_bytes", "num_alloc_retries", "num_ooms",
+                 "peak_pinned_bytes")
+        return {f"cuda_{name}": getattr(self, name) for name in names}
+
     peak_allocated_gib = gib_of("peak_allocated_bytes")
     peak_reserved_gib = gib_of("peak_reserved_bytes")
 

@@ -5,7 +5,8 @@ keyed by `id()` of its Python object (torch keeps one object per storage while t
 watched by a weak reference. The reference's callback only queues the reference (an atomic
 `deque.append`, safe from any thread and from inside garbage collection); `drain()` applies queued frees,
 and the tracker drains before every addition, so the peak is exact: every free that happened before an
-allocation is applied before that allocation is counted.
+allocation is applied before that allocation is counted. A storage its owner resizes in place outside
+any op (`watch_size`) has its size re-read at every drain too.
 
 Two pools: storages filed under a host category (`tags.HOST_CATEGORIES`, e.g. offloaded checkpoints)
 count in the host pool (`host_live_bytes`, `host_peak_bytes`), every other one in the device pool
@@ -43,6 +44,7 @@ class StorageLedger:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
         self._freed: deque[_StorageRef] = deque()
+        self._resizable: set[int] = set()
         self._by_category: dict[str, int] = dict.fromkeys(CATEGORIES + HOST_CATEGORIES, 0)
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -97,14 +99,25 @@ class StorageLedger:
             entry.nbytes = nbytes
         return True
 
+    def watch_size(self, storage: torch.UntypedStorage) -> None:
+        """Re-read a tracked storage's size at every `drain` (one resized in place outside any op)."""
+        if id(storage) in self._entries:
+            self._resizable.add(id(storage))
+
     def drain(self) -> None:
-        """Apply the frees queued by weak-reference callbacks."""
+        """Apply the frees queued by weak-reference callbacks, then the sizes of watched storages."""
         while self._freed:
             ref = self._freed.popleft()
             entry = self._entries.get(ref.key)
             if entry is not None and entry.ref is ref:
                 del self._entries[ref.key]
                 self._change(entry.category, -entry.nbytes)
+        for key in list(self._resizable):
+            storage = self._entries[key].ref() if key in self._entries else None
+            if storage is None:
+                self._resizable.discard(key)
+            else:
+                self.resize(storage)
 
     def reset_peak(self) -> None:
         """Make what is live now the peak (of both pools)."""
@@ -124,6 +137,7 @@ class StorageLedger:
         """Stop watching: dropping the weak references cancels their callbacks."""
         self._entries.clear()
         self._freed.clear()
+        self._resizable.clear()
 
     def _change(self, category: str, delta: int) -> None:
         self._by_category[category] += delta

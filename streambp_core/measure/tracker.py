@@ -14,9 +14,7 @@ What is and is not seen:
 - Not seen: memory an op's kernel allocates and frees inside itself (workspaces, the real body of a
   custom op: only its outputs count), and storages made before entering that are not model parameters,
   gradients or optimizer state (e.g. `input_ids`), unless `count_existing=True` or `track()` adds them.
-  Nor a storage resized outside any op (`UntypedStorage.resize_`, how torch FSDP2 frees and re-allocates
-  its gathered parameters), unless `track_resizable()` names it: its size is then re-read before every
-  op, so its bytes count exactly from the first op after it grows until the first op after it shrinks.
+  Nor a storage resized outside any op (FSDP2's gathered parameters) unless `track_resizable()` names it.
 - Sharded tensors (`DTensor`: FSDP2's parameters, gradients, optimizer state) count their local shard.
 - Categories: parameters and buffers count as weights, `.grad` tensors as grads and optimizer state as
   optimizer from the start. A gradient autograd creates inside the region is first filed under the
@@ -36,7 +34,6 @@ What is and is not seen:
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -127,7 +124,6 @@ class MemoryTracker:
         self._cuda_peak: CudaPeak | None = None
         self._result: TrackerResult | None = None
         self._pinned_is_host = False
-        self._resizable: list[weakref.ref] = []
         self.to_host_bytes = 0
         """Bytes copied from the device pool into the host pool since entry."""
         self.to_device_bytes = 0
@@ -137,7 +133,6 @@ class MemoryTracker:
         if self._mode is not None:
             raise RuntimeError("MemoryTracker is already active")
         self._ledger = StorageLedger()
-        self._resizable = []
         self._result = None
         self._cuda_peak = None
         self.to_host_bytes = self.to_device_bytes = 0
@@ -172,21 +167,21 @@ class MemoryTracker:
     def live_bytes(self) -> int:
         """Bytes of tracked storages alive now."""
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             return self._ledger.live_bytes
 
     @property
     def host_live_bytes(self) -> int:
         """Bytes of host-pool storages alive now."""
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             return self._ledger.host_live_bytes
 
     @property
     def peak_bytes(self) -> int:
         """Most bytes live at once since entry or the last `reset_peak()`."""
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             return self._ledger.peak_bytes
 
     def result(self) -> TrackerResult:
@@ -201,7 +196,7 @@ class MemoryTracker:
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (and reset the CUDA allocator's peak too)."""
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             self._ledger.reset_peak()
             if self._cuda_peak is not None:
                 self._cuda_peak.reset()
@@ -213,7 +208,7 @@ class MemoryTracker:
         if storage is None or not self._counts(tensor):
             return
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             if not self._ledger.retag(storage, category):
                 self._ledger.add(storage, category, str(tensor.device))
 
@@ -228,10 +223,10 @@ class MemoryTracker:
         frees with `UntypedStorage.resize_(0)` and re-allocates before the next all-gather's copy-out)."""
         tensors = list(tensors)
         self.track(tensors, category)
-        for tensor in tensors:
-            storage = storage_of(tensor)
-            if storage is not None and self._counts(tensor):
-                self._resizable.append(weakref.ref(storage))
+        with self._lock:
+            for storage in map(storage_of, tensors):
+                if storage is not None:  # not `filter(None, ...)`: an empty storage is falsy
+                    self._ledger.watch_size(storage)
 
     # --- the dispatch-mode callback ---------------------------------------------------------------
 
@@ -239,7 +234,7 @@ class MemoryTracker:
         """Count `tensors`, just made by a factory op that ran below this tracker's dispatch mode (e.g.
         `fastmeta.SimulationMode`'s memoised meta kernels), exactly as if the mode had seen that op."""
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             self._add_outputs(tensors, None)
 
     def ignores(self, func: Any) -> bool:
@@ -252,7 +247,7 @@ class MemoryTracker:
     def _observe(self, func: Any, inputs: Any, out: Any) -> None:
         """Record the new storages among an op's outputs (called by the dispatch mode after each op)."""
         with self._lock:
-            self._drain()
+            self._ledger.drain()
             if self._count_existing:
                 self._add_untracked(tensors_in(inputs))
             aliased = func not in FRESH_OPS and takes_tensors(func)
@@ -367,14 +362,6 @@ class MemoryTracker:
 
     # --- helpers --------------------------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        """Apply the frees queued since the last call and re-read the sizes of resizable storages."""
-        self._ledger.drain()
-        for ref in self._resizable:
-            storage = ref()
-            if storage is not None:
-                self._ledger.resize(storage)
-
     def _counts(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives on the device this tracker counts."""
         wanted = self._device
@@ -395,7 +382,7 @@ class MemoryTracker:
         return next((p.device for p in self._parameters() if p.is_cuda and not is_fake(p)), None)
 
     def _snapshot(self) -> TrackerResult:
-        self._drain()
+        self._ledger.drain()
         ledger, cuda_peak = self._ledger, self._cuda_peak
         device = str(self._device) if self._device is not None else ",".join(sorted(ledger.devices))
         return TrackerResult(
@@ -404,11 +391,7 @@ class MemoryTracker:
             end_bytes=ledger.live_bytes,
             end_breakdown_bytes=ledger.breakdown(),
             device=device,
-            cuda_peak_allocated_bytes=None if cuda_peak is None else cuda_peak.peak_allocated_bytes,
-            cuda_peak_reserved_bytes=None if cuda_peak is None else cuda_peak.peak_reserved_bytes,
-            cuda_num_alloc_retries=None if cuda_peak is None else cuda_peak.num_alloc_retries,
-            cuda_num_ooms=None if cuda_peak is None else cuda_peak.num_ooms,
-            cuda_peak_pinned_bytes=None if cuda_peak is None else cuda_peak.peak_pinned_bytes,
+            **({} if cuda_peak is None else cuda_peak.figures()),
             host_peak_bytes=ledger.host_peak_bytes,
             host_end_bytes=ledger.host_live_bytes,
             to_host_bytes=self.to_host_bytes,
