@@ -13,12 +13,9 @@ the read-merge-replace holds a file lock, so concurrent sweeps into one CSV lose
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 import operator
 import os
-import subprocess
 import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -29,6 +26,7 @@ from typing import TYPE_CHECKING
 from streambp_bench import csv_io
 from streambp_bench.errors import SchemaError
 from streambp_bench.schema_history import ADDED_COLUMNS, complete_schema_1, is_schema_1
+from streambp_bench.versions import versions
 from streambp_core.config import (
     ATTN_BACKENDS,
     GRADS_MODES,
@@ -298,31 +296,7 @@ def provenance(source: str, device_name: str) -> dict[str, str]:
     """Provenance columns of a new row: source, device, versions, git sha ("unknown" if unfound), UTC time."""
     _require_one_of("source", source, SOURCES)
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return {"source": source, "device_name": device_name, **_versions(), "timestamp": timestamp}
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    modules = {"torch": "torch", "transformers": "transformers", "package": "streambp_core"}
-    versions = {f"{key}_version": _module_version(name) for key, name in modules.items()}
-    return {**versions, "git_sha": _git_sha()}
-
-
-def _module_version(module_name: str) -> str:
-    try:
-        return str(importlib.import_module(module_name).__version__)
-    except Exception:  # any failure to import means the version is unknown
-        return "unknown"
-
-
-def _git_sha() -> str:
-    """Short sha of the checkout this package lives in, or "unknown" (no git, not a checkout)."""
-    command = ["git", "rev-parse", "--short", "HEAD"]
-    try:
-        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+    return {"source": source, "device_name": device_name, **versions(), "timestamp": timestamp}
 
 
 class ResultsFile:

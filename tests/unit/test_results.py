@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streambp_bench import results
+from streambp_bench import results, versions
 from streambp_bench.results import COLUMNS, KEY_COLUMNS, ResultRow, ResultsFile, SchemaError, provenance
 from streambp_bench.schema_history import ADDED_COLUMNS, SCHEMA_1_COLUMNS
 from streambp_core.config import PROTOCOLS
@@ -152,12 +152,12 @@ def test_git_sha_is_unknown_without_git(monkeypatch: pytest.MonkeyPatch) -> None
     def no_git(*args: object, **kwargs: object) -> None:
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(results.subprocess, "run", no_git)
-    results._versions.cache_clear()
+    monkeypatch.setattr(versions.subprocess, "run", no_git)
+    versions.versions.cache_clear()
     try:
         assert provenance("simulated", DEVICE)["git_sha"] == "unknown"
     finally:
-        results._versions.cache_clear()
+        versions.versions.cache_clear()
 
 
 # --- the file -----------------------------------------------------------------------------------------
