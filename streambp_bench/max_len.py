@@ -132,12 +132,14 @@ def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | 
     confirmed at full depth or refined by measurement); `on_probe(label, result, ok_len, fail_len)`
     after each probe.
 
-    With a fork-server `context` (`workers.start_server`) the searches run on up to `workers` worker
-    processes, the costliest first; else one after another here, sharing one simulation memo. Each
-    search is the same either way, probe for probe (the memo changes no figure).
+    With a fork-server `context` (`workers.start_server`) a simulated plan's searches run on up to
+    `workers` worker processes, the costliest first; else (a measured plan too: its probes need the
+    machine) one after another here, sharing one simulation memo. Each search is the same either way,
+    probe for probe (the memo changes no figure).
     """
     from streambp_bench.workers import Task, run_tasks
 
+    context = context if plan.target.device == "sim" else None
     order = sorted(range(len(plan.specs)), key=lambda i: -SEARCH_COST.get(plan.specs[i].method, 0))
     cache: dict | None = {} if context is None else None  # a worker starts its own
     tasks = [Task(spec_label(plan.specs[i]), _search, (plan, plan.specs[i], cache)) for i in order]

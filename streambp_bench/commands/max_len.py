@@ -139,8 +139,7 @@ def max_len(
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
         try:
-            results = run_plan(plan, report.ProgressView(plan, progress), workers=workers,
-                               context=context if plan.target.device == "sim" else None)
+            results = run_plan(plan, report.ProgressView(plan, progress), workers=workers, context=context)
         except RuntimeError as error:  # a measured probe that failed for another reason than OOM
             progress.stop()
             print_error(error)
