@@ -163,28 +163,22 @@ def guided_max_len(
         return replace(refined, probes=[*guided.probes, *refined.probes], confirmed_layers=confirmed_layers)
     if confirm is None or guided.peak_at_max is None:
         return replace(guided, confirmed_layers=confirmed_layers)
-    check = confirm(guided.max_len_tokens)
-    fits = check.fits(budget_bytes, host_budget_bytes)
-    if on_probe is not None:
-        on_probe(check, guided.max_len_tokens if fits else 0, guided.bracket[1])
-    fail_len = guided.bracket[1]
-    if fits and confirm_both_ends and fail_len is not None:
-        above = confirm(fail_len)
-        above_fits = above.fits(budget_bytes, host_budget_bytes)
+    lo, hi = guided.bracket
+    ends = [(lo, True)] + ([(hi, False)] if confirm_both_ends and hi is not None else [])
+    probes, peak = list(guided.probes), guided.peak_at_max
+    for length, guided_fits in ends:
+        check = confirm(length)
+        probes.append(check)
+        fits = check.fits(budget_bytes, host_budget_bytes)
+        if fits != guided_fits:  # the full step contradicts the guide here: search on with it from here
+            if on_probe is not None:
+                on_probe(check, length if fits else 0, None if fits else length)
+            full = max_trainable_length(confirm, budget_bytes, start=length, on_probe=on_probe, **host)
+            return replace(full, probes=[*probes, *full.probes], confirmed_layers=confirmed_layers)
         if on_probe is not None:
-            ok_len = fail_len if above_fits else guided.max_len_tokens
-            on_probe(above, ok_len, None if above_fits else fail_len)
-        if above_fits:  # the guide over-estimated: search on, confirmed, from the length that fits
-            full = max_trainable_length(confirm, budget_bytes, start=fail_len, on_probe=on_probe, **host)
-            return replace(full, probes=[*guided.probes, check, above, *full.probes],
-                           confirmed_layers=confirmed_layers)
-        return replace(guided, peak_at_max=check, probes=[*guided.probes, check, above],
-                       confirmed_layers=confirmed_layers)
-    if fits:
-        return replace(guided, peak_at_max=check, probes=[*guided.probes, check],
-                       confirmed_layers=confirmed_layers)
-    full = max_trainable_length(confirm, budget_bytes, start=guided.max_len_tokens, on_probe=on_probe, **host)
-    return replace(full, probes=[*guided.probes, check, *full.probes], confirmed_layers=confirmed_layers)
+            on_probe(check, lo, hi)
+        peak = check if fits else peak
+    return replace(guided, peak_at_max=peak, probes=probes, confirmed_layers=confirmed_layers)
 
 
 class _Search:
