@@ -33,6 +33,7 @@ from streambp_core.engine.linear_grads import (
     Rope,
     down_projection_backward,
     gated_mlp,
+    hand_linear,
     kv_projection_backward,
     mlp_inner,
     plain_linear,
@@ -72,9 +73,9 @@ class LayerPlan:
 def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
     """Normed input x (B, c, d) -> rotated q (B, H, c, hd), rotated k and v (B, Hkv, c, hd)."""
     b, c, _ = x.shape
-    q = parts.q_proj(x).view(b, c, parts.num_heads, parts.head_dim)
-    k = parts.k_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
+    q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
+    k = hand_linear(parts.k_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
+    v = hand_linear(parts.v_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     if parts.q_norm is not None:
         q, k = parts.q_norm(q), parts.k_norm(k)
     return rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope), v.transpose(1, 2)
@@ -85,7 +86,7 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
     a sliding-window layer, at least the keys its band reaches)."""
     parts = plan.parts
     attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn, parts.sliding_window)  # (B, H, c, hd)
-    attn = parts.o_proj(attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+    attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
     return h + (attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
 
 
@@ -100,7 +101,7 @@ def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, va
 def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
     """Normed input x (B, c, d) -> rotated q (B, H, c, hd)."""
     b, c, _ = x.shape
-    q = parts.q_proj(x).view(b, c, parts.num_heads, parts.head_dim)
+    q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
     if parts.q_norm is not None:
         q = parts.q_norm(q)
     return rotate(q.transpose(1, 2), rope)

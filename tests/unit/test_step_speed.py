@@ -9,7 +9,7 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError, StreamConfig
-from streambp_core.engine.linear_grads import Rope, linear_backward, rope_transpose, rotate
+from streambp_core.engine.linear_grads import Rope, hand_linear, linear_backward, rope_transpose, rotate
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.step.ops import OpRecorder
 from streambp_core.verify import VerifySpec
@@ -133,6 +133,38 @@ def test_linear_backward_accumulates_like_autograd():
     torch.testing.assert_close(grad_x, expected[0])
     torch.testing.assert_close(layer.weight.grad, 2 * expected[1])
     torch.testing.assert_close(layer.bias.grad, 2 * expected[2])
+
+
+def test_hand_linear_matches_autograd_and_adds_into_grad_in_place():
+    """Two chunks through hand_linear: dx per chunk and the summed dW/db as autograd's; the second chunk
+    adds into the same `.grad` storage (no weight-sized temporary replaces it)."""
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(6, 4, dtype=torch.float64)
+    xs = [torch.randn(2, 3, 6, dtype=torch.float64, generator=gen) for _ in range(2)]
+    grads = [torch.randn(2, 3, 4, dtype=torch.float64, generator=gen) for _ in range(2)]
+    reference = torch.nn.Linear(6, 4, dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict())
+    storages = []
+    for x, grad in zip(xs, grads, strict=True):
+        mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        hand_linear(layer, mine).backward(grad)
+        reference(theirs).backward(grad)
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-13, atol=0)
+        storages.append(layer.weight.grad.data_ptr())
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad, rtol=1e-13, atol=0)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-13, atol=0)
+    assert storages[0] == storages[1]
+
+
+def test_hand_linear_leaves_other_cases_to_the_module():
+    layer = torch.nn.Linear(3, 2)
+    x = torch.randn(1, 3)
+    assert hand_linear(layer, x).grad_fn.name() != "_HandLinearBackward"  # input takes no gradient
+    assert hand_linear(layer, x.requires_grad_(True)).grad_fn.name() == "_HandLinearBackward"
+    with torch.no_grad():
+        assert hand_linear(layer, x).grad_fn is None
+    wrapped = torch.nn.Sequential(layer)
+    assert hand_linear(wrapped, x).grad_fn.name() != "_HandLinearBackward"
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
