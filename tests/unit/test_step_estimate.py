@@ -96,3 +96,21 @@ def test_auto_partitions_take_the_largest_that_fit():
     assert auto_partitions(16384, fits, partition_size=1000) == (1000, 512)
     with pytest.raises(ConfigError, match="no partition fits"):
         auto_partitions(16384, lambda p, h: False)
+
+
+@pytest.mark.parametrize(("ops_ratio", "verdict"), [(3.1, "not met: 3.10x"), (1.9, "met: 1.90x")])
+def test_results_readme_states_the_ops_ratio_of_the_rows(ops_ratio, verdict):
+    import pandas as pd
+
+    from streambp_bench.readme_step import flops_section
+
+    frame = pd.DataFrame([
+        {"method": "checkpoint", "head_partition_size": float("nan"), "head_mode": float("nan"),
+         "matmul_tflop": 43.0, "flops_vs_checkpoint": 1.0, "dispatched_ops": 100,
+         "dispatched_vs_checkpoint": 1.0, "launches": 50, "launches_vs_checkpoint": 1.0},
+        {"method": "streambp", "head_partition_size": 1024.0, "head_mode": "fused", "matmul_tflop": 43.0,
+         "flops_vs_checkpoint": 1.0, "dispatched_ops": int(100 * ops_ratio),
+         "dispatched_vs_checkpoint": ops_ratio, "launches": 90, "launches_vs_checkpoint": 1.8},
+    ])
+    text = " ".join(flops_section(frame)).replace("\n", " ")
+    assert f"({verdict} there)" in text and "(met: 1.000x with the fused head at partition 1024)" in text
