@@ -11,7 +11,7 @@ Backward, per layer:
    through RoPE's transpose, the k-norm and the chunk's k/v projections (by hand for plain linear
    projections, `linear_grads.py`; recomputed with grad for wrapped ones), so the K/V projections are
    computed twice per position (forward and cache), as checkpointing does. Weight gradients accumulate
-   in `.grad`.
+   in `.grad` (in place, by hand, for every plain linear projection: `linear_grads.hand_linear`).
 Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) for K, V and their grads.
 A sliding-window (local) layer attends each chunk s..e to the keys of its band only, max(0, s - window + 1)
 ..e (views of the same caches), so its attention work per chunk is bounded by the window; a routed
