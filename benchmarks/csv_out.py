@@ -1,18 +1,30 @@
-"""The benchmark scripts' CSV output: each writes its rows to stdout and, with --out, to a file."""
+"""The benchmark scripts' CSV output: each writes its rows to stdout and, with --out, to a file, replaced
+atomically under the writers' lock (`streambp_bench.csv_io`): an interrupted or concurrent run leaves the
+old file or the new one, never a cut one."""
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Sequence
 from pathlib import Path
 
+from streambp_bench.csv_io import atomic_rewrite, check_writable, locked
+
+
+def check_out(path: Path | None) -> None:
+    """ConfigError (one line) before any work when --out could not be written; nothing for None."""
+    if path is not None:
+        if path.is_dir():
+            from streambp_core.config import ConfigError
+
+            raise ConfigError(f"--out {path} is a directory; give a CSV file")
+        check_writable(path)
+
 
 def write_csv(path: Path | None, columns: Sequence[str], rows: Sequence[dict]) -> None:
-    """Write `rows` (header `columns`) to `path`, creating its folder; nothing when `path` is None."""
+    """Replace `path` with `rows` (header `columns`); nothing when `path` is None."""
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    records = [{column: "" if row.get(column) is None else str(row[column]) for column in columns}
+               for row in rows]
+    with locked(path) as real:
+        atomic_rewrite(real, columns, records)

@@ -10,7 +10,8 @@ With `--measured`: every `measured-cuda` step_time row of the CSV is estimated w
 the ratio estimated / measured. Otherwise: an estimate for each method and length given (layer partition
 T/3 unless `--ps`). The ops come from one step on meta tensors of the model cut to one and to two
 layers, scaled to the full depth, with the code installed here: a measured row taken on other code is
-compared with what this code would do. Rows are labelled `estimated`.
+compared with what this code would do. Rows are labelled `estimated`. Bad input (options, model, GPU,
+a --measured file that is not a results CSV) is one `error:` line and exit code 2, before any estimate.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import csv
 import sys
 from pathlib import Path
 
-from csv_out import write_csv
+from csv_out import check_out, write_csv
+
+from streambp_bench.errors import USER_ERRORS, print_error
+from streambp_bench.experiments import parse_token_list
+from streambp_core.config import ConfigError, StepSpec, check_model
 
 COLUMNS = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size",
            "head_partition_size", "head_mode", "estimated_ms", "matmul_ms", "attention_ms", "other_ms",
@@ -38,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default="checkpoint,streambp")
     parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
     parser.add_argument("--ps-head", default="1024", help="comma-separated LM-head partitions")
-    parser.add_argument("--head-mode", default="auto", help="streambp's head: auto, fused or recompute")
+    parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
+                        help="streambp's head (auto: fused for sft)")
     parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")
     return parser.parse_args(argv)
 
@@ -56,19 +62,29 @@ def code_version() -> str:
 
 
 def gpu_key(device_name: str) -> str:
-    """'NVIDIA H200' -> 'h200'; ValueError for a GPU without datasheet figures here."""
+    """'NVIDIA H200' -> 'h200'; ConfigError for a GPU without datasheet figures here."""
     from streambp_core.step.estimate import GPU_MODELS
 
     for key in GPU_MODELS:
         if key in device_name.lower():
             return key
-    raise ValueError(f"no datasheet figures for {device_name!r}")
+    raise ConfigError(f"no datasheet figures for the GPU {device_name!r}; known: {', '.join(GPU_MODELS)}")
+
+
+NEEDED = ("metric", "source", "status", "device_name", "model", "method", "seq_len_tokens", "batch_size",
+          "partition_size", "head_partition_size", "dtype", "step_time_ms")
+"""The columns of a results CSV that --measured reads."""
 
 
 def measured_settings(path: Path) -> list[dict]:
-    """Settings and time of each measured-cuda step_time row of a results CSV."""
-    with path.open() as handle:
-        rows = [r for r in csv.DictReader(handle)
+    """Settings and time of each measured-cuda step_time row of a results CSV (ConfigError when it is
+    not one)."""
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        missing = [column for column in NEEDED if column not in (reader.fieldnames or ())]
+        if missing:
+            raise ConfigError(f"--measured {path} is not a results CSV: no column {', '.join(missing)}")
+        rows = [r for r in reader
                 if r["metric"] == "step_time" and r["source"] == "measured-cuda" and r["status"] == "ok"]
     return [dict(gpu=gpu_key(r["device_name"]), model=r["model"], method=r["method"],
                  seq_len_tokens=int(r["seq_len_tokens"]), batch_size=int(r["batch_size"]),
@@ -79,14 +95,31 @@ def measured_settings(path: Path) -> list[dict]:
 
 
 def requested_settings(args) -> list[dict]:
-    lengths = [int(length) for length in args.seq_len.split(",")]
-    heads = [int(size) for size in args.ps_head.split(",")]
+    """One setting per length, method and (streambp) head partition given."""
+    from streambp_core.step.estimate import gpu_model
+
+    gpu_model(args.gpu)
+    lengths = parse_token_list(args.seq_len)
+    heads = parse_token_list(args.ps_head, "LM-head partition")
     variants = [(method, head) for method in args.methods.split(",")
                 for head in (heads[:1] if method == "checkpoint" else heads)]
     return [dict(gpu=args.gpu, model=args.model, method=method, seq_len_tokens=length, batch_size=1,
                  partition_size=args.ps or -(-length // 3), head_partition_size=head,
                  head_mode=args.head_mode if method == "streambp" else "", dtype="bfloat16", measured_ms=None)
             for length in lengths for method, head in variants]
+
+
+def check_settings(settings: list[dict]) -> list[dict]:
+    """`settings`, each checked as a step spec (ConfigError, one line) before any estimate runs."""
+    if not settings:
+        raise ConfigError("nothing to estimate: no lengths, methods or measured-cuda step_time rows")
+    for item in settings:
+        check_model(item["model"])
+        head = {"head_mode": item["head_mode"]} if item["head_mode"] else {}
+        StepSpec(model=item["model"], method=item["method"], seq_len_tokens=item["seq_len_tokens"],
+                 batch_size=item["batch_size"], partition_size=item["partition_size"],
+                 head_partition_size=item["head_partition_size"], dtype=item["dtype"], **head)
+    return settings
 
 
 def estimate_row(settings: dict) -> dict:
@@ -119,9 +152,16 @@ def estimate_row(settings: dict) -> dict:
                 estimated_vs_measured=ratio, code=code_version(), source=est.source)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Print the rows as they come (and write them with --out); bad input is one `error:` line, exit 2."""
     args = parse_args(argv)
-    settings = measured_settings(args.measured) if args.measured else requested_settings(args)
+    try:
+        check_out(args.out)
+        settings = check_settings(measured_settings(args.measured) if args.measured
+                                  else requested_settings(args))
+    except USER_ERRORS as error:
+        print_error(error)
+        return 2
     writer = csv.DictWriter(sys.stdout, COLUMNS)
     writer.writeheader()
     rows = []
@@ -130,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         writer.writerow(rows[-1])
         sys.stdout.flush()
     write_csv(args.out, COLUMNS, rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

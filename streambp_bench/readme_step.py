@@ -10,16 +10,22 @@ import pandas as pd
 
 FLOPS_TEXT = """\
 One training step (loss and backward) of two Qwen3-1.7B decoder layers at 16k tokens on meta tensors,
-every aten op recorded (`benchmarks/step_flops.py --out results/benchmarks/step_flops.csv`): matmul
-FLOPs by torch's formulas (in-place `addmm_` included), ops dispatched (views included) and kernels
-launched (ops that move data). Layer partition T/3 (the paper's timing protocol). Targets: FLOPs
-<= 1.00x checkpoint ({flops_verdict}: {flops_ratio:.3f}x with the fused head at partition {head}),
-dispatched ops <= 2x checkpoint ({ops_verdict}: {ops_ratio:.2f}x there). Each of the three chunks of a
-layer dispatches the model's own RMSNorm, RoPE and projections and their backward (autograd's, or by hand
-for plain linear projections), about as many ops as a whole checkpointed layer, so far fewer needs fused
-kernels, which only a GPU can show to be faster; the RMSNorm's backward stays autograd's, since the
-models compute it in float32 even in a float64 model, so another formula would move float64 gradients
-by ~1e-7 against plain backprop.
+every aten op recorded (`benchmarks/step_flops.py --auto-budget-gib 24,80,139 --out
+results/benchmarks/step_flops.csv`): matmul FLOPs by torch's formulas (in-place `addmm_` included), ops
+dispatched (views included) and kernels launched (ops that move data). Layer partition T/3 (the paper's
+timing protocol). Targets: FLOPs <= 1.00x checkpoint ({flops_verdict}: {flops_ratio:.3f}x with the fused
+head at partition {head}), dispatched ops <= 2x checkpoint ({ops_verdict}: {ops_ratio:.2f}x there). Each
+of the three chunks of a layer dispatches the model's own RMSNorm, RoPE and projections and their backward
+(autograd's, or by hand for plain linear projections), about as many ops as a whole checkpointed layer, so
+far fewer needs fused kernels, which only a GPU can show to be faster; the RMSNorm's backward stays
+autograd's, since the models compute it in float32 even in a float64 model, so another formula would move
+float64 gradients by ~1e-7 against plain backprop.
+{auto_text}"""
+
+AUTO_TEXT = """\
+The rows with a budget are the partitions the automatic choice (`--ps auto --ps-head auto`, fused head)
+makes for the full-depth model at that budget, the sizes a GPU step runs with: there streambp
+dispatches {auto_low:.2f}x to {auto_high:.2f}x checkpoint's ops.
 """
 
 
@@ -40,8 +46,20 @@ def _frame(path: Path) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.exists() else None
 
 
+def _automatic(frame: pd.DataFrame) -> pd.Series:
+    """Which rows are at the automatic partitions of a budget (older CSVs have no such rows)."""
+    if "auto_budget_gib" not in frame:
+        return pd.Series(False, index=frame.index)
+    return frame["auto_budget_gib"].notna()
+
+
 def _flops_text(frame: pd.DataFrame) -> str:
-    """FLOPS_TEXT filled from the streambp row with the fused head at its largest head partition."""
+    """FLOPS_TEXT filled from the fixed-partition streambp row with the fused head at its largest head
+    partition, and from the rows at automatic partitions."""
+    auto = frame[_automatic(frame)]
+    auto_text = "" if not len(auto) else AUTO_TEXT.format(auto_low=auto["dispatched_vs_checkpoint"].min(),
+                                                           auto_high=auto["dispatched_vs_checkpoint"].max())
+    frame = frame[~_automatic(frame)]
     fused = frame[(frame["method"] == "streambp") & (frame["head_mode"] == "fused")]
     if not len(fused):
         fused = frame[frame["method"] == "streambp"]
@@ -50,17 +68,21 @@ def _flops_text(frame: pd.DataFrame) -> str:
     return FLOPS_TEXT.format(flops_ratio=row["flops_vs_checkpoint"],
                              ops_ratio=row["dispatched_vs_checkpoint"], head=int(row["head_partition_size"]),
                              flops_verdict=verdict(row["flops_vs_checkpoint"], 1.0),
-                             ops_verdict=verdict(row["dispatched_vs_checkpoint"], 2.0))
+                             ops_verdict=verdict(row["dispatched_vs_checkpoint"], 2.0), auto_text=auto_text)
 
 
 def flops_section(frame: pd.DataFrame) -> list[str]:
     lines = ["## Step time proxies — matmul FLOPs and ops of one step (simulated)", "", _flops_text(frame),
-             "| method | head partition | head | matmul TFLOP | x checkpoint | ops | x checkpoint | launches "
-             "| x checkpoint |", "|---|---|---|---|---|---|---|---|---|"]
-    for _, row in frame.iterrows():
+             "| method | partition | head partition | head | budget | matmul TFLOP | x checkpoint | ops "
+             "| x checkpoint | launches | x checkpoint |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    automatic = _automatic(frame)
+    for index, row in frame.iterrows():
         head = "–" if pd.isna(row["head_partition_size"]) else f"{int(row['head_partition_size'])}"
         mode = "–" if pd.isna(row["head_mode"]) else row["head_mode"]
-        lines.append(f"| {row['method']} | {head} | {mode} | {row['matmul_tflop']:.1f} | "
+        budget = f"auto, {row['auto_budget_gib']:g} GiB" if automatic[index] else "–"
+        partition = "–" if row["method"] == "checkpoint" else row["partition_size"]
+        lines.append(f"| {row['method']} | {partition} | {head} | {mode} | {budget} | "
+                     f"{row['matmul_tflop']:.1f} | "
                      f"{row['flops_vs_checkpoint']:.3f} | {row['dispatched_ops']} | "
                      f"{row['dispatched_vs_checkpoint']:.2f} | {row['launches']} | "
                      f"{row['launches_vs_checkpoint']:.2f} |")

@@ -89,10 +89,20 @@ PROFILE = ["--model", "tiny/qwen3", "--device", "cpu"]
         ("fsdp_rank_memory", ["--methods", "nosuch"], ["unknown method 'nosuch'"]),
         ("fsdp_rank_memory", ["--gpus", "1"], ["--gpus must be at least 2"]),
         ("fsdp_rank_memory", ["--gpus", "4096"], ["more than the"]),
+        ("step_flops", ["--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
+        ("step_flops", ["--head-modes", "fast"], ["head modes are", "not fast"]),
+        ("step_flops", ["--seq-len", "0"], ["--seq-len must be at least 1"]),
+        ("step_flops", ["--auto-budget-gib", "lots"], ["bad --auto-budget-gib 'lots'"]),
+        ("step_flops", ["--model", "nosuch"], ["unknown model 'nosuch'"]),
+        ("step_time_estimate", ["--gpu", "v100"], ["unknown GPU model 'v100'"]),
+        ("step_time_estimate", ["--methods", "nosuch"], ["unknown method 'nosuch'"]),
+        ("step_time_estimate", ["--seq-len", "4q"], ["bad length '4q'"]),
+        ("step_time_estimate", ["--measured", str(Path(__file__).parents[2] / "README.md")],
+         ["is not a results CSV", "no column metric"]),
     ],
 )
 def test_a_benchmark_s_bad_input_is_one_line_before_any_work(script, args, words, monkeypatch, capsys):
-    """profile_step reads sys.argv, fsdp_rank_memory takes its arguments: either way exit 2, one line."""
+    """profile_step reads sys.argv, the others take their arguments: either way exit 2, one line."""
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
     module = benchmark_script(script)
     assert (module.main() if script == "profile_step" else module.main(args)) == 2

@@ -98,19 +98,34 @@ def test_auto_partitions_take_the_largest_that_fit():
         auto_partitions(16384, lambda p, h: False)
 
 
-@pytest.mark.parametrize(("ops_ratio", "verdict"), [(3.1, "not met: 3.10x"), (1.9, "met: 1.90x")])
-def test_results_readme_states_the_ops_ratio_of_the_rows(ops_ratio, verdict):
+def _flops_rows(ops_ratio: float, auto_ratios: tuple[float, ...] = ()):
     import pandas as pd
 
+    common = {"head_mode": "fused", "matmul_tflop": 43.0, "flops_vs_checkpoint": 1.0, "launches": 90,
+              "launches_vs_checkpoint": 1.8, "auto_budget_gib": float("nan")}
+    rows = [{**common, "method": "checkpoint", "partition_size": 5462, "head_partition_size": float("nan"),
+             "head_mode": float("nan"), "dispatched_ops": 100, "dispatched_vs_checkpoint": 1.0},
+            {**common, "method": "streambp", "partition_size": 5462, "head_partition_size": 1024.0,
+             "dispatched_ops": int(100 * ops_ratio), "dispatched_vs_checkpoint": ops_ratio}]
+    rows += [{**common, "method": "streambp", "partition_size": 16384, "head_partition_size": 16384.0,
+              "dispatched_ops": int(100 * ratio), "dispatched_vs_checkpoint": ratio, "auto_budget_gib": 80.0}
+             for ratio in auto_ratios]
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("ops_ratio", "verdict"), [(3.1, "not met: 3.10x"), (1.9, "met: 1.90x")])
+def test_results_readme_states_the_ops_ratio_of_the_rows(ops_ratio, verdict):
     from streambp_bench.readme_step import flops_section
 
-    frame = pd.DataFrame([
-        {"method": "checkpoint", "head_partition_size": float("nan"), "head_mode": float("nan"),
-         "matmul_tflop": 43.0, "flops_vs_checkpoint": 1.0, "dispatched_ops": 100,
-         "dispatched_vs_checkpoint": 1.0, "launches": 50, "launches_vs_checkpoint": 1.0},
-        {"method": "streambp", "head_partition_size": 1024.0, "head_mode": "fused", "matmul_tflop": 43.0,
-         "flops_vs_checkpoint": 1.0, "dispatched_ops": int(100 * ops_ratio),
-         "dispatched_vs_checkpoint": ops_ratio, "launches": 90, "launches_vs_checkpoint": 1.8},
-    ])
-    text = " ".join(flops_section(frame)).replace("\n", " ")
+    text = " ".join(flops_section(_flops_rows(ops_ratio))).replace("\n", " ")
     assert f"({verdict} there)" in text and "(met: 1.000x with the fused head at partition 1024)" in text
+    assert "automatic choice" not in text
+
+
+def test_results_readme_gives_the_automatic_partitions_their_own_ratio():
+    from streambp_bench.readme_step import flops_section
+
+    lines = flops_section(_flops_rows(3.1, (0.96, 1.06)))
+    text = " ".join(lines).replace("\n", " ")
+    assert "(not met: 3.10x there)" in text and "dispatches 0.96x to 1.06x checkpoint's ops" in text
+    assert sum("| auto, 80 GiB |" in line for line in lines) == 2
