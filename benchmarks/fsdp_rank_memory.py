@@ -19,7 +19,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from csv_out import write_csv
+from csv_out import check_out, write_csv
 
 from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_core.config import ConfigError, StepSpec
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the rows (and write them with --out); bad input is one `error:` line and exit code 2."""
     args = parse_args(argv)
     try:
+        check_out(args.out)
         found = rows(args)
     except USER_ERRORS as error:
         print_error(error)
