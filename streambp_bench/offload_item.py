@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from streambp_bench import paper, plots
-from streambp_bench.reproduce_items import Settings, max_len_row, memory_curve
+from streambp_bench.reproduce_items import Settings, max_len_rows, memory_curve
 from streambp_bench.specs import with_offload
 from streambp_core.config import METHODS, StepSpec
 from streambp_core.step.target import resolve_target
@@ -60,10 +60,10 @@ def run(settings: Settings) -> list[Path]:
     """Search every method with and without offload per model, then the memory curves; write CSV + PNG."""
     models = {"tiny": ("tiny/llama", 0)} if settings.quick else paper.FIG3_MODELS
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
-    budget, results, cache = settings.budget_gib(), settings.csv("offload"), {}
+    budget, results = settings.budget_gib(), settings.csv("offload")
     specs = with_offload(tuple(StepSpec(model=model, method=method, lora_rank=rank, **sizes)
                                for model, rank in models.values() for method in METHODS), "both")
-    results.append_many([max_len_row(spec, budget, cache) for spec in specs])
+    results.append_many(max_len_rows(specs, settings))
     curve_model = "tiny/llama" if settings.quick else CURVE_MODEL
     lengths = (256, 1024, 4096) if settings.quick else CURVE_TOKENS
     points = [spec.at(length) for spec in specs if spec.model == curve_model for length in lengths]

@@ -8,9 +8,10 @@ tiny models, budgets and lengths so the tests can drive every item in seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -39,6 +40,10 @@ class Settings:
     """'cuda' when a GPU is present, else 'sim' (time items then measure on the CPU)."""
     note: Callable[[str], None] = print_nothing
     """Hears what an item runs now (a point, a search), for a progress display."""
+    jobs: int = 1
+    """Worker processes for an item's independent max-length searches (`max_len_rows`)."""
+    context: Any = None
+    """The fork-server context of those workers (`workers.start_server`); None: searches run here."""
 
     def on_point(self, point: StepSpec, rows: object = None) -> None:
         """`note` a point (a `run_points` callback)."""
@@ -66,6 +71,22 @@ def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
     return row_of(spec, search, provenance("simulated", "meta"))
 
 
+def max_len_rows(specs: Sequence[StepSpec], settings: Settings, cache: dict | None = None
+                 ) -> list[ResultRow]:
+    """`max_len_row` of each spec at the item's budget, in the order given: side by side on the settings'
+    workers when it has them (each worker with its own memo: the memo changes no figure), else here one
+    after another sharing `cache`. Their progress reaches `settings.note`."""
+    from streambp_bench.workers import Task, run_tasks
+
+    cache = {} if cache is None else cache
+    tasks = [Task(spec.method, _max_len_task, (spec, settings.budget_gib(), cache)) for spec in specs]
+    return run_tasks(tasks, settings.jobs, settings.context, settings.note)
+
+
+def _max_len_task(spec: StepSpec, budget_gib: float, cache: dict, note: Callable[[str], None]) -> ResultRow:
+    return max_len_row(spec, budget_gib, cache, note)
+
+
 def memory_curve(points: list[StepSpec], target: Target, results: ResultsFile,
                  settings: Settings | None = None) -> None:
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
@@ -89,13 +110,8 @@ def fig3(settings: Settings) -> list[Path]:
     lengths = (64, 256, 1024) if settings.quick else (1024, 2048, *range(4096, 131072 + 1, 8192))
     results, budget = settings.csv("fig3"), settings.budget_gib()
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
-    cache: dict = {}
-    rows = [
-        max_len_row(StepSpec(model=model, method=method, lora_rank=rank, **sizes), budget, cache,
-                    settings.note)
-        for model, rank in models.values()
-        for method in FIG3_METHODS
-    ]
+    rows = max_len_rows([StepSpec(model=model, method=method, lora_rank=rank, **sizes)
+                         for model, rank in models.values() for method in FIG3_METHODS], settings)
     results.append_many(rows)
     target = resolve_target("sim", budget)
     points = [
@@ -178,22 +194,12 @@ def table3(settings: Settings) -> list[Path]:
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
     group = 2 if settings.quick else paper.TABLE3_GROUP_SIZE
     results = settings.csv("table3")
-    rows, cache = [], {}
-    for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1)):
-        for model, rank in cells.values():
-            for method in FIG3_METHODS:
-                spec = StepSpec(
-                    model=model,
-                    method=method,
-                    objective=objective,
-                    lora_rank=rank,
-                    optimizer="adamw",
-                    batch_size=batch,
-                    protocol="trl",
-                    **sizes,
-                )
-                rows.append(max_len_row(spec, settings.budget_gib(), cache, settings.note))
-    results.append_many(rows)
+    specs = [StepSpec(model=model, method=method, objective=objective, lora_rank=rank, optimizer="adamw",
+                      batch_size=batch, protocol="trl", **sizes)
+             for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1))
+             for model, rank in cells.values()
+             for method in FIG3_METHODS]
+    results.append_many(max_len_rows(specs, settings))
     frame = results.load()
     paper_frame = pd.DataFrame(
         [

@@ -174,9 +174,8 @@ def plot(frame: pd.DataFrame):
 def run(settings) -> list[Path]:
     """Search every cell (`table4_specs`), upsert the rows into table4.csv, draw table4-maxlen.png."""
     from streambp_bench import plots
-    from streambp_bench.reproduce_items import max_len_row
+    from streambp_bench.reproduce_items import max_len_rows
 
-    results, cache = settings.csv("table4"), {}
-    results.append_many(max_len_row(spec, settings.budget_gib(), cache)
-                        for spec in table4_specs(settings.quick))
+    results = settings.csv("table4")
+    results.append_many(max_len_rows(table4_specs(settings.quick), settings))
     return [plots.save(plot(results.load()), settings.out_dir / "table4-maxlen.png")]

@@ -37,8 +37,8 @@ def worker_count(jobs: int | None, tasks: int, device: str) -> int:
     return max(1, min(available_cpus(), tasks)) if device in ("sim", "auto") else 1
 
 
-def start_server(workers: int) -> Any | None:
-    """The fork-server context for `workers` > 1, its server started now and importing `PRELOAD` (None
+def start_server(workers: int, preload: Sequence[str] = PRELOAD) -> Any | None:
+    """The fork-server context for `workers` > 1, its server started now and importing `preload` (None
     where there is no fork server, e.g. on Windows, or for one worker: then everything runs in this
     process)."""
     if workers <= 1 or "forkserver" not in multiprocessing.get_all_start_methods():
@@ -46,7 +46,7 @@ def start_server(workers: int) -> Any | None:
     from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
+    context.set_forkserver_preload(list(preload))
     forkserver.ensure_running()
     return context
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -16,7 +16,8 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import writable_folder
-from streambp_core.config import ConfigError
+from streambp_bench.workers import PRELOAD, start_server, worker_count
+from streambp_core.config import ConfigError, available_cpus
 
 HELP = (
     "Reproduce a figure or table of the StreamBP paper: run what it needs, write [bold]<item>.csv[/] and "
@@ -34,7 +35,8 @@ HELP = (
     "offload: max length of every method with and without checkpoints in host memory (Qwen3-8B, 14B, "
     "32B LoRA r32; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
     "offload) and device and host memory vs tokens up to 2M (simulated). "
-    "all: every item. Memory items are simulated everywhere; time items measure."
+    "all: every item. Memory items are simulated everywhere; time items measure. An item's max-length "
+    "searches run side by side, one worker process per core ([bold]--jobs[/] or STREAMBP_BENCH_JOBS)."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -62,6 +64,10 @@ class Item(str, Enum):
     all = "all"
 
 
+ITEM_NAMES = tuple(item.value for item in Item if item is not Item.all)
+"""Every item, in the order `all` runs them."""
+
+
 @user_errors
 def reproduce(
     item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6, offload or all.")],
@@ -71,22 +77,24 @@ def reproduce(
     quick: Annotated[
         bool, typer.Option("--quick", help="Tiny models, budgets and lengths: a smoke test, not the paper's.")
     ] = False,
+    jobs: opt.Jobs = None,
     as_json: opt.Json = False,
 ) -> None:
     """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
+    chosen = list(ITEM_NAMES) if item is Item.all else [item.value]
+    _check_out(out, chosen)
+    workers = worker_count(jobs, available_cpus(), "sim")  # the searches are simulated everywhere
+    context = start_server(workers, (*PRELOAD, "streambp_bench.reproduce_items"))  # overlaps the imports
     from streambp_bench import readme
-    from streambp_bench import reproduce_items as items
     from streambp_core.measure.cuda import cuda_available
 
     console = stderr_console()
-    chosen = list(items.ITEMS) if item is Item.all else [item.value]
-    _check_out(out, chosen)
     device = "cuda" if cuda_available() else "sim"
     if "table1" in chosen and device != "cuda":
         console.print(
             "table1 needs a GPU (none here): measuring CPU step-time ratios of a tiny model instead"
         )
-    written, seconds = _run_items(chosen, out, quick, device, console)
+    written, seconds = _run_items(chosen, out, quick, device, console, (workers, context))
     out.mkdir(parents=True, exist_ok=True)
     readme_path = out / "README.md"
     readme_path.write_text(readme.render(out), encoding="utf-8")
@@ -95,9 +103,10 @@ def reproduce(
     emit(document, as_json, lambda stdout: [stdout.print(f"  {escape(f)}", soft_wrap=True) for f in files])
 
 
-def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: Console
-               ) -> tuple[list[Path], dict[str, float]]:
-    """Run each item under a progress line on stderr; (files written, seconds per item)."""
+def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: Console,
+               workers: tuple[int, Any]) -> tuple[list[Path], dict[str, float]]:
+    """Run each item under a progress line on stderr, its searches on `workers` (count, fork-server
+    context); (files written, seconds per item)."""
     from streambp_bench import reproduce_items as items
 
     written: list[Path] = []
@@ -111,7 +120,8 @@ def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: 
             def note(text: str, name: str = name, task: TaskID = task) -> None:
                 progress.update(task, description=escape(f"{name}: {text}"), refresh=True)
 
-            settings = items.Settings(out_dir=out, quick=quick, device=device, note=note)
+            settings = items.Settings(out_dir=out, quick=quick, device=device, note=note, jobs=workers[0],
+                                      context=workers[1])
             written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
             seconds[name] = time.perf_counter() - start
             progress.remove_task(task)

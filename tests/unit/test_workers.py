@@ -70,3 +70,22 @@ def test_worker_count_defaults_to_the_cores_when_simulated() -> None:
 
     assert worker_count(None, 64, "sim") == min(available_cpus(), 64)
     assert start_server(1) is None
+
+
+def test_reproduce_searches_on_workers_give_the_rows_of_one_process(context, tmp_path) -> None:
+    """`reproduce`'s max-length searches (`max_len_rows`) on two workers: the same rows, in spec order, as
+    one after another here, and every search's progress note reaches the settings' note."""
+    from streambp_bench.reproduce_items import Settings, max_len_rows
+    from streambp_core.config import StepSpec
+
+    specs = [StepSpec(model="tiny/llama", method=method, partition_size=32, head_partition_size=16)
+             for method in ("checkpoint", "streambp")]
+    notes: list[str] = []
+    here = max_len_rows(specs, Settings(out_dir=tmp_path, quick=True))
+    there = max_len_rows(specs, Settings(out_dir=tmp_path, quick=True, note=notes.append, jobs=2,
+                                         context=context))
+    same = lambda row: {k: v for k, v in vars(row).items() if k not in ("timestamp",)}  # noqa: E731
+    assert [same(row) for row in there] == [same(row) for row in here]
+    assert [row.method for row in there] == ["checkpoint", "streambp"] and here[1].value > here[0].value
+    searched = sorted(note.split()[2] for note in notes if note.startswith("max length"))
+    assert searched == ["checkpoint", "streambp"]
