@@ -85,6 +85,23 @@ def test_sdpa_path_matches_and_runs_under_a_tracker(padded):
     assert q.grad is not None and k.grad.shape == k.shape
 
 
+@pytest.mark.parametrize(("dtype", "queries", "kv_heads", "causal"), [
+    (torch.bfloat16, 7, 2, True), (torch.bfloat16, 7, 4, True), (torch.bfloat16, 3, 4, False),
+    (torch.float32, 7, 4, False)])
+def test_a_square_half_precision_chunk_takes_sdpa_s_own_causal_dispatch(monkeypatch, dtype, queries, kv_heads,
+                                                                         causal):
+    """c = e in float16/bfloat16: `is_causal=True` (the same mask, SDPA's kernel choice for causal
+    attention; GQA too); otherwise the lower-right bias. Either way the lower-right attention's result."""
+    q, k, v = (t.to(dtype) for t in qkv(queries=queries, keys=7, kv_heads=kv_heads))
+    biases, build = [], cuda_attention.lower_right_bias
+    monkeypatch.setattr(cuda_attention, "lower_right_bias",
+                        lambda *shape: biases.append(shape) or build(*shape))
+    got = cuda_attention.sdpa_attention(q, k, v, None, 0.25).double()
+    expected = prefix_attention(*(t.double() for t in (q, k, v)), None, 0.25)
+    assert biases == ([] if causal else [(queries, 7)])
+    assert (got - expected).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_flash_dense_path_is_lower_right(fake_flash, kv_heads):
     q, k, v = qkv(kv_heads=kv_heads, queries=3, keys=7)
