@@ -39,7 +39,7 @@ def _squared_norms(grad: torch.Tensor | None, ref: torch.Tensor | None) -> tuple
     diff_sq = ref_sq = 0.0
     for start in range(0, ref.numel(), NORM_SLICE_ELEMENTS):
         ref_slice = _slice(ref, start)
-        diff64 = _slice(grad, start).double().sub_(ref_slice)
+        diff64 = _slice(grad, start).double() - ref_slice  # out of place: float64 `.double()` is no copy
         diff_sq += float(torch.linalg.vector_norm(diff64)) ** 2
         ref_sq += float(torch.linalg.vector_norm(ref_slice, dtype=torch.float64)) ** 2
     return diff_sq, ref_sq

@@ -62,3 +62,17 @@ def test_max_grad_err_still_sees_a_wrong_gradient_and_nan():
         pytest.approx(0.5 * 2 / (2 + 2)), "b")
     err, worst = compare.max_grad_err({"a": torch.ones(4), "b": torch.tensor([float("nan")] * 4)}, ref)
     assert math.isnan(err) and worst == "b"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_comparing_leaves_the_gradients_as_they_were(dtype):
+    """A float64 gradient's `.double()` is the tensor itself: comparing must not write the difference into
+    it, so a second comparison of the same gradients (or the step using them) sees the true values."""
+    grads = {"w": torch.ones(4, dtype=dtype), "b": torch.full((3,), 2.0, dtype=dtype)}
+    reference = {"w": 0.5 * torch.ones(4, dtype=torch.float64),
+                 "b": torch.full((3,), 2.0, dtype=torch.float64)}
+    before = {name: grad.clone() for name, grad in grads.items()}
+    first = max_rel_err(grads, reference)
+    compare.max_grad_err(grads, reference)
+    assert max_rel_err(grads, reference) == first == (pytest.approx(1.0), "w")
+    assert all(torch.equal(grads[name], before[name]) for name in grads)
