@@ -102,7 +102,9 @@ def _prefix_attn_bwd(
     d_scores = probs * (d_probs - row_dot) * scale
     d_q = d_scores @ k.to(work)[:, :, None]
     d_k = (d_scores.transpose(-1, -2) @ _grouped(q, hkv).to(work)).sum(dim=2)
-    return d_q.reshape(q.shape).to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype)
+    # laid out as the fake kernel's (each input's own layout, as a GPU kernel returns its gradients)
+    return (torch.empty_like(q).copy_(d_q.reshape(q.shape)), torch.empty_like(k).copy_(d_k),
+            torch.empty_like(v).copy_(d_v))
 
 
 @_prefix_attn_bwd.register_fake

@@ -85,3 +85,23 @@ def test_baselines_take_the_kernel_choice(monkeypatch):
         run.loss(torch.randint(0, 512, (1, 12))).backward()
     assert seen and set(seen) == {"sdpa"}
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_custom_ops_real_and_fake_kernels_agree(dtype, window):
+    """torch's own op check (schema, fake vs real kernel metadata, autograd registration) on the inputs the
+    engine passes: queries transposed from (B, c, H, hd), keys and values views of a longer cache."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 4, 8, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 2, 9, 8, generator=gen, dtype=dtype)[:, :, :7].requires_grad_()
+    v = torch.randn(2, 2, 9, 8, generator=gen, dtype=dtype)[:, :, 2:].requires_grad_()
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, :2] = False
+    for key_valid in (None, valid):
+        args = (q, k, v, key_valid, 0.3, window)
+        torch.library.opcheck(torch.ops.streambp.prefix_attn_fwd.default, args)
+        out, _ = torch.ops.streambp.prefix_attn_fwd(*args)
+        backward = (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(), key_valid, 0.3,
+                    window)
+        torch.library.opcheck(torch.ops.streambp.prefix_attn_bwd.default, backward)
