@@ -4,10 +4,13 @@ old file or the new one, never a cut one."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import csv
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from streambp_bench.csv_io import atomic_rewrite, check_writable, locked
+from streambp_bench.errors import USER_ERRORS, print_error
 
 
 def check_out(path: Path | None) -> None:
@@ -28,3 +31,19 @@ def write_csv(path: Path | None, columns: Sequence[str], rows: Sequence[dict]) -
                for row in rows]
     with locked(path) as real:
         atomic_rewrite(real, columns, records)
+
+
+def emit_rows(rows_of: Callable[[], Sequence[dict]], out: Path | None, columns: Sequence[str]) -> int:
+    """A script's exit code: check `out`, make the rows, print them as CSV and write them to `out`; bad
+    input (`USER_ERRORS`) is one `error:` line and exit code 2, with nothing written."""
+    try:
+        check_out(out)
+        rows = rows_of()
+    except USER_ERRORS as error:
+        print_error(error)
+        return 2
+    writer = csv.DictWriter(sys.stdout, columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_csv(out, columns, rows)
+    return 0

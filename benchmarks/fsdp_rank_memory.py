@@ -14,14 +14,12 @@ says by how much. Bytes throughout (the model is tiny).
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 from pathlib import Path
 
-from csv_out import check_out, write_csv
+from csv_out import emit_rows
 
-from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
 
@@ -95,17 +93,7 @@ def rows(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """Print the rows (and write them with --out); bad input is one `error:` line and exit code 2."""
     args = parse_args(argv)
-    try:
-        check_out(args.out)
-        found = rows(args)
-    except USER_ERRORS as error:
-        print_error(error)
-        return 2
-    writer = csv.DictWriter(sys.stdout, COLUMNS)
-    writer.writeheader()
-    writer.writerows(found)
-    write_csv(args.out, COLUMNS, found)
-    return 0
+    return emit_rows(lambda: rows(args), args.out, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,11 @@ runs with; its partition columns give them. Bad input is one `error:` line and e
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
-from csv_out import check_out, write_csv
+from csv_out import emit_rows
 
-from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_bench.experiments import parse_token_list
 from streambp_core.config import ConfigError, StepSpec, check_model
 
@@ -120,17 +118,7 @@ def measure(args, chosen: list[tuple[str, int, int, str, float | None]]) -> list
 def main(argv: list[str] | None = None) -> int:
     """Print the rows (and write them with --out); bad input is one `error:` line and exit code 2."""
     args = parse_args(argv)
-    try:
-        check_out(args.out)
-        rows = measure(args, variants(args))
-    except USER_ERRORS as error:
-        print_error(error)
-        return 2
-    writer = csv.DictWriter(sys.stdout, COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_csv(args.out, COLUMNS, rows)
-    return 0
+    return emit_rows(lambda: measure(args, variants(args)), args.out, COLUMNS)
 
 
 if __name__ == "__main__":
