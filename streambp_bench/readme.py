@@ -255,6 +255,12 @@ CHANGES = [
     "grpo 0.90k/0.90k/0.41k/0.62k/0.33k -> 1.1k/1.1k/0.49k/0.71k/0.36k, plain dpo 3.8k/3.8k/1.8k/2.7k/"
     "1.5k/0.19k -> 4.5k/4.3k/2.1k/3.0k/1.6k/0.26k; streambp grpo 4B full, 4B LoRA and 8B LoRA one token "
     "lower (logits divided by the temperature); sft and every other cell unchanged.",
+    "- StreamBP's q, o, gate and up projections of a chunk add their weight gradients into `.grad` in place "
+    "(no weight-sized temporary per chunk): streambp peaks 1-122 MiB lower (Fig. 3, Fig. 5); max lengths "
+    "Qwen3-8B 166,468 -> 166,472, Qwen3-14B 61,341 -> 61,344, Qwen3-14B + offload 753,981 -> 754,016; "
+    "Table 4 ZeRO-3 Qwen3-14B 155,562 -> 155,565, + offload 1,761,229 -> 1,761,267, Qwen3-32B + offload "
+    "1,214,834 -> 1,214,822 (within the search's 1% bracket: the step's peak at those lengths is the same "
+    "before and after); Table 3 unchanged.",
     "",
 ]
 
