@@ -71,20 +71,15 @@ def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
     return row_of(spec, search, provenance("simulated", "meta"))
 
 
-def max_len_rows(specs: Sequence[StepSpec], settings: Settings, cache: dict | None = None
-                 ) -> list[ResultRow]:
+def max_len_rows(specs: Sequence[StepSpec], settings: Settings) -> list[ResultRow]:
     """`max_len_row` of each spec at the item's budget, in the order given: side by side on the settings'
     workers when it has them (each worker with its own memo: the memo changes no figure), else here one
-    after another sharing `cache`. Their progress reaches `settings.note`."""
+    after another sharing one memo. Their progress reaches `settings.note`."""
     from streambp_bench.workers import Task, run_tasks
 
-    cache = {} if cache is None else cache
-    tasks = [Task(spec.method, _max_len_task, (spec, settings.budget_gib(), cache)) for spec in specs]
+    cache: dict = {}
+    tasks = [Task(spec.method, max_len_row, (spec, settings.budget_gib(), cache)) for spec in specs]
     return run_tasks(tasks, settings.jobs, settings.context, settings.note)
-
-
-def _max_len_task(spec: StepSpec, budget_gib: float, cache: dict, note: Callable[[str], None]) -> ResultRow:
-    return max_len_row(spec, budget_gib, cache, note)
 
 
 def memory_curve(points: list[StepSpec], target: Target, results: ResultsFile,
