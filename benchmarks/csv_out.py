@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from streambp_bench.csv_io import atomic_rewrite, check_writable, locked
@@ -33,17 +33,22 @@ def write_csv(path: Path | None, columns: Sequence[str], rows: Sequence[dict]) -
         atomic_rewrite(real, columns, records)
 
 
-def emit_rows(rows_of: Callable[[], Sequence[dict]], out: Path | None, columns: Sequence[str]) -> int:
-    """A script's exit code: check `out`, make the rows, print them as CSV and write them to `out`; bad
-    input (`USER_ERRORS`) is one `error:` line and exit code 2, with nothing written."""
+def emit_rows(rows_of: Callable[[], Iterable[dict]], out: Path | None, columns: Sequence[str]) -> int:
+    """A script's exit code: check `out`, call `rows_of`, print each row as CSV as it comes, then write them
+    all to `out`. Bad input (`USER_ERRORS` from the check or from `rows_of` itself; a lazy iterable's rows
+    come after it) is one `error:` line and exit code 2, with nothing written."""
     try:
         check_out(out)
-        rows = rows_of()
+        found = rows_of()
     except USER_ERRORS as error:
         print_error(error)
         return 2
     writer = csv.DictWriter(sys.stdout, columns)
     writer.writeheader()
-    writer.writerows(rows)
+    rows = []
+    for row in found:
+        rows.append(row)
+        writer.writerow(row)
+        sys.stdout.flush()
     write_csv(out, columns, rows)
     return 0

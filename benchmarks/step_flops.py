@@ -23,9 +23,8 @@ from pathlib import Path
 from csv_out import emit_rows
 
 from streambp_bench.experiments import parse_token_list
+from streambp_bench.results import RESOLVED_HEAD_MODES as HEAD_MODES
 from streambp_core.config import ConfigError, StepSpec, check_model
-
-HEAD_MODES = ("fused", "recompute")
 
 COLUMNS = ("model", "num_layers", "seq_len_tokens", "method", "partition_size", "head_partition_size",
            "head_mode", "auto_budget_gib", "matmul_tflop", "dispatched_ops", "launches",

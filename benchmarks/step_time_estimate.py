@@ -21,9 +21,8 @@ import csv
 import sys
 from pathlib import Path
 
-from csv_out import check_out, write_csv
+from csv_out import emit_rows
 
-from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_bench.experiments import parse_token_list
 from streambp_core.config import ConfigError, StepSpec, check_model
 
@@ -155,22 +154,12 @@ def estimate_row(settings: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Print the rows as they come (and write them with --out); bad input is one `error:` line, exit 2."""
     args = parse_args(argv)
-    try:
-        check_out(args.out)
-        settings = check_settings(measured_settings(args.measured) if args.measured
-                                  else requested_settings(args))
-    except USER_ERRORS as error:
-        print_error(error)
-        return 2
-    writer = csv.DictWriter(sys.stdout, COLUMNS)
-    writer.writeheader()
-    rows = []
-    for item in settings:
-        rows.append(estimate_row(item))
-        writer.writerow(rows[-1])
-        sys.stdout.flush()
-    write_csv(args.out, COLUMNS, rows)
-    return 0
+
+    def rows():  # settings checked here, at once; each estimate made as its row is printed
+        settings = measured_settings(args.measured) if args.measured else requested_settings(args)
+        return map(estimate_row, check_settings(settings))
+
+    return emit_rows(rows, args.out, COLUMNS)
 
 
 if __name__ == "__main__":
