@@ -140,13 +140,12 @@ def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | 
     from streambp_bench.workers import Task, run_tasks
 
     context = context if plan.target.device == "sim" else None
-    order = sorted(range(len(plan.specs)), key=lambda i: -SEARCH_COST.get(plan.specs[i].method, 0))
     cache: dict | None = {} if context is None else None  # a worker starts its own
-    tasks = [Task(spec_label(plan.specs[i]), _search, (plan, plan.specs[i], cache)) for i in order]
+    tasks = [Task(spec_label(spec), _search, (plan, spec, cache), SEARCH_COST.get(spec.method, 0))
+             for spec in plan.specs]
     found = run_tasks(tasks, workers, context, on_probe)
-    searches = {i: search for i, search in zip(order, found, strict=True)}
-    return [MethodResult(spec=spec, search=searches[i], how=_how(plan, spec, searches[i]))
-            for i, spec in enumerate(plan.specs)]
+    return [MethodResult(spec=spec, search=search, how=_how(plan, spec, search))
+            for spec, search in zip(plan.specs, found, strict=True)]
 
 
 SEARCH_COST = {"streambp": 4, "mst": 3, "checkpoint": 2, "plain": 1}

@@ -72,13 +72,16 @@ def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
 
 
 def max_len_rows(specs: Sequence[StepSpec], settings: Settings) -> list[ResultRow]:
-    """`max_len_row` of each spec at the item's budget, in the order given: side by side on the settings'
-    workers when it has them (each worker with its own memo: the memo changes no figure), else here one
-    after another sharing one memo. Their progress reaches `settings.note`."""
+    """`max_len_row` of each spec at the item's budget, in the order given (started costliest first, as
+    `max-len` starts them): side by side on the settings' workers when it has them (each worker with its
+    own memo: the memo changes no figure), else here one after another sharing one memo. Their progress
+    reaches `settings.note`."""
+    from streambp_bench.max_len import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
 
     cache: dict = {}
-    tasks = [Task(spec.method, max_len_row, (spec, settings.budget_gib(), cache)) for spec in specs]
+    tasks = [Task(spec.method, max_len_row, (spec, settings.budget_gib(), cache),
+                  SEARCH_COST.get(spec.method, 0)) for spec in specs]
     return run_tasks(tasks, settings.jobs, settings.context, settings.note)
 
 

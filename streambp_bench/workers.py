@@ -62,20 +62,23 @@ class Task:
     name: str
     fn: Callable[..., Any]
     args: tuple
+    cost: float = 0.0
+    """Relative cost: tasks start costliest first (ties in the order given)."""
 
 
 def run_tasks(tasks: Sequence[Task], workers: int, context: Any | None,
               on_event: Callable[..., None]) -> list[Any]:
-    """Each task's result, in the order of `tasks`: in this process when `context` is None, else on up to
-    `workers` worker processes started in the order given (put the longest first). A task's exception is
+    """Each task's result, in the order of `tasks`, the tasks started costliest first (`Task.cost`): in
+    this process when `context` is None, else on up to `workers` worker processes. A task's exception is
     raised here, after the other workers are stopped; `on_event(*event)` is called here for every
     progress event, in the order each worker sent them."""
+    waiting = sorted(range(len(tasks)), key=lambda index: -tasks[index].cost)
     if context is None or workers <= 1 or len(tasks) <= 1:
-        return [task.fn(*task.args, on_event) for task in tasks]
+        results = {index: tasks[index].fn(*tasks[index].args, on_event) for index in waiting}
+        return [results[index] for index in range(len(tasks))]
     messages = context.Queue()
     results: dict[int, Any] = {}
     running: dict[int, Any] = {}
-    waiting = list(range(len(tasks)))
     try:
         while waiting or running:
             while waiting and len(running) < workers:

@@ -46,6 +46,14 @@ def test_without_a_context_the_tasks_run_here_in_order() -> None:
     assert events == [("square", 3), ("square", 1)]
 
 
+def test_tasks_start_costliest_first_and_their_results_keep_the_task_order() -> None:
+    events: list[tuple] = []
+    tasks = [Task("cheap", square, (3,), cost=1), Task("dear", square, (1,), cost=4),
+             Task("tie", square, (2,))]
+    assert run_tasks(tasks, 1, None, lambda *event: events.append(event)) == [9, 1, 4]
+    assert events == [("square", 1), ("square", 3), ("square", 2)]
+
+
 def test_a_task_s_exception_is_raised_in_the_parent_with_its_type(context) -> None:
     tasks = [Task("fine", square, (2,)), Task("bad", refuse, (7,))]
     with pytest.raises(ConfigError, match="no 7"):
