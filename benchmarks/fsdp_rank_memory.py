@@ -3,11 +3,11 @@
     python benchmarks/fsdp_rank_memory.py --out results/benchmarks/fsdp_rank_memory.csv
 
 For each shard stage, method and optimizer, runs the step on `--gpus` CPU ranks with the model sharded by
-FSDP2 and rank 0 under the memory tracker (`streambp_core.dist.memory.measure_ranks`; rows labelled
+FSDP2 and rank 0 under the memory tracker (`streambp_core.parallel.memory.measure_ranks`; rows labelled
 `measured-cpu`), and simulates the same `StepSpec` on meta tensors (`simulated`). Defaults: the tiny
 Qwen3 preset widened to a 4096-token vocabulary, hidden 128, MLP 256 (so the model state is visible next
 to the activations), 256 tokens, float32: what tests/unit/test_dist_memory.py checks. The simulated rank
-is an upper bound of the measured one (see `streambp_core.dist.memory`); `simulated_minus_measured`
+is an upper bound of the measured one (see `streambp_core.parallel.memory`); `simulated_minus_measured`
 says by how much. Bytes throughout (the model is tiny).
 """
 
@@ -68,7 +68,7 @@ def specs(args: argparse.Namespace) -> list[StepSpec]:
 
 def rows(args: argparse.Namespace) -> list[dict]:
     """A measured-cpu and a simulated row per spec (see COLUMNS)."""
-    from streambp_core.dist.memory import measure_ranks
+    from streambp_core.parallel.memory import measure_ranks
     from streambp_core.step.simulate import simulate
 
     chosen = specs(args)

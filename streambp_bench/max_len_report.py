@@ -198,7 +198,7 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
                 "backward's gradient accumulation, so train with --shard zero2 or zero3 (torch FSDP2)."]
     if best.spec.shard != "none":  # the trainer integration runs one process
         return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}): shard the model "
-                "with streambp_core.dist.shard_model in each rank's process group, then prepare it as on "
+                "with streambp_core.parallel.shard_model in each rank's process group, then prepare it as on "
                 "one GPU (the trainer integration runs one process)."]
     return [f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from streambp_bench.results import ResultRow, provenance
-from streambp_core.batch import random_batch
-from streambp_core.compare import Gradients
 from streambp_core.models import build_model, load_config
-from streambp_core.verify import VerifySpec, run_step
+from streambp_core.step.batch import random_batch
+from streambp_core.verify.compare import Gradients
+from streambp_core.verify.methods import VerifySpec, run_step
 
 GROUPS = ("lm_head", "layers")
 

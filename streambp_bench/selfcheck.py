@@ -45,7 +45,7 @@ from streambp_core.step.probe import measure_setup
 from streambp_core.step.setup import build_setup
 from streambp_core.step.simulate import simulate
 from streambp_core.step.timing import time_step
-from streambp_core.verify import VerifySpec, verify_spec
+from streambp_core.verify.methods import VerifySpec, verify_spec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 AUTO = "auto"

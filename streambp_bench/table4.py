@@ -7,7 +7,7 @@ depth), 80 GiB per GPU, bf16, AdamW, ps 500, ps-head 100, one sequence per rank:
   weights, fp32 master weights and AdamW moments and a bf16 gradient partition per rank, one gradient
   bucket), the paper's setting for both methods;
 - `zero2`, `zero3`: torch FSDP2 with pure-bf16 AdamW (bf16 moments, no master copy), what this project's
-  engine runs (`streambp_core.dist`);
+  engine runs (`streambp_core.parallel`);
 - ZeRO-3 + offload: `zero3` with `offload="checkpoints"` (what a method keeps between forward and
   backward lives in host memory).
 """

@@ -16,7 +16,7 @@ BASELINE_ATTENTION = ("auto", "engine", "model")
 PADDINGS = ("none", "right", "left")
 """Where padding goes in each row of a random batch."""
 PROTOCOLS = ("default", "paper", "trl")
-"""Step protocols of a memory figure (see `streambp_core.measure.protocol`)."""
+"""Step protocols of a memory figure (see `streambp_core.step.protocol`)."""
 BASELINE_LOSSES = ("full", "trl")
 """How plain and checkpoint compute a GRPO or DPO loss from the model's logits (see StreamConfig)."""
 HEAD_MODES = ("auto", "fused", "recompute")
@@ -28,13 +28,13 @@ OFFLOAD_MODES = ("none", "checkpoints")
 memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""
 SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2")
 """How one rank of `gpus` holds the model state. none: all of it (one GPU). zero2 and zero3: torch FSDP2,
-what `streambp_core.dist.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
+what `streambp_core.parallel.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
 gathered from forward to backward; zero3: parameters sharded too). deepspeed-zero2: what DeepSpeed ZeRO-2
 allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp32 master weights and AdamW
 moments and a bf16 gradient partition per rank, gradient buckets); simulated only (see
-`streambp_core.dist.simulate`), since DeepSpeed refuses a chunked backward's gradient accumulation."""
+`streambp_core.step.shards`), since DeepSpeed refuses a chunked backward's gradient accumulation."""
 FSDP_STAGES = ("zero2", "zero3")
-"""The shard stages the engine runs (torch FSDP2; `streambp_core.dist.fsdp`)."""
+"""The shard stages the engine runs (torch FSDP2; `streambp_core.parallel.fsdp`)."""
 GRADS_MODES = ("resident", "fresh")
 """Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
 OPTIMIZERS = ("none", "adamw")

@@ -23,7 +23,7 @@ from streambp_bench.specs import method_list, streambp_head
 from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
 
 if TYPE_CHECKING:
-    from streambp_core.verify import VerifyReport
+    from streambp_core.verify.methods import VerifyReport
 
 HELP = (
     "Check that each method's loss and every parameter gradient equal plain backprop's.\n\n"
@@ -137,7 +137,7 @@ def _print_tables(console, report: VerifyReport) -> None:
 
 def verify_with_progress(spec) -> VerifyReport:
     """`verify_spec(spec)` under a rich progress line on stderr naming the stage that runs."""
-    from streambp_core.verify import verify_spec
+    from streambp_core.verify.methods import verify_spec
 
     with Progress(SpinnerColumn(), BarColumn(bar_width=16), MofNCompleteColumn(),
                   TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -195,7 +195,7 @@ def verify(
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
-    from streambp_core.verify import VerifySpec
+    from streambp_core.verify.methods import VerifySpec
 
     if where == "auto":
         where = "cuda" if cuda_available() else "cpu"

@@ -232,7 +232,7 @@ class MemoryTracker:
 
     def record_new(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count `tensors`, just made by a factory op that ran below this tracker's dispatch mode (e.g.
-        `fastmeta.SimulationMode`'s memoised meta kernels), exactly as if the mode had seen that op."""
+        `simulation_mode.SimulationMode`'s memoised meta kernels), exactly as if the mode had seen that op."""
         with self._lock:
             self._ledger.drain()
             self._add_outputs(tensors, None)

@@ -4,7 +4,7 @@ The model itself is not changed: `loss` drives its modules through the engine's 
 embedding, then one `StreamedLayer` per decoder layer, then the `StreamedHead` (final norm, lm_head and
 objective). Only each layer's input is kept between forward and backward; with `offload="checkpoints"`
 in host memory, one `engine.offload.HostChain` per step (each layer's input and the head's hidden state).
-On a model sharded with `streambp_core.dist.shard_model`, the step and each layer run as their FSDP unit's
+On a model sharded with `streambp_core.parallel.shard_model`, the step and each layer run as their FSDP unit's
 forward, so a layer's parameters are gathered once for all its chunks and its gradients reduce-scattered
 once after the last.
 """
@@ -16,7 +16,6 @@ from functools import partial
 
 import torch
 
-from streambp_core.dist.fsdp import sharded_forward
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
@@ -26,6 +25,7 @@ from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
 from streambp_core.models.adapters import layer_parts
+from streambp_core.parallel.fsdp import sharded_forward
 
 
 class StreamBPRun(Run):

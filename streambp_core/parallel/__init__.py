@@ -8,15 +8,15 @@ from __future__ import annotations
 from streambp_core.lazy import lazy_attributes
 
 _LAZY = {
-    "SHARD_STAGES": "streambp_core.dist.fsdp",
-    "shard_model": "streambp_core.dist.fsdp",
-    "sharded_forward": "streambp_core.dist.fsdp",
-    "full_gradients": "streambp_core.dist.fsdp",
-    "run_ranks": "streambp_core.dist.launch",
-    "RankError": "streambp_core.dist.launch",
-    "CollectiveLog": "streambp_core.dist.comms",
-    "measure_ranks": "streambp_core.dist.memory",
-    "RankMemory": "streambp_core.dist.memory",
+    "SHARD_STAGES": "streambp_core.parallel.fsdp",
+    "shard_model": "streambp_core.parallel.fsdp",
+    "sharded_forward": "streambp_core.parallel.fsdp",
+    "full_gradients": "streambp_core.parallel.fsdp",
+    "run_ranks": "streambp_core.parallel.launch",
+    "RankError": "streambp_core.parallel.launch",
+    "CollectiveLog": "streambp_core.parallel.comms",
+    "measure_ranks": "streambp_core.parallel.memory",
+    "RankMemory": "streambp_core.parallel.memory",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,5 +1,5 @@
 """One rank's memory under torch FSDP2, measured: the sharded step run for real on CPU ranks (gloo) under
-the memory tracker, the counterpart of the sharded simulation (`StepSpec.gpus`/`shard`, `dist.simulate`).
+the memory tracker, the counterpart of the sharded simulation (`StepSpec.gpus`/`shard`, `step.shards`).
 
 `measure_ranks(specs)` starts `gpus` ranks (`launch.run_ranks`). For each spec in turn, each rank builds
 the spec's model with seeded weights, shards it (`fsdp.shard_model`: one unit per decoder layer, and the
@@ -28,7 +28,7 @@ from functools import partial
 from transformers import PretrainedConfig
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec
-from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
+from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
 from streambp_core.step.setup import resolve_config
 
 SOURCE = "measured-cpu"
@@ -95,7 +95,7 @@ def _rank_steps(rank: int, world: int, specs: tuple[StepSpec, ...], config: Pret
                 ) -> list[list[tuple[str, int, dict[str, int]]]]:
     """Body of each rank: per spec, a freshly built and sharded setup and one tracked step; per phase
     (name, peak, breakdown)."""
-    from streambp_core.dist.fsdp import gathered_parameters, shard_model
+    from streambp_core.parallel.fsdp import gathered_parameters, shard_model
     from streambp_core.step.run import tracked_step
     from streambp_core.step.setup import build_setup, build_training_model
 

@@ -18,15 +18,15 @@ import torch
 import torch.distributed as dist
 
 import streambp_core
-from streambp_core.batch import objective_inputs, random_batch
-from streambp_core.compare import max_rel_err
 from streambp_core.config import ConfigError, require_choice
-from streambp_core.dist.comms import CollectiveLog
-from streambp_core.dist.fsdp import SHARD_STAGES, full_gradients, shard_model
-from streambp_core.dist.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import decoder_parts
-from streambp_core.verify import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
+from streambp_core.parallel.comms import CollectiveLog
+from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
+from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
+from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.verify.compare import max_rel_err
+from streambp_core.verify.methods import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -126,7 +126,7 @@ def estimate_step(spec, gpu: GpuModel, config=None, cache: dict | None = None) -
     """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
     at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
     compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `cache`: the memo of
-meta kernels (`fastmeta.SimulationMode`), shared between calls."""
+meta kernels (`simulation_mode.SimulationMode`), shared between calls."""
     from dataclasses import replace
 
     from streambp_core.step.ops import spec_step_ops

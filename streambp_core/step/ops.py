@@ -143,10 +143,10 @@ def meta_step_ops(config, method: str, seq_len_tokens: int, *, batch_size: int =
 def spec_step_ops(setup, cache: dict | None = None) -> list[OpRecord]:
     """The ops of one step of a meta `step.setup.Setup`: the spec's method, protocol and options, its loss
     and backward, then its optimizer's step when it has one. Meta kernels are memoised
-    (`fastmeta.SimulationMode`, `cache` shared between calls), which changes no op or shape."""
-    from streambp_core.measure.fastmeta import SimulationMode
-    from streambp_core.measure.protocol import step_protocol
+    (`simulation_mode.SimulationMode`, `cache` shared between calls), which changes no op or shape."""
     from streambp_core.methods import prepare
+    from streambp_core.step.protocol import step_protocol
+    from streambp_core.step.simulation_mode import SimulationMode
 
     spec = setup.spec
     with prepare(setup.model, spec.method, **spec.stream_options()) as run, \

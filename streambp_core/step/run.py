@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from streambp_core.measure.cuda import is_oom
-from streambp_core.measure.fastmeta import SimulationMode, checkpoint_tags
-from streambp_core.measure.protocol import step_protocol
 from streambp_core.measure.result import TrackerResult
 from streambp_core.measure.tags import WEIGHTS
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.adapters import decoder_parts
+from streambp_core.step.protocol import step_protocol
 from streambp_core.step.setup import Setup
+from streambp_core.step.simulation_mode import SimulationMode, checkpoint_tags
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +141,7 @@ def tracked_step(
     between steps; the logits category), tag the forward's checkpoints, then `run.loss(...)`,
     `loss.backward()` and the optimizer step, cutting a phase after each (and at the embedding's output
     gradient); close the run whatever happens. `gathered`: a sharded model's unsharded parameters
-    (`dist.fsdp.gathered_parameters`), counted as weights while FSDP2 holds them allocated.
+    (`parallel.fsdp.gathered_parameters`), counted as weights while FSDP2 holds them allocated.
     """
     spec, model, optimizer = setup.spec, setup.model, setup.optimizer
     run = prepare(model, spec.method, keep_chunks=keep_chunks, **spec.stream_options())

@@ -8,7 +8,7 @@ Protocol of a step (the same simulated and measured):
    the step (`grads` resident: a gradient-accumulation micro-step) unless `grads` is fresh.
 3. Inputs: `spec.sequences` rows of random tokens, no padding. A backprop-only SFT step passes the ids
    alone (labels are the inputs, made inside the step); a training step passes labels and the
-   objective's inputs from `streambp_core.batch.objective_inputs` (first quarter of each row the prompt;
+   objective's inputs from `streambp_core.step.batch.objective_inputs` (first quarter of each row the prompt;
    reference log-probs are inputs: no reference model). GRPO's completion is the last three quarters
    (`logits_to_keep`); under the trl protocol its logits are divided by TRL's sampling temperature.
 """
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from streambp_core.batch import objective_inputs, random_batch
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
 from streambp_core.models.load import build_model, load_config
 from streambp_core.models.lora import apply_lora
-from streambp_core.optim import make_optimizer
+from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.step.optim import make_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +131,7 @@ def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
         t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     held = {"weights": sum(p.nbytes for p in params), "grads": trainable, "optimizer": state}
     if spec.shard != "none":  # one rank's: its shards (and what DeepSpeed ZeRO-2 keeps whole)
-        from streambp_core.dist.simulate import ShardLayout, rank_breakdown
+        from streambp_core.step.shards import ShardLayout, rank_breakdown
 
         phase = "forward" if spec.shard == "deepspeed-zero2" else "optimizer"
         held = rank_breakdown(spec, ShardLayout.from_model(model, spec.gpus), held, phase)

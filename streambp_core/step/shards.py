@@ -24,8 +24,9 @@ settings) instead, the paper's Table 4 engine:
 - optimizer: the rank's partition (1/N of the flattened trainable parameters) of the fp32 master weights
   and of AdamW's two fp32 moments: 12 bytes per partition element;
 - grads: the bf16 gradient partition (`grads_in_partition`, allocated at the first reduction and kept
-  from step to step); in backward also one reduce bucket (`ipg_buffer`: `reduce_bucket_size` = 5e8 elements, bf16; one buffer
-  since `overlap_comm` is off by default for stage 2) and the unsharded gradients in flight as above;
+  from step to step); in backward also one reduce bucket (`ipg_buffer`: `reduce_bucket_size` = 5e8
+  elements, bf16; one buffer since `overlap_comm` is off by default for stage 2) and the unsharded
+  gradients in flight as above;
 - the optimizer phase: the bf16 partition, its flattened copy and the fp32 gradient partition the
   optimizer steps on (4 bytes per element); the bucket is gone.
 """
@@ -38,8 +39,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec, require_choice
-from streambp_core.dist.fsdp import SHARD_STAGES
 from streambp_core.models.adapters import decoder_parts
+from streambp_core.parallel.fsdp import SHARD_STAGES
 
 PREFETCHED_LAYERS = 2
 """zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
@@ -145,7 +146,8 @@ def sharded_breakdown(
     fraction = layout.trainable_fraction
     rank = dict(breakdown_bytes)
     buffers = breakdown_bytes.get("weights", 0) - layout.total("full")  # buffers are not sharded
-    gathered = layout.gathered_bytes(stage) + (layout.forward_gather_bytes(stage) if phase == "forward" else 0)
+    forward_gather = layout.forward_gather_bytes(stage) if phase == "forward" else 0
+    gathered = layout.gathered_bytes(stage) + forward_gather
     rank["weights"] = buffers + layout.total("shard") + (gathered if in_step else 0)
     rank["optimizer"] = round(breakdown_bytes.get("optimizer", 0) * fraction)
     grads = breakdown_bytes.get("grads", 0)

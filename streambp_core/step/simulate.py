@@ -25,12 +25,12 @@ Speed, as parameters (nothing is patched):
   chunk can peak while what the previous one left is still held: the third is the first full chunk whose
   predecessor is full too (2 missed such a peak, see the tests). Equal to all chunks to the byte in the
   tests (`keep_chunks=None`), over random shapes, objectives, offload and sharding too.
-- `cache`: `fastmeta.SimulationMode`'s memo of meta kernels' output metadata, shared across calls (and
+- `cache`: `simulation_mode.SimulationMode`'s memo of meta kernels' output metadata, shared across calls (and
   the shard layout of a sharded step's model).
 
 One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
 step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
-as the shard stage holds the model state (`streambp_core.dist.simulate`): weights, gradients and
+as the shard stage holds the model state (`streambp_core.step.shards`): weights, gradients and
 optimizer state become the rank's shards plus what the stage keeps gathered or in flight, activations
 stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
 is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
@@ -179,7 +179,7 @@ def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: _Phases, cache:
                ) -> tuple[int, dict[str, int]]:
     """One rank's peak and breakdown: every phase's peak and end laid out as `spec.shard` holds the state
     (module docstring); a phase's end after the last backward phase is the state the optimizer sees."""
-    from streambp_core.dist.simulate import rank_breakdown, shard_layout
+    from streambp_core.step.shards import rank_breakdown, shard_layout
 
     layout = shard_layout(spec, config, cache)
     last_backward = max((i for i, phase in enumerate(phases) if phase[0] not in ("forward", "optimizer")),

@@ -5,7 +5,7 @@ Steps of `verify_methods`:
 2. Run `plain` as the reference and keep its loss and gradients.
 3. Run each method on the same weights and batch; compare every parameter's gradient with the
    reference, in float64, relative and absolute like `torch.testing.assert_close` (CRITERION,
-   `streambp_core.compare.max_grad_err`), and the loss relative to max(1, |loss|).
+   `streambp_core.verify.compare.max_grad_err`), and the loss relative to max(1, |loss|).
 4. float64 and float32 pass below a fixed tolerance (a float64 model's loss is computed in float64 by
    every method, plain included). bfloat16 follows flash-attention's rule: the reference is plain in
    float32 on the same (bf16-rounded) weights, and a method passes when its error is at most 2x the
@@ -25,8 +25,6 @@ import torch
 from transformers import PreTrainedModel
 
 import streambp_core
-from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
-from streambp_core.compare import Gradients, max_grad_err
 from streambp_core.config import (
     HEAD_MODES,
     OFFLOAD_MODES,
@@ -37,7 +35,9 @@ from streambp_core.config import (
 )
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
-from streambp_core.verify_ram import check_ram
+from streambp_core.step.batch import PADDINGS, Batch, objective_inputs, random_batch
+from streambp_core.verify.compare import Gradients, max_grad_err
+from streambp_core.verify.ram import check_ram
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -79,7 +79,7 @@ class VerifySpec:
     seed: int = 0
     device: str = "cpu"
     objective: str = "sft"
-    """sft, grpo or dpo (synthetic inputs, see `streambp_core.batch.objective_inputs`)."""
+    """sft, grpo or dpo (synthetic inputs, see `streambp_core.step.batch.objective_inputs`)."""
     attn: str = "auto"
     """Attention kernel of the engine on CUDA: auto, sdpa or flash."""
     lora_rank: int = 0

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from streambp_bench import cli
 from streambp_bench.cli import app
-from streambp_core import verify as verify_module
 from streambp_core.models import list_presets
+from streambp_core.verify import methods as verify_module
 from tests.cli.errors import one_line_error
 
 TINY_VERIFY = ["verify", "--model", "tiny/qwen3", "--seq-len", "24", "--ps", "7", "--ps-head", "5"]
@@ -139,7 +139,7 @@ def test_sharded_verify_without_the_backend_is_one_line(runner, monkeypatch):
 
 @pytest.mark.slow
 def test_sharded_verify_two_ranks_prints_collectives_per_layer(runner):
-    from streambp_core.dist.launch import available_cpus
+    from streambp_core.parallel.launch import available_cpus
 
     if available_cpus() < 2:
         pytest.skip("needs two CPU cores for two ranks")

@@ -10,7 +10,7 @@ from streambp_core.models import load_config
 from streambp_core.step.probe import measure_setup
 from streambp_core.step.setup import build_setup
 from streambp_core.step.simulate import simulate
-from streambp_core.verify import VerifySpec, verify_spec
+from streambp_core.verify.methods import VerifySpec, verify_spec
 
 pytestmark = pytest.mark.gpu
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from streambp_core import compare
-from streambp_core.compare import max_rel_err, rel_err
+from streambp_core.verify import compare
+from streambp_core.verify.compare import max_rel_err, rel_err
 
 
 def test_relative_error_of_a_scaled_gradient():

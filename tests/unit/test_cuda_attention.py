@@ -13,8 +13,8 @@ import torch
 
 from streambp_core.engine import cuda_attention
 from streambp_core.engine.attention import prefix_attention
-from streambp_core.measure.fastmeta import SimulationMode
 from streambp_core.measure.tracker import MemoryTracker
+from streambp_core.step.simulation_mode import SimulationMode
 from tests.unit.test_attention import qkv
 
 

@@ -15,7 +15,7 @@ from streambp_core.engine.attention import prefix_attention
 from streambp_core.engine.chunks import allowed_mask, window_start
 from streambp_core.models import build_model, load_config, tiny_config
 from streambp_core.models.adapters import decoder_parts, layer_parts
-from streambp_core.verify import VerifySpec, verify_spec
+from streambp_core.verify.methods import VerifySpec, verify_spec
 from tests.unit.test_exactness import assert_matches_plain, batch, step
 
 WINDOW = 6

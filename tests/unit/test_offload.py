@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import streambp_core
-from streambp_core.batch import objective_inputs, random_batch
 from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.offload import HostChain, _missing
 from streambp_core.measure import MemoryTracker, memory_category
 from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods.checkpoint import activation_checkpointing, enable_activation_checkpointing
 from streambp_core.models.load import build_model, tiny_config
-from streambp_core.verify import verify_methods
+from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.verify.methods import verify_methods
 
 F64 = 8  # bytes per float64 element
 

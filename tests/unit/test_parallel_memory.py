@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from streambp_core.config import StepSpec
-from streambp_core.dist.launch import available_cpus
-from streambp_core.dist.memory import measure_ranks
-from streambp_core.dist.simulate import rank_breakdown, shard_layout
 from streambp_core.models import tiny_config
+from streambp_core.parallel.launch import available_cpus
+from streambp_core.parallel.memory import measure_ranks
 from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup
+from streambp_core.step.shards import rank_breakdown, shard_layout
 from streambp_core.step.simulate import simulate
 
 pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")

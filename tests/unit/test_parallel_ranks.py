@@ -8,7 +8,7 @@ import time
 import pytest
 
 from streambp_core.config import ConfigError
-from streambp_core.dist.launch import RankError, available_cpus, check_nproc, run_ranks
+from streambp_core.parallel.launch import RankError, available_cpus, check_nproc, run_ranks
 from tests.unit import dist_ranks
 
 pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from streambp_core.config import METHODS
-from streambp_core.dist.launch import available_cpus
 from streambp_core.models import load_config
-from streambp_core.verify import VerifySpec
+from streambp_core.parallel.launch import available_cpus
+from streambp_core.verify.methods import VerifySpec
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")]
@@ -24,7 +24,7 @@ GATHERS_PER_UNIT = {"zero2": 1, "zero3": 2}
 
 @pytest.fixture(scope="module")
 def report():
-    from streambp_core.dist.verify import verify_sharded
+    from streambp_core.parallel.verify import verify_sharded
 
     base = VerifySpec(model=MODEL, methods=METHODS, seq_len=SEQ_LEN, batch_size=2, partition_size=8,
                       head_partition_size=16, dtype="float64", padding="right")

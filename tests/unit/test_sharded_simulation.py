@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 
 from streambp_core.config import ConfigError, StepSpec
-from streambp_core.dist.simulate import DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ShardLayout, shard_layout
 from streambp_core.models import load_config
 from streambp_core.step.setup import build_training_model, resident_bytes
+from streambp_core.step.shards import DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ShardLayout, shard_layout
 from streambp_core.step.simulate import simulate
 
 MODEL = "tiny/qwen3"

@@ -6,7 +6,7 @@ import pytest
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.verify import VerifySpec, verify_methods
+from streambp_core.verify.methods import VerifySpec, verify_methods
 
 SMALL = {"seq_len": 19, "partition_size": 6, "head_partition_size": 4}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from streambp_core import verify_ram
 from streambp_core.config import ConfigError
 from streambp_core.models import load_config
 from streambp_core.step import probe
-from streambp_core.verify import CRITERION, VerifySpec, verify_methods, verify_spec
+from streambp_core.verify import ram as verify_ram
+from streambp_core.verify.methods import CRITERION, VerifySpec, verify_methods, verify_spec
 
 
 @pytest.mark.parametrize("seq_len", [2, 3])
