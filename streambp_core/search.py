@@ -2,9 +2,10 @@
 
 The search is generic over where a probe's figure comes from (a simulation, a measurement on CUDA or
 CPU): a probe is any callable `probe(seq_len) -> ProbeResult`. A probe that fails with out-of-memory
-(a `ProbeResult` with status "oom", or an exception that `is_oom` recognises) and a probe whose peak is
-above the budget are both failures; the search never raises on OOM. It assumes the peak does not
-decrease with the length.
+(a `ProbeResult` with status "oom", or an exception that the caller's `oom_pool` names a pool for) and a
+probe whose peak is above the budget are both failures; the search never raises on OOM. What counts as
+an OOM comes from the caller (e.g. `streambp_core.measure.cuda.oom_pool`); without one, every exception
+propagates. It assumes the peak does not decrease with the length.
 
 Two pools: with a host budget (offloaded checkpoints live in host memory) a probe fits when its device
 peak is within the budget and its host peak within the host budget; the secant then follows whichever
@@ -17,9 +18,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from streambp_core.measure.cuda import is_oom, oom_pool
-
 OK, OOM, REFUSED = "ok", "oom", "refused"
+
+OomPool = Callable[[BaseException], str | None]
+"""Which memory an exception ran out of ('device' or 'host'); None when it is no out-of-memory error."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +107,7 @@ def max_trainable_length(
     max_probes: int = 40,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
     host_budget_bytes: int | None = None,
+    oom_pool: OomPool | None = None,
 ) -> SearchResult:
     """Longest sequence length whose step fits in `budget_bytes`, to within `tolerance(ok_len)`.
 
@@ -118,9 +121,10 @@ def max_trainable_length(
     `second_len`: where to probe after `start` when `start` fits (default: the secant's aim), e.g. the
     failing end of a simulated search's bracket when a measured search starts at its fitting end.
     `on_probe(result, ok_len, fail_len)` is called after each probe (e.g. for a progress bar).
-    `host_budget_bytes`: also bound each probe's host peak (module docstring).
+    `host_budget_bytes`: also bound each probe's host peak (module docstring). `oom_pool`: what counts as
+    an out-of-memory exception (a data point, status "oom"); None: every exception propagates.
     """
-    search = _Search(probe, budget_bytes, tolerance, min_len, max_len, on_probe, host_budget_bytes)
+    search = _Search(probe, budget_bytes, tolerance, min_len, max_len, on_probe, host_budget_bytes, oom_pool)
     search.bracket(max(min(start, max_len), min_len), second_len)
     while search.open() and len(search.probes) < max_probes:
         search.refine()
@@ -137,6 +141,7 @@ def guided_max_len(
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
     host_budget_bytes: int | None = None,
     confirm_both_ends: bool = False,
+    oom_pool: OomPool | None = None,
 ) -> SearchResult:
     """Max length guided by a cheap probe, then refined by measurement or confirmed by a full one.
 
@@ -151,9 +156,10 @@ def guided_max_len(
        extrapolated categories is not affine) the failing end is confirmed too, and a search with
        `confirm` continues from it if it fits.
     `confirmed_layers` (the depth `refine`/`confirm` run at) is recorded on the result. Every probe is
-    listed in the result, the guide's first. `host_budget_bytes` bounds every search's host peak too.
+    listed in the result, the guide's first. `host_budget_bytes` bounds every search's host peak too;
+    `oom_pool` says what counts as an out-of-memory exception in every search (`max_trainable_length`).
     """
-    host = {"host_budget_bytes": host_budget_bytes}
+    host = {"host_budget_bytes": host_budget_bytes, "oom_pool": oom_pool}
     guided = max_trainable_length(guide, budget_bytes, on_probe=on_probe, **host)
     if refine is not None:
         start, second = max(guided.max_len_tokens, 2), guided.bracket[1]
@@ -184,8 +190,10 @@ def guided_max_len(
 class _Search:
     """State of one search: probes so far, the best fitting and the shortest failing probe."""
 
-    def __init__(self, probe, budget_bytes, tolerance, min_len, max_len, on_probe, host_budget) -> None:
+    def __init__(self, probe, budget_bytes, tolerance, min_len, max_len, on_probe, host_budget, oom_pool
+                 ) -> None:
         self.probe_fn, self.budget, self.host_budget = probe, budget_bytes, host_budget
+        self.oom_pool: OomPool | None = oom_pool
         self.tolerance, self.min_len, self.max_len, self.on_probe = tolerance, min_len, max_len, on_probe
         self.probes: list[ProbeResult] = []
         self.ok: ProbeResult | None = None
@@ -196,10 +204,11 @@ class _Search:
         try:
             result = self.probe_fn(seq_len)
         except Exception as exc:  # an OOM is a data point; any other error is a bug and propagates
-            if not is_oom(exc):
+            pool = None if self.oom_pool is None else self.oom_pool(exc)
+            if pool is None:
                 raise
             result = ProbeResult(seq_len_tokens=seq_len, status=OOM, message=" ".join(str(exc).split())[:200],
-                                 oom_pool=oom_pool(exc))
+                                 oom_pool=pool)
         self.probes.append(result)
         if result.fits(self.budget, self.host_budget):
             if self.ok is None or seq_len > self.ok.seq_len_tokens:

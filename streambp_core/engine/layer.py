@@ -30,16 +30,15 @@ from torch import Tensor
 from streambp_core.engine.attention import prefix_attention
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf, window_start
 from streambp_core.engine.linear_grads import (
-    Rope,
     down_projection_backward,
     gated_mlp,
     hand_linear,
     kv_projection_backward,
     mlp_inner,
     plain_linear,
-    rotate,
 )
 from streambp_core.engine.offload import HostChain
+from streambp_core.engine.rope import Rope, rotate
 from streambp_core.engine.router import ChunkRouting, RouterAux
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import LayerParts

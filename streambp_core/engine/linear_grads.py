@@ -18,12 +18,11 @@ Weight gradients accumulate in `.grad` in place, as `backward_into` does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.chunks import backward_into, leaf
+from streambp_core.engine.rope import Rope, rope_transpose
 from streambp_core.measure.tags import GRADS, memory_category
 
 GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
@@ -91,43 +90,6 @@ def hand_linear(module: nn.Module, x: Tensor) -> Tensor:
     if plain_linear(module) and x.requires_grad and torch.is_grad_enabled():
         return _HandLinear.apply(x, module)
     return module(x)
-
-
-@dataclass(frozen=True)
-class Rope:
-    """RoPE tables of a sequence laid out for heads on dim 1: cos, sin (B, 1, T, hd), and `sign` (hd,),
-    -1 on the first half and +1 on the second, so that transformers' rotate_half(t) = cat(-t2, t1) is
-    roll(t, hd / 2) * sign: two ops instead of four, bit for bit the same values."""
-
-    cos: Tensor
-    sin: Tensor
-    sign: Tensor
-
-    @classmethod
-    def of(cls, cos: Tensor, sin: Tensor) -> Rope:
-        """From transformers' (B, T, hd) tables."""
-        sign = cos.new_ones(cos.shape[-1])
-        sign[: cos.shape[-1] // 2] = -1
-        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign)
-
-    def chunk(self, start: int, end: int) -> Rope:
-        """The tables of positions start..end."""
-        return Rope(self.cos[:, :, start:end], self.sin[:, :, start:end], self.sign)
-
-
-def rotate_half(t: Tensor, rope: Rope) -> Tensor:
-    """transformers' rotate_half of t (..., hd)."""
-    return torch.roll(t, t.shape[-1] // 2, -1).mul_(rope.sign)
-
-
-def rotate(t: Tensor, rope: Rope) -> Tensor:
-    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1)."""
-    return t * rope.cos + rotate_half(t, rope) * rope.sin
-
-
-def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
-    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1)."""
-    return grad * rope.cos - rotate_half(grad * rope.sin, rope)
 
 
 def mlp_inner(mlp: nn.Module, x: Tensor) -> Tensor:

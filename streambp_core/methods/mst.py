@@ -9,9 +9,9 @@ from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import HeadPlan, StreamedHead
 from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
+from streambp_core.engine.sharded import sharded_forward
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
-from streambp_core.parallel.fsdp import sharded_forward
 
 
 class MstRun(CheckpointRun):

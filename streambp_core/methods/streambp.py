@@ -21,11 +21,11 @@ from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mo
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
 from streambp_core.engine.offload import HostChain
 from streambp_core.engine.router import aux_loss
+from streambp_core.engine.sharded import sharded_forward
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
 from streambp_core.models.adapters import layer_parts
-from streambp_core.parallel.fsdp import sharded_forward
 
 
 class StreamBPRun(Run):

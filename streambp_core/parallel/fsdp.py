@@ -9,48 +9,24 @@ norm and the LM head (one unit, so tied embeddings stay together).
   and once more for its backward.
 
 Methods that call `model(...)` (plain, checkpoint) get FSDP's hooks from the model's own forward. StreamBP
-and MsT drive the modules themselves, so they run their step through `sharded_forward`: FSDP's own
-pre-/post-forward hooks (all-gather; reshard; the hooks that all-gather again before the unit's backward
-and reduce-scatter its gradients after it) fire once per unit per step, around the whole streamed layer,
-never per chunk. A streamed layer's chunks accumulate into the gathered parameters' `.grad`; FSDP
+and MsT drive the modules themselves, so they run their step through `engine.sharded.sharded_forward`:
+FSDP's own pre-/post-forward hooks (all-gather; reshard; the hooks that all-gather again before the unit's
+backward and reduce-scatter its gradients after it) fire once per unit per step, around the whole streamed
+layer, never per chunk. A streamed layer's chunks accumulate into the gathered parameters' `.grad`; FSDP
 reduce-scatters that sum once, after the last chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import torch
 from torch import nn
 
 from streambp_core.config import FSDP_STAGES, ConfigError, require_choice
+from streambp_core.engine.sharded import fsdp_available, is_sharded
 from streambp_core.models.adapters import decoder_parts
 
 SHARD_STAGES = FSDP_STAGES
 """zero2: gradients and optimizer states sharded; zero3: parameters sharded as well."""
-
-R = TypeVar("R")
-
-
-def fsdp_available() -> bool:
-    """Whether this torch build has torch.distributed with FSDP2's `fully_shard`."""
-    if not torch.distributed.is_available():
-        return False
-    try:
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether `module` is an FSDP2 unit (`fully_shard` was applied to it)."""
-    if not fsdp_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 def shard_model(model: nn.Module, stage: str) -> nn.Module:
@@ -71,28 +47,6 @@ def shard_model(model: nn.Module, stage: str) -> nn.Module:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
-
-
-def sharded_forward(module: nn.Module, fn: Callable[..., R], *args: Any) -> R:
-    """`fn(*args)` run as `module`'s forward for FSDP2 when `module` is a unit, else plainly.
-
-    FSDP's pre-forward all-gathers the unit's parameters (so `fn` sees them gathered) and hooks the
-    tensor arguments that require grad, to reduce-scatter after the unit's backward; its post-forward
-    reshards (zero3) and hooks the output, to all-gather again before that backward. The call goes
-    through `register_fsdp_forward_method` on a method set for this call only and removed after it.
-    `fn` must take tensors (or None) only, and read the unit's parameters inside, not before.
-    """
-    if not is_sharded(module):
-        return fn(*args)
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    name = "_sharded_call"
-    setattr(module, name, fn)
-    try:
-        register_fsdp_forward_method(module, name)
-        return getattr(module, name)(*args)
-    finally:
-        delattr(module, name)
 
 
 def gathered_parameters(model: nn.Module) -> list[torch.Tensor]:

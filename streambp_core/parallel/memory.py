@@ -84,9 +84,10 @@ def _rank_memory(spec: StepSpec, phases: list[tuple[str, int, dict[str, int]]]) 
 
 def _check_ram(spec: StepSpec, config: PretrainedConfig) -> None:
     """ConfigError when the ranks together would need more RAM than a CPU step may use."""
-    from streambp_core.step.probe import available_ram_bytes, cpu_ram_refusal
+    from streambp_core.measure import host_ram
+    from streambp_core.step.probe import cpu_ram_refusal
 
-    refusal = cpu_ram_refusal(spec, config, available_ram_bytes() // spec.gpus)
+    refusal = cpu_ram_refusal(spec, config, host_ram.available_ram_bytes() // spec.gpus)
     if refusal is not None:
         raise ConfigError(f"each of {spec.gpus} ranks {refusal}")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 from transformers import PretrainedConfig
 
 from streambp_core.config import SOURCES, ConfigError, StepSpec
+from streambp_core.measure import host_ram
 from streambp_core.measure.cuda import is_oom, oom_pool
 from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, guided_max_len
 from streambp_core.step.run import StepOutOfMemory, tracked_step
@@ -74,7 +74,7 @@ def measure_setup(setup: Setup, device: str) -> ProbeResult:
 def cpu_probe(spec: StepSpec, config: PretrainedConfig, available_bytes: int | None = None) -> Probe:
     """probe(seq_len) -> the tracker's peak of a real step on CPU, or 'refused' when RAM is short (the
     model is built once, on the first probe that runs)."""
-    ram = available_ram_bytes() if available_bytes is None else available_bytes
+    ram = host_ram.available_ram_bytes() if available_bytes is None else available_bytes
     built: list = []
 
     def probe(seq_len: int) -> ProbeResult:
@@ -94,7 +94,7 @@ def cpu_ram_refusal(spec: StepSpec, config: PretrainedConfig, available_bytes: i
                     ) -> str | None:
     """Why a real CPU step of `spec` must not run (its simulated peak plus the attention workspace is over
     CPU_RAM_FRACTION of the RAM available: it would allocate until the machine dies), or None."""
-    ram = available_ram_bytes() if available_bytes is None else available_bytes
+    ram = host_ram.available_ram_bytes() if available_bytes is None else available_bytes
     need = simulate(spec, config).peak_bytes + cpu_attention_workspace_bytes(spec, config)
     if need <= CPU_RAM_FRACTION * ram:
         return None
@@ -139,10 +139,10 @@ def max_len(
         confirm = None if layers <= 3 else simulated_probe(spec, config, depth="full", cache=cache)
         return guided_max_len(guide, budget_bytes, confirm=confirm, confirmed_layers=layers,
                               on_probe=on_probe, host_budget_bytes=host_budget_bytes,
-                              confirm_both_ends=spec.shard != "none")
+                              confirm_both_ends=spec.shard != "none", oom_pool=oom_pool)
     refine = cuda_probe(spec, budget_bytes) if device == "cuda" else cpu_probe(spec, config)
     return guided_max_len(guide, budget_bytes, refine=refine, confirmed_layers=layers, on_probe=on_probe,
-                          host_budget_bytes=host_budget_bytes)
+                          host_budget_bytes=host_budget_bytes, oom_pool=oom_pool)
 
 
 def parse_child_output(seq_len: int, returncode: int, stdout: str, stderr: str) -> ProbeResult:
@@ -165,18 +165,6 @@ def cpu_attention_workspace_bytes(spec: StepSpec, config: PretrainedConfig) -> i
     seq_len = spec.seq_len_tokens
     queries = spec.partition_size if spec.method == "streambp" else seq_len
     return 3 * 4 * spec.sequences * config.num_attention_heads * min(queries, seq_len) * seq_len
-
-
-def available_ram_bytes() -> int:
-    """MemAvailable from /proc/meminfo, else physical pages available (sysconf)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _child_main(argv: list[str] | None = None) -> int:

@@ -36,11 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from transformers import PretrainedConfig
 
-from streambp_core.config import ConfigError, StepSpec, require_choice
+from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec, require_choice
 from streambp_core.models.adapters import decoder_parts
-from streambp_core.parallel.fsdp import SHARD_STAGES
 
 PREFETCHED_LAYERS = 2
 """zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
@@ -141,7 +139,7 @@ def sharded_breakdown(
     shards only; "forward" the gathered units and zero2's last all-gather output; any other phase (the
     backward's) the gathered units and the gradients in flight, at most the gradients there are.
     """
-    require_choice("shard", stage, SHARD_STAGES)
+    require_choice("shard", stage, FSDP_STAGES)
     in_step = phase != "optimizer"
     fraction = layout.trainable_fraction
     rank = dict(breakdown_bytes)
@@ -179,21 +177,6 @@ def deepspeed_breakdown(
         bucket = layout.grad_element_bytes * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, layout.trainable_numel)
         rank["grads"] = partition + bucket + (layout.inflight_grad_bytes() if grads else 0)
     return rank
-
-
-def shard_layout(spec: StepSpec, config: PretrainedConfig, cache: dict | None = None) -> ShardLayout:
-    """The layout of `spec`'s model (full depth, LoRA included) over `spec.gpus` ranks, built on the meta
-    device; memoised in `cache` (a simulation's memo) under a key of its own."""
-    from streambp_core.step.setup import build_training_model
-
-    key = ("shard_layout", spec.model, spec.dtype, spec.lora_rank, spec.gpus, config.num_hidden_layers)
-    if cache is not None and key in cache:
-        return cache[key]
-    model, _ = build_training_model(spec.at(2), config, "meta")
-    layout = ShardLayout.from_model(model, spec.gpus)
-    if cache is not None:
-        cache[key] = layout
-    return layout
 
 
 def rank_breakdown(spec: StepSpec, layout: ShardLayout, breakdown_bytes: dict[str, int], phase: str

@@ -48,7 +48,8 @@ from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
 from streambp_core.models.load import MOE_FAMILIES
 from streambp_core.step.run import tracked_step
-from streambp_core.step.setup import build_setup, resolve_config, with_depth
+from streambp_core.step.setup import build_setup, build_training_model, resolve_config, with_depth
+from streambp_core.step.shards import ShardLayout, rank_breakdown
 
 KEEP_CHUNKS = 3
 """Chunks kept at each end of an engine chunk loop when thinning."""
@@ -179,8 +180,6 @@ def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: _Phases, cache:
                ) -> tuple[int, dict[str, int]]:
     """One rank's peak and breakdown: every phase's peak and end laid out as `spec.shard` holds the state
     (module docstring); a phase's end after the last backward phase is the state the optimizer sees."""
-    from streambp_core.step.shards import rank_breakdown, shard_layout
-
     layout = shard_layout(spec, config, cache)
     last_backward = max((i for i, phase in enumerate(phases) if phase[0] not in ("forward", "optimizer")),
                         default=-1)
@@ -190,3 +189,16 @@ def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: _Phases, cache:
         points.append(rank_breakdown(spec, layout, at_end, "optimizer" if i == last_backward else name))
     best = max(points, key=lambda point: sum(point.values()))
     return sum(best.values()), best
+
+
+def shard_layout(spec: StepSpec, config: PretrainedConfig, cache: dict | None = None) -> ShardLayout:
+    """The layout of `spec`'s model (full depth, LoRA included) over `spec.gpus` ranks, built on the meta
+    device; memoised in `cache` (a simulation's memo) under a key of its own."""
+    key = ("shard_layout", spec.model, spec.dtype, spec.lora_rank, spec.gpus, config.num_hidden_layers)
+    if cache is not None and key in cache:
+        return cache[key]
+    model, _ = build_training_model(spec.at(2), config, "meta")
+    layout = ShardLayout.from_model(model, spec.gpus)
+    if cache is not None:
+        cache[key] = layout
+    return layout

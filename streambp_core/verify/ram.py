@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from streambp_core.config import ConfigError
+from streambp_core.measure import host_ram
 from streambp_core.models import build_model
 
 RAM_FRACTION = 0.8
@@ -25,9 +26,7 @@ def needed_ram_bytes(config, spec, dtype: torch.dtype) -> int:
 
 def check_ram(config, spec, dtype: torch.dtype, available_bytes: int | None = None) -> None:
     """ConfigError when `needed_ram_bytes` exceeds RAM_FRACTION of the RAM available."""
-    from streambp_core.step.probe import available_ram_bytes
-
-    available = available_ram_bytes() if available_bytes is None else available_bytes
+    available = host_ram.available_ram_bytes() if available_bytes is None else available_bytes
     need = needed_ram_bytes(config, spec, dtype)
     if need > RAM_FRACTION * available:
         raise ConfigError(

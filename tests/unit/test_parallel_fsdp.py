@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 import streambp_core
 from streambp_core.config import ConfigError
+from streambp_core.engine.sharded import sharded_forward
 from streambp_core.models import build_model, load_config
-from streambp_core.parallel.fsdp import full_gradients, shard_model, sharded_forward
+from streambp_core.parallel.fsdp import full_gradients, shard_model
 from streambp_core.step.batch import random_batch
 from streambp_core.verify.compare import max_rel_err
 

@@ -22,8 +22,8 @@ from streambp_core.parallel.launch import available_cpus
 from streambp_core.parallel.memory import measure_ranks
 from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup
-from streambp_core.step.shards import rank_breakdown, shard_layout
-from streambp_core.step.simulate import simulate
+from streambp_core.step.shards import rank_breakdown
+from streambp_core.step.simulate import shard_layout, simulate
 
 pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
 

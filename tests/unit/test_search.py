@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streambp_core.measure.cuda import oom_pool
 from streambp_core.search import (
     OK,
     OOM,
@@ -88,7 +89,7 @@ def test_oom_exceptions_are_data_points() -> None:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return ProbeResult(seq_len_tokens=t, status=OK, peak_bytes=t * 1024, source="measured-cuda")
 
-    result = max_trainable_length(probe, 80 * GIB)
+    result = max_trainable_length(probe, 80 * GIB, oom_pool=oom_pool)
     check_bracket(result, 80 * GIB, lambda t: t <= 30_000)
     assert any(p.status == OOM and "out of memory" in p.message for p in result.probes)
 
@@ -111,7 +112,7 @@ def test_other_exceptions_propagate() -> None:
         raise ValueError("a bug, not an OOM")
 
     with pytest.raises(ValueError, match="a bug"):
-        max_trainable_length(probe, GIB)
+        max_trainable_length(probe, GIB, oom_pool=oom_pool)
 
 
 def test_everything_fits_up_to_max_len() -> None:
@@ -228,3 +229,15 @@ def test_child_failures_are_oom_data_points_or_errors():
     assert oom.status == OOM and killed.status == OOM
     with pytest.raises(RuntimeError, match="probe at 9000 tokens failed"):
         parse_child_output(9000, 1, "", "ImportError: no module named flash_attn")
+
+
+def test_what_counts_as_an_oom_comes_from_the_caller() -> None:
+    """Without `oom_pool` the search knows no OOM: a CUDA OOM exception propagates like any other."""
+
+    def probe(t: int) -> ProbeResult:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        max_trainable_length(probe, GIB)
+    result = max_trainable_length(probe, GIB, oom_pool=lambda exc: "host")
+    assert {(p.status, p.oom_pool) for p in result.probes} == {(OOM, "host")}

@@ -14,8 +14,8 @@ import pytest
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
 from streambp_core.step.setup import build_training_model, resident_bytes
-from streambp_core.step.shards import DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ShardLayout, shard_layout
-from streambp_core.step.simulate import simulate
+from streambp_core.step.shards import DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ShardLayout
+from streambp_core.step.simulate import shard_layout, simulate
 
 MODEL = "tiny/qwen3"
 ACTIVATIONS = ("checkpoints", "kv", "logits", "temporaries")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from streambp_core.config import ConfigError
+from streambp_core.measure import host_ram
 from streambp_core.models import load_config
-from streambp_core.step import probe
 from streambp_core.verify import ram as verify_ram
 from streambp_core.verify.methods import CRITERION, VerifySpec, verify_methods, verify_spec
 
@@ -39,7 +39,7 @@ def test_a_model_too_big_for_the_ram_is_refused_before_it_is_built(monkeypatch):
     spec = VerifySpec(model="Qwen/Qwen3-32B")
     with pytest.raises(ConfigError, match=r"needs at least 36\d\.\d GiB of RAM.*16\.0 GiB available"):
         verify_ram.check_ram(load_config(spec.model), spec, spec_dtype(), available_bytes=16 * 2**30)
-    monkeypatch.setattr(probe, "available_ram_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(host_ram, "available_ram_bytes", lambda: 16 * 2**30)
     with pytest.raises(ConfigError, match="needs at least"):
         verify_spec(spec)
 

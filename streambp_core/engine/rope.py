@@ -1,0 +1,46 @@
+"""Rotary position embeddings (RoPE) as the streamed layer applies them, and their transpose for the
+backward of the K/V projections: the same values as transformers' `apply_rotary_pos_emb`, bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE tables of a sequence laid out for heads on dim 1: cos, sin (B, 1, T, hd), and `sign` (hd,),
+    -1 on the first half and +1 on the second, so that transformers' rotate_half(t) = cat(-t2, t1) is
+    roll(t, hd / 2) * sign: two ops instead of four, bit for bit the same values."""
+
+    cos: Tensor
+    sin: Tensor
+    sign: Tensor
+
+    @classmethod
+    def of(cls, cos: Tensor, sin: Tensor) -> Rope:
+        """From transformers' (B, T, hd) tables."""
+        sign = cos.new_ones(cos.shape[-1])
+        sign[: cos.shape[-1] // 2] = -1
+        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign)
+
+    def chunk(self, start: int, end: int) -> Rope:
+        """The tables of positions start..end."""
+        return Rope(self.cos[:, :, start:end], self.sin[:, :, start:end], self.sign)
+
+
+def rotate_half(t: Tensor, rope: Rope) -> Tensor:
+    """transformers' rotate_half of t (..., hd)."""
+    return torch.roll(t, t.shape[-1] // 2, -1).mul_(rope.sign)
+
+
+def rotate(t: Tensor, rope: Rope) -> Tensor:
+    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1)."""
+    return t * rope.cos + rotate_half(t, rope) * rope.sin
+
+
+def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
+    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1)."""
+    return grad * rope.cos - rotate_half(grad * rope.sin, rope)
