@@ -24,9 +24,7 @@ from torch import Tensor, nn
 from streambp_core.engine.chunks import backward_into, leaf
 from streambp_core.engine.rope import Rope, rope_transpose
 from streambp_core.measure.tags import GRADS, memory_category
-
-GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
-"""MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+from streambp_core.models.adapters import GATED_MLP_CLASSES
 
 
 def plain_linear(module: nn.Module) -> bool:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
+"""Label value that no loss counts (transformers' causal-LM loss ignores it too): padding, prompts."""
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:

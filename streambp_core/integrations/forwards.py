@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from streambp_core.config import ConfigError
+from streambp_core.engine.objectives import IGNORE_INDEX
 
 HARMLESS_ARGUMENTS = frozenset({"return_dict", "cache_position"})
 """Arguments a streamed forward accepts whatever their value (they change nothing it returns)."""
@@ -98,7 +99,7 @@ def streamed_loss_forward(run, previous: Callable[..., Any]) -> Callable[..., An
         with torch.autocast(input_ids.device.type, enabled=False):
             loss = run.loss(input_ids, attention_mask=call.get("attention_mask"), labels=labels)
         if num_items is not None:
-            num_valid = (labels[:, 1:] != -100).sum().to(loss.dtype)
+            num_valid = (labels[:, 1:] != IGNORE_INDEX).sum().to(loss.dtype)
             loss = loss * num_valid / torch.as_tensor(num_items, device=loss.device, dtype=loss.dtype)
         return CausalLMOutputWithPast(loss=loss)
 

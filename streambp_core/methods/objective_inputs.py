@@ -17,6 +17,7 @@ from torch import Tensor
 from streambp_core.config import ConfigError
 from streambp_core.engine.objectives import (
     GRPO_LOSS_TYPES,
+    IGNORE_INDEX,
     SFTObjective,
     dpo_objective,
     grpo_objective,
@@ -56,7 +57,7 @@ def _grpo(input_ids: Tensor, labels: Tensor, inputs: dict):
         raise ConfigError(f"grpo advantages must have shape ({rows},), got {got}")
     completion_mask = inputs.get("completion_mask")
     if completion_mask is None:
-        completion_mask = (labels != -100).long()
+        completion_mask = (labels != IGNORE_INDEX).long()
     for key in ("completion_mask", "old_logps", "ref_logps"):
         value = completion_mask if key == "completion_mask" else inputs.get(key)
         if value is not None and value.shape != input_ids.shape:

@@ -11,6 +11,7 @@ from contextlib import ExitStack
 import torch
 
 from streambp_core.engine.hf_attention import engine_attention, engine_mask_argument
+from streambp_core.engine.objectives import IGNORE_INDEX
 from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 
@@ -70,7 +71,7 @@ class PlainRun(Run):
         self.make_objective(labels, **inputs)
         grpo = self.objective_name == "grpo"
         if grpo and inputs.get("completion_mask") is None:
-            inputs = {**inputs, "completion_mask": (labels != -100).long()}
+            inputs = {**inputs, "completion_mask": (labels != IGNORE_INDEX).long()}
         keep = trl_loss.grpo_logits_to_keep(input_ids, inputs) + 1 if grpo else 0
         outputs = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
         router = self.router_loss(getattr(outputs, "router_logits", None), attention_mask)

@@ -17,14 +17,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from streambp_core.config import PRESET_DIR, ConfigError
-from streambp_core.models.adapters import SUPPORTED_FAMILIES, model_family
+from streambp_core.models.adapters import MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, model_family
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.precision import norms_in_at_least_float32
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
-"""`model_type`s of the decoder families the engine supports."""
-
-TINY_FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "gemma3", "qwen3-moe", "mixtral")
+"""`model_type`s of the decoder families the engine supports (`adapters.FAMILIES`)."""
 
 
 def _preset_file(name: str) -> Path:
@@ -154,9 +152,6 @@ def build_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
                                                  **experts_options(config, dtype))
     return _prepare_for_training(model)
-
-
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def experts_options(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, str]:

@@ -46,7 +46,7 @@ from transformers import PretrainedConfig
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
-from streambp_core.models.load import MOE_FAMILIES
+from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.step.run import tracked_step
 from streambp_core.step.setup import build_setup, build_training_model, resolve_config, with_depth
 from streambp_core.step.shards import ShardLayout, rank_breakdown

@@ -1,0 +1,28 @@
+"""The one family table (`models.adapters.FAMILIES`) agrees with the shipped tiny presets and with the
+modules transformers builds for each family."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambp_core.config import PRESET_DIR
+from streambp_core.engine.linear_grads import gated_mlp
+from streambp_core.models import build_model, load_config
+from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES
+
+
+def test_every_tiny_preset_is_one_familys() -> None:
+    shipped = sorted(path.stem.removeprefix("tiny--") for path in PRESET_DIR.glob("tiny--*.json"))
+    assert shipped == sorted(TINY_FAMILIES)
+    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 7
+    assert MOE_FAMILIES == ("qwen3_moe", "mixtral")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.model_type)
+def test_a_familys_tiny_model_has_its_model_type_and_mlp(family) -> None:
+    assert load_config(f"tiny/{family.tiny}").model_type == family.model_type
+    mlp = build_model(f"tiny/{family.tiny}", device="meta").model.layers[0].mlp
+    if family.experts:
+        assert not gated_mlp(mlp)
+    else:
+        assert type(mlp).__name__ == family.gated_mlp and gated_mlp(mlp)
