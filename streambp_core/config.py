@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
@@ -132,13 +134,27 @@ PRESET_DIR = Path(__file__).parent / "models" / "presets"
 """The shipped model presets: `<org>--<name>.json` for `<org>/<name>`."""
 
 
+@cache
+def preset_names() -> tuple[str, ...]:
+    """The shipped presets' names: real models by their hub name first (numbers compared as numbers:
+    0.6B < 4B < 14B), then the `tiny/*` test models. Cheap: no transformers import."""
+    names = [path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json")]
+    return tuple(sorted(names, key=_natural_key))
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key: tiny presets last, then by name with numbers compared as numbers."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", name.lower())
+    return (name.startswith("tiny/"), [float(part) if i % 2 else part for i, part in enumerate(parts)])
+
+
 def check_model(name: str) -> str:
     """`name` if it names a shipped preset (case-insensitive) or an existing path, else ConfigError.
 
     Cheap (no transformers import), so bad input is refused at once; the config itself is read and
     checked by `streambp_core.models.load_config`.
     """
-    presets = sorted(path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json"))
+    presets = preset_names()
     if name.strip().lower() in {p.lower() for p in presets} or Path(name).expanduser().exists():
         return name
     raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "

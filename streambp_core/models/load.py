@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import copy
 import json
-import re
-from functools import cache
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from streambp_core.config import PRESET_DIR, ConfigError
+from streambp_core.config import PRESET_DIR, ConfigError, preset_names
 from streambp_core.models.adapters import MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, model_family
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.precision import norms_in_at_least_float32
@@ -29,26 +27,14 @@ def _preset_file(name: str) -> Path:
     return PRESET_DIR / (name.replace("/", "--") + ".json")
 
 
-def _natural_key(name: str) -> tuple:
-    """Sort key: tiny presets last, then by name with numbers compared as numbers (0.6B < 4B < 14B)."""
-    parts = re.split(r"(\d+(?:\.\d+)?)", name.lower())
-    return (name.startswith("tiny/"), [float(part) if i % 2 else part for i, part in enumerate(parts)])
-
-
-@cache
-def _preset_names() -> tuple[str, ...]:
-    names = [path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json")]
-    return tuple(sorted(names, key=_natural_key))
-
-
 def list_presets() -> list[str]:
     """Names of the shipped presets: real models by their hub name first, then the `tiny/*` test models."""
-    return list(_preset_names())
+    return list(preset_names())
 
 
 def _find_preset(name: str) -> str | None:
     wanted = name.strip().lower()
-    return next((preset for preset in _preset_names() if preset.lower() == wanted), None)
+    return next((preset for preset in preset_names() if preset.lower() == wanted), None)
 
 
 def _config_from_dict(values: dict, source: str) -> PretrainedConfig:
@@ -92,7 +78,7 @@ def load_config(name_or_path: str) -> PretrainedConfig:
         return check_supported(_config_from_path(path), str(path))
     raise ConfigError(
         f"unknown model {name_or_path!r}: not a preset nor a local directory with config.json; "
-        f"presets: {', '.join(_preset_names())}"
+        f"presets: {', '.join(preset_names())}"
     )
 
 
