@@ -6,7 +6,7 @@ For each shard stage, method and optimizer, runs the step on `--gpus` CPU ranks 
 FSDP2 and rank 0 under the memory tracker (`streambp_core.parallel.memory.measure_ranks`; rows labelled
 `measured-cpu`), and simulates the same `StepSpec` on meta tensors (`simulated`). Defaults: the tiny
 Qwen3 preset widened to a 4096-token vocabulary, hidden 128, MLP 256 (so the model state is visible next
-to the activations), 256 tokens, float32: what tests/unit/test_dist_memory.py checks. The simulated rank
+to the activations), 256 tokens, float32: what tests/unit/test_parallel_memory.py checks. The simulated rank
 is an upper bound of the measured one (see `streambp_core.parallel.memory`); `simulated_minus_measured`
 says by how much. Bytes throughout (the model is tiny).
 """

@@ -13,7 +13,7 @@ shard), the unsharded parameters while FSDP2 holds them allocated, FSDP2's flat 
 reduce-scatter buffers (op outputs), activations. Not seen: what gloo allocates inside a collective (its
 own buffers, outside any op the tracker watches; nccl's are outside CUDA's caching allocator too).
 
-Against the simulation (tests/unit/test_dist_memory.py): the simulated rank is an upper bound, over by
+Against the simulation (tests/unit/test_parallel_memory.py): the simulated rank is an upper bound, over by
 at most what it assumes in flight beyond what FSDP2 holds at the peak (it allows the root's and two
 layers' unsharded gradients throughout the backward and, zero3, two gathered layers), and under only by
 CPU artefacts: AdamW's step counters (host tensors on CUDA) and the CPU attention kernel's extra copy.

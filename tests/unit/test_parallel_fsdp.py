@@ -1,6 +1,6 @@
 """FSDP2 sharding in this process (a one-rank gloo group, where FSDP skips the collectives): every method
 runs on the sharded model, through FSDP's parameter swaps and hooks, with plain's gradients. The
-collectives themselves are counted with two ranks in test_dist_verify.py."""
+collectives themselves are counted with two ranks in test_parallel_verify.py."""
 
 from __future__ import annotations
 
