@@ -24,7 +24,7 @@ def graph() -> grimp.ImportGraph:
 
 def test_the_import_contracts_are_kept() -> None:
     """`lint-imports` passes: on failure the captured output names each broken contract and import."""
-    assert lint_imports(config_filename=str(PYPROJECT), cache_dir=None, no_logo=True) == 0
+    assert lint_imports(config_filename=str(PYPROJECT), no_cache=True) == 0
 
 
 def test_the_contracts_count_every_import() -> None:
