@@ -1,0 +1,1 @@
+"""Results CSVs: the row schema, the files, older schemas, provenance."""
