@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from streambp_bench.csv_io import atomic_rewrite, check_writable, locked
 from streambp_bench.errors import USER_ERRORS, print_error
+from streambp_bench.results.csv_io import atomic_rewrite, check_writable, locked
 
 
 def check_out(path: Path | None) -> None:
