@@ -1,6 +1,6 @@
 """The benchmark scripts' CSV output: each writes its rows to stdout and, with --out, to a file, replaced
-atomically under the writers' lock (`streambp_bench.csv_io`): an interrupted or concurrent run leaves the
-old file or the new one, never a cut one."""
+atomically under the writers' lock (`streambp_bench.results.csv_io`): an interrupted or concurrent run
+leaves the old file or the new one, never a cut one."""
 
 from __future__ import annotations
 

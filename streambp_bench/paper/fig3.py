@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from streambp_bench.paper import plots, published
+from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import METHODS, Settings, k_tokens, max_len_rows, memory_curve
 from streambp_core.config import StepSpec
 from streambp_core.step.target import resolve_target
@@ -93,8 +94,7 @@ def section(frame: pd.DataFrame) -> list[str]:
         )
     lines += [
         "",
-        "Memory slope (linear fit of the simulated curve, GiB per 1000 tokens; paper's streambp curve "
-        "~0.43 on Qwen3-8B, checkpoint floor 0.275):",
+        prose("fig3-slopes"),
         "",
         "| model | method | slope | points |",
         "|---|---|---|---|",

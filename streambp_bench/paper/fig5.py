@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from streambp_bench.paper import plots, published
+from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, sources
 from streambp_bench.sweep import grid
 from streambp_core.step.target import resolve_target
@@ -42,8 +43,7 @@ def section(frame: pd.DataFrame) -> list[str]:
     lines = [
         "## Fig. 5 — partition-size ablation, memory (" + sources(data) + ")",
         "",
-        "Peak GiB of streambp per layer partition size. The paper's Fig. 5 times need a GPU "
-        "(none here): not reproduced.",
+        prose("fig5-note"),
         "",
         "| model | tokens | " + " | ".join(f"ps {int(s)}" for s in sizes) + " |",
         "|---|---|" + "---|" * len(sizes),

@@ -103,9 +103,7 @@ def section(frame: pd.DataFrame) -> list[str]:
     data = frame[frame["metric"] == "max_len"].assign(label=_labels)
     budget = data["budget_gib"].max()
     lines = [f"## Host-memory tier — every method with and without offload (simulated, {budget:g} GiB)", "",
-             "Fig. 3's protocol (bf16, batch 1, gradients resident, no optimizer, ps 500, ps-head 100); "
-             "every answer confirmed by a simulation of all of its model's layers. `x streambp + offload` = "
-             "the row's max length / streambp + offload's on the same model.", "", prose("offload-rows"), "",
+             prose("offload-protocol"), "", prose("offload-rows"), "",
              "| model | method | max length | device GiB | host GiB | copied GiB each way | "
              "x streambp + offload |", "|---|---|---|---|---|---|---|"]
     for (model, rank), rows in data.groupby(["model", "lora_rank"], dropna=False, sort=False):

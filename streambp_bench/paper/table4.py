@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from streambp_bench.paper import plots, published
+from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, max_len_rows
 from streambp_core.config import StepSpec
 
@@ -76,10 +77,7 @@ def section(frame: pd.DataFrame) -> list[str]:
     lines = [
         f"## Table 4 — Qwen3-8B SFT with AdamW across GPUs, ZeRO-2, 80 GiB per GPU ({sources})",
         "",
-        "Max length per rank (one sequence per rank), thousands of tokens. `ds`: DeepSpeed ZeRO-2's "
-        "allocations with bf16 (the paper's engine: replicated bf16 weights; fp32 master weights, AdamW "
-        "moments and a bf16 gradient partition per rank; one 5e8-element gradient bucket); `fsdp2`: torch "
-        "FSDP2 zero2 with pure-bf16 AdamW, what this project runs. Ratios are ours / paper.",
+        prose("table4-engines"),
         "",
         "| GPUs | ckpt paper | ckpt ds | ratio | ckpt fsdp2 | streambp paper | streambp ds | ratio "
         "| streambp fsdp2 | ratio |",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, sources
 from streambp_bench.results import ResultRow, provenance
 from streambp_core.batch import random_batch
@@ -97,9 +98,7 @@ def section(frame: pd.DataFrame) -> list[str]:
     lines = [
         "## Table 6 — gradient precision (" + sources(frame) + ")",
         "",
-        "Relative error ||g - g_ref|| / ||g_ref|| per parameter group (a fraction: 1e-2 = 1%). "
-        "Paper (Qwen3, real weights): "
-        "streambp fp32 0.04%; bf16 streambp = bf16 baseline (1.5% lm_head, 6.6% layers).",
+        prose("table6-errors"),
         "",
         "| model | tokens | method | dtype | reference | lm_head | layers |",
         "|---|---|---|---|---|---|---|",
