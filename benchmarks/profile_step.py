@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
     parser.add_argument("--seq-len", type=token_count("length"), default=16384, help=f"tokens ({UNITS})")
     parser.add_argument("--methods", default="checkpoint,streambp")
-    parser.add_argument("--ps", type=token_count("partition size", minimum=0), default=0,
+    parser.add_argument("--ps", type=token_count("partition size"), default=0,
                         help=f"layer partition ({UNITS}); 0 means seq_len / 3")
     parser.add_argument("--ps-head", default="100", help=f"comma-separated LM-head partitions ({UNITS})")
     parser.add_argument("--attn", default="auto", choices=("auto", "sdpa", "flash"))

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
     parser.add_argument("--seq-len", default="16384,32768", help=f"comma-separated lengths ({UNITS})")
     parser.add_argument("--methods", default="checkpoint,streambp")
-    parser.add_argument("--ps", type=token_count("partition size", minimum=0), default=0,
+    parser.add_argument("--ps", type=token_count("partition size"), default=0,
                         help=f"layer partition ({UNITS}); 0 means seq_len / 3")
     parser.add_argument("--ps-head", default="1024", help=f"comma-separated LM-head partitions ({UNITS})")
     parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),

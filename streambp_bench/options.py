@@ -64,7 +64,7 @@ Methods = Annotated[
 ]
 SeqLen = Annotated[
     int,
-    typer.Option("--seq-len", "-T", metavar="TOKENS", parser=token_count("length", minimum=0),
+    typer.Option("--seq-len", "-T", metavar="TOKENS", parser=token_count("length"),
                  help=f"Tokens per sequence (>= 2; {UNITS})."),
 ]
 BatchSize = Annotated[
@@ -72,12 +72,12 @@ BatchSize = Annotated[
 ]
 PartitionSize = Annotated[
     int,
-    typer.Option("--ps", metavar="TOKENS", parser=token_count("partition size", minimum=0),
+    typer.Option("--ps", metavar="TOKENS", parser=token_count("partition size"),
                  help=f"Tokens per decoder-layer chunk (streambp partition size, mst chunk; {UNITS})."),
 ]
 HeadPartitionSize = Annotated[
     int,
-    typer.Option("--ps-head", metavar="TOKENS", parser=token_count("head partition size", minimum=0),
+    typer.Option("--ps-head", metavar="TOKENS", parser=token_count("head partition size"),
                  help=f"Tokens per LM-head and loss chunk ({UNITS})."),
 ]
 AutoHeadPartitionSize = Annotated[

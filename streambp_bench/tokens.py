@@ -93,9 +93,10 @@ class BadTokenCount(ValueError, argparse.ArgumentTypeError):
     ArgumentTypeError) both report as one line naming the option."""
 
 
-def token_count(what: str, minimum: int = 1) -> Callable[[str], int]:
+def token_count(what: str, minimum: int = 0) -> Callable[[str], int]:
     """A parser of one token count for an option's value (Typer's `parser=`, argparse's `type=`):
-    `parse_tokens(text, what, minimum=minimum)`, its ConfigError as a `BadTokenCount`."""
+    `parse_tokens(text, what, minimum=minimum)`, its ConfigError as a `BadTokenCount`. The default
+    minimum, 0, leaves the range to what checks the value (a StepSpec names the field it refuses)."""
 
     def parse(text: str | int) -> int:
         if isinstance(text, int):  # a default given as a number

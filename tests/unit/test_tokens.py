@@ -39,7 +39,7 @@ def test_a_partition_option_is_a_count_with_the_same_suffixes_or_auto() -> None:
 
 def test_an_argparse_option_reports_a_bad_count_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ps", type=tokens.token_count("partition size", minimum=0), default=0)
+    parser.add_argument("--ps", type=tokens.token_count("partition size"), default=0)
     assert parser.parse_args(["--ps", "2k"]).ps == 2000 and parser.parse_args([]).ps == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["--ps", "0.5"])
