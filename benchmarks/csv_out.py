@@ -1,6 +1,6 @@
 """The benchmark scripts' CSV output: each writes its rows to stdout and, with --out, to a file, replaced
-atomically under the writers' lock (`streambp_bench.csv_io`): an interrupted or concurrent run leaves the
-old file or the new one, never a cut one."""
+atomically under the writers' lock (`streambp_bench.results.csv_io`): an interrupted or concurrent run
+leaves the old file or the new one, never a cut one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from streambp_bench.csv_io import atomic_rewrite, check_writable, locked
 from streambp_bench.errors import USER_ERRORS, print_error
+from streambp_bench.results.csv_io import atomic_rewrite, check_writable, locked
 
 
 def check_out(path: Path | None) -> None:

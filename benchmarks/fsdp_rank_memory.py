@@ -20,6 +20,7 @@ from pathlib import Path
 
 from csv_out import emit_rows
 
+from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
 
@@ -35,9 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=4096, help="0: the preset's")
     parser.add_argument("--hidden-size", type=int, default=128, help="0: the preset's")
     parser.add_argument("--intermediate-size", type=int, default=256, help="0: the preset's")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--ps", type=int, default=64, help="layer partition (streambp)")
-    parser.add_argument("--ps-head", type=int, default=64, help="LM-head partition (streambp)")
+    parser.add_argument("--seq-len", type=token_count("length"), default=256, help=f"tokens ({UNITS})")
+    parser.add_argument("--ps", type=token_count("partition size"), default=64,
+                        help=f"layer partition (streambp; {UNITS})")
+    parser.add_argument("--ps-head", type=token_count("head partition size"), default=64,
+                        help=f"LM-head partition (streambp; {UNITS})")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gpus", type=int, default=2, help="CPU ranks (at most the cores)")
     parser.add_argument("--shards", default="zero2,zero3", help="comma-separated FSDP2 stages")

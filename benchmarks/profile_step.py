@@ -21,9 +21,9 @@ import torch
 
 import streambp_core
 from streambp_bench.errors import USER_ERRORS, print_error
-from streambp_bench.experiments import parse_token_list
 from streambp_bench.results import ResultRow, ResultsFile, provenance, row_head_mode
 from streambp_bench.specs import writable_results
+from streambp_bench.tokens import UNITS, parse_token_list, token_count
 from streambp_core.config import ConfigError, StepSpec, check_model
 from streambp_core.measure.cuda import cuda_available
 from streambp_core.measure.kernels import profile_kernel_time
@@ -35,10 +35,11 @@ def parse_args() -> argparse.Namespace:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
-    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--seq-len", type=token_count("length"), default=16384, help=f"tokens ({UNITS})")
     parser.add_argument("--methods", default="checkpoint,streambp")
-    parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
-    parser.add_argument("--ps-head", default="100", help="comma-separated LM-head partitions")
+    parser.add_argument("--ps", type=token_count("partition size"), default=0,
+                        help=f"layer partition ({UNITS}); 0 means seq_len / 3")
+    parser.add_argument("--ps-head", default="100", help=f"comma-separated LM-head partitions ({UNITS})")
     parser.add_argument("--attn", default="auto", choices=("auto", "sdpa", "flash"))
     parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
                         help="streambp's LM head (auto: fused for sft)")

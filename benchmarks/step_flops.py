@@ -22,8 +22,8 @@ from pathlib import Path
 
 from csv_out import emit_rows
 
-from streambp_bench.experiments import parse_token_list
 from streambp_bench.results import RESOLVED_HEAD_MODES as HEAD_MODES
+from streambp_bench.tokens import UNITS, parse_token_list, token_count
 from streambp_core.config import ConfigError, StepSpec, check_model
 
 COLUMNS = ("model", "num_layers", "seq_len_tokens", "method", "partition_size", "head_partition_size",
@@ -36,9 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B", help="preset name or local config directory")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers kept (default 2)")
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
-    parser.add_argument("--ps-head", default="1024,100", help="comma-separated LM-head partitions")
+    parser.add_argument("--seq-len", type=token_count("length"), default=16384, help=f"tokens ({UNITS})")
+    parser.add_argument("--ps", type=token_count("partition size"), default=0,
+                        help=f"layer partition ({UNITS}); 0 means seq_len / 3")
+    parser.add_argument("--ps-head", default="1024,100", help=f"comma-separated LM-head partitions ({UNITS})")
     parser.add_argument("--head-modes", default="fused,recompute", help="comma-separated head modes")
     parser.add_argument("--auto-budget-gib", default="",
                         help="comma-separated GPU budgets (GiB): a streambp row at the automatic "

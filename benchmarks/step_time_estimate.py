@@ -23,7 +23,7 @@ from pathlib import Path
 
 from csv_out import emit_rows
 
-from streambp_bench.experiments import parse_token_list
+from streambp_bench.tokens import UNITS, parse_token_list, token_count
 from streambp_core.config import ConfigError, StepSpec, check_model
 
 COLUMNS = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size",
@@ -38,10 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="results CSV whose measured-cuda step_time rows to estimate")
     parser.add_argument("--gpu", default="h200", help="h100, h200, a100 or a800 (without --measured)")
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
-    parser.add_argument("--seq-len", default="16384,32768", help="comma-separated lengths")
+    parser.add_argument("--seq-len", default="16384,32768", help=f"comma-separated lengths ({UNITS})")
     parser.add_argument("--methods", default="checkpoint,streambp")
-    parser.add_argument("--ps", type=int, default=0, help="layer partition; 0 means seq_len / 3")
-    parser.add_argument("--ps-head", default="1024", help="comma-separated LM-head partitions")
+    parser.add_argument("--ps", type=token_count("partition size"), default=0,
+                        help=f"layer partition ({UNITS}); 0 means seq_len / 3")
+    parser.add_argument("--ps-head", default="1024", help=f"comma-separated LM-head partitions ({UNITS})")
     parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
                         help="streambp's head (auto: fused for sft)")
     parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")

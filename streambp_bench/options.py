@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import (
     ATTN_BACKENDS,
     DEVICES,
@@ -61,17 +62,27 @@ Methods = Annotated[
     str,
     typer.Option("--method", help="Comma list of plain, checkpoint, mst, streambp ('all': every one)."),
 ]
-SeqLen = Annotated[int, typer.Option("--seq-len", "-T", help="Tokens per sequence (>= 2).")]
+SeqLen = Annotated[
+    int,
+    typer.Option("--seq-len", "-T", metavar="TOKENS", parser=token_count("length"),
+                 help=f"Tokens per sequence (>= 2; {UNITS})."),
+]
 BatchSize = Annotated[
     int, typer.Option("--batch-size", "-b", help="Sequences (sft), group size (grpo) or pairs (dpo); >= 1.")
 ]
 PartitionSize = Annotated[
-    int, typer.Option("--ps", help="Tokens per decoder-layer chunk (streambp partition size, mst chunk).")
+    int,
+    typer.Option("--ps", metavar="TOKENS", parser=token_count("partition size"),
+                 help=f"Tokens per decoder-layer chunk (streambp partition size, mst chunk; {UNITS})."),
 ]
-HeadPartitionSize = Annotated[int, typer.Option("--ps-head", help="Tokens per LM-head and loss chunk.")]
+HeadPartitionSize = Annotated[
+    int,
+    typer.Option("--ps-head", metavar="TOKENS", parser=token_count("head partition size"),
+                 help=f"Tokens per LM-head and loss chunk ({UNITS})."),
+]
 AutoHeadPartitionSize = Annotated[
-    str, typer.Option("--ps-head", help="Tokens per LM-head and loss chunk, or auto: the largest whose "
-                      "simulated peak fits the budget.")
+    str, typer.Option("--ps-head", help=f"Tokens per LM-head and loss chunk ({UNITS}), or auto: the largest "
+                      "whose simulated peak fits the budget.")
 ]
 GpuModelOption = Annotated[
     GpuModelName | None,

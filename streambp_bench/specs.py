@@ -79,23 +79,6 @@ def sharding(gpus: int | None, shard: object | None, device: str) -> tuple[dict[
     return {"gpus": gpus, "shard": value or "none"}, "sim"
 
 
-def partition_option(text: str, option: str) -> int | None:
-    """A partition option's value: a token count (k = 1024), or None for 'auto' (ConfigError otherwise).
-    `option`: the command line's name of the option (--ps or --ps-head)."""
-    value = text.strip().lower()
-    if value == "auto":
-        return None
-    try:
-        tokens = float(value.removesuffix("k")) * (1024 if value.endswith("k") else 1)
-    except ValueError:
-        tokens = 0.0
-    if not tokens.is_integer() or tokens < 1:
-        field = {"--ps": "partition_size", "--ps-head": "head_partition_size"}.get(option, "length")
-        raise ConfigError(f"{option}: {field} must be a positive number of tokens (k = 1024) or auto, "
-                          f"got {text!r}")
-    return int(tokens)
-
-
 def writable_folder(out: Path, option: str = "--out") -> Path:
     """`out` when files can be written into it, checked before any work: ConfigError when it is an
     existing file rather than a folder, or when it (or its nearest existing parent, where it will be

@@ -21,7 +21,7 @@ from typing import Any
 
 from streambp_core.config import available_cpus
 
-PRELOAD = ("streambp_core.step.probe", "streambp_bench.max_len")
+PRELOAD = ("streambp_core.step.probe", "streambp_bench.maxlen.plan")
 """Modules the fork server imports once for all its workers."""
 
 POLL_S = 0.1

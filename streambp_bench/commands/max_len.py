@@ -11,7 +11,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import partition_option, sharding, step_specs, writable_results
+from streambp_bench.specs import sharding, step_specs, writable_results
+from streambp_bench.tokens import UNITS, parse_partition
 from streambp_bench.workers import start_server, worker_count
 from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, check_budget_gib
 
@@ -81,11 +82,11 @@ def max_len(
     method: opt.Methods = "all",
     device: opt.DeviceOption = opt.Device.auto,
     budget_gib: opt.BudgetGib = None,
-    ps: Annotated[str, typer.Option("--ps", help="Tokens per decoder-layer chunk (streambp partition, mst "
-                                    "chunk), or auto: the largest that fits.")] = "500",
+    ps: Annotated[str, typer.Option("--ps", help=f"Tokens per decoder-layer chunk (streambp partition, mst "
+                                    f"chunk; {UNITS}), or auto: the largest that fits.")] = "500",
     ps_head: opt.AutoHeadPartitionSize = "100",
     gpu_model: opt.GpuModelOption = None,
-    at: Annotated[str | None, typer.Option("--at", help="Comma list of lengths (k = 1024): the partitions "
+    at: Annotated[str | None, typer.Option("--at", help=f"Comma list of lengths ({UNITS}): the partitions "
                                            "that fit at each, and the estimated step time.")] = None,
     batch_size: opt.BatchSize = 1,
     dtype: opt.DtypeOption = opt.Dtype.bfloat16,
@@ -115,7 +116,7 @@ def max_len(
     ranks, where = sharding(gpus, shard, device.value)
     if gpu_model is not None and (gpus or 1) > 1:
         raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
-    layer_size, head_size = partition_option(ps, "--ps"), partition_option(ps_head, "--ps-head")
+    layer_size, head_size = parse_partition(ps, "--ps"), parse_partition(ps_head, "--ps-head")
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value,
         partition_size=layer_size or MIN_AUTO_PARTITION, head_partition_size=head_size or MIN_AUTO_PARTITION,
@@ -125,13 +126,12 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
-    at_lengths = tuple(partition_option(length, "--at") or 0 for length in opt.split_list(at or ""))
+    at_lengths = tuple(parse_partition(length, "--at") or 0 for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)
     context = start_server(workers)  # its imports overlap with the ones below
-    from streambp_bench import max_len_auto as auto
-    from streambp_bench import max_len_report as report
-    from streambp_bench.max_len import make_plan, run_plan
+    from streambp_bench.maxlen import auto, report
+    from streambp_bench.maxlen.plan import make_plan, run_plan
 
     extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
                          gpu=None if gpu_model is None else auto.gpu(gpu_model.value))

@@ -49,7 +49,7 @@ def read_results(paths: list[Path]) -> pd.DataFrame:
 
 def choose_kinds(df: pd.DataFrame, kind: Kind) -> list[str]:
     """The figure kinds to draw: all available ones for auto, else `kind` if the rows support it."""
-    from streambp_bench import plots
+    from streambp_bench.paper import plots
 
     available = plots.available_kinds(df)
     metrics = ", ".join(sorted(set(df["metric"]))) or "none"
@@ -70,10 +70,10 @@ def paper_reference(df: pd.DataFrame) -> pd.DataFrame | None:
     model, LoRA rank, objective, optimizer, budget, no offload), or None when no row is one."""
     import pandas as pd
 
-    from streambp_bench import paper
+    from streambp_bench.paper import published
 
     columns = ["model", "lora_rank", "objective", "optimizer", "budget_gib", "offload", "method"]
-    published = pd.DataFrame(paper.max_len_records())
+    published = pd.DataFrame(published.max_len_records())
     ours = df.loc[(df["metric"] == "max_len") & (df["status"] == "ok"), columns].drop_duplicates()
     ours = ours.astype({"lora_rank": "float64"})
     matched = published.astype({"lora_rank": "float64"}).merge(ours, on=columns)
@@ -103,7 +103,7 @@ def write_figures(
     df: pd.DataFrame, kinds: list[str], paths: list[Path], budget_gib: float | None
 ) -> list[Path]:
     """Draw each kind and save it at its path; return the paths written (existing files are replaced)."""
-    from streambp_bench import plots
+    from streambp_bench.paper import plots
 
     reference = paper_reference(df) if "maxlen" in kinds else None
     return [

@@ -84,8 +84,8 @@ def reproduce(
     chosen = list(ITEM_NAMES) if item is Item.all else [item.value]
     _check_out(out, chosen)
     workers = worker_count(jobs, available_cpus(), "sim")  # the searches are simulated everywhere
-    context = start_server(workers, (*PRELOAD, "streambp_bench.reproduce_items"))  # overlaps the imports
-    from streambp_bench import readme
+    context = start_server(workers, (*PRELOAD, "streambp_bench.paper.items"))  # overlaps the imports
+    from streambp_bench.paper import readme
     from streambp_core.measure.cuda import cuda_available
 
     console = stderr_console()
@@ -107,7 +107,8 @@ def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: 
                workers: tuple[int, Any]) -> tuple[list[Path], dict[str, float]]:
     """Run each item under a progress line on stderr, its searches on `workers` (count, fork-server
     context); (files written, seconds per item)."""
-    from streambp_bench import reproduce_items as items
+    from streambp_bench.paper.items import ITEMS
+    from streambp_bench.paper.shared import Settings
 
     written: list[Path] = []
     seconds: dict[str, float] = {}
@@ -120,9 +121,9 @@ def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: 
             def note(text: str, name: str = name, task: TaskID = task) -> None:
                 progress.update(task, description=escape(f"{name}: {text}"), refresh=True)
 
-            settings = items.Settings(out_dir=out, quick=quick, device=device, note=note, jobs=workers[0],
+            settings = Settings(out_dir=out, quick=quick, device=device, note=note, jobs=workers[0],
                                       context=workers[1])
-            written += [settings.out_dir / f"{name}.csv", *items.ITEMS[name](settings)]
+            written += [settings.out_dir / f"{name}.csv", *ITEMS[name].run(settings)]
             seconds[name] = time.perf_counter() - start
             progress.remove_task(task)
             progress.console.print(f"{name}: done in {seconds[name]:.0f} s")

@@ -57,9 +57,9 @@ def selfcheck(
     as_json: opt.Json = False,
 ) -> None:
     """Run the self-check (see the command help)."""
-    from streambp_bench import selfcheck as check
     from streambp_bench.results import rows_to_frame
-    from streambp_bench.selfcheck_report import print_summary
+    from streambp_bench.selfcheck import check
+    from streambp_bench.selfcheck.report import print_summary
 
     console = stderr_console()
     plan = check.default_plan()

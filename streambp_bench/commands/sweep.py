@@ -19,14 +19,8 @@ from rich.progress import (
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import (
-    method_list,
-    partition_option,
-    sharding,
-    spec_label,
-    with_offload,
-    writable_results,
-)
+from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
+from streambp_bench.tokens import UNITS, parse_partition, parse_token_list
 from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib, check_model
 
 if TYPE_CHECKING:
@@ -113,10 +107,10 @@ def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
 def sweep(
     seq_len: Annotated[
         str,
-        typer.Option("--seq-len", "-T", help="Comma list and/or START:STOP:STEP ranges; k = 1000, ki = 1024"),
+        typer.Option("--seq-len", "-T", help=f"Comma list and/or START:STOP:STEP ranges; {UNITS}"),
     ] = "4k:32k:4k",
     ps: Annotated[
-        str, typer.Option("--ps", help="Comma list of layer partition sizes (streambp, mst; k = 1000), or "
+        str, typer.Option("--ps", help=f"Comma list of layer partition sizes (streambp, mst; {UNITS}), or "
                           "auto: the largest whose simulated peak fits the budget.")
     ] = "500",
     ps_head: opt.AutoHeadPartitionSize = "100",
@@ -154,7 +148,7 @@ def sweep(
     as_json: opt.Json = False,
 ) -> None:
     """Run the grid and upsert its rows into --out (help text: `HELP`)."""
-    from streambp_bench import experiments as exp
+    from streambp_bench.sweep import grid
 
     check_budget_gib(budget_gib)
     ranks, where = sharding(gpus, shard, device.value)
@@ -166,12 +160,12 @@ def sweep(
     auto_layer = ps.strip().lower() == "auto"
     if gpu_model is not None and (gpus or 1) > 1:
         raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
-    head_size = partition_option(ps_head, "--ps-head")
-    grid = exp.expand_grid(
+    head_size = parse_partition(ps_head, "--ps-head")
+    points = grid.expand_grid(
         methods=method_list(method),
         models=models,
-        seq_lens=exp.parse_token_list(seq_len),
-        partition_sizes=(MIN_AUTO_PARTITION,) if auto_layer else exp.parse_token_list(ps, "partition size"),
+        seq_lens=parse_token_list(seq_len),
+        partition_sizes=(MIN_AUTO_PARTITION,) if auto_layer else parse_token_list(ps, "partition size"),
         head_partition_size=head_size or MIN_AUTO_PARTITION,
         objective=objective.value,
         batch_size=batch_size,
@@ -184,7 +178,7 @@ def sweep(
         head_mode=head_mode.value,
         **ranks,
     )
-    points = with_offload(tuple(grid), offload.value)
+    points = with_offload(tuple(points), offload.value)
     writable_results(out)
     from streambp_bench.results import ResultsFile
     from streambp_core.step.target import resolve_target
@@ -203,7 +197,7 @@ def sweep(
             progress.update(task, advance=1, description=escape(_describe(point, rows)))
 
         try:
-            exp.run_points(points, target, results, force=force, on_point=advance, resolve=resolve, gpu=gpu)
+            grid.run_points(points, target, results, force=force, on_point=advance, resolve=resolve, gpu=gpu)
         except KeyboardInterrupt:
             progress.stop()
             stderr_console().print(

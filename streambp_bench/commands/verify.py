@@ -218,7 +218,7 @@ def verify(
         offload=offload.value,
     )
     if nproc is not None:
-        from streambp_bench.verify_sharded import run_sharded
+        from streambp_bench.verify.sharded import run_sharded
 
         stages = (shard.value,) if shard is not None else ("zero2", "zero3")
         ok = run_sharded(spec, nproc, stages, as_json=as_json)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from streambp_bench import selfcheck as check
 from streambp_bench.cli import app
 from streambp_bench.commands.plot import paper_reference
 from streambp_bench.results import ResultRow, ResultsFile, provenance
+from streambp_bench.selfcheck import check
 from tests.cli.errors import one_line_error
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

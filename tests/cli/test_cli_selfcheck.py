@@ -10,10 +10,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from streambp_bench import selfcheck as check
-from streambp_bench import selfcheck_report
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile, rows_to_frame
+from streambp_bench.selfcheck import check
+from streambp_bench.selfcheck import report as selfcheck_report
 from streambp_core.measure.units import GIB
 from streambp_core.search import ProbeResult
 

@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 import streambp_core.methods
-from streambp_bench import experiments
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
+from streambp_bench.sweep import grid
 from streambp_core.step import run as run_module
 
 TINY = ["-m", "tiny/llama", "--seq-len", "64,128", "--ps", "16,32", "--ps-head", "16", "--device", "sim"]
@@ -50,7 +50,7 @@ def test_interrupted_sweep_resumes_without_lost_or_duplicated_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "sweep.csv"
-    real = experiments.run_point
+    real = grid.run_point
     calls: list = []
 
     def interrupted_after_three(point, target, config=None):
@@ -59,11 +59,11 @@ def test_interrupted_sweep_resumes_without_lost_or_duplicated_rows(
         calls.append(point)
         return real(point, target, config)
 
-    monkeypatch.setattr(experiments, "run_point", interrupted_after_three)
+    monkeypatch.setattr(grid, "run_point", interrupted_after_three)
     first = _sweep(out)
     assert first.exit_code == 130 and "interrupted" in first.output
     assert len(ResultsFile(out).rows()) == 3
-    monkeypatch.setattr(experiments, "run_point", real)
+    monkeypatch.setattr(grid, "run_point", real)
     second = _sweep(out)
     assert second.exit_code == 0 and "3 points run, 3 already done" in second.output
     keys = [row.key() for row in ResultsFile(out).rows()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from streambp_bench import readme
+from streambp_bench.paper import readme
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from streambp_bench.results import COLUMNS, KEY_COLUMNS, ResultRow, ResultsFile, spec_fields
-from streambp_bench.schema_history import SCHEMA_1_COLUMNS
-from streambp_bench.selfcheck import CPU_PLAN, timed_head_mode
+from streambp_bench.results.schema_history import SCHEMA_1_COLUMNS
+from streambp_bench.selfcheck.check import CPU_PLAN, timed_head_mode
 from streambp_core.config import StepSpec
 
 TINY = "tiny/qwen3"

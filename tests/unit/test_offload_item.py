@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from streambp_bench.offload_item import memory_figure, offload_section
+from streambp_bench.paper.offload import memory_figure
+from streambp_bench.paper.offload import section as offload_section
 from streambp_bench.results import ResultRow, rows_to_frame
 
 MODEL = "Qwen/Qwen3-8B"

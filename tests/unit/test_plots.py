@@ -11,8 +11,8 @@ from matplotlib.collections import PathCollection
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
-from streambp_bench import plots
 from streambp_bench.commands.plot import plot
+from streambp_bench.paper import plots
 from streambp_bench.results import ResultsFile
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

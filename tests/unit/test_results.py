@@ -14,9 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streambp_bench import results, versions
-from streambp_bench.results import COLUMNS, KEY_COLUMNS, ResultRow, ResultsFile, SchemaError, provenance
-from streambp_bench.schema_history import ADDED_COLUMNS, SCHEMA_1_COLUMNS
+from streambp_bench.results import (
+    COLUMNS,
+    KEY_COLUMNS,
+    ResultRow,
+    ResultsFile,
+    SchemaError,
+    csv_io,
+    provenance,
+    versions,
+)
+from streambp_bench.results.schema_history import ADDED_COLUMNS, SCHEMA_1_COLUMNS
 from streambp_core.config import PROTOCOLS
 
 DEVICE = "simulated A800-SXM4-80GB"
@@ -227,7 +235,7 @@ def test_a_crash_mid_write_leaves_the_old_file_intact(
         assert Path(source).parent == tmp_path and len(Path(source).read_text().splitlines()) == 4
         raise crash
 
-    monkeypatch.setattr(results.os, "replace", replace_then_crash)
+    monkeypatch.setattr(csv_io.os, "replace", replace_then_crash)
     with pytest.raises(type(crash)):
         file.upsert(make_row(16384))
     assert temp_files and _state(tmp_path) == before  # same bytes, and the temp file is gone

@@ -115,7 +115,7 @@ def _flops_rows(ops_ratio: float, auto_ratios: tuple[float, ...] = ()):
 
 @pytest.mark.parametrize(("ops_ratio", "verdict"), [(3.1, "not met: 3.10x"), (1.9, "met: 1.90x")])
 def test_results_readme_states_the_ops_ratio_of_the_rows(ops_ratio, verdict):
-    from streambp_bench.readme_step import flops_section
+    from streambp_bench.paper.step_time import flops_section
 
     text = " ".join(flops_section(_flops_rows(ops_ratio))).replace("\n", " ")
     assert f"({verdict} there)" in text and "(met: 1.000x with the fused head at partition 1024)" in text
@@ -123,7 +123,7 @@ def test_results_readme_states_the_ops_ratio_of_the_rows(ops_ratio, verdict):
 
 
 def test_results_readme_gives_the_automatic_partitions_their_own_ratio():
-    from streambp_bench.readme_step import flops_section
+    from streambp_bench.paper.step_time import flops_section
 
     lines = flops_section(_flops_rows(3.1, (0.96, 1.06)))
     text = " ".join(lines).replace("\n", " ")

@@ -83,7 +83,7 @@ def test_worker_count_defaults_to_the_cores_when_simulated() -> None:
 def test_reproduce_searches_on_workers_give_the_rows_of_one_process(context, tmp_path) -> None:
     """`reproduce`'s max-length searches (`max_len_rows`) on two workers: the same rows, in spec order, as
     one after another here, and every search's progress note reaches the settings' note."""
-    from streambp_bench.reproduce_items import Settings, max_len_rows
+    from streambp_bench.paper.shared import Settings, max_len_rows
     from streambp_core.config import StepSpec
 
     specs = [StepSpec(model="tiny/llama", method=method, partition_size=32, head_partition_size=16)

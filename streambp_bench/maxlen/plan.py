@@ -1,6 +1,6 @@
 """The max-len computation behind `streambp-bench max-len`: resolve the inputs once, then search each method.
 
-Printing lives in `max_len_report`; the command module only wires options to these functions.
+Printing lives in `report`; the command module only wires options to these functions.
 """
 
 from __future__ import annotations

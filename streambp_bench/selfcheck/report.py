@@ -1,5 +1,5 @@
 """The summary tables `streambp-bench selfcheck` prints from its results CSV (numbers are computed by
-`streambp_bench.selfcheck`; this module only lays them out)."""
+`selfcheck.check`; this module only lays them out)."""
 
 from __future__ import annotations
 

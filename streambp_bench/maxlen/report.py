@@ -10,7 +10,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from streambp_bench import results as rows_file
-from streambp_bench.max_len import MethodResult, Plan
+from streambp_bench.maxlen.plan import MethodResult, Plan
 from streambp_bench.output import stdout_console
 from streambp_bench.results import (
     ResultRow,

@@ -5,7 +5,7 @@
   batch 1, gradients resident, no optimizer, ps 500, ps-head 100 (Fig. 3's protocol).
 - Memory vs tokens up to 2M on Qwen3-8B, each series stopping after its first length over the budget:
   device GiB (left axis) and the host pool's GiB (right axis).
-Rows go to `offload.csv`; the figure to `offload-memory.png`; `offload_section` writes the README part.
+Rows go to `offload.csv`; the figure to `offload-memory.png`; `section` writes the README part.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from streambp_bench import paper, plots
-from streambp_bench.reproduce_items import Settings, max_len_rows, memory_curve
+from streambp_bench.paper import plots, published
+from streambp_bench.paper.prose import prose
+from streambp_bench.paper.shared import Settings, max_len_rows, memory_curve
 from streambp_bench.specs import with_offload
 from streambp_core.config import METHODS, StepSpec
 from streambp_core.step.target import resolve_target
@@ -33,32 +34,13 @@ TARGETS = {("Qwen/Qwen3-8B", None): 1_500_000, ("Qwen/Qwen3-14B", None): 500_000
 SLOPE_TARGET_GIB_PER_K = 0.035
 """streambp + offload's device slope to stay under on Qwen3-8B (GiB per 1000 tokens)."""
 
-ROWS_TEXT = """\
-What each row stands for (offloaded rows keep what the method saves between forward and backward in host
-memory, copied out in forward and back in backward; weights and gradients stay on the GPU):
-- plain: no checkpointing; every activation autograd saves stays on the GPU. Nothing to offload.
-- checkpoint: transformers' gradient checkpointing, one checkpoint per decoder layer.
-- checkpoint + offload: transformers' own `activation_checkpointing_enable(offload=True)` (torch's
-  `save_on_cpu(pin_memory=True)` around each checkpointed layer), what TRL's long-context recipe and
-  accelerate's FSDP2 activation offload run.
-- mst: Mini-Sequence Transformer: checkpointing + MLP in chunks of 500 tokens + LM head and loss in
-  chunks of 100.
-- mst + offload: the ALST single-GPU recipe (Arctic Long Sequence Training: tiled MLP + tiled logits
-  and loss + checkpoint offload); ALST's weight and optimizer offload are not part of this step (no
-  optimizer; weights and gradients resident).
-- streambp: StreamBP, each layer's input kept, the layer back-propagated in chunks of 500 tokens.
-- streambp + offload: each layer's input (and the head's hidden state) in pinned host memory, copied
-  out on a side stream in forward and prefetched one layer ahead in backward.
-"""
-
-
 def _labels(frame: pd.DataFrame) -> pd.Series:
     return frame["method"] + np.where(frame["offload"] == "checkpoints", " + offload", "")
 
 
 def run(settings: Settings) -> list[Path]:
     """Search every method with and without offload per model, then the memory curves; write CSV + PNG."""
-    models = {"tiny": ("tiny/llama", 0)} if settings.quick else paper.FIG3_MODELS
+    models = {"tiny": ("tiny/llama", 0)} if settings.quick else published.FIG3_MODELS
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
     budget, results = settings.budget_gib(), settings.csv("offload")
     specs = with_offload(tuple(StepSpec(model=model, method=method, lora_rank=rank, **sizes)
@@ -115,15 +97,13 @@ def slopes(frame: pd.DataFrame) -> dict[str, float]:
             for label, rows in data.groupby("label") if len(rows) >= 2}
 
 
-def offload_section(frame: pd.DataFrame) -> list[str]:
+def section(frame: pd.DataFrame) -> list[str]:
     """The README section: max length per method with and without offload, the gap to streambp + offload,
     the curve's slopes and the targets."""
     data = frame[frame["metric"] == "max_len"].assign(label=_labels)
     budget = data["budget_gib"].max()
     lines = [f"## Host-memory tier — every method with and without offload (simulated, {budget:g} GiB)", "",
-             "Fig. 3's protocol (bf16, batch 1, gradients resident, no optimizer, ps 500, ps-head 100); "
-             "every answer confirmed by a simulation of all of its model's layers. `x streambp + offload` = "
-             "the row's max length / streambp + offload's on the same model.", "", ROWS_TEXT,
+             prose("offload-protocol"), "", prose("offload-rows"), "",
              "| model | method | max length | device GiB | host GiB | copied GiB each way | "
              "x streambp + offload |", "|---|---|---|---|---|---|---|"]
     for (model, rank), rows in data.groupby(["model", "lora_rank"], dropna=False, sort=False):

@@ -1,4 +1,5 @@
-"""Gradient precision in the style of the paper's Table 6, measured on the CPU with `streambp_core.verify`.
+"""`reproduce table6`: gradient precision in the style of the paper's Table 6, measured on the CPU with
+`streambp_core.verify`. Rows go to `table6.csv`; `section` writes the README part.
 
 Steps of `precision_rows`:
 1. Build the model in float64 and run plain backprop: the float64 reference.
@@ -12,8 +13,13 @@ Each error is ||g - g_ref|| / ||g_ref|| over a group of parameters: the LM head,
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pandas as pd
 import torch
 
+from streambp_bench.paper.prose import prose
+from streambp_bench.paper.shared import Settings, sources
 from streambp_bench.results import ResultRow, provenance
 from streambp_core.models import build_model, load_config
 from streambp_core.step.batch import random_batch
@@ -77,3 +83,32 @@ def _rows(model_name, seq_len, streamed, runs, reference) -> list[ResultRow]:
                 )
             )
     return rows
+
+
+def run(settings: Settings) -> list[Path]:
+    """Measure `precision_rows` on a tiny model and write them to table6.csv."""
+    rows = precision_rows("tiny/llama", seq_len=128 if settings.quick else 1024, partition_size=100)
+    results = settings.csv("table6")
+    results.append_many(rows)
+    return [results.path]
+
+
+def section(frame: pd.DataFrame) -> list[str]:
+    """The README section: each run's error per parameter group against its reference."""
+    lines = [
+        "## Table 6 — gradient precision (" + sources(frame) + ")",
+        "",
+        prose("table6-errors"),
+        "",
+        "| model | tokens | method | dtype | reference | lm_head | layers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (model, length, method, dtype), rows in frame.groupby(
+        ["model", "seq_len_tokens", "method", "dtype"], sort=False
+    ):
+        err = {r["metric"].removeprefix("grad_rel_err_"): r["value"] for _, r in rows.iterrows()}
+        reference = rows["error"].iloc[0].removeprefix("reference: ")
+        head, layers = err.get("lm_head", float("nan")), err.get("layers", float("nan"))
+        cells = f"{method} | {dtype} | {reference} | {head:.1e} | {layers:.1e}"
+        lines.append(f"| {model} | {length:,} | {cells} |")
+    return lines + [""]

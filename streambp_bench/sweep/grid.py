@@ -1,4 +1,4 @@
-"""Grid points of a sweep: parse and expand the grid, run one point, write its rows, resume.
+"""The sweep grid: expand it into points, run one point, write its rows, resume.
 
 A point is one training step: a `StepSpec` (method, model, objective, length, batch, partition sizes,
 dtype, LoRA rank, optimizer, attention kernel, protocol, gradients). `run_point(spec, target)` turns it
@@ -20,7 +20,6 @@ the sizes that ran.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -33,59 +32,11 @@ from streambp_bench.results import (
     provenance,
     spec_fields,
 )
-from streambp_core.config import ConfigError, StepSpec
+from streambp_bench.tokens import check_count
+from streambp_core.config import StepSpec
 
 MEASURE_REPEATS = 5
 """Timed steps per measured point (after one warm-up); the median is its step time."""
-
-
-MAX_GRID_POINTS = 10_000
-"""Most points one sweep runs (and most values one list or range expands to): a larger grid is a typo
-(a STEP of 1 token), refused before it is built."""
-
-_NUMBER = re.compile(r"^(\d+(?:\.\d+)?)(k|ki)?$", re.IGNORECASE)
-SUFFIXES = {"": 1, "k": 1000, "ki": 1024}
-"""Token-count suffixes: k = 1000 (the paper's unit, as on every plot axis and table), ki = 1024."""
-
-
-def parse_tokens(text: str, what: str = "length") -> int:
-    """'4096' -> 4096, '4k' -> 4000, '1.5k' -> 1500, '4ki' -> 4096 (`SUFFIXES`); ConfigError otherwise."""
-    match = _NUMBER.match(text.strip())
-    if not match:
-        raise ConfigError(f"bad {what} {text!r}: use an integer, optionally with a k suffix "
-                          "(k = 1000: 4k = 4000; ki = 1024: 4ki = 4096)")
-    value = float(match.group(1)) * SUFFIXES[(match.group(2) or "").lower()]
-    if not value.is_integer() or value < 1:
-        raise ConfigError(f"bad {what} {text!r}: must be a positive whole number of tokens")
-    return int(value)
-
-
-def parse_token_list(text: str, what: str = "length") -> tuple[int, ...]:
-    """A comma list of token counts and/or ranges START:STOP:STEP (inclusive), e.g. '1k,4k:16k:4k'."""
-    values: list[int] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        if ":" in item:
-            parts = item.split(":")
-            if len(parts) != 3:
-                raise ConfigError(f"bad {what} range {item!r}: use START:STOP:STEP, e.g. 4k:64k:4k")
-            start, stop, step = (parse_tokens(part, what) for part in parts)
-            if stop < start:
-                raise ConfigError(f"bad {what} range {item!r}: STOP is below START")
-            _check_count(len(values) + len(range(start, stop + 1, step)), f"{what} list {text!r}")
-            values.extend(range(start, stop + 1, step))
-        else:
-            values.append(parse_tokens(item, what))
-    if not values:
-        raise ConfigError(f"give at least one {what}")
-    return tuple(dict.fromkeys(values))
-
-
-def _check_count(count: int, what: str, hint: str = "use a larger STEP") -> None:
-    """ConfigError when `what` has more than MAX_GRID_POINTS values."""
-    if count > MAX_GRID_POINTS:
-        raise ConfigError(f"{what} has {count:,} points; a sweep runs at most {MAX_GRID_POINTS:,} ({hint})")
 
 
 def expand_grid(
@@ -98,7 +49,7 @@ def expand_grid(
 ) -> list[StepSpec]:
     """Every combination, in model, method, partition size, length order; methods without partitions get
     one point per length, not one per partition size. Each point is validated (ConfigError)."""
-    _check_count(len(models) * len(methods) * len(partition_sizes) * len(seq_lens), "the grid",
+    check_count(len(models) * len(methods) * len(partition_sizes) * len(seq_lens), "the grid",
                  "fewer models, methods, partition sizes or lengths")
     points: list[StepSpec] = []
     for model, method in itertools.product(models, methods):

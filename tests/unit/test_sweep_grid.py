@@ -1,4 +1,4 @@
-"""Grid parsing and expansion, and one simulated point -> its result row."""
+"""The sweep grid's expansion, and one simulated point -> its result row."""
 
 from __future__ import annotations
 
@@ -6,38 +6,25 @@ import dataclasses
 
 import pytest
 
-from streambp_bench import experiments as exp
+from streambp_bench import tokens
 from streambp_bench.results import ResultsFile
-from streambp_bench.schema_history import SCHEMA_1_COLUMNS
+from streambp_bench.results.schema_history import SCHEMA_1_COLUMNS
+from streambp_bench.sweep import grid
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.step.target import resolve_target
 
 
-def test_token_lists_take_k_as_1000_as_the_plots_do_and_ki_as_1024() -> None:
-    assert exp.parse_token_list("1k,2048") == (1000, 2048)
-    assert exp.parse_token_list("4k:16k:4k") == (4000, 8000, 12000, 16000)
-    assert exp.parse_token_list("100, 100,1.5k") == (100, 1500)
-    assert exp.parse_token_list("4ki:8Ki:4KI,1K") == (4096, 8192, 1000)
-    assert exp.parse_token_list("500,1k,2k,5k", "partition size") == (500, 1000, 2000, 5000)  # the paper's
-
-
-@pytest.mark.parametrize("text", ["", "4x", "0", "8k:4k:1k", "1:2", "-5"])
-def test_bad_token_lists_raise_config_error(text: str) -> None:
-    with pytest.raises(ConfigError):
-        exp.parse_token_list(text)
-
-
 def test_a_grid_too_large_to_run_is_refused_before_it_is_built() -> None:
     with pytest.raises(ConfigError, match="has 2,999,999 points; a sweep runs at most 10,000"):
-        exp.parse_token_list("2:3000000:1")  # a STEP of 1 token: the list alone would fill memory
-    assert len(exp.parse_token_list("2:10001:1")) == exp.MAX_GRID_POINTS
+        tokens.parse_token_list("2:3000000:1")  # a STEP of 1 token: the list alone would fill memory
+    assert len(tokens.parse_token_list("2:10001:1")) == tokens.MAX_GRID_POINTS
     with pytest.raises(ConfigError, match="the grid has 40,000 points"):
-        exp.expand_grid(methods=("streambp",) * 4, models=("tiny/llama",), seq_lens=tuple(range(2, 102)),
+        grid.expand_grid(methods=("streambp",) * 4, models=("tiny/llama",), seq_lens=tuple(range(2, 102)),
                         partition_sizes=tuple(range(1, 101)))
 
 
 def test_grid_gives_partition_sizes_only_to_partitioned_methods() -> None:
-    points = exp.expand_grid(
+    points = grid.expand_grid(
         methods=("checkpoint", "streambp"),
         models=("tiny/llama",),
         seq_lens=(64, 128),
@@ -61,7 +48,7 @@ def test_simulated_point_row_has_peak_and_breakdown() -> None:
     point = StepSpec(
         method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32, head_partition_size=16
     )
-    (row,) = exp.run_point(point, where)
+    (row,) = grid.run_point(point, where)
     assert row.source == "simulated" and row.status == "ok" and row.metric == "peak_memory"
     parts = [
         row.weights_gib,
@@ -73,12 +60,12 @@ def test_simulated_point_row_has_peak_and_breakdown() -> None:
         row.temporaries_gib,
     ]
     assert row.value == pytest.approx(sum(parts))
-    assert row.key() in exp.point_keys(point, where)
+    assert row.key() in grid.point_keys(point, where)
 
 
 def test_simulated_point_over_budget_is_oom() -> None:
     where = resolve_target("sim", 1e-6)
-    (row,) = exp.run_point(
+    (row,) = grid.run_point(
         StepSpec(
             method="checkpoint",
             model="tiny/llama",
@@ -93,7 +80,7 @@ def test_training_step_with_optimizer_counts_optimizer_state() -> None:
     where = resolve_target("sim")
     point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
                      head_partition_size=16, objective="grpo", batch_size=2, lora_rank=4, optimizer="adamw")
-    (row,) = exp.run_point(point, where)
+    (row,) = grid.run_point(point, where)
     assert row.status == "ok" and row.optimizer_gib > 0 and row.lora_rank == 4
     assert (row.grads, row.protocol, row.attn) == ("fresh", "default", "auto")
 
@@ -104,20 +91,20 @@ def test_a_rerun_point_replaces_its_schema_1_row(tmp_path) -> None:
     sizes = {"partition_size": 32, "head_partition_size": 16}
     points = [StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, optimizer=name, **sizes)
               for name in ("none", "adamw")]  # fmt: skip
-    rows = [row for point in points for row in exp.run_point(point, where)]
+    rows = [row for point in points for row in grid.run_point(point, where)]
     path = tmp_path / "old.csv"
     lines = [",".join(r.to_record()[c] for c in SCHEMA_1_COLUMNS) for r in rows]
     path.write_text("\n".join([",".join(SCHEMA_1_COLUMNS), *lines]) + "\n")
     results = ResultsFile(path)
-    assert all(exp.point_keys(point, where) <= {row.key() for row in results.rows()} for point in points)
-    assert exp.run_points(points, where, results) == []  # both already done
+    assert all(grid.point_keys(point, where) <= {row.key() for row in results.rows()} for point in points)
+    assert grid.run_points(points, where, results) == []  # both already done
 
 
 def test_cpu_point_measures_step_time() -> None:
     where = resolve_target("cpu", cpu_budget=False)
     point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=64, partition_size=16,
                      head_partition_size=16, dtype="float32")
-    memory, time = exp.run_point(point, where)
+    memory, time = grid.run_point(point, where)
     assert memory.source == time.source == "measured-cpu"
     assert time.metric == "step_time" and time.value == memory.step_time_ms > 0
     assert memory.step_time_p20_ms <= memory.step_time_ms <= memory.step_time_p80_ms
@@ -129,8 +116,8 @@ def test_an_offloaded_point_carries_its_host_figures_and_a_lower_device_peak(dev
     where = resolve_target(device, 1.0)
     point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
                      head_partition_size=16, dtype="float32")
-    (kept,) = exp.run_point(point, where)[:1]
-    (moved,) = exp.run_point(dataclasses.replace(point, offload="checkpoints"), where)[:1]
+    (kept,) = grid.run_point(point, where)[:1]
+    (moved,) = grid.run_point(dataclasses.replace(point, offload="checkpoints"), where)[:1]
     assert (kept.offload, moved.offload) == ("none", "checkpoints")
     assert (kept.host_peak_gib, kept.to_host_gib, kept.to_device_gib) == (0.0, 0.0, 0.0)
     assert moved.host_peak_gib > 0 and moved.to_host_gib == moved.to_device_gib >= moved.host_peak_gib

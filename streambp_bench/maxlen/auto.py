@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from rich.table import Table
 
-from streambp_bench.max_len import MethodResult, Plan
+from streambp_bench.maxlen.plan import MethodResult, Plan
 from streambp_core.config import ConfigError, StepSpec
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from streambp_bench import paper
+from streambp_bench.paper import plots, published
+from streambp_bench.paper.prose import prose
+from streambp_bench.paper.shared import Settings, max_len_rows
 from streambp_core.config import StepSpec
 
 METHODS = ("checkpoint", "streambp")
@@ -35,7 +37,7 @@ def table4_specs(quick: bool = False) -> list[StepSpec]:
         gpus, zero3_models, zero3_gpus = (2,), ("tiny/llama",), 2
     else:
         base = {"model": "Qwen/Qwen3-8B"}
-        gpus, zero3_models, zero3_gpus = paper.TABLE4_GPUS, ZERO3_MODELS, ZERO3_GPUS
+        gpus, zero3_models, zero3_gpus = published.TABLE4_GPUS, ZERO3_MODELS, ZERO3_GPUS
     common = {k: v for k, v in base.items() if k != "model"}
     specs = [StepSpec(**base, method=method, optimizer="adamw", gpus=n, shard=engine)
              for engine in ENGINES for method in METHODS for n in gpus]
@@ -48,9 +50,9 @@ def table4_specs(quick: bool = False) -> list[StepSpec]:
 
 def paper_k(method: str, gpus: int) -> float | None:
     """The paper's Table 4 cell, thousands of tokens (None outside it)."""
-    if gpus not in paper.TABLE4_GPUS or method not in paper.TABLE4_MAX_LEN_K:
+    if gpus not in published.TABLE4_GPUS or method not in published.TABLE4_MAX_LEN_K:
         return None
-    return paper.TABLE4_MAX_LEN_K[method][paper.TABLE4_GPUS.index(gpus)]
+    return published.TABLE4_MAX_LEN_K[method][published.TABLE4_GPUS.index(gpus)]
 
 
 def _cell(frame: pd.DataFrame, **match) -> float | None:
@@ -75,10 +77,7 @@ def section(frame: pd.DataFrame) -> list[str]:
     lines = [
         f"## Table 4 — Qwen3-8B SFT with AdamW across GPUs, ZeRO-2, 80 GiB per GPU ({sources})",
         "",
-        "Max length per rank (one sequence per rank), thousands of tokens. `ds`: DeepSpeed ZeRO-2's "
-        "allocations with bf16 (the paper's engine: replicated bf16 weights; fp32 master weights, AdamW "
-        "moments and a bf16 gradient partition per rank; one 5e8-element gradient bucket); `fsdp2`: torch "
-        "FSDP2 zero2 with pure-bf16 AdamW, what this project runs. Ratios are ours / paper.",
+        prose("table4-engines"),
         "",
         "| GPUs | ckpt paper | ckpt ds | ratio | ckpt fsdp2 | streambp paper | streambp ds | ratio "
         "| streambp fsdp2 | ratio |",
@@ -156,8 +155,8 @@ def plot(frame: pd.DataFrame):
     data = frame[(frame["metric"] == "max_len") & frame["shard"].isin(ENGINES) & (frame["offload"] == "none")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method, color in zip(METHODS, ("tab:orange", "tab:blue"), strict=True):
-        ax.plot(paper.TABLE4_GPUS, [k * 1000 for k in paper.TABLE4_MAX_LEN_K[method]], ":", marker="x",
-                color=color, label=f"{method} paper")
+        ax.plot(published.TABLE4_GPUS, [k * 1000 for k in published.TABLE4_MAX_LEN_K[method]], ":",
+                marker="x", color=color, label=f"{method} paper")
         for engine, style in zip(ENGINES, ("--", "-"), strict=True):
             rows = data[(data["method"] == method) & (data["shard"] == engine)].sort_values("gpus")
             if len(rows):
@@ -171,11 +170,8 @@ def plot(frame: pd.DataFrame):
     return fig
 
 
-def run(settings) -> list[Path]:
+def run(settings: Settings) -> list[Path]:
     """Search every cell (`table4_specs`), upsert the rows into table4.csv, draw table4-maxlen.png."""
-    from streambp_bench import plots
-    from streambp_bench.reproduce_items import max_len_rows
-
     results = settings.csv("table4")
     results.append_many(max_len_rows(table4_specs(settings.quick), settings))
     return [plots.save(plot(results.load()), settings.out_dir / "table4-maxlen.png")]

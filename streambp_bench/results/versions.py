@@ -1,12 +1,16 @@
-"""What produced a results row: the versions of torch, transformers and this package, and the checkout's
-git sha ("unknown" where one cannot be found), read once per process."""
+"""What produced a results row: how its numbers were obtained (source), on which device, the versions of
+torch, transformers and this package and the checkout's git sha ("unknown" where one cannot be found,
+read once per process), and when."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
+
+from streambp_bench.results.row import SOURCES, require_one_of
 
 
 @functools.cache
@@ -32,3 +36,10 @@ def _git_sha() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def provenance(source: str, device_name: str) -> dict[str, str]:
+    """Provenance columns of a new row: source, device, versions, git sha ("unknown" if unfound), UTC time."""
+    require_one_of("source", source, SOURCES)
+    timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return {"source": source, "device_name": device_name, **versions(), "timestamp": timestamp}

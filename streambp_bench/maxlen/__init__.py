@@ -1,0 +1,1 @@
+"""`max-len` behind the command: the plan and its searches, automatic partitions, the report."""

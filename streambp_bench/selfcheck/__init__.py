@@ -1,0 +1,1 @@
+"""`selfcheck` behind the command: the GPU self-check and its report."""

@@ -1,0 +1,1 @@
+"""`verify` beyond the command's own table: the sharded check across ranks."""
