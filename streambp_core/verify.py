@@ -316,7 +316,7 @@ def verify_spec(spec: VerifySpec, progress: Progress | None = None) -> VerifyRep
     if torch.device(spec.device).type == "cpu":
         check_ram(config, spec, build_dtype)
     note("building the model")
-    model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.step.seed)
+    model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.step.seed, checked=True)
     if spec.step.lora_rank:
         model = apply_lora(model, spec.step.lora_rank)
     batch = random_batch(

@@ -16,7 +16,7 @@ def needed_ram_bytes(config, spec, dtype: torch.dtype) -> int:
     """A lower bound on the RAM a verify run holds at once: the weights, the reference's gradients and a
     method's gradients (parameters counted on the meta device; with LoRA the weights only), plus plain's
     float32 logits and their gradient for the whole batch."""
-    model = build_model(config, dtype=dtype, device="meta")
+    model = build_model(config, dtype=dtype, device="meta", checked=True)  # `config` from load_config
     parameters = sum(param.numel() for param in model.parameters())
     logits = spec.step.batch_size * spec.step.seq_len_tokens * config.vocab_size
     copies = 1 if spec.step.lora_rank else 3
