@@ -64,23 +64,25 @@ def model_config(args: argparse.Namespace):
 def specs(args: argparse.Namespace) -> list[StepSpec]:
     """One spec per (shard, method, optimizer); bad values are ConfigError before anything runs."""
     combos = itertools.product(*(value.split(",") for value in (args.shards, args.methods, args.optimizers)))
-    return [StepSpec(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=args.ps,
-                     head_partition_size=args.ps_head, dtype=args.dtype, optimizer=optimizer,
-                     gpus=args.gpus, shard=shard) for shard, method, optimizer in combos]
+    return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=args.ps,
+                        head_partition_size=args.ps_head, dtype=args.dtype, optimizer=optimizer,
+                        gpus=args.gpus, shard=shard) for shard, method, optimizer in combos]
 
 
 def rows(args: argparse.Namespace) -> list[dict]:
     """A measured-cpu and a simulated row per spec (see COLUMNS)."""
     from streambp_core.parallel.memory import measure_ranks
+    from streambp_core.step.resolved import ResolvedModel
     from streambp_core.step.simulate import simulate
 
     chosen = specs(args)
     if any(spec.gpus < 2 for spec in chosen):
         raise ConfigError("--gpus must be at least 2: one rank of several")
-    config = model_config(args)
+    model = ResolvedModel(model_config(args))  # the overridden config, validated once
+    config = model.config
     out = []
-    for spec, rank in zip(chosen, measure_ranks(chosen, config), strict=True):
-        sim = simulate(spec, config)
+    for spec, rank in zip(chosen, measure_ranks(chosen, model), strict=True):
+        sim = simulate(spec, model)
         common = {"model": args.model, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                   "num_layers": config.num_hidden_layers, "seq_len_tokens": spec.seq_len_tokens,
                   "dtype": spec.dtype, "gpus": spec.gpus, "shard": spec.shard, "method": spec.method,

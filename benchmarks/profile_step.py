@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-import streambp_core
 from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_bench.results import ResultRow, ResultsFile, provenance, row_head_mode
 from streambp_bench.specs import writable_results
@@ -28,7 +27,8 @@ from streambp_core.config import ConfigError, StepSpec, check_model
 from streambp_core.measure.cuda import cuda_available
 from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.models.load import build_model
-from streambp_core.step.timing import time_step
+from streambp_core.step.setup import build_setup
+from streambp_core.step.timing import spec_step, time_step
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,16 +49,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def profile_rows(model, ids, method: str, partition: int, head_partition: int, args, device: str):
-    """The step_time row and one kernel_ms_<class> row per class of one prepared method."""
-    common = dict(method=method, model=args.model, seq_len_tokens=args.seq_len, batch_size=1,
-                  partition_size=partition, head_partition_size=head_partition, dtype=args.dtype,
-                  attn=args.attn, **provenance(f"measured-{device}", _device_name(device)))
-    head = {"head_mode": args.head_mode} if method == "streambp" else {}
-    common["head_mode"] = row_head_mode(StepSpec(model=args.model, method=method, head_mode=args.head_mode))
-    with streambp_core.prepare(model, method, partition_size=partition, head_partition_size=head_partition,
-                               baseline_attention="engine", attn=args.attn, **head) as run:
-        step = lambda: run.loss(ids).backward()  # noqa: E731
+def profile_rows(model, spec: StepSpec, args, device: str):
+    """The step_time row and one kernel_ms_<class> row per class of one step of `spec` on `model`."""
+    stream = spec.stream
+    common = dict(method=spec.method, model=args.model, seq_len_tokens=args.seq_len, batch_size=1,
+                  partition_size=stream.partition_size, head_partition_size=stream.head_partition_size,
+                  dtype=args.dtype, attn=args.attn, head_mode=row_head_mode(spec),
+                  **provenance(f"measured-{device}", _device_name(device)))
+    with spec_step(build_setup(spec, model.config, device, model=model)) as step:
         timing = time_step(step, device, warmup=1, repeats=3)
         classes = profile_kernel_time(step, device)
     model.zero_grad(set_to_none=True)
@@ -71,16 +69,15 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
-def variants(args: argparse.Namespace, partition: int) -> list[tuple[str, int]]:
-    """(method, LM-head partition) to profile, each checked as a step spec (ConfigError) before any work."""
+def variants(args: argparse.Namespace, partition: int) -> list[StepSpec]:
+    """The step of each (method, LM-head partition) to profile, checked (ConfigError) before any work."""
     check_model(args.model)
     head_partitions = parse_token_list(args.ps_head, "LM-head partition")
-    found = [(method, head) for method in args.methods.split(",")
-             for head in (head_partitions if method != "checkpoint" else (100,))]
-    for method, head in found:
-        StepSpec(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=partition,
-                 head_partition_size=head, dtype=args.dtype, attn=args.attn)
-    return found
+    return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len,
+                        partition_size=partition, head_partition_size=head, dtype=args.dtype, attn=args.attn,
+                        head_mode=args.head_mode)
+            for method in args.methods.split(",")
+            for head in (head_partitions if method != "checkpoint" else (100,))]
 
 
 def main() -> int:
@@ -102,11 +99,11 @@ def run(args: argparse.Namespace) -> int:
     chosen = variants(args, partition)
     writable_results(args.out)
     model = build_model(args.model, dtype=getattr(torch, args.dtype), device=device)
-    ids = torch.randint(model.config.vocab_size, (1, args.seq_len), device=device)
     rows = []
-    for method, head_partition in chosen:
-        found = profile_rows(model, ids, method, partition, head_partition, args, device)
-        print(f"== {method}, ps-head {head_partition}: {found[0].value:.1f} ms per step (median) at "
+    for spec in chosen:
+        found = profile_rows(model, spec, args, device)
+        head_partition = spec.stream.head_partition_size
+        print(f"== {spec.method}, ps-head {head_partition}: {found[0].value:.1f} ms per step (median) at "
               f"{args.seq_len} tokens (partition {partition}, {found[0].source}, {found[0].device_name})")
         for row in found[1:]:
             print(f"   {row.metric.removeprefix('kernel_ms_'):18s} {row.value:9.1f} ms")

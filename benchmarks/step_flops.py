@@ -66,8 +66,8 @@ def variants(args) -> list[tuple[str, int, int, str, float | None]]:
     found = [("checkpoint", partition, heads[0], "", None)]
     found += [("streambp", partition, head, mode, None) for head in heads for mode in modes]
     for method, layer, head, mode, _ in found:
-        StepSpec(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=layer,
-                 head_partition_size=head, head_mode=mode or "recompute")
+        StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=layer,
+                    head_partition_size=head, head_mode=mode or "recompute")
     return found + [("streambp", *auto_partitions(args, budget), "fused", budget) for budget in budgets(args)]
 
 
@@ -89,9 +89,9 @@ def auto_partitions(args, budget_gib: float) -> tuple[int, int]:
     from streambp_core.measure.units import GIB
     from streambp_core.step.partitions import fitting_partitions
 
-    spec = StepSpec(model=args.model, method="streambp", seq_len_tokens=args.seq_len, head_mode="fused")
+    spec = StepSpec.of(model=args.model, method="streambp", seq_len_tokens=args.seq_len, head_mode="fused")
     chosen = fitting_partitions(spec, int(budget_gib * GIB))
-    return chosen.partition_size, chosen.head_partition_size
+    return chosen.stream.partition_size, chosen.stream.head_partition_size
 
 
 def measure(args, chosen: list[tuple[str, int, int, str, float | None]]) -> list[dict]:

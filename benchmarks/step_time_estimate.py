@@ -116,9 +116,9 @@ def check_settings(settings: list[dict]) -> list[dict]:
     for item in settings:
         check_model(item["model"])
         head = {"head_mode": item["head_mode"]} if item["head_mode"] else {}
-        StepSpec(model=item["model"], method=item["method"], seq_len_tokens=item["seq_len_tokens"],
-                 batch_size=item["batch_size"], partition_size=item["partition_size"],
-                 head_partition_size=item["head_partition_size"], dtype=item["dtype"], **head)
+        StepSpec.of(model=item["model"], method=item["method"], seq_len_tokens=item["seq_len_tokens"],
+                    batch_size=item["batch_size"], partition_size=item["partition_size"],
+                    head_partition_size=item["head_partition_size"], dtype=item["dtype"], **head)
     return settings
 
 

@@ -5,7 +5,6 @@ Everything here imports neither torch nor transformers, so bad input is refused 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from streambp_bench import options as opt
@@ -18,7 +17,7 @@ def method_list(methods: str) -> tuple[str, ...]:
     if not chosen:
         raise ConfigError("give at least one method, or 'all'")
     for method in chosen:
-        StepSpec(model="-", method=method)
+        StepSpec.of(model="-", method=method)
     return tuple(dict.fromkeys(chosen))
 
 
@@ -26,31 +25,23 @@ def step_specs(model: str, methods: str, offload: str = "none", **fields: object
     """One validated `StepSpec` per method of `methods` on `model` (checked to exist), at `offload`
     (`with_offload`: 'both' gives each method with and without)."""
     check_model(model)
-    specs = tuple(StepSpec(model=model, method=method, **fields) for method in method_list(methods))
+    specs = tuple(StepSpec.of(model=model, method=method, **fields) for method in method_list(methods))
     return with_offload(specs, offload)
-
-
-def streambp_head(methods: tuple[str, ...], objective: str, head_mode: str) -> str:
-    """The head streambp runs under `head_mode` at `objective` (auto resolved to fused or recompute), checked
-    when streambp is among `methods` (fused with dpo: ConfigError); `head_mode` as given otherwise."""
-    if "streambp" not in methods:
-        return head_mode
-    return StepSpec(model="-", method="streambp", objective=objective, head_mode=head_mode).head_mode
 
 
 def with_offload(specs: tuple[StepSpec, ...], offload: str) -> tuple[StepSpec, ...]:
     """`specs` at `offload`: none or checkpoints (plain refused by name, ConfigError), or both: each spec
     followed by its offloaded twin (plain, with nothing to offload, only without)."""
     if offload != "both":
-        return tuple(replace(spec, offload=offload) for spec in specs)
-    twins = ((spec, replace(spec, offload="checkpoints")) if spec.method != "plain" else (spec,)
+        return tuple(spec.replaced(offload=offload) for spec in specs)
+    twins = ((spec, spec.replaced(offload="checkpoints")) if spec.method != "plain" else (spec,)
              for spec in specs)
     return tuple(dict.fromkeys(spec for pair in twins for spec in pair))
 
 
 def spec_label(spec: StepSpec) -> str:
     """How a table names the step: its method, '+ offload' when its checkpoints live in host memory."""
-    return f"{spec.method} + offload" if spec.offload != "none" else spec.method
+    return f"{spec.method} + offload" if spec.stream.offload != "none" else spec.method
 
 
 def writable_results(out: Path | None) -> Path | None:

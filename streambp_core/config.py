@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
@@ -59,7 +59,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class StreamConfig:
-    """How a prepared run splits its work along the sequence."""
+    """How a prepared run splits its work along the sequence, and the objective its loss computes.
+
+    Validated once, here: the choices, the sizes, and streambp's LM head resolved against the objective
+    (auto -> fused where the objective allows it; fused refused where it does not)."""
+
+    objective: str = "sft"
+    """sft, grpo or dpo (see `streambp_core.engine.objectives`)."""
 
     partition_size: int = 500
     """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward)."""
@@ -71,7 +77,8 @@ class StreamConfig:
     """streambp's LM head: 'recompute' recomputes each chunk's logits in backward (least memory, every
     objective); 'fused' takes each chunk's gradients in the forward pass from the logits it already has
     (3 head GEMMs per chunk, not 4, and the logits' softmax once; costs one vocab x hidden gradient buffer
-    from forward to backward; sft and grpo only); 'auto' fuses wherever the objective allows it."""
+    from forward to backward; `FUSED_HEAD_OBJECTIVES` only); 'auto' fuses wherever the objective allows
+    it, resolved here (the field then reads fused or recompute)."""
 
     mlp_chunk_size: int | None = None
     """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""
@@ -98,9 +105,10 @@ class StreamConfig:
     offload: str = "none"
     """'checkpoints': keep what the method saves between forward and backward (layer inputs) in host
     memory. checkpoint and mst through transformers' checkpoint offload; streambp through
-    `engine.offload.HostChain`. plain keeps no checkpoints and refuses it."""
+    `engine.offload.HostChain`. plain keeps no checkpoints and refuses it (`check_offload`)."""
 
     def __post_init__(self) -> None:
+        require_choice("objective", self.objective, OBJECTIVES)
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
         require_choice("offload", self.offload, OFFLOAD_MODES)
         require_choice("baseline_loss", self.baseline_loss, BASELINE_LOSSES)
@@ -112,10 +120,32 @@ class StreamConfig:
             require_positive("mlp_chunk_size", self.mlp_chunk_size)
         require_choice("attn", self.attn, ATTN_BACKENDS)
         require_choice("head_mode", self.head_mode, HEAD_MODES)
+        self._resolve_head_mode()
+
+    def _resolve_head_mode(self) -> None:
+        """auto -> fused where the objective allows it, else recompute; fused refused where it does not."""
+        fusable = self.objective in FUSED_HEAD_OBJECTIVES
+        if self.head_mode == "fused" and not fusable:
+            raise ConfigError(f"head_mode fused needs a loss linear in its per-sequence sums "
+                              f"({', '.join(FUSED_HEAD_OBJECTIVES)}); {self.objective} takes 'recompute'")
+        if self.head_mode == "auto":
+            object.__setattr__(self, "head_mode", "fused" if fusable else "recompute")
 
     @property
     def mlp_chunk_tokens(self) -> int:
         return self.mlp_chunk_size or self.partition_size
+
+
+CHECKPOINT_FREE_METHODS = ("plain",)
+"""Methods that keep no checkpoints between forward and backward, so offloading them means nothing."""
+
+
+def check_offload(method: str, offload: str) -> None:
+    """ConfigError when `offload` asks a method that keeps no checkpoints to move them to the host: the
+    one place this rule lives (`StepSpec` and `prepare` both call it)."""
+    if offload != "none" and method in CHECKPOINT_FREE_METHODS:
+        raise ConfigError(f"offload={offload!r} does not apply to {method}: it keeps no checkpoints, so "
+                          "there is nothing to offload")
 
 
 def require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -184,8 +214,10 @@ def check_method(method: str) -> str:
 class StepSpec:
     """Every setting of one training step: the one description the CLI builds and the core consumes.
 
-    Validated once, here; nothing downstream re-validates it (`replace` re-runs the checks, which need
-    no torch). A max-length search varies only `seq_len_tokens` (`spec.at(n)`).
+    The engine's settings (objective, partitions, attention, LM head, offload) are the step's `stream`, a
+    `StreamConfig`, handed to `prepare` as they are. Validated once, here; nothing downstream re-validates
+    it (`replaced` re-runs the checks, which need no torch). A max-length search varies only
+    `seq_len_tokens` (`spec.at(n)`).
     """
 
     model: str
@@ -196,18 +228,11 @@ class StepSpec:
     """Tokens per sequence (>= 2)."""
     batch_size: int = 1
     """Sequences (sft), completions in the group (grpo) or chosen/rejected pairs (dpo)."""
-    objective: str = "sft"
     lora_rank: int = 0
     """0: full-parameter training; R > 0: LoRA adapters of rank R (peft, alpha 4R) on every linear."""
     optimizer: str = "none"
     """none (backprop only) or adamw (a full training step; its moments exist before the step)."""
     dtype: str = "bfloat16"
-    partition_size: int = 500
-    """Tokens per decoder-layer chunk (streambp's partition, mst's MLP chunk)."""
-    head_partition_size: int = 100
-    """Tokens per LM-head and loss chunk (streambp, mst)."""
-    attn: str = "auto"
-    """Attention kernel on CUDA (auto, sdpa, flash); a simulation uses its flash-like fake kernel."""
     protocol: str = "default"
     """default (this project's step), paper (the paper's script; backprop-only steps) or trl (the baselines'
     GRPO and DPO losses as TRL 0.17's trainers compute them, with GRPOTrainer's sampling temperature)."""
@@ -217,32 +242,29 @@ class StepSpec:
     resident."""
     seed: int = 0
     """Seed of the random weights and tokens of a measured step."""
-    offload: str = "none"
-    """none, or checkpoints: what the method keeps between forward and backward lives in host memory
-    (`StreamConfig.offload`); plain keeps no checkpoints and refuses it."""
     gpus: int = 1
     """Ranks the step is data-parallel over (one sequence per rank); the figures are one rank's."""
     shard: str = "none"
     """How each rank holds the model state (`SHARD_MODES`); more than one GPU needs a stage, and a stage
     on one GPU is one FSDP rank (what a single-GPU sharded run holds)."""
-    head_mode: str = "recompute"
-    """streambp's LM head (`StreamConfig.head_mode`): recompute, fused (sft and grpo; one vocab x hidden
-    gradient buffer from forward to backward, one head GEMM per chunk fewer), or auto, resolved here to
-    fused where the objective allows it; the other methods have no such head and read recompute."""
+    stream: StreamConfig = StreamConfig()
+    """What `prepare` gets: objective, partitions (streambp's partition and mst's MLP chunk are
+    `partition_size`), attention kernel, streambp's LM head (the other methods have no such head and read
+    recompute), offload (plain refuses it: `check_offload`). Resolved for a step: the baselines attend
+    through the engine kernel when `baseline_attention` is auto (as on the meta device, so every method
+    runs the same attention), and `baseline_loss` follows `protocol` (trl under trl, else full)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"model must be a preset name or a directory, got {self.model!r}")
         check_method(self.method)
-        for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
-                              ("attn", ATTN_BACKENDS), ("protocol", PROTOCOLS),
-                              ("grads", ("auto", *GRADS_MODES)), ("offload", OFFLOAD_MODES),
-                              ("shard", SHARD_MODES), ("head_mode", HEAD_MODES)):
+        if not isinstance(self.stream, StreamConfig):
+            raise ConfigError(f"stream must be a StreamConfig, got {type(self.stream).__name__}")
+        for name, choices in (("optimizer", OPTIMIZERS), ("dtype", DTYPES), ("protocol", PROTOCOLS),
+                              ("grads", ("auto", *GRADS_MODES)), ("shard", SHARD_MODES)):
             require_choice(name, getattr(self, name), choices)
-        if self.offload != "none" and self.method == "plain":
-            raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
-                              "nothing to offload")
-        for name in ("batch_size", "partition_size", "head_partition_size", "gpus"):
+        check_offload(self.method, self.stream.offload)
+        for name in ("batch_size", "gpus"):
             require_positive(name, getattr(self, name))
         if self.gpus > 1 and self.shard == "none":
             raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3 or deepspeed-zero2): "
@@ -253,20 +275,37 @@ class StepSpec:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         self._check_training_step()
-        self._resolve_head_mode()
+        self._resolve_stream()
 
-    def _resolve_head_mode(self) -> None:
-        """Methods without a streamed head read recompute (as they ignore partitions); for streambp, auto
-        -> fused where the objective allows it, and fused refused where it does not."""
-        if self.method != "streambp":
-            object.__setattr__(self, "head_mode", "recompute")
-            return
-        fusable = self.objective in FUSED_HEAD_OBJECTIVES
-        if self.head_mode == "fused" and not fusable:
-            raise ConfigError(f"head_mode fused needs a loss linear in its per-sequence sums "
-                              f"({', '.join(FUSED_HEAD_OBJECTIVES)}); {self.objective} takes recompute")
-        if self.head_mode == "auto":
-            object.__setattr__(self, "head_mode", "fused" if fusable else "recompute")
+    @classmethod
+    def of(cls, **values: object) -> StepSpec:
+        """A step from flat fields: the `StreamConfig` ones (objective, partition_size, head_mode, ...) make
+        its `stream`, the rest are the step's own."""
+        stream = {name: values.pop(name) for name in STREAM_FIELDS if name in values}
+        return cls(**values, stream=StreamConfig(**stream))  # type: ignore[arg-type]
+
+    def replaced(self, **changes: object) -> StepSpec:
+        """This step with `changes`, flat fields as in `of` (stream fields change the stream)."""
+        stream = {name: changes.pop(name) for name in STREAM_FIELDS if name in changes}
+        if stream:
+            changes["stream"] = replace(self.stream, **stream)
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field, flat (the stream's fields beside the step's): what `of` takes back."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stream"}
+        return {**own, **{name: getattr(self.stream, name) for name in STREAM_FIELDS}}
+
+    def _resolve_stream(self) -> None:
+        """The step's stream: engine attention for the baselines (auto), the protocol's baseline loss, and
+        recompute for the methods without a streamed head (as they ignore partitions)."""
+        stream = self.stream
+        resolved = replace(
+            stream, baseline_loss="trl" if self.protocol == "trl" else "full",
+            baseline_attention="engine" if stream.baseline_attention == "auto" else stream.baseline_attention,
+            head_mode=stream.head_mode if self.method == "streambp" else "recompute")
+        if resolved != stream:
+            object.__setattr__(self, "stream", resolved)
 
     def _check_training_step(self) -> None:
         """Resolve grads; the paper protocol and resident grads belong to a backprop-only step."""
@@ -278,6 +317,11 @@ class StepSpec:
         if self.protocol == "paper" and self.is_training_step:
             raise ConfigError("protocol paper sizes the paper's backprop-only step; with an objective, "
                               "LoRA or an optimizer the step runs the default protocol")
+
+    @property
+    def objective(self) -> str:
+        """The step's objective (`stream.objective`)."""
+        return self.stream.objective
 
     @property
     def is_training_step(self) -> bool:
@@ -298,18 +342,14 @@ class StepSpec:
         """This step at another length."""
         return replace(self, seq_len_tokens=seq_len_tokens)
 
-    def stream_options(self) -> dict:
-        """`prepare(model, method, **options)` options of this step (baselines attend through the engine
-        kernel, as on the meta device, so every method runs the same attention)."""
-        return {"objective": self.objective, "partition_size": self.partition_size,
-                "head_partition_size": self.head_partition_size, "attn": self.attn,
-                "baseline_attention": "engine", "offload": self.offload,
-                "baseline_loss": "trl" if self.protocol == "trl" else "full", "head_mode": self.head_mode}
-
     def describe(self) -> str:
         """The step in words, for a result's `how`."""
         lora = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full parameters"
         return f"objective {self.objective}, {lora}, optimizer {self.optimizer}"
+
+
+STREAM_FIELDS = tuple(f.name for f in fields(StreamConfig))
+"""The `StreamConfig` field names, which `StepSpec.of` and `replaced` route into the step's stream."""
 
 
 PARTITIONED = ("streambp", "mst")

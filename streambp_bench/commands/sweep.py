@@ -92,9 +92,9 @@ def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
 
     where = f"{spec_label(point)} {point.model} T={point.seq_len_tokens:,}"
     if point.partitioned:
-        where += f" ps={point.partition_size}"
+        where += f" ps={point.stream.partition_size}"
     if point.method == "streambp":
-        where += f" head={point.head_mode}"
+        where += f" head={point.stream.head_mode}"
     if rows is None:
         return f"{where}: already done"
     row = rows[0]
@@ -218,7 +218,7 @@ def sweep(
 
 def _streambp_head(points: tuple[StepSpec, ...]) -> str:
     """The LM head of the grid's streambp points (one objective and --head-mode: one head); '' without."""
-    return next((point.head_mode for point in points if point.method == "streambp"), "")
+    return next((point.stream.head_mode for point in points if point.method == "streambp"), "")
 
 
 def _gpu(name: str):
@@ -228,7 +228,7 @@ def _gpu(name: str):
 
 
 def _auto_partitions(target, layer: bool, head: bool):
-    """resolve(point, config) for `run_points`: the largest partitions whose simulated peak fits the
+    """resolve(point, model) for `run_points`: the largest partitions whose simulated peak fits the
     target's budget (a point nothing fits keeps the smallest and is written oom); None when not asked."""
     if not (layer or head):
         return None
@@ -236,11 +236,9 @@ def _auto_partitions(target, layer: bool, head: bool):
         raise ConfigError("--ps auto / --ps-head auto need a budget: give --budget-gib")
     from streambp_core.step.partitions import fitting_partitions
 
-    cache: dict = {}
-
-    def resolve(point: StepSpec, config) -> StepSpec:
+    def resolve(point: StepSpec, model) -> StepSpec:
         try:
-            return fitting_partitions(point, target.budget_bytes, config, layer=layer, head=head, cache=cache)
+            return fitting_partitions(point, target.budget_bytes, model, layer=layer, head=head)
         except ConfigError:
             return point
     return resolve

@@ -19,7 +19,7 @@ from rich.table import Table
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
-from streambp_bench.specs import method_list, streambp_head
+from streambp_bench.specs import method_list
 from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
 
 if TYPE_CHECKING:
@@ -103,20 +103,20 @@ def render_table(report: VerifyReport) -> Table:
 
 def describe(report: VerifyReport) -> str:
     """One line saying how the numbers were obtained."""
-    spec = report.spec
-    head = f", streambp head {spec.head_mode}" if "streambp" in spec.methods else ""
+    spec, step, stream = report.spec, report.spec.step, report.spec.step.stream
+    head = f", streambp head {stream.head_mode}" if "streambp" in spec.methods else ""
     text = (
-        f"{spec.source}: {spec.model}, {spec.dtype}, seq_len {spec.seq_len}, batch {spec.batch_size}, "
-        f"ps {spec.partition_size}, ps-head {spec.head_partition_size}, padding {spec.padding}, "
-        f"seed {spec.seed}, objective {spec.objective}, lora rank {spec.lora_rank}, attn {spec.attn}, "
-        f"offload {spec.offload}{head}; "
+        f"{spec.source}: {step.model}, {step.dtype}, seq_len {step.seq_len_tokens}, batch {step.batch_size}, "
+        f"ps {stream.partition_size}, ps-head {stream.head_partition_size}, padding {spec.padding}, "
+        f"seed {step.seed}, objective {step.objective}, lora rank {step.lora_rank}, attn {stream.attn}, "
+        f"offload {stream.offload}{head}; "
         f"reference loss {report.reference_loss:.6f}"
     )
-    if report.reference_dtype != spec.dtype:
+    if report.reference_dtype != step.dtype:
         baseline = report.results[0].baseline_rel_err if report.results else None
         text += (
             f". Reference is plain in {report.reference_dtype} on the same bf16-rounded weights; "
-            f"tolerance = 2 x plain-{spec.dtype} error ({_fmt(baseline)}) + 1e-6"
+            f"tolerance = 2 x plain-{step.dtype} error ({_fmt(baseline)}) + 1e-6"
         )
     return text
 
@@ -142,11 +142,11 @@ def verify_with_progress(spec) -> VerifyReport:
     with Progress(SpinnerColumn(), BarColumn(bar_width=16), MofNCompleteColumn(),
                   TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
-        task = progress.add_task(f"verify {escape(spec.model)}", total=None)
+        task = progress.add_task(f"verify {escape(spec.step.model)}", total=None)
 
         def on_stage(stage: str, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total,
-                            description=escape(f"verify {spec.model}: {stage}"), refresh=True)
+                            description=escape(f"verify {spec.step.model}: {stage}"), refresh=True)
 
         return verify_spec(spec, on_stage)
 
@@ -188,10 +188,6 @@ def verify(
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     if nproc is not None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
-    head = streambp_head(methods, objective.value, head_mode.value)
-    if nproc is not None and "streambp" in methods and head != "recompute":
-        raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
-                          "recomputing head (--head-mode recompute)")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
@@ -200,23 +196,15 @@ def verify(
     if where == "auto":
         where = "cuda" if cuda_available() else "cpu"
 
-    spec = VerifySpec(
-        model=model,
-        methods=methods,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        partition_size=ps,
-        head_partition_size=ps_head,
-        dtype=dtype.value,
-        padding=padding.value,
-        seed=seed,
-        device=where,
-        objective=objective.value,
-        lora_rank=lora_rank,
-        attn=attn.value,
-        head_mode=head,
+    spec = VerifySpec.of(
+        model=model, methods=methods, padding=padding.value, device=where, seq_len_tokens=seq_len,
+        batch_size=batch_size, partition_size=ps, head_partition_size=ps_head, dtype=dtype.value, seed=seed,
+        objective=objective.value, lora_rank=lora_rank, attn=attn.value, head_mode=head_mode.value,
         offload=offload.value,
     )
+    if nproc is not None and "streambp" in methods and spec.step.stream.head_mode != "recompute":
+        raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
+                          "recomputing head (--head-mode recompute)")
     if nproc is not None:
         from streambp_bench.verify.sharded import run_sharded
 

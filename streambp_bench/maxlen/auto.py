@@ -47,7 +47,8 @@ class StepAt:
     def to_dict(self) -> dict:
         spec = self.spec
         sizes = {} if spec is None or not spec.partitioned else {
-            "partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size}
+            "partition_size": spec.stream.partition_size,
+            "head_partition_size": spec.stream.head_partition_size}
         return {"method": self.method, "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
                 **sizes, "estimated_step_time_ms": self.estimated_ms}
 
@@ -56,17 +57,16 @@ def finish(plan: Plan, results: list[MethodResult],
            extras: Extras) -> tuple[list[MethodResult], list[StepAt]]:
     """(results with the partitions reaching each maximum, one StepAt per method at its maximum and at
     each `--at` length)."""
-    cache: dict = {}
     finished, steps = [], []
     for result in results:
-        at_max = _step_at(plan, result.spec, result.search.max_len_tokens, extras, cache)
+        at_max = _step_at(plan, result.spec, result.search.max_len_tokens, extras)
         finished.append(result if at_max.spec is None else replace(result, spec=at_max.spec))
         steps.append(at_max)
-        steps += [_step_at(plan, result.spec, length, extras, cache) for length in extras.at_lengths]
+        steps += [_step_at(plan, result.spec, length, extras) for length in extras.at_lengths]
     return finished, steps
 
 
-def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras, cache: dict) -> StepAt:
+def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt:
     from streambp_core.step.estimate import estimate_step
     from streambp_core.step.partitions import fitting_partitions
     from streambp_core.step.simulate import simulate
@@ -74,16 +74,15 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras, cache: di
     if seq_len < 2:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
     try:
-        run = fitting_partitions(spec.at(seq_len), plan.budget_bytes, plan.config, layer=extras.auto_layer,
-                                 head=extras.auto_head, cache=cache)
+        run = fitting_partitions(spec.at(seq_len), plan.budget_bytes, plan.resolved, layer=extras.auto_layer,
+                                 head=extras.auto_head)
     except ConfigError:  # not even the smallest partitions fit
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
     automatic = spec.partitioned and (extras.auto_layer or extras.auto_head)
-    full = simulate(run, plan.config, depth="full", cache=cache) if not automatic else None
+    full = simulate(run, plan.resolved, depth="full") if not automatic else None
     if full is not None and full.peak_bytes > plan.budget_bytes:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
-    estimated = None if extras.gpu is None else estimate_step(run, extras.gpu, plan.config,
-                                                                cache).step_time_ms
+    estimated = None if extras.gpu is None else estimate_step(run, extras.gpu, plan.resolved).step_time_ms
     return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimated)
 
 
@@ -106,7 +105,7 @@ def render_table(steps: list[StepAt], extras: Extras) -> Table:
     for step in steps:
         spec = step.spec
         sizes = ("-", "-") if spec is None or not spec.partitioned else (
-            f"{spec.partition_size:,}", f"{spec.head_partition_size:,}")
+            f"{spec.stream.partition_size:,}", f"{spec.stream.head_partition_size:,}")
         estimate = "-" if step.estimated_ms is None else f"{step.estimated_ms / 1e3:.2f}"
         fits = "" if spec is not None else " (does not fit)"
         table.add_row(step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate)

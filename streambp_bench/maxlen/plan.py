@@ -9,26 +9,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import PretrainedConfig
-
 from streambp_bench.specs import spec_label
 from streambp_core.config import ConfigError, StepSpec, check_budget_gib
 from streambp_core.measure.units import GIB, format_size
-from streambp_core.models import load_config
 from streambp_core.search import ProbeResult, SearchResult
 from streambp_core.step.probe import max_len
+from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import resident_bytes
 from streambp_core.step.target import Target, resolve_target
 
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What to search: one step spec per method, where, the model's config (resolved once) and what
-    every step holds whatever its length (weights, grads, optimizer state)."""
+    """What to search: one step spec per method, where, the model (its config resolved once, with the
+    simulation memo its searches share) and what every step holds whatever its length (weights, grads,
+    optimizer state)."""
 
     specs: tuple[StepSpec, ...]
     target: Target
-    config: PretrainedConfig
+    resolved: ResolvedModel
     resident_bytes: int
     host_budget_bytes: int | None = None
     """Host memory every search is also bounded by (offloaded checkpoints); None: reported, not bounded."""
@@ -45,7 +44,7 @@ class Plan:
     @property
     def offloads(self) -> bool:
         """Whether any spec keeps its checkpoints in host memory."""
-        return any(spec.offload != "none" for spec in self.specs)
+        return any(spec.stream.offload != "none" for spec in self.specs)
 
     @property
     def budget_bytes(self) -> int:
@@ -53,7 +52,7 @@ class Plan:
 
     @property
     def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        return self.resolved.num_layers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,15 +86,15 @@ def make_plan(
         raise ConfigError("--objective/--lora-rank/--optimizer are simulated only for now: use --device sim")
     if target.device != "sim" and specs[0].shard != "none":
         raise ConfigError("a sharded step (--gpus/--shard) is simulated only: use --device sim")
-    config = load_config(specs[0].model)
-    needed = resident_bytes(specs[0], config)
+    resolved = ResolvedModel(specs[0].model)
+    needed = resident_bytes(specs[0], resolved.config)
     if needed >= (target.budget_bytes or 0):
         raise ConfigError(
             f"budget {target.budget_gib:g} GiB is below what every step of {specs[0].model} holds (weights, "
             f"grads, optimizer state: {format_size(needed)} in {specs[0].dtype}): no sequence length fits"
         )
     host_budget = None if host_budget_gib is None else int(host_budget_gib * GIB)
-    plan = Plan(specs=specs, target=target, config=config, resident_bytes=needed,
+    plan = Plan(specs=specs, target=target, resolved=resolved, resident_bytes=needed,
                 host_budget_bytes=host_budget)
     check_host_budget(plan)
     return plan
@@ -112,8 +111,8 @@ def check_host_budget(plan: Plan) -> None:
         return
     from streambp_core.step.simulate import simulate
 
-    for spec in (spec for spec in plan.specs if spec.offload != "none"):
-        need = simulate(spec.at(SHORTEST_PROBE_TOKENS), plan.config).host_peak_bytes
+    for spec in (spec for spec in plan.specs if spec.stream.offload != "none"):
+        need = simulate(spec.at(SHORTEST_PROBE_TOKENS), plan.resolved).host_peak_bytes
         if need > plan.host_budget_bytes:
             raise ConfigError(
                 f"host budget {plan.host_budget_bytes / GIB:g} GiB is below what {spec_label(spec)} holds in "
@@ -134,14 +133,14 @@ def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | 
 
     With a fork-server `context` (`workers.start_server`) a simulated plan's searches run on up to
     `workers` worker processes, the costliest first; else (a measured plan too: its probes need the
-    machine) one after another here, sharing one simulation memo. Each search is the same either way,
-    probe for probe (the memo changes no figure).
+    machine) one after another here, sharing the model's simulation memo (a worker gets the model
+    without it and starts its own). Each search is the same either way, probe for probe (the memo changes
+    no figure).
     """
     from streambp_bench.workers import Task, run_tasks
 
     context = context if plan.target.device == "sim" else None
-    cache: dict | None = {} if context is None else None  # a worker starts its own
-    tasks = [Task(spec_label(spec), _search, (plan, spec, cache), SEARCH_COST.get(spec.method, 0))
+    tasks = [Task(spec_label(spec), _search, (plan, spec), SEARCH_COST.get(spec.method, 0))
              for spec in plan.specs]
     found = run_tasks(tasks, workers, context, on_probe)
     return [MethodResult(spec=spec, search=search, how=_how(plan, spec, search))
@@ -152,11 +151,11 @@ SEARCH_COST = {"streambp": 4, "mst": 3, "checkpoint": 2, "plain": 1}
 """Relative cost of a method's simulated search (more chunk loops: more ops), to start the costliest first."""
 
 
-def _search(plan: Plan, spec: StepSpec, cache: dict | None, on_probe: OnProbe) -> SearchResult:
+def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe) -> SearchResult:
     def report(result: ProbeResult, ok: int, fail: int | None) -> None:
         on_probe(spec_label(spec), result, ok, fail)
 
-    return max_len(spec, plan.budget_bytes, plan.target.device, plan.config, cache=cache, on_probe=report,
+    return max_len(spec, plan.budget_bytes, plan.target.device, plan.resolved, on_probe=report,
                    host_budget_bytes=plan.host_budget_bytes)
 
 

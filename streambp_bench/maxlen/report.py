@@ -49,7 +49,8 @@ def host_gib(result: MethodResult) -> dict[str, float | None]:
 
 def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> float | None:
     """Max length over checkpointing's at the same offload (None without such a result that fits)."""
-    same = [r for r in results if r.method == "checkpoint" and r.spec.offload == result.spec.offload]
+    offload = result.spec.stream.offload
+    same = [r for r in results if r.method == "checkpoint" and r.spec.stream.offload == offload]
     reference = next(iter(same), None)
     if reference is None or reference.search.max_len_tokens == 0:
         return None
@@ -59,9 +60,9 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
     """The JSON document: model, budget, source, settings and one entry per method."""
     first = plan.specs[0]
-    settings = {k: getattr(first, k) for k in ("batch_size", "dtype", "partition_size", "head_partition_size",
-                                               "objective", "lora_rank", "optimizer", "attn", "protocol",
-                                               "grads")}
+    fields = first.to_dict()
+    settings = {k: fields[k] for k in ("batch_size", "dtype", "partition_size", "head_partition_size",
+                                       "objective", "lora_rank", "optimizer", "attn", "protocol", "grads")}
     host_budget = None if plan.host_budget_bytes is None else plan.host_budget_bytes / GIB
     return {
         "model": plan.model,
@@ -74,7 +75,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
         "results": [
             {
                 "method": r.method,
-                "offload": r.spec.offload,
+                "offload": r.spec.stream.offload,
                 "label": r.label,
                 "head_mode": row_head_mode(r.spec) or None,
                 "max_len_tokens": r.search.max_len_tokens,
@@ -209,17 +210,19 @@ def _partitions(plan: Plan, results: list[MethodResult]) -> str:
     """The partition sizes of the rows: one pair for all (streambp, mst), or each method's where they
     differ (`--ps auto`: the largest that fit at each method's maximum)."""
     chunked = [r for r in results if r.spec.partitioned]
-    sizes = {(r.spec.partition_size, r.spec.head_partition_size) for r in chunked}
+    sizes = {(r.spec.stream.partition_size, r.spec.stream.head_partition_size) for r in chunked}
     if len(sizes) > 1:
         return "partitions " + ", ".join(
-            f"{r.label} ps {r.spec.partition_size} ps-head {r.spec.head_partition_size}" for r in chunked)
-    layer, head = sizes.pop() if sizes else (plan.specs[0].partition_size, plan.specs[0].head_partition_size)
+            f"{r.label} ps {r.spec.stream.partition_size} ps-head {r.spec.stream.head_partition_size}"
+            for r in chunked)
+    first = plan.specs[0].stream
+    layer, head = sizes.pop() if sizes else (first.partition_size, first.head_partition_size)
     return f"ps {layer} (streambp, mst), ps-head {head} (streambp, mst)"
 
 
 def _head(results: list[MethodResult]) -> str:
     """', LM head <mode> (streambp)' when streambp is in the run, else ''."""
-    heads = dict.fromkeys(r.spec.head_mode for r in results if r.spec.method == "streambp")
+    heads = dict.fromkeys(r.spec.stream.head_mode for r in results if r.spec.method == "streambp")
     return f", LM head {' / '.join(heads)} (streambp)" if heads else ""
 
 

@@ -27,12 +27,12 @@ def run(settings: Settings) -> list[Path]:
     lengths = (64, 256, 1024) if settings.quick else (1024, 2048, *range(4096, 131072 + 1, 8192))
     results, budget = settings.csv("fig3"), settings.budget_gib()
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
-    rows = max_len_rows([StepSpec(model=model, method=method, lora_rank=rank, **sizes)
+    rows = max_len_rows([StepSpec.of(model=model, method=method, lora_rank=rank, **sizes)
                          for model, rank in models.values() for method in METHODS], settings)
     results.append_many(rows)
     target = resolve_target("sim", budget)
     points = [
-        StepSpec(method=method, model=model, seq_len_tokens=length, lora_rank=rank, **sizes)
+        StepSpec.of(method=method, model=model, seq_len_tokens=length, lora_rank=rank, **sizes)
         for model, rank in models.values()
         for method in METHODS
         for length in lengths

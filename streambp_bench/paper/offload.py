@@ -43,7 +43,7 @@ def run(settings: Settings) -> list[Path]:
     models = {"tiny": ("tiny/llama", 0)} if settings.quick else published.FIG3_MODELS
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
     budget, results = settings.budget_gib(), settings.csv("offload")
-    specs = with_offload(tuple(StepSpec(model=model, method=method, lora_rank=rank, **sizes)
+    specs = with_offload(tuple(StepSpec.of(model=model, method=method, lora_rank=rank, **sizes)
                                for model, rank in models.values() for method in METHODS), "both")
     results.append_many(max_len_rows(specs, settings))
     curve_model = "tiny/llama" if settings.quick else CURVE_MODEL

@@ -20,6 +20,7 @@ from streambp_bench.results import ResultRow, ResultsFile, provenance, rows_to_f
 from streambp_bench.sweep import grid
 from streambp_core.config import StepSpec
 from streambp_core.measure.units import GIB
+from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.target import DEFAULT_BUDGET_GIB, Target
 
 METHODS = ("plain", "checkpoint", "streambp")
@@ -48,7 +49,7 @@ class Settings:
     def on_point(self, point: StepSpec, rows: object = None) -> None:
         """`note` a point (a `run_points` callback)."""
         self.note(f"{point.method} {point.model} T={point.seq_len_tokens:,}"
-                  + (f" ps={point.partition_size}" if point.partitioned else ""))
+                  + (f" ps={point.stream.partition_size}" if point.partitioned else ""))
 
     def budget_gib(self) -> float:
         return 0.005 if self.quick else DEFAULT_BUDGET_GIB
@@ -57,30 +58,30 @@ class Settings:
         return ResultsFile(self.out_dir / f"{item}.csv")
 
 
-def max_len_row(spec: StepSpec, budget_gib: float, cache: dict | None = None,
+def max_len_row(spec: StepSpec, budget_gib: float, model: ResolvedModel | None = None,
                 note: Callable[[str], None] = print_nothing) -> ResultRow:
     """Search the simulated max length of `spec` within `budget_gib` (confirmed at full depth) and return
-    it as a max_len row."""
+    it as a max_len row; `model`: the spec's model resolved once (None: resolved here)."""
     from streambp_bench.maxlen.report import max_len_row as row_of
     from streambp_core.step.probe import max_len
 
     note(f"max length: {spec.method} {spec.model}" + (f" LoRA r{spec.lora_rank}" if spec.lora_rank else "")
          + ("" if spec.objective == "sft" else f" {spec.objective}"))
 
-    search = max_len(spec, int(budget_gib * GIB), "sim", cache=cache)
+    search = max_len(spec, int(budget_gib * GIB), "sim", model)
     return row_of(spec, search, provenance("simulated", "meta"))
 
 
 def max_len_rows(specs: Sequence[StepSpec], settings: Settings) -> list[ResultRow]:
     """`max_len_row` of each spec at the item's budget, in the order given (started costliest first, as
     `max-len` starts them): side by side on the settings' workers when it has them (each worker with its
-    own memo: the memo changes no figure), else here one after another sharing one memo. Their progress
-    reaches `settings.note`."""
+    own memo: the memo changes no figure), else here one after another sharing each model's memo (each
+    model resolved once). Their progress reaches `settings.note`."""
     from streambp_bench.maxlen.plan import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
 
-    cache: dict = {}
-    tasks = [Task(spec.method, max_len_row, (spec, settings.budget_gib(), cache),
+    models = {name: ResolvedModel(name) for name in dict.fromkeys(spec.model for spec in specs)}
+    tasks = [Task(spec.method, max_len_row, (spec, settings.budget_gib(), models[spec.model]),
                   SEARCH_COST.get(spec.method, 0)) for spec in specs]
     return run_tasks(tasks, settings.jobs, settings.context, settings.note)
 
@@ -90,7 +91,7 @@ def memory_curve(points: list[StepSpec], target: Target, results: ResultsFile,
     """Run each (method, model, ps) series in increasing length, stopping after its first OOM."""
     series: dict[tuple, list[StepSpec]] = {}
     for point in points:
-        key = (point.method, point.model, point.partition_size, point.lora_rank, point.offload)
+        key = (point.method, point.model, point.stream.partition_size, point.lora_rank, point.stream.offload)
         series.setdefault(key, []).append(point)
     for members in series.values():
         for point in sorted(members, key=lambda p: p.seq_len_tokens):

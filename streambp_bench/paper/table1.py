@@ -31,7 +31,7 @@ def run(settings: Settings) -> list[Path]:
         lengths = (64, 128) if settings.quick else (1024, 2048, 4096)
         target = resolve_target("cpu", cpu_budget=False)
     points = [
-        StepSpec(method=method, model=model, seq_len_tokens=length, dtype=dtype,
+        StepSpec.of(method=method, model=model, seq_len_tokens=length, dtype=dtype,
                  partition_size=max(length // 3, 1), head_partition_size=100)
         for method in methods
         for length in lengths

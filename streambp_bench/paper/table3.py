@@ -30,7 +30,7 @@ def run(settings: Settings) -> list[Path]:
     sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
     group = 2 if settings.quick else published.TABLE3_GROUP_SIZE
     results = settings.csv("table3")
-    specs = [StepSpec(model=model, method=method, objective=objective, lora_rank=rank, optimizer="adamw",
+    specs = [StepSpec.of(model=model, method=method, objective=objective, lora_rank=rank, optimizer="adamw",
                       batch_size=batch, protocol="trl", **sizes)
              for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1))
              for model, rank in cells.values()

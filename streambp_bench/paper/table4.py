@@ -39,11 +39,11 @@ def table4_specs(quick: bool = False) -> list[StepSpec]:
         base = {"model": "Qwen/Qwen3-8B"}
         gpus, zero3_models, zero3_gpus = published.TABLE4_GPUS, ZERO3_MODELS, ZERO3_GPUS
     common = {k: v for k, v in base.items() if k != "model"}
-    specs = [StepSpec(**base, method=method, optimizer="adamw", gpus=n, shard=engine)
+    specs = [StepSpec.of(**base, method=method, optimizer="adamw", gpus=n, shard=engine)
              for engine in ENGINES for method in METHODS for n in gpus]
     for offload in ("none", "checkpoints"):
-        specs += [StepSpec(model=model, method=method, optimizer="adamw", gpus=zero3_gpus, shard="zero3",
-                           offload=offload, **common)
+        specs += [StepSpec.of(model=model, method=method, optimizer="adamw", gpus=zero3_gpus, shard="zero3",
+                              offload=offload, **common)
                   for model in zero3_models for method in METHODS]
     return specs
 

@@ -41,24 +41,24 @@ def precision_rows(model_name: str, *, seq_len: int, partition_size: int, seed: 
     """Rows of metric grad_rel_err_<group> (see the module docstring), source measured-cpu."""
     config = load_config(model_name)
     sizes = {"partition_size": partition_size, "head_partition_size": partition_size}
-    spec = VerifySpec(model=model_name, seq_len=seq_len, dtype="float64", seed=seed, **sizes)
+    spec = VerifySpec.of(model=model_name, seq_len_tokens=seq_len, dtype="float64", seed=seed, **sizes)
     batch = random_batch(vocab_size=config.vocab_size, seq_len=seq_len, batch_size=1, seed=seed + 1)
     model = build_model(config, dtype=torch.float64, seed=seed)
-    reference = run_step(model, "plain", batch, spec).grads
+    reference = run_step(model, spec.reference, batch).grads
     model.to(torch.float32)
     runs = [
-        (m, "float32", "plain float64", run_step(model, m, batch, spec).grads)
+        (m, "float32", "plain float64", run_step(model, spec.step_of(m), batch).grads)
         for m in ("plain", "checkpoint", "streambp")
     ]
-    streamed = {**sizes, "head_mode": spec.step("streambp").head_mode}  # the cells of streambp's rows
+    streamed = {**sizes, "head_mode": spec.step_of("streambp").stream.head_mode}  # streambp's rows' cells
     rows = _rows(model_name, seq_len, streamed, runs, reference)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16))
-    reference = run_step(model, "plain", batch, spec).grads
+    reference = run_step(model, spec.reference, batch).grads
     model.to(torch.bfloat16)
     runs = [
-        (m, "bfloat16", "plain float32, bf16-rounded weights", run_step(model, m, batch, spec).grads)
+        (m, "bfloat16", "plain float32, bf16-rounded weights", run_step(model, spec.step_of(m), batch).grads)
         for m in ("checkpoint", "streambp")
     ]
     return rows + _rows(model_name, seq_len, streamed, runs, reference)

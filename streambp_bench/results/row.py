@@ -242,17 +242,18 @@ def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, 
         "method": spec.method, "model": spec.model, "objective": spec.objective,
         "seq_len_tokens": spec.seq_len_tokens if seq_len_tokens is None else seq_len_tokens,
         "batch_size": spec.batch_size,
-        "partition_size": spec.partition_size if spec.partitioned else None,
-        "head_partition_size": spec.head_partition_size if spec.partitioned else None,
+        "partition_size": spec.stream.partition_size if spec.partitioned else None,
+        "head_partition_size": spec.stream.head_partition_size if spec.partitioned else None,
         "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
-        "attn": spec.attn, "protocol": spec.protocol, "grads": spec.grads, "offload": spec.offload,
+        "attn": spec.stream.attn, "protocol": spec.protocol, "grads": spec.grads,
+        "offload": spec.stream.offload,
         "gpus": spec.gpus, "shard": spec.shard, "head_mode": row_head_mode(spec),
     }  # fmt: skip
 
 
 def row_head_mode(spec: StepSpec) -> str:
     """The head_mode cell of a row about step `spec`: its resolved head for streambp, else empty."""
-    return spec.head_mode if spec.method == "streambp" else ""
+    return spec.stream.head_mode if spec.method == "streambp" else ""
 
 
 def memory_columns(peak_bytes: int | None, breakdown_bytes: dict[str, int]) -> dict[str, float | None]:

@@ -37,14 +37,14 @@ from streambp_core.config import StepSpec
 from streambp_core.measure.cuda import cuda_available, device_info
 from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.measure.units import GIB
-from streambp_core.methods import prepare
-from streambp_core.models.load import build_model, load_config
+from streambp_core.models.load import build_model
 from streambp_core.search import OK, ProbeResult
 from streambp_core.step.partitions import fitting_partitions
 from streambp_core.step.probe import measure_setup
+from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import build_setup
 from streambp_core.step.simulate import simulate
-from streambp_core.step.timing import time_step
+from streambp_core.step.timing import spec_step, timed_step
 from streambp_core.verify.methods import VerifySpec, verify_spec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
@@ -108,17 +108,18 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
     """Step 1: one row per (objective, kernel, method), metric grad_rel_err."""
     for objective in plan.objectives:
         for attn in attention_kernels(plan):
-            spec = VerifySpec(model=plan.verify_model, seq_len=plan.verify_seq_len, batch_size=2,
-                              dtype=plan.verify_dtype, padding="right", device=plan.device,
-                              objective=objective, attn=attn, partition_size=256, head_partition_size=100,
-                              head_mode="auto")  # the fused head where the objective allows it (sft, grpo)
+            spec = VerifySpec.of(model=plan.verify_model, seq_len_tokens=plan.verify_seq_len, batch_size=2,
+                                 dtype=plan.verify_dtype, padding="right", device=plan.device,
+                                 objective=objective, attn=attn, partition_size=256, head_partition_size=100,
+                                 head_mode="auto")  # the fused head where the objective allows it (sft, grpo)
             report = verify_spec(spec)
             for result in report.results:
                 yield ResultRow(
                     method=result.method, model=plan.verify_model, objective=objective,
                     seq_len_tokens=plan.verify_seq_len, batch_size=2, partition_size=256,
                     head_partition_size=100, dtype=plan.verify_dtype, attn=attn,
-                    head_mode=row_head_mode(spec.step(result.method)), status="ok" if result.ok else "error",
+                    head_mode=row_head_mode(spec.step_of(result.method)),
+                    status="ok" if result.ok else "error",
                     metric="grad_rel_err", value=result.max_rel_err,
                     error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
                     **provenance(f"measured-{plan.device}", where),
@@ -127,24 +128,24 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
 
 def memory_spec(plan: CheckPlan, method: str, seq_len: int) -> StepSpec:
     """The step of a memory row: the memory model, the plan's precision and partitions."""
-    return StepSpec(model=plan.memory_model, method=method, seq_len_tokens=seq_len, dtype=plan.dtype,
-                    partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
+    return StepSpec.of(model=plan.memory_model, method=method, seq_len_tokens=seq_len, dtype=plan.dtype,
+                       partition_size=plan.partition_size, head_partition_size=plan.head_partition_size)
 
 
 def memory_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
     """Step 2: measured and simulated peak of every method at every length (metric peak_memory)."""
-    config = model.config
+    resolved = ResolvedModel(model.config)
     for method in METHODS:
         for seq_len in plan.lengths:
             spec = memory_spec(plan, method, seq_len)
-            measured = measure_setup(build_setup(spec, config, plan.device, model=model), plan.device)
+            measured = measure_setup(build_setup(spec, model.config, plan.device, model=model), plan.device)
             yield _memory_row(spec, measured, where)
-            yield _memory_row(spec, _simulated(spec, config), where)
+            yield _memory_row(spec, _simulated(spec, resolved), where)
 
 
-def _simulated(spec: StepSpec, config) -> ProbeResult:
+def _simulated(spec: StepSpec, resolved: ResolvedModel) -> ProbeResult:
     """The simulator's prediction for `spec`, as a probe result."""
-    sim = simulate(spec, config)
+    sim = simulate(spec, resolved)
     return ProbeResult(seq_len_tokens=spec.seq_len_tokens, status=OK, peak_bytes=sim.peak_bytes,
                        breakdown_bytes=sim.breakdown_bytes, source="simulated")
 
@@ -173,53 +174,54 @@ def _partitions(plan: CheckPlan, seq_len: int, head_partition: int | str) -> tup
         return -(-seq_len // 3), head_partition
     budget = (plan.budget_gib * GIB if plan.budget_gib is not None
               else torch.cuda.get_device_properties(plan.device).total_memory)
-    spec = StepSpec(model=plan.memory_model, method="streambp", seq_len_tokens=seq_len, dtype=plan.dtype,
-                    head_mode="auto")
-    chosen = fitting_partitions(spec, int(budget), load_config(plan.memory_model))
-    return chosen.partition_size, chosen.head_partition_size
+    spec = StepSpec.of(model=plan.memory_model, method="streambp", seq_len_tokens=seq_len, dtype=plan.dtype,
+                       head_mode="auto")
+    chosen = fitting_partitions(spec, int(budget))  # the model resolved there
+    return chosen.stream.partition_size, chosen.stream.head_partition_size
 
 
 def timed_head_mode(plan: CheckPlan, method: str) -> str:
     """The head_mode cell of a timed variant's rows: the head its sft step runs (streambp: auto, fused)."""
-    return row_head_mode(StepSpec(model=plan.memory_model, method=method, head_mode="auto"))
+    return row_head_mode(StepSpec.of(model=plan.memory_model, method=method, head_mode="auto"))
 
 
-def _prepared_step(plan: CheckPlan, model, method: str, seq_len: int, head_partition: int | str):
-    """(layer partition, head partition, the prepared run, step()) of one timed variant on random ids;
-    the caller enters the run (a context manager) around its steps."""
-    ids = torch.randint(model.config.vocab_size, (1, seq_len), device=plan.device)
+def timed_spec(plan: CheckPlan, method: str, seq_len: int, head_partition: int | str) -> StepSpec:
+    """The sft step of one timed variant: the plan's memory model and precision, the variant's partitions
+    (`_partitions`), streambp with the head the objective allows (auto: fused)."""
     partition, head = _partitions(plan, seq_len, head_partition)
-    fused = {"head_mode": "auto"} if method == "streambp" else {}  # sft: the fused head
-    run = prepare(model, method, partition_size=partition, head_partition_size=head,
-                  baseline_attention="engine", **fused)
-    return partition, head, run, lambda: run.loss(ids).backward()
+    return StepSpec.of(model=plan.memory_model, method=method, seq_len_tokens=seq_len, dtype=plan.dtype,
+                       partition_size=partition, head_partition_size=head, head_mode="auto")
+
+
+def _timed_row_fields(plan: CheckPlan, spec: StepSpec, where: str) -> dict:
+    """The fields every row of a timed variant has: its step (partitions recorded even for checkpoint,
+    whose head is whole) and provenance."""
+    return dict(method=spec.method, model=plan.memory_model, seq_len_tokens=spec.seq_len_tokens,
+                batch_size=1, partition_size=spec.stream.partition_size,
+                head_partition_size=spec.stream.head_partition_size,
+                head_mode=timed_head_mode(plan, spec.method), dtype=plan.dtype,
+                **provenance(f"measured-{plan.device}", where))
 
 
 def time_rows(plan: CheckPlan, model, where: str, repeats: int = 3) -> Iterator[ResultRow]:
     """Step 3: step time of each timed variant (metric step_time, ms: p50, with p20/p80)."""
     for seq_len in plan.timed_lengths:
         for method, head_partition in timed_variants(plan):
-            partition, head, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
-            with run:
-                timing = time_step(step, plan.device, warmup=1, repeats=repeats)
+            spec = timed_spec(plan, method, seq_len, head_partition)
+            setup = build_setup(spec, model.config, plan.device, model=model)
+            timing = timed_step(setup, plan.device, warmup=1, repeats=repeats)
             model.zero_grad(set_to_none=True)
-            yield ResultRow(
-                method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
-                partition_size=partition, head_partition_size=head, head_mode=timed_head_mode(plan, method),
-                dtype=plan.dtype, metric="step_time", value=timing.p50_ms, **timing.columns(),
-                **provenance(f"measured-{plan.device}", where),
-            )
+            yield ResultRow(**_timed_row_fields(plan, spec, where), metric="step_time", value=timing.p50_ms,
+                            **timing.columns())
 
 
 def profile_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
     """Step 4: kernel time by class of one profiled step per timed variant at the longest length."""
     seq_len = max(plan.timed_lengths)
     for method, head_partition in timed_variants(plan):
-        partition, head_partition, run, step = _prepared_step(plan, model, method, seq_len, head_partition)
-        common = dict(method=method, model=plan.memory_model, seq_len_tokens=seq_len, batch_size=1,
-                      partition_size=partition, head_partition_size=head_partition, dtype=plan.dtype,
-                      head_mode=timed_head_mode(plan, method), **provenance(f"measured-{plan.device}", where))
-        with run:
+        spec = timed_spec(plan, method, seq_len, head_partition)
+        common = _timed_row_fields(plan, spec, where)
+        with spec_step(build_setup(spec, model.config, plan.device, model=model)) as step:
             step()  # warm-up: the profile sees a steady-state step
             message = "the profiler recorded no kernels"
             try:

@@ -55,8 +55,8 @@ def expand_grid(
     for model, method in itertools.product(models, methods):
         sizes = partition_sizes if StepSpec(model=model, method=method).partitioned else partition_sizes[:1]
         for size, length in itertools.product(sizes, seq_lens):
-            points.append(StepSpec(model=model, method=method, seq_len_tokens=length, partition_size=size,
-                                   **common))  # type: ignore[arg-type]
+            points.append(StepSpec.of(model=model, method=method, seq_len_tokens=length, partition_size=size,
+                                      **common))  # type: ignore[arg-type]
     return list(dict.fromkeys(points))
 
 
@@ -65,15 +65,15 @@ def estimate_key(spec: StepSpec, gpu) -> tuple[str, ...]:
     return ResultRow.key_of(**spec_fields(spec), source="estimated", device_name=gpu.name, metric="step_time")
 
 
-def estimated_row(spec: StepSpec, gpu, peak_row: ResultRow, config=None,
-                  cache: dict | None = None) -> ResultRow:
-    """The estimated step_time row of `spec` on `gpu` (ms in `value`), given the point's peak row."""
+def estimated_row(spec: StepSpec, gpu, peak_row: ResultRow, model=None) -> ResultRow:
+    """The estimated step_time row of `spec` on `gpu` (ms in `value`), given the point's peak row; `model`:
+    the spec's model resolved once (`step.resolved.ResolvedModel`; None: resolved here)."""
     from streambp_core.step.estimate import estimate_step
 
     fields = {**spec_fields(spec), **provenance("estimated", gpu.name), "metric": "step_time"}
     if peak_row.status != "ok":
         return ResultRow(**fields, status=peak_row.status, error=peak_row.error or "the step does not fit")
-    return ResultRow(**fields, value=estimate_step(spec, gpu, config, cache).step_time_ms)
+    return ResultRow(**fields, value=estimate_step(spec, gpu, model).step_time_ms)
 
 
 def metrics(target) -> tuple[str, ...]:
@@ -87,17 +87,17 @@ def point_keys(spec: StepSpec, target) -> set[tuple[str, ...]]:
     return {ResultRow.key_of(**spec_fields(spec), **extra, metric=m) for m in metrics(target)}
 
 
-def run_point(spec: StepSpec, target, config=None) -> list[ResultRow]:
-    """Run one point (simulated or measured, see the module docstring) and return its rows; `config` is
-    the model's config when the caller resolved it."""
+def run_point(spec: StepSpec, target, model=None) -> list[ResultRow]:
+    """Run one point (simulated or measured, see the module docstring) and return its rows; `model` is the
+    spec's model when the caller resolved it (`step.resolved.ResolvedModel`)."""
     from streambp_core.measure.cuda import is_oom
 
     base = {**spec_fields(spec), **provenance(target.source, target.device_name),
             "budget_gib": target.budget_gib}
     try:
         if target.device == "sim":
-            return [_simulated_row(spec, base, target, config)]
-        probe, timing = _measured(spec, target.device, config)
+            return [_simulated_row(spec, base, target, model)]
+        probe, timing = _measured(spec, target.device, model)
     except Exception as error:  # an OOM is a data point; any other failure is recorded as an error row
         status = "oom" if is_oom(error) else "error"
         message = " ".join(str(error).split())[:300]
@@ -108,39 +108,27 @@ def run_point(spec: StepSpec, target, config=None) -> list[ResultRow]:
     return [row, replace(row, metric="step_time", value=timing.p50_ms)]
 
 
-def _measured(spec: StepSpec, device: str, config):
+def _measured(spec: StepSpec, device: str, model):
     """A tracked step on real tensors (the peak), then `MEASURE_REPEATS` timed steps after a warm-up."""
-    from streambp_core.methods import prepare
     from streambp_core.step.probe import cpu_ram_refusal, measure_setup
-    from streambp_core.step.setup import build_setup, reset_grads, resolve_config
-    from streambp_core.step.timing import time_step
+    from streambp_core.step.resolved import resolved
+    from streambp_core.step.setup import build_setup
+    from streambp_core.step.timing import timed_step
 
-    config = resolve_config(spec, config)
-    if device == "cpu" and (refusal := cpu_ram_refusal(spec, config)) is not None:
+    model = resolved(spec.model, model)
+    if device == "cpu" and (refusal := cpu_ram_refusal(spec, model)) is not None:
         raise MemoryError(f"not run: {refusal}")  # an oom row: RAM is a CPU step's device memory
-    setup = build_setup(spec, config, device)
+    setup = build_setup(spec, model.config, device)
     probe = measure_setup(setup, device)
     if probe.status != "ok":
         raise MemoryError(probe.message or "out of memory")
-    model, optimizer = setup.model, setup.optimizer
-
-    def step() -> None:
-        reset_grads(model, spec)
-        loss = run.loss(**setup.inputs)
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    with prepare(model, spec.method, **spec.stream_options()) as run:
-        timing = time_step(step, device, repeats=MEASURE_REPEATS)
-    return probe, timing
+    return probe, timed_step(setup, device, repeats=MEASURE_REPEATS)
 
 
-def _simulated_row(spec: StepSpec, base: dict, target, config) -> ResultRow:
+def _simulated_row(spec: StepSpec, base: dict, target, model) -> ResultRow:
     from streambp_core.step.simulate import simulate
 
-    sim = simulate(spec, config)
+    sim = simulate(spec, model)
     fits = target.budget_bytes is None or sim.peak_bytes <= target.budget_bytes
     return ResultRow(**base, **memory_columns(sim.peak_bytes, sim.breakdown_bytes), metric="peak_memory",
                      status="ok" if fits else "oom", value=sim.peak_gib if fits else None,
@@ -160,26 +148,26 @@ def run_points(
     """Run the points not yet in `results` (all of them when `force`), upserting each one's rows at once.
 
     `on_point(point, rows)` is called after each point (rows None for a point skipped as done).
-    `resolve(point, config)` gives the point to run (module docstring); `gpu` adds the estimated row. Each
-    model's config is resolved once. A KeyboardInterrupt propagates after the finished points are on disk.
+    `resolve(point, model)` gives the point to run (module docstring); `gpu` adds the estimated row. Each
+    model is resolved once (`step.resolved.ResolvedModel`: its config and the simulation memo its points
+    share). A KeyboardInterrupt propagates after the finished points are on disk.
     """
-    from streambp_core.models import load_config
+    from streambp_core.step.resolved import ResolvedModel
 
-    configs = {model: load_config(model) for model in dict.fromkeys(p.model for p in points)}
+    models = {name: ResolvedModel(name) for name in dict.fromkeys(p.model for p in points)}
     done = set() if force else {row.key() for row in results.rows() if row.status != "error"}
     written: list[ResultRow] = []
-    cache: dict = {}
     for point in points:
-        config = configs[point.model]
-        point = point if resolve is None else resolve(point, config)
+        model = models[point.model]
+        point = point if resolve is None else resolve(point, model)
         keys = point_keys(point, target) | (set() if gpu is None else {estimate_key(point, gpu)})
         if keys <= done:
             if on_point is not None:
                 on_point(point, None)
             continue
-        rows = run_point(point, target, config)
+        rows = run_point(point, target, model)
         if gpu is not None:
-            rows.append(estimated_row(point, gpu, rows[0], config, cache))
+            rows.append(estimated_row(point, gpu, rows[0], model))
         results.append_many(rows)
         written.extend(rows)
         if on_point is not None:

@@ -49,11 +49,13 @@ def render_table(report: ShardedReport) -> Table:
 def _print(console, report: ShardedReport, spec: VerifySpec, backend: str) -> None:
     console.print(render_table(report))
     units = report.results[0].units if report.results else 0
+    step = spec.step
     console.print(
-        f"{report.source}: {spec.model}, {spec.dtype}, {report.nproc} ranks ({backend}), seq_len "
-        f"{spec.seq_len} and batch {spec.batch_size} per rank, ps {spec.partition_size}, ps-head "
-        f"{spec.head_partition_size}, objective {spec.objective}, seed {spec.seed}; {units} FSDP units (the "
-        "decoder layers and the root); collectives of one step on one rank, bytes of the full tensors",
+        f"{report.source}: {step.model}, {step.dtype}, {report.nproc} ranks ({backend}), seq_len "
+        f"{step.seq_len_tokens} and batch {step.batch_size} per rank, ps {step.stream.partition_size}, "
+        f"ps-head {step.stream.head_partition_size}, objective {step.objective}, seed {step.seed}; "
+        f"{units} FSDP units (the decoder layers and the root); collectives of one step on one rank, bytes "
+        "of the full tensors",
         soft_wrap=True)
     console.print("[green]all methods match plain[/]" if report.ok
                   else "[bold red]some methods do not match plain[/]")

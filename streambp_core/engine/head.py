@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
-from streambp_core.engine.objectives import LINEAR_REDUCE_OBJECTIVES
 from streambp_core.engine.offload import HostChain
 from streambp_core.measure.tags import GRADS, memory_category
 
@@ -133,21 +132,6 @@ def _linear_chunk_backward(plan, objective, h, start, end, d_stats, params) -> N
     with torch.enable_grad():
         normed = plan.norm(h)
     backward_into([normed], [d_x], [h], [p for p in params if p is not weight])
-
-
-def head_mode(requested: str, objective_name: str) -> str:
-    """'fused' or 'recompute' for `requested` ('auto', 'fused', 'recompute') and an objective.
-
-    'auto' fuses wherever the objective allows it; 'fused' for an objective with a non-linear reduction
-    (dpo needs all of S before any gradient) is refused by name.
-    """
-    fusable = objective_name in LINEAR_REDUCE_OBJECTIVES
-    if requested == "fused" and not fusable:
-        raise ConfigError(f"head_mode='fused' needs a loss linear in its per-sequence sums "
-                          f"({', '.join(LINEAR_REDUCE_OBJECTIVES)}); {objective_name} takes 'recompute'")
-    if requested == "auto":
-        return "fused" if fusable else "recompute"
-    return requested
 
 
 class FusedHead(torch.autograd.Function):

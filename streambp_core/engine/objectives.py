@@ -193,7 +193,8 @@ class DPOObjective:
 
 LINEAR_REDUCE_OBJECTIVES = tuple(cls.name for cls in (SFTObjective, GRPOObjective, DPOObjective)
                                  if cls.linear_reduce)
-"""Objectives whose loss is linear in the per-sequence sums (the fused LM head serves them)."""
+"""Objectives whose loss is linear in the per-sequence sums, as the classes say (`linear_reduce`): what
+`config.FUSED_HEAD_OBJECTIVES` states without torch, where the head mode is resolved."""
 
 
 def dpo_objective(labels: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor, *,

@@ -17,25 +17,26 @@ METHOD_OPTIONS = {
 }
 """The StreamConfig fields each method reads; other fields do not change its step."""
 
-NOT_FOR_TRAINERS = ("baseline_attention", "keep_chunks")
-"""StreamConfig fields that only matter to measurement and simulation, never to a real training step."""
+NOT_FOR_TRAINERS = ("objective", "baseline_attention", "keep_chunks", "baseline_loss")
+"""StreamConfig fields a trainer does not take: the objective is the trainer's own loss; the others only
+matter to measurement and simulation, never to a real training step."""
 KNOWN_OPTIONS = {name for names in METHOD_OPTIONS.values() for name in names} | set(NOT_FOR_TRAINERS)
 
 
 def trainer_settings(spec_or_method, **options) -> dict[str, object]:
     """{'method': ..., option: value, ...} for `stream_trainer(trainer, **settings)`.
 
-    `spec_or_method` is a method name (options as keywords) or any object with a `method` attribute and
-    StreamConfig fields as attributes (a step spec). Fields a method does not read are left out; so are
-    fields at their default, except the partition sizes, which are always shown for the methods that read
-    them. StreamConfig fields added later (e.g. offload) are passed on when set.
+    `spec_or_method` is a method name (options as keywords), a step spec (its `stream`), or any object with
+    a `method` attribute and StreamConfig fields as attributes. Fields a method does not read are left out;
+    so are fields at their default, except the partition sizes, which are always shown for the methods
+    that read them. StreamConfig fields added later (e.g. offload) are passed on when set.
     """
     if isinstance(spec_or_method, str):
         method, values = spec_or_method, dict(options)
     else:
         method = spec_or_method.method
-        values = {f.name: getattr(spec_or_method, f.name) for f in fields(StreamConfig)
-                  if hasattr(spec_or_method, f.name)}
+        held = getattr(spec_or_method, "stream", spec_or_method)  # a StepSpec holds its StreamConfig
+        values = {f.name: getattr(held, f.name) for f in fields(StreamConfig) if hasattr(held, f.name)}
         values.update(options)
     check_method(method)
     config = StreamConfig(**values)

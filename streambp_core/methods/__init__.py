@@ -1,10 +1,12 @@
-"""One file per method behind one interface: `prepare(model, method, **options) -> Run`."""
+"""One file per method behind one interface: `prepare(model, method, config) -> Run`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
-from streambp_core.config import ConfigError, StreamConfig, check_method
+from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload
 from streambp_core.methods.base import Run
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.mst import MstRun
@@ -19,20 +21,22 @@ RUN_CLASSES: dict[str, type[Run]] = {
 }
 
 
-def prepare(model: nn.Module, method: str, *, objective: str = "sft", **options) -> Run:
+def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, **options) -> Run:
     """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
 
-    Options are the fields of `StreamConfig` (partition_size, head_partition_size, mlp_chunk_size, attn).
-    Preparing never copies the weights; `run.close()` (or leaving a `with` block) undoes it.
+    `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
+    (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the
+    config's. Preparing never copies the weights; `run.close()` (or leaving a `with` block) undoes it.
     """
     check_method(method)
     try:
-        config = StreamConfig(**options)
+        config = StreamConfig(**options) if config is None else replace(config, **options)
     except TypeError as err:
         raise ConfigError(f"unknown option for prepare(): {err}") from None
+    check_offload(method, config.offload)
     if config.keep_chunks is not None and any(p.device.type != "meta" for p in model.parameters()):
         raise ConfigError("keep_chunks thins the chunk loops for simulation: only on the meta device")
-    return RUN_CLASSES[method](model, config, objective=objective)
+    return RUN_CLASSES[method](model, config)
 
 
 __all__ = ["RUN_CLASSES", "Run", "prepare"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from streambp_core.config import OBJECTIVES, ConfigError, StreamConfig
+from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards
@@ -23,18 +23,12 @@ class Run:
     """
 
     method = "base"
-    keeps_checkpoints = True
-    """Whether the method keeps checkpoints between forward and backward (so `offload` applies)."""
 
-    def __init__(self, model: nn.Module, config: StreamConfig, objective: str = "sft") -> None:
-        if objective not in OBJECTIVES:
-            raise ConfigError(f"unknown objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
-        if config.offload != "none" and not self.keeps_checkpoints:
-            raise ConfigError(f"offload={config.offload!r} does not apply to {self.method}: it keeps no "
-                              "checkpoints, so there is nothing to offload")
+    def __init__(self, model: nn.Module, config: StreamConfig) -> None:
+        """`config` is validated (`prepare` checks it against the method)."""
         self.model = model
         self.config = config
-        self.objective_name = objective
+        self.objective_name = config.objective
         self.parts: DecoderParts = guards.parts_of(model)
         self._check_dropout()
         guards.claim(self.parts, self)

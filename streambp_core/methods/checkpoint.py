@@ -24,7 +24,6 @@ class CheckpointRun(PlainRun):
     """Gradient checkpointing: keep each layer's input, recompute the layer in backward."""
 
     method = "checkpoint"
-    keeps_checkpoints = True
 
     def _setup(self) -> None:
         super()._setup()

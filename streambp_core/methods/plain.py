@@ -20,7 +20,6 @@ class PlainRun(Run):
     """Ordinary backpropagation: every activation of every layer and the full logits are kept."""
 
     method = "plain"
-    keeps_checkpoints = False
 
     def _check_dropout(self) -> None:
         if self.uses_engine_attention:

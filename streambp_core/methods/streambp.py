@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from streambp_core.engine.chunks import trainable_parameters
-from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead, head_mode
+from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
 from streambp_core.engine.offload import HostChain
 from streambp_core.engine.router import aux_loss
@@ -46,7 +46,7 @@ class StreamBPRun(Run):
             for layer in self.parts.layers
         ]
         self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks)
-        fused = head_mode(cfg.head_mode, self.objective_name) == "fused"
+        fused = cfg.head_mode == "fused"  # resolved against the objective by StreamConfig
         self._head_function = FusedHead if fused else StreamedHead
 
     def _loss(self, input_ids, attention_mask, labels, **objective_inputs):

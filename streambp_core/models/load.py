@@ -100,7 +100,9 @@ def _known_keys(model_type: str) -> set[str]:
     return set(CONFIG_MAPPING[model_type]().to_dict())
 
 
-def _as_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
+def checked_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
+    """The named config loaded (`load_config`), or a validated copy of a given config (geometry, family,
+    features; ConfigError otherwise): what `build_model` may trust (`checked=True`)."""
     if isinstance(config_or_name, PretrainedConfig):
         check_geometry(config_or_name, "config")
         return check_supported(copy.deepcopy(config_or_name))
@@ -125,13 +127,16 @@ def build_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    checked: bool = False,
 ) -> PreTrainedModel:
     """A randomly initialised `*ForCausalLM` in train mode (dropout 0) on `device`.
 
     `device="meta"` allocates no memory (shapes only), e.g. to count parameters of a 32B model.
-    The same `seed`, config, dtype and device give the same weights.
+    The same `seed`, config, dtype and device give the same weights. `checked`: the config was validated
+    already (`checked_config`, `load_config`) and is trusted as it is; the model gets a shallow copy of it
+    (its dtype and attention settings are its own), never a deep one.
     """
-    config = _as_config(config_or_name)
+    config = copy.copy(config_or_name) if checked else checked_config(config_or_name)
     config.attention_dropout = 0.0
     torch.manual_seed(seed)
     with torch.device(device):

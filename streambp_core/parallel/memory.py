@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
-from streambp_core.step.setup import resolve_config
+from streambp_core.step.resolved import ResolvedModel, resolved
 
 SOURCE = "measured-cpu"
 
@@ -53,7 +53,7 @@ class RankMemory:
                 f"{self.spec.shard}")
 
 
-def measure_ranks(specs: Sequence[StepSpec], config: PretrainedConfig | None = None, *,
+def measure_ranks(specs: Sequence[StepSpec], model: ResolvedModel | PretrainedConfig | None = None, *,
                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RankMemory]:
     """Rank 0's tracked step of each spec, in order, on one set of `gpus` CPU ranks (module docstring).
 
@@ -69,10 +69,10 @@ def measure_ranks(specs: Sequence[StepSpec], config: PretrainedConfig | None = N
             raise ConfigError(f"a rank is measured under torch FSDP2 ({', '.join(FSDP_STAGES)}), "
                               f"got shard {spec.shard}")
     check_nproc(specs[0].gpus, "cpu")
-    config = resolve_config(specs[0], config)
+    model = resolved(specs[0].model, model)
     for spec in specs:
-        _check_ram(spec, config)
-    steps = run_ranks(_rank_steps, specs[0].gpus, args=(tuple(specs), config), timeout_s=timeout_s)[0]
+        _check_ram(spec, model)
+    steps = run_ranks(_rank_steps, specs[0].gpus, args=(tuple(specs), model.config), timeout_s=timeout_s)[0]
     return [_rank_memory(spec, phases) for spec, phases in zip(specs, steps, strict=True)]
 
 
@@ -82,12 +82,12 @@ def _rank_memory(spec: StepSpec, phases: list[tuple[str, int, dict[str, int]]]) 
                       phase_peaks_bytes={name: bytes_ for name, bytes_, _ in phases})
 
 
-def _check_ram(spec: StepSpec, config: PretrainedConfig) -> None:
+def _check_ram(spec: StepSpec, model: ResolvedModel) -> None:
     """ConfigError when the ranks together would need more RAM than a CPU step may use."""
     from streambp_core.measure import host_ram
     from streambp_core.step.probe import cpu_ram_refusal
 
-    refusal = cpu_ram_refusal(spec, config, host_ram.available_ram_bytes() // spec.gpus)
+    refusal = cpu_ram_refusal(spec, model, host_ram.available_ram_bytes() // spec.gpus)
     if refusal is not None:
         raise ConfigError(f"each of {spec.gpus} ranks {refusal}")
 

@@ -12,7 +12,7 @@ Steps of `verify_sharded` (in `nproc` spawned ranks, see `run_ranks`):
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -81,10 +81,10 @@ def verify_sharded(
     if len(devices) != 1:
         raise ConfigError(f"all specs must use one device, got {', '.join(sorted(devices))}")
     for spec in specs:
-        if spec.dtype not in TOLERANCE:
+        if spec.step.dtype not in TOLERANCE:
             exact = ", ".join(TOLERANCE)
-            raise ConfigError(f"sharded verify compares exact dtypes ({exact}), got {spec.dtype}")
-        if spec.lora_rank:
+            raise ConfigError(f"sharded verify compares exact dtypes ({exact}), got {spec.step.dtype}")
+        if spec.step.lora_rank:
             raise ConfigError("sharded verify checks full-parameter training; lora_rank must be 0")
     device = devices.pop()
     per_rank = run_ranks(_rank_verify, nproc, device=device, args=(specs, shards), timeout_s=timeout_s)
@@ -95,8 +95,8 @@ def _rank_verify(rank: int, world: int, specs, shards) -> list[ShardedResult]:
     """Body of each rank: results on rank 0, an empty list elsewhere."""
     results = []
     for spec in specs:
-        model = build_model(load_config(spec.model), dtype=DTYPES[spec.dtype], device=spec.device,
-                            seed=spec.seed)
+        model = build_model(load_config(spec.step.model), dtype=DTYPES[spec.step.dtype], device=spec.device,
+                            seed=spec.step.seed)
         batches = [_rank_batch(spec, model, r) for r in range(world)]
         reference = _reference(model, spec, batches) if rank == 0 else None
         for shard in shards:
@@ -106,8 +106,9 @@ def _rank_verify(rank: int, world: int, specs, shards) -> list[ShardedResult]:
 
 
 def _rank_batch(spec: VerifySpec, model, rank: int):
-    return random_batch(vocab_size=model.config.vocab_size, seq_len=spec.seq_len, batch_size=spec.batch_size,
-                        padding=spec.padding, seed=spec.seed + 1 + rank, device=spec.device)
+    return random_batch(vocab_size=model.config.vocab_size, seq_len=spec.step.seq_len_tokens,
+                        batch_size=spec.step.batch_size, padding=spec.padding, seed=spec.step.seed + 1 + rank,
+                        device=spec.device)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -120,15 +121,15 @@ class _Reference:
 def _reference(model, spec: VerifySpec, batches) -> _Reference:
     """Mean loss and mean gradients of unsharded plain over the ranks' batches, and the loss bound of
     single-process `verify` (relative `TOLERANCE` of the dtype: a float64 loss is float64)."""
-    steps = [run_step(model, "plain", batch, _rank_spec(spec, r)) for r, batch in enumerate(batches)]
+    steps = [run_step(model, _rank_spec(spec, r).reference, batch) for r, batch in enumerate(batches)]
     grads = {name: _mean([step.grads[name] for step in steps]) for name in steps[0].grads}
     loss = sum(step.loss for step in steps) / len(steps)
-    return _Reference(loss=loss, loss_tolerance=TOLERANCE[spec.dtype] * max(1.0, abs(loss)), grads=grads)
+    return _Reference(loss=loss, loss_tolerance=TOLERANCE[spec.step.dtype] * max(1.0, abs(loss)), grads=grads)
 
 
 def _rank_spec(spec: VerifySpec, rank: int) -> VerifySpec:
     """The spec whose seed draws rank `rank`'s objective inputs (advantages, reference log-probs)."""
-    return VerifySpec(**{**asdict(spec), "seed": spec.seed + rank})
+    return replace(spec, step=replace(spec.step, seed=spec.step.seed + rank))
 
 
 def _mean(grads):
@@ -140,10 +141,9 @@ def _sharded_step(model, method, shard, spec: VerifySpec, batch, reference) -> S
     """One step of `method` on a sharded copy of `model`; rank 0 compares with `reference`."""
     sharded = shard_model(copy.deepcopy(model), shard)
     rank_spec = _rank_spec(spec, dist.get_rank())
-    labels, inputs = objective_inputs(spec.objective, batch, rank_spec.seed)
-    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
-               "attn": spec.attn, "objective": spec.objective}
-    with streambp_core.prepare(sharded, method, **options) as run, CollectiveLog() as log:
+    step = rank_spec.step_of(method)
+    labels, inputs = objective_inputs(step.objective, batch, step.seed)
+    with streambp_core.prepare(sharded, method, step.stream) as run, CollectiveLog() as log:
         loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
         loss.backward()
     grads = full_gradients(sharded)
@@ -153,11 +153,11 @@ def _sharded_step(model, method, shard, spec: VerifySpec, batch, reference) -> S
     if reference is None:
         return None
     err, worst = max_rel_err(grads, reference.grads)
-    tolerance = TOLERANCE[spec.dtype]
+    tolerance = TOLERANCE[spec.step.dtype]
     loss_err = abs(mean_loss - reference.loss)
     counts = log.summary()
     return ShardedResult(
-        method=method, shard=shard, objective=spec.objective, nproc=dist.get_world_size(),
+        method=method, shard=shard, objective=step.objective, nproc=dist.get_world_size(),
         max_rel_err=err, worst_param=worst, loss=mean_loss, loss_abs_err=loss_err, tolerance=tolerance,
         loss_tolerance=reference.loss_tolerance,
         all_gathers=counts.get("all_gather", {}).get("calls", 0),

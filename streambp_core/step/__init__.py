@@ -3,7 +3,7 @@
     from streambp_core.config import StepSpec
     from streambp_core.step.simulate import simulate
 
-    spec = StepSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=65536)
+    spec = StepSpec.of(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=65536)
     simulate(spec).peak_gib
 
 - `setup`: StepSpec -> model (random weights, LoRA), optimizer, inputs;

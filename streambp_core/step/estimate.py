@@ -122,29 +122,30 @@ def estimate_by_depth(record_step: Callable[[int], Sequence[OpRecord]], num_laye
                         extend("launch_s"), round(extend("launches")))
 
 
-def estimate_step(spec, gpu: GpuModel, config=None, cache: dict | None = None) -> StepEstimate:
+def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
     at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
-    compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `cache`: the memo of
-meta kernels (`simulation_mode.SimulationMode`), shared between calls."""
+    compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `model`: the spec's
+    model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
+    resolved here)."""
     from dataclasses import replace
 
     from streambp_core.step.ops import spec_step_ops
-    from streambp_core.step.setup import build_setup, resolve_config, with_depth
+    from streambp_core.step.resolved import resolved
+    from streambp_core.step.setup import build_setup
 
     if spec.gpus > 1:
         raise ConfigError("the step-time estimate covers a step on one GPU; it does not model the "
                           "collectives of a sharded step (--gpus)")
-    config = resolve_config(spec, config)
-    cache = {} if cache is None else cache
+    model = resolved(spec.model, model)
     estimate = estimate_by_depth(
-        lambda depth: spec_step_ops(build_setup(spec, with_depth(config, depth), "meta"), cache),
-        config.num_hidden_layers, gpu)
-    if spec.offload == "none":
+        lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
+        model.num_layers, gpu)
+    if spec.stream.offload == "none":
         return estimate
     from streambp_core.step.simulate import simulate
 
-    sim = simulate(spec, config, cache=cache)
+    sim = simulate(spec, model)
     transfer_s = (sim.to_host_bytes + sim.to_device_bytes) / gpu.pcie_bytes_per_s
     compute_s = estimate.step_time_ms / 1e3
     return replace(estimate, transfer_s=max(0.0, transfer_s - compute_s))

@@ -149,7 +149,7 @@ def spec_step_ops(setup, cache: dict | None = None) -> list[OpRecord]:
     from streambp_core.step.simulation_mode import SimulationMode
 
     spec = setup.spec
-    with prepare(setup.model, spec.method, **spec.stream_options()) as run, \
+    with prepare(setup.model, spec.method, spec.stream) as run, \
             step_protocol(run, spec.protocol), SimulationMode(None, cache), OpRecorder() as recorder:
         run.loss(**setup.inputs).backward()
         if setup.optimizer is not None:

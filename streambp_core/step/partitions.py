@@ -80,36 +80,33 @@ def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = No
 def smallest_partitions(spec):
     """`spec` (a `StepSpec`) with the smallest partitions the automatic choice considers: the ones that
     reach the longest length."""
-    from dataclasses import replace
-
-    return replace(spec, partition_size=min(MIN_PARTITION, spec.seq_len_tokens),
-                   head_partition_size=MIN_PARTITION)
+    return spec.replaced(partition_size=min(MIN_PARTITION, spec.seq_len_tokens),
+                         head_partition_size=MIN_PARTITION)
 
 
-def fitting_partitions(spec, budget_bytes: int, config=None, *, layer: bool = True, head: bool = True,
-                       cache: dict | None = None):
+def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = True, head: bool = True):
     """`spec` (a `StepSpec`) with the largest layer (`layer`) and/or head (`head`) partitions whose
     simulated peak fits `budget_bytes` (`auto_partitions`); the others as given. The search simulates
     at 2 and 3 layers extrapolated; its answer is checked with every layer and, when that does not fit
     (extrapolation can only under-estimate), searched again at full depth. Raises ConfigError when even
-    the smallest candidates do not fit. Methods without partitions come back unchanged."""
-    from dataclasses import replace
-
+    the smallest candidates do not fit. Methods without partitions come back unchanged. `model`: the
+    spec's model resolved once (`step.resolved.ResolvedModel`; None: resolved here)."""
+    from streambp_core.step.resolved import resolved
     from streambp_core.step.simulate import simulate
 
     if not spec.partitioned or not (layer or head):
         return spec
-    cache = {} if cache is None else cache
+    model = resolved(spec.model, model)
 
     def fits_at(depth: str) -> Fits:
         def fits(partition: int, head_partition: int) -> bool:
-            trial = replace(spec, partition_size=partition, head_partition_size=head_partition)
-            return simulate(trial, config, depth=depth, cache=cache).peak_bytes <= budget_bytes
+            trial = spec.replaced(partition_size=partition, head_partition_size=head_partition)
+            return simulate(trial, model, depth=depth).peak_bytes <= budget_bytes
         return fits
 
-    given = {"partition_size": None if layer else spec.partition_size,
-             "head_partition_size": None if head else spec.head_partition_size}
+    given = {"partition_size": None if layer else spec.stream.partition_size,
+             "head_partition_size": None if head else spec.stream.head_partition_size}
     sizes = auto_partitions(spec.seq_len_tokens, fits_at("extrapolate"), **given)
     if not fits_at("full")(*sizes):
         sizes = auto_partitions(spec.seq_len_tokens, fits_at("full"), **given)
-    return replace(spec, partition_size=sizes[0], head_partition_size=sizes[1])
+    return spec.replaced(partition_size=sizes[0], head_partition_size=sizes[1])

@@ -27,8 +27,9 @@ from streambp_core.config import SOURCES, ConfigError, StepSpec
 from streambp_core.measure import host_ram
 from streambp_core.measure.cuda import is_oom, oom_pool
 from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, guided_max_len
+from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import StepOutOfMemory, tracked_step
-from streambp_core.step.setup import Setup, build_setup, build_training_model, resolve_config
+from streambp_core.step.setup import Setup, build_setup, build_training_model
 from streambp_core.step.simulate import simulate
 
 CPU_RAM_FRACTION = 0.8
@@ -37,14 +38,11 @@ CPU_RAM_FRACTION = 0.8
 Probe = Callable[[int], ProbeResult]
 
 
-def simulated_probe(
-    spec: StepSpec, config: PretrainedConfig, *, depth: str = "extrapolate", cache: dict | None = None
-) -> Probe:
-    """probe(seq_len) -> the simulated peak of `spec` at that length (one memo shared by its steps)."""
-    cache = {} if cache is None else cache
+def simulated_probe(spec: StepSpec, model: ResolvedModel, *, depth: str = "extrapolate") -> Probe:
+    """probe(seq_len) -> the simulated peak of `spec` at that length (`model`'s memo shared by its steps)."""
 
     def probe(seq_len: int) -> ProbeResult:
-        sim = simulate(spec.at(seq_len), config, depth=depth, cache=cache)
+        sim = simulate(spec.at(seq_len), model, depth=depth)
         return ProbeResult(seq_len_tokens=seq_len, status=OK, peak_bytes=sim.peak_bytes,
                            breakdown_bytes=sim.breakdown_bytes, source="simulated", message=sim.how,
                            host_peak_bytes=sim.host_peak_bytes, to_host_bytes=sim.to_host_bytes,
@@ -71,31 +69,31 @@ def measure_setup(setup: Setup, device: str) -> ProbeResult:
                        **record.host_figures())
 
 
-def cpu_probe(spec: StepSpec, config: PretrainedConfig, available_bytes: int | None = None) -> Probe:
+def cpu_probe(spec: StepSpec, model: ResolvedModel, available_bytes: int | None = None) -> Probe:
     """probe(seq_len) -> the tracker's peak of a real step on CPU, or 'refused' when RAM is short (the
     model is built once, on the first probe that runs)."""
     ram = host_ram.available_ram_bytes() if available_bytes is None else available_bytes
     built: list = []
 
     def probe(seq_len: int) -> ProbeResult:
-        refusal = cpu_ram_refusal(spec.at(seq_len), config, ram)
+        refusal = cpu_ram_refusal(spec.at(seq_len), model, ram)
         if refusal is not None:
             return ProbeResult(seq_len_tokens=seq_len, status=REFUSED, source="measured-cpu", message=refusal)
         if not built:
-            built.extend(build_training_model(spec, config, "cpu"))
-        model, optimizer = built
-        return measure_setup(build_setup(spec.at(seq_len), config, "cpu", model=model,
+            built.extend(build_training_model(spec, model.config, "cpu"))
+        network, optimizer = built
+        return measure_setup(build_setup(spec.at(seq_len), model.config, "cpu", model=network,
                                          optimizer=optimizer), "cpu")
 
     return probe
 
 
-def cpu_ram_refusal(spec: StepSpec, config: PretrainedConfig, available_bytes: int | None = None
+def cpu_ram_refusal(spec: StepSpec, model: ResolvedModel, available_bytes: int | None = None
                     ) -> str | None:
     """Why a real CPU step of `spec` must not run (its simulated peak plus the attention workspace is over
     CPU_RAM_FRACTION of the RAM available: it would allocate until the machine dies), or None."""
     ram = host_ram.available_ram_bytes() if available_bytes is None else available_bytes
-    need = simulate(spec, config).peak_bytes + cpu_attention_workspace_bytes(spec, config)
+    need = simulate(spec, model).peak_bytes + cpu_attention_workspace_bytes(spec, model.config)
     if need <= CPU_RAM_FRACTION * ram:
         return None
     return (f"needs ~{need / 2**30:.1f} GiB of RAM (simulated peak + attention workspace); "
@@ -107,7 +105,7 @@ def cuda_probe(spec: StepSpec, budget_bytes: int, timeout_s: float = 1800) -> Pr
 
     def probe(seq_len: int) -> ProbeResult:
         command = [sys.executable, "-m", "streambp_core.step.probe", "--spec",
-                   json.dumps(asdict(spec.at(seq_len))), "--device", "cuda",
+                   json.dumps(spec.at(seq_len).to_dict()), "--device", "cuda",
                    "--budget-bytes", str(budget_bytes)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
         return parse_child_output(seq_len, done.returncode, done.stdout, done.stderr)
@@ -119,28 +117,26 @@ def max_len(
     spec: StepSpec,
     budget_bytes: int,
     device: str,
-    config: PretrainedConfig | None = None,
+    model: ResolvedModel | None = None,
     *,
-    cache: dict | None = None,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
     host_budget_bytes: int | None = None,
 ) -> SearchResult:
     """The longest `spec.seq_len_tokens` whose step fits in `budget_bytes` (and its host pool in
     `host_budget_bytes`, when given) on `device` ('sim', 'cpu' or 'cuda'): guided by the extrapolated
     simulation, confirmed at full depth (sim) or refined by measurement (cpu, cuda); the result says at
-    what depth the answer was confirmed."""
+    what depth the answer was confirmed. `model`: the spec's model resolved once (None: resolved here)."""
     if spec.shard != "none" and device != "sim":
         raise ConfigError("a sharded step (gpus/shard) is simulated only: one rank of N on meta tensors")
-    config = resolve_config(spec, config)
-    cache = {} if cache is None else cache
-    guide = simulated_probe(spec, config, cache=cache)
-    layers = config.num_hidden_layers
+    model = resolved(spec.model, model)
+    guide = simulated_probe(spec, model)
+    layers = model.num_layers
     if device == "sim":
-        confirm = None if layers <= 3 else simulated_probe(spec, config, depth="full", cache=cache)
+        confirm = None if layers <= 3 else simulated_probe(spec, model, depth="full")
         return guided_max_len(guide, budget_bytes, confirm=confirm, confirmed_layers=layers,
                               on_probe=on_probe, host_budget_bytes=host_budget_bytes,
                               confirm_both_ends=spec.shard != "none", oom_pool=oom_pool)
-    refine = cuda_probe(spec, budget_bytes) if device == "cuda" else cpu_probe(spec, config)
+    refine = cuda_probe(spec, budget_bytes) if device == "cuda" else cpu_probe(spec, model)
     return guided_max_len(guide, budget_bytes, refine=refine, confirmed_layers=layers, on_probe=on_probe,
                           host_budget_bytes=host_budget_bytes, oom_pool=oom_pool)
 
@@ -163,7 +159,7 @@ def cpu_attention_workspace_bytes(spec: StepSpec, config: PretrainedConfig) -> i
     """RAM the engine's exact CPU attention kernel uses inside itself (the tracker sees only its outputs):
     float32 scores, probabilities and their gradient, (rows, heads, query chunk, seq_len) each."""
     seq_len = spec.seq_len_tokens
-    queries = spec.partition_size if spec.method == "streambp" else seq_len
+    queries = spec.stream.partition_size if spec.method == "streambp" else seq_len
     return 3 * 4 * spec.sequences * config.num_attention_heads * min(queries, seq_len) * seq_len
 
 
@@ -174,12 +170,12 @@ def _child_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--budget-bytes", type=int, default=0, help="cap the CUDA caching allocator here")
     args = parser.parse_args(argv)
-    spec = StepSpec(**json.loads(args.spec))
+    spec = StepSpec.of(**json.loads(args.spec))
     if args.device == "cuda" and args.budget_bytes:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_bytes / total))
     try:
-        result = measure_setup(build_setup(spec, resolve_config(spec), args.device), args.device)
+        result = measure_setup(build_setup(spec, ResolvedModel(spec.model).config, args.device), args.device)
     except Exception as exc:
         if not is_oom(exc):
             raise

@@ -12,7 +12,7 @@
   Not emulated: its 20% right padding (a (T, T) bf16 mask in 4.51, ~T^2 x 2 bytes: 0.75 GiB at 20k
   tokens), the CUDA context, and the caching allocator's fragmentation.
 - "trl": the default step, with plain's and checkpoint's GRPO and DPO losses computed as TRL 0.17's
-  trainers compute them (`StreamConfig.baseline_loss="trl"`, set by `StepSpec.stream_options`; see
+  trainers compute them (`StreamConfig.baseline_loss="trl"`, set by `StepSpec` from its protocol; see
   `streambp_core.methods.trl_loss`) and GRPOTrainer's default sampling temperature as an input. The
   paper's Table 3 ran those trainers. Nothing changes around the step, so this context does nothing.
 """

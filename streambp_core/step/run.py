@@ -144,7 +144,7 @@ def tracked_step(
     (`parallel.fsdp.gathered_parameters`), counted as weights while FSDP2 holds them allocated.
     """
     spec, model, optimizer = setup.spec, setup.model, setup.optimizer
-    run = prepare(model, spec.method, keep_chunks=keep_chunks, **spec.stream_options())
+    run = prepare(model, spec.method, spec.stream, keep_chunks=keep_chunks)
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, optimizer, device=device) as tracker:
             tracker.track_resizable(gathered, WEIGHTS)

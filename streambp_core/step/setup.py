@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
-from streambp_core.models.load import build_model, load_config
+from streambp_core.models.load import build_model
 from streambp_core.models.lora import apply_lora
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.step.optim import make_optimizer
@@ -49,11 +49,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return value
 
 
-def resolve_config(spec: StepSpec, config: PretrainedConfig | None = None) -> PretrainedConfig:
-    """`config` when given (resolved once by the caller), else the spec's model config."""
-    return load_config(spec.model) if config is None else config
-
-
 def with_depth(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
     """A copy of `config` with `num_layers` decoder layers (per-layer lists truncated to match)."""
     if num_layers == config.num_hidden_layers:
@@ -70,8 +65,9 @@ def build_training_model(
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """The (LoRA-wrapped) model on `device` and its optimizer with state initialised (protocol 1-2);
-    `wrap` (e.g. sharding) applies to the model before its optimizer is made."""
-    model = build_model(config, dtype=torch_dtype(spec.dtype), device=device, seed=spec.seed)
+    `wrap` (e.g. sharding) applies to the model before its optimizer is made. `config` is validated
+    (`ResolvedModel.config`, `load_config`): the build trusts it."""
+    model = build_model(config, dtype=torch_dtype(spec.dtype), device=device, seed=spec.seed, checked=True)
     if spec.lora_rank:
         model = apply_lora(model, spec.lora_rank)
     if wrap is not None:

@@ -25,8 +25,9 @@ Speed, as parameters (nothing is patched):
   chunk can peak while what the previous one left is still held: the third is the first full chunk whose
   predecessor is full too (2 missed such a peak, see the tests). Equal to all chunks to the byte in the
   tests (`keep_chunks=None`), over random shapes, objectives, offload and sharding too.
-- `cache`: `simulation_mode.SimulationMode`'s memo of meta kernels' output metadata, shared across calls (and
-  the shard layout of a sharded step's model).
+- `model`: the model resolved once (`step.resolved.ResolvedModel`): its config, its depth variants, and
+  the memo of meta kernels' output metadata (`simulation_mode.SimulationMode`) and of the shard layout of
+  a sharded step's model, shared by every call on it.
 
 One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
 step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
@@ -47,8 +48,9 @@ from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
+from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
-from streambp_core.step.setup import build_setup, build_training_model, resolve_config, with_depth
+from streambp_core.step.setup import build_setup, build_training_model
 from streambp_core.step.shards import ShardLayout, rank_breakdown
 
 KEEP_CHUNKS = 3
@@ -99,13 +101,13 @@ class SimResult:
 
 def simulate(
     spec: StepSpec,
-    config: PretrainedConfig | None = None,
+    model: ResolvedModel | PretrainedConfig | str | None = None,
     *,
     depth: str = "extrapolate",
     keep_chunks: int | None = KEEP_CHUNKS,
-    cache: dict | None = None,
 ) -> SimResult:
-    """Simulate one step of `spec` (its model's `config`, resolved once by the caller when given).
+    """Simulate one step of `spec` on `model` (resolved once by the caller, `ResolvedModel`; None: the
+    spec's model, resolved here).
 
     Steps: simulate at 2 and 3 layers (at full depth when `depth="full"` or the model has at most 3
     layers), cutting the step into phases; extrapolate each phase's peak and categories linearly in
@@ -113,7 +115,8 @@ def simulate(
     """
     if depth not in DEPTHS:
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
-    config = resolve_config(spec, config)
+    model = resolved(spec.model, model)
+    config = model.config
     if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":
         raise ConfigError(
             f"a mixture-of-experts step is simulated in bfloat16 only ({spec.model} in {spec.dtype}): the "
@@ -121,15 +124,15 @@ def simulate(
             "by value, which meta tensors have none of; measure it on cpu or cuda"
         )
     total = config.num_hidden_layers
-    cache = {} if cache is None else cache
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)
     hosts: list[tuple[int, int, int]] = []
-    measured = [_phases(spec, with_depth(config, n), keep_chunks, cache, hosts) for n in depths]
+    measured = [_phases(spec, model.at_depth(n), keep_chunks, model.memo, hosts) for n in depths]
     phases = measured[0] if len(depths) == 1 else _extrapolate(*measured, total)
     if _negative(phases, sharded=spec.shard != "none"):
         depths, hosts = (total,), []  # the peak moved between sub-phases: simulate every layer
-        phases = _phases(spec, config, keep_chunks, cache, hosts)
-    peak, by_category = _largest(phases) if spec.shard == "none" else _rank_peak(spec, config, phases, cache)
+        phases = _phases(spec, config, keep_chunks, model.memo, hosts)
+    peak, by_category = (_largest(phases) if spec.shard == "none"
+                         else _rank_peak(spec, config, phases, model.memo))
     host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
     return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
                      breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],

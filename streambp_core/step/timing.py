@@ -1,20 +1,23 @@
 """Step time: warm-up steps, then timed repeats, summarised as p20 / p50 / p80 (ms).
 
 On CUDA each repeat is timed with CUDA events inside a `CudaPeak` (so the allocator's alloc retries and
-OOMs over the timed steps come with it); elsewhere with the wall clock.
+OOMs over the timed steps come with it); elsewhere with the wall clock. A timed step of a `StepSpec` is
+`timed_step(setup, device)`: the one definition of what is timed (`spec_step`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from streambp_core.config import ConfigError
 from streambp_core.measure.cuda import CudaPeak
+from streambp_core.step.setup import Setup, reset_grads
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +67,32 @@ def time_step(step: Callable[[], object], device: str, *, warmup: int = 1, repea
             times = [_cuda_event_ms(step) for _ in range(repeats)]
         return Timing(times_ms=tuple(times), alloc_retries=peak.num_alloc_retries, num_ooms=peak.num_ooms)
     return Timing(times_ms=tuple(_wall_ms(step) for _ in range(repeats)))
+
+
+@contextmanager
+def spec_step(setup: Setup) -> Iterator[Callable[[], None]]:
+    """`step()`: one step of `setup.spec` on its model, prepared for the spec's method with its stream
+    (closed on exit): gradients as the step starts (`setup.reset_grads`), the loss, its backward, then
+    the optimizer's step (gradients set to None) when the spec has one."""
+    from streambp_core.methods import prepare
+
+    spec, model, optimizer = setup.spec, setup.model, setup.optimizer
+
+    def step() -> None:
+        reset_grads(model, spec)
+        run.loss(**setup.inputs).backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    with prepare(model, spec.method, spec.stream) as run:
+        yield step
+
+
+def timed_step(setup: Setup, device: str, *, warmup: int = 1, repeats: int = 5) -> Timing:
+    """`time_step` of one step of `setup.spec` (`spec_step`) on `device`."""
+    with spec_step(setup) as step:
+        return time_step(step, device, warmup=warmup, repeats=repeats)
 
 
 def _wall_ms(step: Callable[[], object]) -> float:

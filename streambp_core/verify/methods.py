@@ -19,20 +19,13 @@ that runs until the machine dies.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
 import streambp_core
-from streambp_core.config import (
-    HEAD_MODES,
-    OFFLOAD_MODES,
-    VERIFY_METHODS,
-    ConfigError,
-    StepSpec,
-    require_choice,
-)
+from streambp_core.config import VERIFY_METHODS, ConfigError, StepSpec, require_choice
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
 from streambp_core.step.batch import PADDINGS, Batch, objective_inputs, random_batch
@@ -61,57 +54,57 @@ LOW_PRECISION_LOSS_EPS = 2.0**-10
 """bfloat16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon): one scalar's
 baseline error can be near zero by chance, unlike the max over many gradient elements."""
 
+VERIFY_STEP = {"seq_len_tokens": 256, "partition_size": 100, "head_partition_size": 50, "dtype": "float32"}
+"""Where a verification's step differs from `StepSpec`'s defaults (`VerifySpec.of`): short, small chunks."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class VerifySpec:
-    """What to verify: one model, the methods, and the shape, precision and padding of the batch."""
+    """What to verify: one step (model, shape, precision, seed, LoRA and the engine's settings) and the
+    methods to compare with plain, plus what only a verification has: padding and device.
 
-    model: str
-    """Preset name or local directory with config.json."""
+    The step's `batch_size` counts the batch's rows (dpo: chosen rows, then as many rejected)."""
+
+    step: StepSpec
+    """The step as streambp runs it (its LM head as asked); each method runs `step_of(method)`."""
     methods: tuple[str, ...] = VERIFY_METHODS
-    seq_len: int = 256
-    batch_size: int = 1
-    partition_size: int = 100
-    """Tokens per decoder-layer chunk (streambp, mst)."""
-    head_partition_size: int = 50
-    """Tokens per LM-head chunk (streambp, mst)."""
-    dtype: str = "float32"
     padding: str = "none"
-    seed: int = 0
     device: str = "cpu"
-    objective: str = "sft"
-    """sft, grpo or dpo (synthetic inputs, see `streambp_core.step.batch.objective_inputs`)."""
-    attn: str = "auto"
-    """Attention kernel of the engine on CUDA: auto, sdpa or flash."""
-    lora_rank: int = 0
-    """0: full-parameter gradients; > 0: LoRA adapters of this rank (peft), adapter gradients only."""
-    head_mode: str = "recompute"
-    """streambp's LM head: recompute, fused or auto (see `StreamConfig.head_mode`)."""
-    offload: str = "none"
-    """'checkpoints': the methods run with their checkpoints in host memory (the reference, plain, never)."""
 
     def __post_init__(self) -> None:
-        require_choice("offload", self.offload, OFFLOAD_MODES)
-        if self.offload != "none" and "plain" in self.methods:
-            raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
-                              "nothing to offload")
+        if not isinstance(self.step, StepSpec):
+            raise ConfigError(f"step must be a StepSpec, got {type(self.step).__name__}")
         if not self.methods:
             raise ConfigError("give at least one method")
         for method in self.methods:
-            self.step(method)  # the step's fields are validated where every step's are
-        if self.objective == "dpo" and self.batch_size % 2:
-            raise ConfigError(f"dpo needs an even batch size (chosen, then rejected), got {self.batch_size}")
-        require_choice("dtype", self.dtype, tuple(DTYPES))
-        require_choice("head_mode", self.head_mode, HEAD_MODES)
+            self.step_of(method)  # each method's step is validated where every step's is
+        if self.step.objective == "dpo" and self.step.batch_size % 2:
+            raise ConfigError(f"dpo needs an even batch size (chosen, then rejected), "
+                              f"got {self.step.batch_size}")
+        require_choice("dtype", self.step.dtype, tuple(DTYPES))
         require_choice("padding", self.padding, PADDINGS)
         _check_device(self.device)
 
-    def step(self, method: str) -> StepSpec:
-        """One method's step of this check, as a `StepSpec`."""
-        return StepSpec(model=self.model, method=method, seq_len_tokens=self.seq_len,
-                        batch_size=self.batch_size, partition_size=self.partition_size,
-                        head_partition_size=self.head_partition_size, dtype=self.dtype,
-                        objective=self.objective, attn=self.attn, lora_rank=self.lora_rank, seed=self.seed,
-                        head_mode=self.head_mode)
+    @classmethod
+    def of(cls, *, model: str, methods: tuple[str, ...] = VERIFY_METHODS, padding: str = "none",
+           device: str = "cpu", **step: object) -> VerifySpec:
+        """A verification from flat fields: `step` as `StepSpec.of` takes them (defaults `VERIFY_STEP`)."""
+        return cls(step=StepSpec.of(model=model, method="streambp", **{**VERIFY_STEP, **step}),
+                   methods=tuple(methods), padding=padding, device=device)
+
+    def step_of(self, method: str) -> StepSpec:
+        """One method's step of this check (plain with offload is refused, as every step's)."""
+        return replace(self.step, method=method)
+
+    @property
+    def reference(self) -> StepSpec:
+        """The reference's step: plain, its tensors on the device (offload never applies to it)."""
+        return replace(self.step, method="plain", stream=replace(self.step.stream, offload="none"))
+
+    def to_dict(self) -> dict[str, object]:
+        """The spec, flat: the step's fields (but its method) and the stream's, methods, padding, device."""
+        fields = {k: v for k, v in self.step.to_dict().items() if k != "method"}
+        return {**fields, "methods": list(self.methods), "padding": self.padding, "device": self.device}
 
     @property
     def source(self) -> str:
@@ -187,11 +180,11 @@ class VerifyReport:
         """JSON-ready summary: reference, dtype, source, model and one entry per method."""
         return {
             "reference": self.reference,
-            "dtype": self.spec.dtype,
+            "dtype": self.spec.step.dtype,
             "reference_dtype": self.reference_dtype,
             "source": self.spec.source,
-            "model": self.spec.model,
-            "spec": asdict(self.spec),
+            "model": self.spec.step.model,
+            "spec": self.spec.to_dict(),
             "reference_loss": self.reference_loss,
             "criterion": CRITERION,
             "ok": self.ok,
@@ -199,18 +192,15 @@ class VerifyReport:
         }
 
 
-def run_step(model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec) -> Step:
-    """One forward+backward of `method` from empty grads.
+def run_step(model: PreTrainedModel, step: StepSpec, batch: Batch) -> Step:
+    """One forward+backward of `step` (its method and stream) from empty grads.
 
     The gradients are moved out of the parameters (which are left with `grad=None`), not copied.
     """
     for param in model.parameters():
         param.grad = None
-    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
-               "attn": spec.attn, "objective": spec.objective, "head_mode": spec.head_mode,
-               "offload": "none" if method == "plain" else spec.offload}
-    labels, inputs = objective_inputs(spec.objective, batch, spec.seed)
-    with streambp_core.prepare(model, method, **options) as run:
+    labels, inputs = objective_inputs(step.objective, batch, step.seed)
+    with streambp_core.prepare(model, step.method, step.stream) as run:
         loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
         loss.backward()
     grads: Gradients = {}
@@ -224,7 +214,7 @@ def _check(
     model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec, reference: Step, bounds: Bounds
 ) -> MethodResult:
     """Run `method` and compare its loss and gradients with `reference` under `bounds`."""
-    step = run_step(model, method, batch, spec)
+    step = run_step(model, spec.step_of(method), batch)
     err, worst = max_grad_err(step.grads, reference.grads)
     loss_err = abs(step.loss - reference.loss)
     return MethodResult(
@@ -246,7 +236,8 @@ Progress = Callable[[str, int, int], None]
 
 def _stages(spec: VerifySpec, progress: Progress | None) -> Callable[[str], None]:
     """A `note(stage)` that reports each stage to `progress` (no-op without one), counting them."""
-    total = 2 + (spec.dtype not in TOLERANCE) + len(spec.methods)  # model, reference, [baseline], methods
+    low_precision = spec.step.dtype not in TOLERANCE
+    total = 2 + low_precision + len(spec.methods)  # model, reference, [baseline], methods
     done = [0]
 
     def note(stage: str) -> None:
@@ -258,7 +249,7 @@ def _stages(spec: VerifySpec, progress: Progress | None) -> Callable[[str], None
 
 
 def _exact_bounds(spec: VerifySpec, reference: Step) -> Bounds:
-    tol = TOLERANCE[spec.dtype]
+    tol = TOLERANCE[spec.step.dtype]
     return Bounds(grad_rel=tol, loss_abs=tol * max(1.0, abs(reference.loss)))
 
 
@@ -266,15 +257,16 @@ def _verify_exact(model: PreTrainedModel, batch: Batch, spec: VerifySpec, note: 
                   ) -> VerifyReport:
     """float64 / float32: each method against plain in the same dtype, under a fixed tolerance."""
     note("plain (reference)")
-    reference = run_step(model, "plain", batch, spec)
+    reference = run_step(model, spec.reference, batch)
     bounds = _exact_bounds(spec, reference)
     results = _check_methods(model, batch, spec, reference, bounds, note)
-    return VerifyReport(spec=spec, results=results, reference_loss=reference.loss, reference_dtype=spec.dtype)
+    return VerifyReport(spec=spec, results=results, reference_loss=reference.loss,
+                        reference_dtype=spec.step.dtype)
 
 
 def _low_precision_bounds(model: PreTrainedModel, batch: Batch, spec: VerifySpec, reference: Step) -> Bounds:
     """Run plain in low precision; its errors against the fp32 reference, doubled, bound the methods'."""
-    plain = run_step(model, "plain", batch, spec)
+    plain = run_step(model, spec.reference, batch)
     baseline, _ = max_grad_err(plain.grads, reference.grads)
     loss_slack = LOW_PRECISION_LOSS_EPS * max(1.0, abs(reference.loss))
     return Bounds(
@@ -301,14 +293,14 @@ def _verify_low_precision(model: PreTrainedModel, batch: Batch, spec: VerifySpec
     `model` arrives in float32; its weights are rounded to bfloat16 values, the fp32 reference runs,
     then the model is cast to bfloat16 for plain-bf16 (the baseline) and the methods.
     """
-    low = DTYPES[spec.dtype]
+    low = DTYPES[spec.step.dtype]
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(low))
     note("plain float32 (reference)")
-    reference = run_step(model, "plain", batch, spec)
+    reference = run_step(model, spec.reference, batch)
     model.to(low)
-    note(f"plain {spec.dtype}")
+    note(f"plain {spec.step.dtype}")
     bounds = _low_precision_bounds(model, batch, spec, reference)
     results = _check_methods(model, batch, spec, reference, bounds, note)
     return VerifyReport(spec=spec, results=results, reference_loss=reference.loss, reference_dtype="float32")
@@ -318,21 +310,21 @@ def verify_spec(spec: VerifySpec, progress: Progress | None = None) -> VerifyRep
     """Run the reference and every method of `spec`; see the module docstring for the steps. `progress`
     hears of each stage before it runs (`Progress`)."""
     note = _stages(spec, progress)
-    config = load_config(spec.model)
-    low_precision = spec.dtype not in TOLERANCE
-    build_dtype = torch.float32 if low_precision else DTYPES[spec.dtype]
+    config = load_config(spec.step.model)
+    low_precision = spec.step.dtype not in TOLERANCE
+    build_dtype = torch.float32 if low_precision else DTYPES[spec.step.dtype]
     if torch.device(spec.device).type == "cpu":
         check_ram(config, spec, build_dtype)
     note("building the model")
-    model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.seed)
-    if spec.lora_rank:
-        model = apply_lora(model, spec.lora_rank)
+    model = build_model(config, dtype=build_dtype, device=spec.device, seed=spec.step.seed, checked=True)
+    if spec.step.lora_rank:
+        model = apply_lora(model, spec.step.lora_rank)
     batch = random_batch(
         vocab_size=config.vocab_size,
-        seq_len=spec.seq_len,
-        batch_size=spec.batch_size,
+        seq_len=spec.step.seq_len_tokens,
+        batch_size=spec.step.batch_size,
         padding=spec.padding,
-        seed=spec.seed + 1,
+        seed=spec.step.seed + 1,
         device=spec.device,
     )
     if low_precision:
@@ -355,17 +347,9 @@ def verify_methods(
     offload: str = "none",
 ) -> VerifyReport:
     """Verify `methods` against plain on `model_name` (preset or local directory); see `VerifySpec`."""
-    spec = VerifySpec(
-        model=model_name,
-        methods=tuple(methods),
-        seq_len=seq_len,
-        batch_size=batch_size,
-        partition_size=partition_size,
-        head_partition_size=head_partition_size,
-        dtype=dtype,
-        padding=padding,
-        seed=seed,
-        device=device,
-        offload=offload,
+    spec = VerifySpec.of(
+        model=model_name, methods=tuple(methods), padding=padding, device=device, seq_len_tokens=seq_len,
+        batch_size=batch_size, partition_size=partition_size, head_partition_size=head_partition_size,
+        dtype=dtype, seed=seed, offload=offload,
     )
     return verify_spec(spec)

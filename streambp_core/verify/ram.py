@@ -17,10 +17,10 @@ def needed_ram_bytes(config, spec, dtype: torch.dtype) -> int:
     """A lower bound on the RAM a verify run holds at once: the weights, the reference's gradients and a
     method's gradients (parameters counted on the meta device; with LoRA the weights only), plus plain's
     float32 logits and their gradient for the whole batch."""
-    model = build_model(config, dtype=dtype, device="meta")
+    model = build_model(config, dtype=dtype, device="meta", checked=True)  # `config` from load_config
     parameters = sum(param.numel() for param in model.parameters())
-    logits = spec.batch_size * spec.seq_len * config.vocab_size
-    copies = 1 if spec.lora_rank else 3
+    logits = spec.step.batch_size * spec.step.seq_len_tokens * config.vocab_size
+    copies = 1 if spec.step.lora_rank else 3
     return copies * parameters * dtype.itemsize + 2 * logits * 4
 
 
@@ -30,7 +30,7 @@ def check_ram(config, spec, dtype: torch.dtype, available_bytes: int | None = No
     need = needed_ram_bytes(config, spec, dtype)
     if need > RAM_FRACTION * available:
         raise ConfigError(
-            f"verify of {spec.model} in {str(dtype).removeprefix('torch.')} needs at least "
+            f"verify of {spec.step.model} in {str(dtype).removeprefix('torch.')} needs at least "
             f"{need / 2**30:.1f} GiB of RAM (weights, gradients, logits); {available / 2**30:.1f} GiB "
             f"available, verify uses at most {RAM_FRACTION:.0%}: pick a smaller model or --device cuda"
         )

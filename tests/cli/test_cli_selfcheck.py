@@ -165,7 +165,7 @@ def test_time_rows_record_the_timings_allocator_counters():
     from streambp_core.step.timing import Timing
 
     timing = Timing(times_ms=(3.0, 1.0, 2.0), alloc_retries=2, num_ooms=0)
-    with mock.patch.object(check, "time_step", return_value=timing):
+    with mock.patch.object(check, "timed_step", return_value=timing):
         rows = list(check.time_rows(plan, check.memory_model(plan), "NVIDIA H200"))
     heads = plan.timed_head_partitions
     assert [(r.method, r.head_partition_size, r.step_time_ms, r.alloc_retries, r.num_ooms) for r in rows] == [

@@ -88,10 +88,10 @@ def test_attn_reaches_the_measured_step(tmp_path: Path, monkeypatch: pytest.Monk
     real_prepare = streambp_core.methods.prepare
     kernels: list[str] = []
 
-    def recording_prepare(model, method, **options):
+    def recording_prepare(model, method, config=None, **options):
         if next(model.parameters()).device.type != "meta":  # not the RAM check's simulated step
-            kernels.append(options["attn"])
-        return real_prepare(model, method, **options)
+            kernels.append(options.get("attn", getattr(config, "attn", None)))
+        return real_prepare(model, method, config, **options)
 
     monkeypatch.setattr(run_module, "prepare", recording_prepare)  # the tracked step
     monkeypatch.setattr(streambp_core.methods, "prepare", recording_prepare)  # the timed steps

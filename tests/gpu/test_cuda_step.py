@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("method", ["checkpoint", "streambp"])
 def test_simulated_peak_is_within_3_percent_of_the_allocators(method: str) -> None:
     """Qwen3-0.6B, 4k tokens, bf16: the allocator also holds cuBLAS workspace (~64 MiB), hence 3 %."""
-    spec = StepSpec(model="Qwen/Qwen3-0.6B", method=method, seq_len_tokens=4096)
+    spec = StepSpec.of(model="Qwen/Qwen3-0.6B", method=method, seq_len_tokens=4096)
     config = load_config(spec.model)
     measured = measure_setup(build_setup(spec, config, "cuda"), "cuda")
     simulated = simulate(spec, config)
@@ -27,7 +27,7 @@ def test_simulated_peak_is_within_3_percent_of_the_allocators(method: str) -> No
 
 
 def test_bf16_gradients_follow_the_flash_attention_rule() -> None:
-    spec = VerifySpec(model="Qwen/Qwen3-0.6B", seq_len=1024, batch_size=2, dtype="bfloat16", padding="right",
-                      device="cuda", partition_size=256, head_partition_size=100)
+    spec = VerifySpec.of(model="Qwen/Qwen3-0.6B", seq_len_tokens=1024, batch_size=2, dtype="bfloat16",
+                         padding="right", device="cuda", partition_size=256, head_partition_size=100)
     report = verify_spec(spec)
     assert report.ok, report.to_dict()

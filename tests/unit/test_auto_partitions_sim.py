@@ -11,25 +11,26 @@ from streambp_core.step.estimate import GPU_MODELS, estimate_step, gpu_model
 from streambp_core.step.partitions import fitting_partitions, head_candidates, layer_candidates
 from streambp_core.step.simulate import simulate
 
-SPEC = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=1024, dtype="float32")
+SPEC = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=1024, dtype="float32")
 BUDGET = 5_003_706  # bytes: partitions (171, 256) fit, (256, 64) and (171, 512) do not
 
 
 def _peak(partition: int, head: int) -> int:
-    return simulate(replace(SPEC, partition_size=partition, head_partition_size=head)).peak_bytes
+    return simulate(SPEC.replaced(partition_size=partition, head_partition_size=head)).peak_bytes
 
 
 def test_the_largest_partitions_that_fit_are_chosen() -> None:
     chosen = fitting_partitions(SPEC, BUDGET)
     layers, heads = layer_candidates(1024), head_candidates(1024)
-    assert (chosen.partition_size, chosen.head_partition_size) == (171, 256)
+    assert (chosen.stream.partition_size, chosen.stream.head_partition_size) == (171, 256)
     assert _peak(171, 256) <= BUDGET
     assert _peak(layers[layers.index(171) + 1], heads[0]) > BUDGET
     assert _peak(171, heads[heads.index(256) + 1]) > BUDGET
 
 
 def test_a_given_size_is_kept_and_nothing_fitting_is_refused() -> None:
-    assert fitting_partitions(replace(SPEC, partition_size=100), BUDGET, layer=False).partition_size == 100
+    kept = fitting_partitions(SPEC.replaced(partition_size=100), BUDGET, layer=False)
+    assert kept.stream.partition_size == 100
     with pytest.raises(ConfigError, match="no partition fits"):
         fitting_partitions(SPEC, 1000)
     checkpoint = replace(SPEC, method="checkpoint")
@@ -40,8 +41,8 @@ def test_estimated_step_adds_offload_copies_compute_cannot_hide() -> None:
     gpu = gpu_model("a100")
     spec = replace(SPEC, method="checkpoint", seq_len_tokens=256)
     resident = estimate_step(spec, gpu)
-    offloaded = estimate_step(replace(spec, offload="checkpoints"), gpu)
-    sim = simulate(replace(spec, offload="checkpoints"))
+    offloaded = estimate_step(spec.replaced(offload="checkpoints"), gpu)
+    sim = simulate(spec.replaced(offload="checkpoints"))
     copies_s = (sim.to_host_bytes + sim.to_device_bytes) / gpu.pcie_bytes_per_s
     assert sim.to_host_bytes > 0 and resident.transfer_s == 0
     assert offloaded.transfer_s == pytest.approx(max(0.0, copies_s - (offloaded.step_time_ms / 1e3

@@ -283,8 +283,8 @@ def test_tracker_reports_the_allocators_retries_and_ooms_over_the_region() -> No
 
 @pytest.fixture
 def tiny_setup():
-    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=48, dtype="float32",
-                    partition_size=32, head_partition_size=16)  # fmt: skip
+    spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=48, dtype="float32",
+                       partition_size=32, head_partition_size=16)  # fmt: skip
     return build_setup(spec, load_config(spec.model), "cpu")
 
 

@@ -16,7 +16,7 @@ TINY = "tiny/qwen3"
 
 
 def _row(method: str = "streambp", value: float = 1.0, **fields: object) -> ResultRow:
-    spec = StepSpec(model=TINY, method=method, seq_len_tokens=256, **fields)
+    spec = StepSpec.of(model=TINY, method=method, seq_len_tokens=256, **fields)
     return ResultRow(**spec_fields(spec), source="simulated", metric="peak_memory", value=value,
                      device_name="meta")
 
@@ -34,7 +34,7 @@ def _write_without(path: Path, columns: tuple[str, ...], rows: list[ResultRow]) 
 ])
 def test_spec_fields_give_streambp_s_resolved_head_and_empty_for_other_methods(method, objective, asked,
                                                                                cell) -> None:
-    spec = StepSpec(model=TINY, method=method, objective=objective, head_mode=asked)
+    spec = StepSpec.of(model=TINY, method=method, objective=objective, head_mode=asked)
     assert spec_fields(spec)["head_mode"] == cell
     assert _row(method, objective=objective, head_mode=asked).head_mode == cell
 

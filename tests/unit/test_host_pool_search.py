@@ -71,8 +71,8 @@ def test_oom_pool_names_the_memory_that_ran_out(exc: BaseException, pool: str | 
 
 @pytest.fixture
 def offloaded_setup():
-    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=48, dtype="float32",
-                    partition_size=32, head_partition_size=16, offload="checkpoints")
+    spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=48, dtype="float32",
+                       partition_size=32, head_partition_size=16, offload="checkpoints")
     return build_setup(spec, load_config(spec.model), "cpu")
 
 

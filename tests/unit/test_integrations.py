@@ -269,7 +269,7 @@ def test_trainer_settings_for_a_measured_step():
     expected = {"method": "streambp", "partition_size": 4000, "head_partition_size": 100, "attn": "flash"}
     assert trainer_settings(Step()) == expected
     assert trainer_settings("checkpoint", partition_size=4000) == {"method": "checkpoint"}
-    spec = StepSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=100_000, partition_size=2000)
+    spec = StepSpec.of(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=100_000, partition_size=2000)
     assert trainer_settings_line(spec) == (
         'stream_trainer(trainer, "streambp", partition_size=2000, head_partition_size=100)')
     line = trainer_settings_line("mst", partition_size=2000, head_partition_size=200)

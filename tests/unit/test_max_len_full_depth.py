@@ -15,8 +15,8 @@ from streambp_core.step.simulate import simulate
 def test_a_training_step_answer_fits_at_full_depth_and_its_next_probe_does_not(method: str) -> None:
     """A 6-layer model is searched with 2/3-layer extrapolation, then confirmed with all 6 layers."""
     config = tiny_config("qwen3", num_hidden_layers=6, layer_types=["full_attention"] * 6)
-    spec = StepSpec(model="tiny/qwen3", method=method, objective="grpo", batch_size=2, optimizer="adamw",
-                    dtype="float32", partition_size=32, head_partition_size=16)
+    spec = StepSpec.of(model="tiny/qwen3", method=method, objective="grpo", batch_size=2, optimizer="adamw",
+                       dtype="float32", partition_size=32, head_partition_size=16)
     budget = resident_bytes(spec, config) + 2 * 2**20
     search = max_len(spec, budget, "sim", config)
     ok, fail = search.bracket

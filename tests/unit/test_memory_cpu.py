@@ -27,8 +27,8 @@ def peaks():
     model = build_model(config, dtype=torch.float32)
     results = {}
     for method in ("plain", "checkpoint", "mst", "streambp"):
-        spec = StepSpec(model="tiny/qwen3", method=method, dtype="float32", partition_size=64,
-                        head_partition_size=HEAD_CHUNK)
+        spec = StepSpec.of(model="tiny/qwen3", method=method, dtype="float32", partition_size=64,
+                           head_partition_size=HEAD_CHUNK)
         results[method] = measure_step(model, spec, SEQ_LEN)
     return results, config.hidden_size
 
@@ -66,8 +66,8 @@ def test_streambp_backward_keeps_one_layer_gradient(monkeypatch):
 
     config = tiny_config("llama", vocab_size=96, num_hidden_layers=3)  # vocab != any hidden width
     model = build_model(config, dtype=torch.float32)
-    spec = StepSpec(model="tiny/llama", method="streambp", dtype="float32", partition_size=256,
-                    head_partition_size=64)
+    spec = StepSpec.of(model="tiny/llama", method="streambp", dtype="float32", partition_size=256,
+                       head_partition_size=64)
     seq_len = 4096
     results, grads = {}, {}
     for reuse in (True, False):

@@ -57,8 +57,8 @@ def test_verify_passes_for_the_rl_objectives(model, objective):
     """The verify machinery (every method vs plain, float64, 1e-10) with left padding, batch 2 and 30 tokens
     in chunks of 7: the tiny presets' windows (8) are shorter than the sequence. (Qwen3-MoE with grpo and
     Mixtral with dpo: `test_router_load_balancing_loss_is_exact`.)"""
-    spec = VerifySpec(model=model, dtype="float64", objective=objective, seq_len=30, batch_size=2,
-                      partition_size=7, head_partition_size=9, padding="left")
+    spec = VerifySpec.of(model=model, dtype="float64", objective=objective, seq_len_tokens=30, batch_size=2,
+                         partition_size=7, head_partition_size=9, padding="left")
     report = verify_spec(spec)
     assert report.ok, [(r.method, r.max_rel_err, r.worst_param, r.loss_abs_err) for r in report.results]
     assert {r.method for r in report.results} == {"checkpoint", "mst", "streambp"}
@@ -147,9 +147,9 @@ def test_router_load_balancing_loss_is_exact(tmp_path, family, objective):
     agree on the loss and every gradient, router weights included; the loss changes the router's
     gradients (a check that can fail); mst refuses it by name."""
     tiny_config(family, output_router_logits=True, router_aux_loss_coef=0.5).save_pretrained(tmp_path)
-    spec = VerifySpec(model=str(tmp_path), methods=("checkpoint", "streambp"), dtype="float64",
-                      seq_len=26, batch_size=2, partition_size=7, head_partition_size=9, padding="left",
-                      objective=objective)
+    spec = VerifySpec.of(model=str(tmp_path), methods=("checkpoint", "streambp"), dtype="float64",
+                         seq_len_tokens=26, batch_size=2, partition_size=7, head_partition_size=9,
+                         padding="left", objective=objective)
     report = verify_spec(spec)
     assert report.ok, [(r.method, r.max_rel_err, r.worst_param, r.loss_abs_err) for r in report.results]
     ids, mask = batch(512, 2, 21, "right")
@@ -206,8 +206,8 @@ def test_a_moe_step_outside_bfloat16_is_refused_by_the_simulator_by_name(family)
     from streambp_core.config import ConfigError, StepSpec
     from streambp_core.step.simulate import simulate
 
-    spec = StepSpec(model=f"tiny/{family}", method="streambp", seq_len_tokens=100, dtype="float32",
-                    partition_size=32, head_partition_size=16)
+    spec = StepSpec.of(model=f"tiny/{family}", method="streambp", seq_len_tokens=100, dtype="float32",
+                       partition_size=32, head_partition_size=16)
     with pytest.raises(ConfigError, match="mixture-of-experts step is simulated in bfloat16 only"):
         simulate(spec)
     assert simulate(replace(spec, dtype="bfloat16")).peak_bytes > 0

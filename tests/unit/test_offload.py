@@ -142,7 +142,7 @@ def test_tracker_host_pool_has_its_own_peak_and_counts_copies_each_way(device):
 def test_verify_runs_every_method_offloaded_against_plain():
     report = verify_methods("tiny/llama", seq_len=24, partition_size=5, head_partition_size=4,
                             dtype="float64", offload="checkpoints")
-    assert report.spec.offload == "checkpoints"
+    assert report.spec.step.stream.offload == "checkpoints"
     assert [r.method for r in report.results] == ["checkpoint", "mst", "streambp"]
     assert all(r.ok and r.max_rel_err <= 1e-12 for r in report.results)
     with pytest.raises(ConfigError, match="does not apply to plain"):
@@ -154,8 +154,8 @@ def test_simulated_host_pool_extrapolates_exactly_and_plain_spec_refuses_offload
     from streambp_core.step.simulate import simulate
 
     config = tiny_config("qwen3", num_hidden_layers=5)
-    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=512, partition_size=64,
-                    head_partition_size=64, offload="checkpoints")
+    spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=512, partition_size=64,
+                       head_partition_size=64, offload="checkpoints")
     extrapolated, full = simulate(spec, config), simulate(spec, config, depth="full")
     layer_input = 512 * config.hidden_size * 2  # bfloat16
     assert extrapolated.layers_simulated == (2, 3) and full.full_depth
@@ -163,4 +163,4 @@ def test_simulated_host_pool_extrapolates_exactly_and_plain_spec_refuses_offload
         assert result.host_peak_bytes == result.to_host_bytes == result.to_device_bytes == 6 * layer_input
     assert extrapolated.peak_bytes == full.peak_bytes
     with pytest.raises(ConfigError, match="does not apply to plain"):
-        StepSpec(model="tiny/qwen3", method="plain", offload="checkpoints")
+        StepSpec.of(model="tiny/qwen3", method="plain", offload="checkpoints")

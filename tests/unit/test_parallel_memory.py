@@ -32,8 +32,8 @@ CASES = list(itertools.product(("zero2", "zero3"), ("streambp", "checkpoint"), (
 
 
 def _spec(shard: str, method: str, optimizer: str) -> StepSpec:
-    return StepSpec(model="tiny/qwen3", method=method, seq_len_tokens=256, partition_size=64,
-                    head_partition_size=64, dtype="float32", optimizer=optimizer, gpus=2, shard=shard)
+    return StepSpec.of(model="tiny/qwen3", method=method, seq_len_tokens=256, partition_size=64,
+                       head_partition_size=64, dtype="float32", optimizer=optimizer, gpus=2, shard=shard)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def measured():
 def _cpu_extra_bytes(spec: StepSpec) -> int:
     """What a CPU rank holds that a GPU rank (and the simulation) does not (module docstring)."""
     counters = 4 * sum(1 for p in _meta_model().parameters()) if spec.optimizer == "adamw" else 0
-    tokens = spec.partition_size if spec.method == "streambp" else spec.seq_len_tokens
+    tokens = spec.stream.partition_size if spec.method == "streambp" else spec.seq_len_tokens
     attention_output = tokens * CONFIG.num_attention_heads * CONFIG.head_dim * 4
     return counters + CONFIG.num_hidden_layers * attention_output
 

@@ -26,10 +26,11 @@ GATHERS_PER_UNIT = {"zero2": 1, "zero3": 2}
 def report():
     from streambp_core.parallel.verify import verify_sharded
 
-    base = VerifySpec(model=MODEL, methods=METHODS, seq_len=SEQ_LEN, batch_size=2, partition_size=8,
-                      head_partition_size=16, dtype="float64", padding="right")
-    specs = (base, replace(base, objective="grpo"), replace(base, objective="dpo"),
-             replace(base, methods=("streambp",), partition_size=SEQ_LEN))
+    base = VerifySpec.of(model=MODEL, methods=METHODS, seq_len_tokens=SEQ_LEN, batch_size=2, partition_size=8,
+                         head_partition_size=16, dtype="float64", padding="right")
+    specs = (base, replace(base, step=base.step.replaced(objective="grpo")),
+             replace(base, step=base.step.replaced(objective="dpo")),
+             replace(base, methods=("streambp",), step=base.step.replaced(partition_size=SEQ_LEN)))
     return verify_sharded(specs, nproc=2)
 
 

@@ -212,8 +212,8 @@ def test_child_process_probe_reports_one_json_line(tmp_path):
     from streambp_core.config import StepSpec
     from streambp_core.step.probe import parse_child_output
 
-    spec = StepSpec(model="tiny/qwen3", method="streambp", seq_len_tokens=100, dtype="float32",
-                    partition_size=32, head_partition_size=16)  # fmt: skip
+    spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=100, dtype="float32",
+                       partition_size=32, head_partition_size=16)  # fmt: skip
     command = [sys.executable, "-m", "streambp_core.step.probe", "--spec", json.dumps(asdict(spec)),
                "--device", "cpu"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)

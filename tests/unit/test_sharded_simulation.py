@@ -13,6 +13,7 @@ import pytest
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
+from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import build_training_model, resident_bytes
 from streambp_core.step.shards import DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ShardLayout
 from streambp_core.step.simulate import shard_layout, simulate
@@ -24,15 +25,14 @@ ACTIVATIONS = ("checkpoints", "kv", "logits", "temporaries")
 @pytest.fixture(scope="module")
 def sim():
     """simulate(spec) sharing one memo across the module's steps."""
-    cache: dict = {}
-    config = load_config(MODEL)
-    return lambda spec, model_config=config: simulate(spec, model_config, cache=cache)
+    model = ResolvedModel(load_config(MODEL))
+    return lambda spec, model_config=model: simulate(spec, model_config)
 
 
 def _spec(**fields) -> StepSpec:
     base = {"model": MODEL, "method": "streambp", "seq_len_tokens": 128, "partition_size": 32,
             "head_partition_size": 16, "dtype": "bfloat16"}
-    return StepSpec(**{**base, **fields})
+    return StepSpec.of(**{**base, **fields})
 
 
 def test_bad_gpus_and_shard_are_refused():
@@ -82,7 +82,7 @@ def test_sharded_state_shrinks_as_one_over_n_and_activations_stay(sim, stage):
 
 def test_zero3_holds_less_than_zero2_and_deepspeed_more_on_a_big_model(sim):
     config = load_config("Qwen/Qwen3-8B")
-    spec = StepSpec(model="Qwen/Qwen3-8B", method="checkpoint", seq_len_tokens=1024, optimizer="adamw")
+    spec = StepSpec.of(model="Qwen/Qwen3-8B", method="checkpoint", seq_len_tokens=1024, optimizer="adamw")
     peaks = {stage: sim(replace(spec, gpus=8, shard=stage), config)
              for stage in ("zero2", "zero3", "deepspeed-zero2")}
     model, _ = build_training_model(spec, config, "meta")

@@ -11,6 +11,7 @@ from streambp_core.measure.units import GIB
 from streambp_core.methods import prepare
 from streambp_core.models import load_config, tiny_config
 from streambp_core.step.probe import measure_setup
+from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import build_setup, resident_bytes
 from streambp_core.step.simulate import KEEP_CHUNKS, simulate
 from streambp_core.step.simulation_mode import SimulationMode
@@ -22,10 +23,12 @@ SMALL = dict(partition_size=32, head_partition_size=16)
 def simulate_step(model, method: str, seq_len: int, *, depth: str = "extrapolate", thin_chunks: bool = True,
                   cache: dict | None = None, **fields):
     """`simulate` of the step these arguments describe (`model`: a preset name or a config)."""
-    config = None if isinstance(model, str) else model
-    spec = StepSpec(model=model if isinstance(model, str) else TINY, method=method, seq_len_tokens=seq_len,
-                    **fields)
-    return simulate(spec, config, depth=depth, keep_chunks=KEEP_CHUNKS if thin_chunks else None, cache=cache)
+    resolved = ResolvedModel(model)
+    if cache is not None:
+        resolved.memo = cache
+    spec = StepSpec.of(model=model if isinstance(model, str) else TINY, method=method, seq_len_tokens=seq_len,
+                       **fields)
+    return simulate(spec, resolved, depth=depth, keep_chunks=KEEP_CHUNKS if thin_chunks else None)
 
 
 @pytest.mark.parametrize(
@@ -39,7 +42,7 @@ def test_simulated_peak_matches_the_tracker_on_real_cpu_tensors(method: str, dty
     that copy for o_proj's backward in every layer. So CPU may exceed the simulation by up to one
     attention output, B x T x H x hd elements, per layer (one chunk's for streambp), never fall below."""
     seq_len = 100
-    spec = StepSpec(model=TINY, method=method, seq_len_tokens=seq_len, dtype=dtype, grads=grads, **SMALL)
+    spec = StepSpec.of(model=TINY, method=method, seq_len_tokens=seq_len, dtype=dtype, grads=grads, **SMALL)
     config = load_config(TINY)
     simulated = simulate(spec, config)
     measured = measure_setup(build_setup(spec, config, "cpu"), "cpu")
@@ -111,7 +114,7 @@ def _random_steps(count: int, seed: int = 7) -> list[tuple[str, dict, dict]]:
             if rng.random() < 0.3:
                 fields.update(gpus=2, shard=rng.choice(["zero2", "zero3"]))
         try:
-            StepSpec(model=f"tiny/{family}", **fields)
+            StepSpec.of(model=f"tiny/{family}", **fields)
         except ConfigError:
             continue
         steps.append((family, overrides, fields))
@@ -123,7 +126,7 @@ def test_thinned_chunk_loops_give_the_same_figures_on_random_steps(family, overr
     """Full depth, bfloat16 (what the grouped experts' meta kernel takes): thinned vs every chunk, the peak,
     its breakdown and the host pool's figures, to the byte."""
     config = tiny_config(family, **overrides)
-    spec = StepSpec(model=f"tiny/{family}", **fields)
+    spec = StepSpec.of(model=f"tiny/{family}", **fields)
     thin = simulate(spec, config, depth="full")
     every = simulate(spec, config, depth="full", keep_chunks=None)
     assert (thin.peak_bytes, thin.breakdown_bytes) == (every.peak_bytes, every.breakdown_bytes)
@@ -148,12 +151,12 @@ def test_simulation_mode_handing_allocations_to_its_tracker_changes_no_figure(me
     """Given its tracker, SimulationMode allocates below the tracker's mode and hands it the outputs, runs
     views below it and repeats no in-place meta kernel; without it the tracker sees every op. A step with
     an AdamW update either way: the same figures, to the byte."""
-    spec = StepSpec(model=TINY, method=method, seq_len_tokens=301, dtype="float32", optimizer="adamw",
-                    **SMALL)
+    spec = StepSpec.of(model=TINY, method=method, seq_len_tokens=301, dtype="float32", optimizer="adamw",
+                       **SMALL)
     figures = []
     for handed in (True, False):
         setup = build_setup(spec, load_config(TINY), "meta")
-        run = prepare(setup.model, method, **spec.stream_options())
+        run = prepare(setup.model, method, spec.stream)
         with MemoryTracker(setup.model, setup.optimizer, device="meta") as tracker:
             with SimulationMode(vocab_size=512, tracker=tracker if handed else None):
                 run.loss(**setup.inputs).backward()
@@ -178,7 +181,7 @@ def test_simulation_mode_memoises_and_files_logits() -> None:
 
 def test_categories_of_the_paper_setting() -> None:
     """Qwen3-8B, 4k tokens: weights and grads are the paper's 30.5 GiB line; logits show where they live."""
-    spec = StepSpec(model="Qwen/Qwen3-8B", method="streambp")
+    spec = StepSpec.of(model="Qwen/Qwen3-8B", method="streambp")
     assert round(resident_bytes(spec, load_config(spec.model)) / GIB, 1) == 30.5
     seq_len, vocab = 4096, 151936
     checkpoint = simulate_step("Qwen/Qwen3-8B", "checkpoint", seq_len)

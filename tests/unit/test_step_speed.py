@@ -95,7 +95,7 @@ def test_head_mode_choices():
     with pytest.raises(ConfigError, match="head_mode"):
         StreamConfig(head_mode="fast")
     with pytest.raises(ConfigError, match="head_mode"):
-        VerifySpec(model="tiny/qwen3", head_mode="fast")
+        VerifySpec.of(model="tiny/qwen3", head_mode="fast")
     model = model_of("llama")
     with pytest.raises(ConfigError, match="dpo takes 'recompute'"):
         streambp_core.prepare(model, "streambp", objective="dpo", head_mode="fused")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from streambp_bench import tokens
@@ -33,7 +31,7 @@ def test_grid_gives_partition_sizes_only_to_partitioned_methods() -> None:
     checkpoint = [p for p in points if p.method == "checkpoint"]
     streambp = [p for p in points if p.method == "streambp"]
     assert len(checkpoint) == 2 and {row_partition(p) for p in checkpoint} == {None}
-    assert len(streambp) == 4 and {p.partition_size for p in streambp} == {16, 32}
+    assert len(streambp) == 4 and {p.stream.partition_size for p in streambp} == {16, 32}
 
 
 def row_partition(point: StepSpec) -> int | None:
@@ -45,7 +43,7 @@ def row_partition(point: StepSpec) -> int | None:
 
 def test_simulated_point_row_has_peak_and_breakdown() -> None:
     where = resolve_target("sim", 1.0)
-    point = StepSpec(
+    point = StepSpec.of(
         method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32, head_partition_size=16
     )
     (row,) = grid.run_point(point, where)
@@ -66,7 +64,7 @@ def test_simulated_point_row_has_peak_and_breakdown() -> None:
 def test_simulated_point_over_budget_is_oom() -> None:
     where = resolve_target("sim", 1e-6)
     (row,) = grid.run_point(
-        StepSpec(
+        StepSpec.of(
             method="checkpoint",
             model="tiny/llama",
             seq_len_tokens=256,
@@ -78,8 +76,9 @@ def test_simulated_point_over_budget_is_oom() -> None:
 
 def test_training_step_with_optimizer_counts_optimizer_state() -> None:
     where = resolve_target("sim")
-    point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
-                     head_partition_size=16, objective="grpo", batch_size=2, lora_rank=4, optimizer="adamw")
+    point = StepSpec.of(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
+                        head_partition_size=16, objective="grpo", batch_size=2, lora_rank=4,
+                        optimizer="adamw")
     (row,) = grid.run_point(point, where)
     assert row.status == "ok" and row.optimizer_gib > 0 and row.lora_rank == 4
     assert (row.grads, row.protocol, row.attn) == ("fresh", "default", "auto")
@@ -89,7 +88,7 @@ def test_a_rerun_point_replaces_its_schema_1_row(tmp_path) -> None:
     """A point written before the attn/protocol/grads columns is the same point when run again."""
     where = resolve_target("sim")
     sizes = {"partition_size": 32, "head_partition_size": 16}
-    points = [StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, optimizer=name, **sizes)
+    points = [StepSpec.of(method="streambp", model="tiny/llama", seq_len_tokens=128, optimizer=name, **sizes)
               for name in ("none", "adamw")]  # fmt: skip
     rows = [row for point in points for row in grid.run_point(point, where)]
     path = tmp_path / "old.csv"
@@ -102,8 +101,8 @@ def test_a_rerun_point_replaces_its_schema_1_row(tmp_path) -> None:
 
 def test_cpu_point_measures_step_time() -> None:
     where = resolve_target("cpu", cpu_budget=False)
-    point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=64, partition_size=16,
-                     head_partition_size=16, dtype="float32")
+    point = StepSpec.of(method="streambp", model="tiny/llama", seq_len_tokens=64, partition_size=16,
+                        head_partition_size=16, dtype="float32")
     memory, time = grid.run_point(point, where)
     assert memory.source == time.source == "measured-cpu"
     assert time.metric == "step_time" and time.value == memory.step_time_ms > 0
@@ -114,10 +113,10 @@ def test_cpu_point_measures_step_time() -> None:
 def test_an_offloaded_point_carries_its_host_figures_and_a_lower_device_peak(device: str) -> None:
     """Offloaded checkpoints leave the device peak and appear in the host columns, moved out and back."""
     where = resolve_target(device, 1.0)
-    point = StepSpec(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
-                     head_partition_size=16, dtype="float32")
+    point = StepSpec.of(method="streambp", model="tiny/llama", seq_len_tokens=128, partition_size=32,
+                        head_partition_size=16, dtype="float32")
     (kept,) = grid.run_point(point, where)[:1]
-    (moved,) = grid.run_point(dataclasses.replace(point, offload="checkpoints"), where)[:1]
+    (moved,) = grid.run_point(point.replaced(offload="checkpoints"), where)[:1]
     assert (kept.offload, moved.offload) == ("none", "checkpoints")
     assert (kept.host_peak_gib, kept.to_host_gib, kept.to_device_gib) == (0.0, 0.0, 0.0)
     assert moved.host_peak_gib > 0 and moved.to_host_gib == moved.to_device_gib >= moved.host_peak_gib

@@ -114,8 +114,8 @@ def test_the_simulator_sees_the_trl_logits(objective, rows):
     3 bf16 copies of the kept positions (GRPO: the last three quarters); full at least the bf16 logits,
     their float32 copy and its float32 log-softmax (10 bytes) of every position."""
     seq_len, config = 512, tiny_config("llama")
-    spec = StepSpec(model="tiny/llama", method="checkpoint", objective=objective, optimizer="adamw",
-                    batch_size=rows if objective == "grpo" else rows // 2, seq_len_tokens=seq_len)
+    spec = StepSpec.of(model="tiny/llama", method="checkpoint", objective=objective, optimizer="adamw",
+                       batch_size=rows if objective == "grpo" else rows // 2, seq_len_tokens=seq_len)
     logits = {}
     for protocol in ("default", "trl"):
         record = tracked_step(build_setup(replace(spec, protocol=protocol), config, "meta"), "meta")
@@ -126,7 +126,8 @@ def test_the_simulator_sees_the_trl_logits(objective, rows):
 
 
 def test_the_trl_protocol_step_samples_at_trls_temperature():
-    spec = StepSpec(model="tiny/llama", method="plain", objective="grpo", protocol="trl", seq_len_tokens=64)
-    assert spec.stream_options()["baseline_loss"] == "trl"
+    spec = StepSpec.of(model="tiny/llama", method="plain", objective="grpo", protocol="trl",
+                       seq_len_tokens=64)
+    assert spec.stream.baseline_loss == "trl"
     assert step_inputs(spec, 512, "cpu")["temperature"] == TRL_GRPO_TEMPERATURE
     assert "temperature" not in step_inputs(replace(spec, protocol="default"), 512, "cpu")

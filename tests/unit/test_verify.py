@@ -37,8 +37,8 @@ def test_a_method_with_wrong_gradients_fails(monkeypatch):
         def __exit__(self, *exc_info):
             self.run.close()
 
-    def prepare(model, method, **options):
-        run = real_prepare(model, method, **options)
+    def prepare(model, method, config=None, **options):
+        run = real_prepare(model, method, config, **options)
         return ScaledLoss(run) if method == "streambp" else run
 
     monkeypatch.setattr(streambp_core, "prepare", prepare)
@@ -68,7 +68,7 @@ def test_json_summary_has_the_documented_keys():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("seq_len", 1),
+        ("seq_len_tokens", 1),
         ("batch_size", 0),
         ("partition_size", 0),
         ("head_partition_size", -3),
@@ -81,4 +81,4 @@ def test_json_summary_has_the_documented_keys():
 )
 def test_bad_spec_is_a_config_error(field, value):
     with pytest.raises(ConfigError):
-        VerifySpec(model="tiny/qwen3", **{field: value})
+        VerifySpec.of(model="tiny/qwen3", **{field: value})

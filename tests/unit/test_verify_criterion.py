@@ -36,17 +36,17 @@ def test_the_report_states_its_criterion():
 
 
 def test_a_model_too_big_for_the_ram_is_refused_before_it_is_built(monkeypatch):
-    spec = VerifySpec(model="Qwen/Qwen3-32B")
+    spec = VerifySpec.of(model="Qwen/Qwen3-32B")
     with pytest.raises(ConfigError, match=r"needs at least 36\d\.\d GiB of RAM.*16\.0 GiB available"):
-        verify_ram.check_ram(load_config(spec.model), spec, spec_dtype(), available_bytes=16 * 2**30)
+        verify_ram.check_ram(load_config(spec.step.model), spec, spec_dtype(), available_bytes=16 * 2**30)
     monkeypatch.setattr(host_ram, "available_ram_bytes", lambda: 16 * 2**30)
     with pytest.raises(ConfigError, match="needs at least"):
         verify_spec(spec)
 
 
 def test_a_small_model_fits():
-    spec = VerifySpec(model="tiny/qwen3")
-    verify_ram.check_ram(load_config(spec.model), spec, spec_dtype(), available_bytes=2**30)
+    spec = VerifySpec.of(model="tiny/qwen3")
+    verify_ram.check_ram(load_config(spec.step.model), spec, spec_dtype(), available_bytes=2**30)
 
 
 def spec_dtype():

@@ -86,7 +86,7 @@ def test_reproduce_searches_on_workers_give_the_rows_of_one_process(context, tmp
     from streambp_bench.paper.shared import Settings, max_len_rows
     from streambp_core.config import StepSpec
 
-    specs = [StepSpec(model="tiny/llama", method=method, partition_size=32, head_partition_size=16)
+    specs = [StepSpec.of(model="tiny/llama", method=method, partition_size=32, head_partition_size=16)
              for method in ("checkpoint", "streambp")]
     notes: list[str] = []
     here = max_len_rows(specs, Settings(out_dir=tmp_path, quick=True))
