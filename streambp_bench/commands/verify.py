@@ -20,7 +20,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list
-from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
+from streambp_core.config import VERIFY_METHODS, ConfigError, StreamConfig, check_model
 
 if TYPE_CHECKING:
     from streambp_core.verify.methods import VerifyReport
@@ -188,6 +188,10 @@ def verify(
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     if nproc is not None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
+    head = StreamConfig(objective=objective.value, head_mode=head_mode.value).head_mode  # before torch
+    if nproc is not None and "streambp" in methods and head != "recompute":
+        raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
+                          "recomputing head (--head-mode recompute)")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
@@ -202,9 +206,6 @@ def verify(
         objective=objective.value, lora_rank=lora_rank, attn=attn.value, head_mode=head_mode.value,
         offload=offload.value,
     )
-    if nproc is not None and "streambp" in methods and spec.step.stream.head_mode != "recompute":
-        raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
-                          "recomputing head (--head-mode recompute)")
     if nproc is not None:
         from streambp_bench.verify.sharded import run_sharded
 
