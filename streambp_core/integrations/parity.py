@@ -91,7 +91,7 @@ def update_tolerance(optim: str, dtype: torch.dtype) -> float:
     if name not in SGD_RTOL:
         raise ValueError(f"no parity tolerance for {name}: compare float64 (or float32) runs")
     sgd = SGD_RTOL[name]
-    return sgd if str(optim) in SGD_OPTIMIZERS else sgd * ADAM_AMPLIFICATION
+    return sgd if getattr(optim, "value", optim) in SGD_OPTIMIZERS else sgd * ADAM_AMPLIFICATION
 
 
 def trainer_parity(make_trainer: Callable[[], object], methods: Sequence[str] = STREAM_METHODS, *,
