@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from streambp_core.config import ConfigError
+from streambp_core.integrations.settings import PARITY_DATA_KINDS as DATA_KINDS
+from streambp_core.integrations.settings import TRAINER_KINDS
 
-TRAINER_KINDS = ("trainer", "sft", "dpo", "grpo")
-DATA_KINDS = ("text", "prompt-completion")
 SPECIAL_TOKENS = {"<pad>": 0, "<s>": 1, "</s>": 2}
 DEFAULT_SETTINGS = {"max_steps": 3, "per_device_train_batch_size": 2, "learning_rate": 1e-2, "optim": "sgd",
                     "report_to": [], "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True,
@@ -73,9 +73,15 @@ def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], 
     dataset = parity_dataset(setup, config.vocab_size)
     arguments = _arguments(setup, config_class, str(output_dir))
 
+    _user_input(config_class.__name__, config_class, **arguments)  # a bad setting fails before any model
+
     def make():
         model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device)
-        args = config_class(**arguments)
+        trainer = _user_input(trainer_class.__name__, _build, model, config_class(**arguments))
+        _without_printed_logs(trainer)
+        return trainer
+
+    def _build(model, args):
         if setup.trainer == "trainer":
             return _transformers_trainer(trainer_class, model, args, dataset, tokenizer, setup.lora_rank)
         extra = {"peft_config": lora_config(setup.lora_rank)} if setup.lora_rank else {}
@@ -87,6 +93,39 @@ def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], 
                              **extra)
 
     return make
+
+
+def run_parity(setup: ParitySetup, methods=None, **options) -> list:
+    """`trainer_parity` on the trainers `setup` describes (outputs in a temporary directory): one
+    `MethodParity` per method. ConfigError for a setting the trainer or `stream_trainer` refuses."""
+    import tempfile
+
+    from streambp_core.integrations.parity import STREAM_METHODS, trainer_parity, update_tolerance
+
+    try:
+        update_tolerance("sgd", setup.dtype)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
+        return trainer_parity(trainer_factory(setup, output_dir), methods or STREAM_METHODS, **options)
+
+
+def _without_printed_logs(trainer) -> None:
+    """Remove the callbacks that print the trainer's logs and progress to stdout (a parity run reports
+    its own figures)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+
+
+def _user_input(name: str, function, *args, **kwargs):
+    """`function(*args, **kwargs)`, with the ValueError/TypeError a trainer or its config raises for a
+    bad setting as a ConfigError on one line starting with `name`."""
+    try:
+        return function(*args, **kwargs)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{name}: {' '.join(str(error).split())}") from None
 
 
 def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu"):
