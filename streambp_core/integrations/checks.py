@@ -28,6 +28,7 @@ def check_trainer(trainer, method: str) -> None:
 
 
 LOGITS = "it needs the full logits"
+PACKED = "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"
 
 
 def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
@@ -35,8 +36,8 @@ def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
     packing = getattr(args, "packing", False) and getattr(args, "packing_strategy", "") == "bfd"
     no_logits = method in NO_LOGITS_METHODS
     return [
-        (getattr(args, "padding_free", False) or packing, "padding_free (or packing='bfd')",
-         "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"),
+        (getattr(args, "padding_free", False), "padding_free", PACKED),
+        (packing, "packing_strategy='bfd' (packing=True)", PACKED),
         (no_logits and args.label_smoothing_factor > 0, "label_smoothing_factor", LOGITS),
         (no_logits and trainer.compute_loss_func is not None, "compute_loss_func", LOGITS),
         (no_logits and trainer.compute_metrics is not None, "compute_metrics", LOGITS),

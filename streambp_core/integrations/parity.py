@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from streambp_core.integrations.checks import NO_LOGITS_METHODS
+from streambp_core.integrations.checks import NO_LOGITS_METHODS, check_trainer
 from streambp_core.integrations.trainers import stream_trainer
 
 STREAM_METHODS = ("checkpoint", "mst", "streambp")
@@ -102,6 +102,10 @@ def trainer_parity(make_trainer: Callable[[], object], methods: Sequence[str] = 
     `options` go to `stream_trainer` (partition_size, head_partition_size, ...). `tolerance` defaults to
     `update_tolerance` of the trainer's optimizer and the model's dtype.
     """
+    probe = make_trainer()
+    for method in methods:  # a refused setting fails before anything trains
+        check_trainer(probe, method)
+    del probe
     plain, tied, trainer = train_updates(make_trainer, None, options)
     if tolerance is None:
         tolerance = update_tolerance(trainer.args.optim, next(trainer.model.parameters()).dtype)
