@@ -11,6 +11,8 @@ FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer",
 NO_LOGITS_METHODS = ("mst", "streambp")
 """Methods whose model answers a trainer's loss call without the full logits (`checkpoint` keeps them, so
 the settings that read logits are refused only for these)."""
+LOGITS = "it needs the full logits"
+PACKED = "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"
 
 
 def check_trainer(trainer, method: str) -> None:
@@ -25,10 +27,6 @@ def check_trainer(trainer, method: str) -> None:
     if _is_trl(trainer) and not _has_fused_head(trainer):
         raise ConfigError(f"{type(trainer).__name__} from this TRL version computes full logits; "
                           "install trl>=1.15 (its trainers score tokens with a fused LM head)")
-
-
-LOGITS = "it needs the full logits"
-PACKED = "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"
 
 
 def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
