@@ -155,3 +155,15 @@ def test_group_errors_and_tolerances():
     assert update_tolerance("sgd", torch.float64) == 1e-10
     assert update_tolerance("adamw_torch", torch.float64) == 1e-6
     assert update_tolerance("sgd", torch.float32) == 1e-4
+
+
+def test_model_directory_with_weights(tmp_path):
+    """A directory with safetensors weights is loaded by `from_pretrained`, as a user loads it."""
+    from streambp_core.integrations.parity_setup import run_parity
+
+    saved = build_user_model(tiny_config("qwen3", tie_word_embeddings=False), torch.float32, seed=1)
+    saved.save_pretrained(tmp_path)
+    setup = ParitySetup(trainer="sft", model=str(tmp_path), settings={"max_steps": 2, "weight_decay": 0.1})
+    (result,) = run_parity(setup, ("streambp",), **STREAM)
+    assert result.ok and result.tolerance == 1e-10
+    assert {g.group for g in result.groups} == {"embedding", "attention", "mlp", "norms", "lm_head"}
