@@ -8,11 +8,16 @@ from streambp_core.config import ConfigError
 
 FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
 """TRL trainers that score tokens with TRL's fused LM head on top of the decoder stack (TRL >= 1.15)."""
+NO_LOGITS_METHODS = ("mst", "streambp")
+"""Methods whose model answers a trainer's loss call without the full logits (`checkpoint` keeps them, so
+the settings that read logits are refused only for these)."""
+LOGITS = "it needs the full logits"
+PACKED = "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"
 
 
 def check_trainer(trainer, method: str) -> None:
     """Raise ConfigError naming the first setting of `trainer` that cannot work with a `method` model."""
-    for refused, setting, why in _refusals(trainer):
+    for refused, setting, why in _refusals(trainer, method):
         if refused:
             raise ConfigError(f"{setting} cannot train a {method} model: {why}")
     dropout = _active_dropout(trainer.model)
@@ -24,17 +29,18 @@ def check_trainer(trainer, method: str) -> None:
                           "install trl>=1.15 (its trainers score tokens with a fused LM head)")
 
 
-def _refusals(trainer) -> list[tuple[bool, str, str]]:
+def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
     args = trainer.args
     packing = getattr(args, "packing", False) and getattr(args, "packing_strategy", "") == "bfd"
+    no_logits = method in NO_LOGITS_METHODS
     return [
-        (getattr(args, "padding_free", False) or packing, "padding_free (or packing='bfd')",
-         "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"),
-        (args.label_smoothing_factor > 0, "label_smoothing_factor", "it needs the full logits"),
-        (trainer.compute_loss_func is not None, "compute_loss_func", "it needs the full logits"),
-        (trainer.compute_metrics is not None, "compute_metrics", "it needs the full logits"),
-        (trainer.preprocess_logits_for_metrics is not None, "preprocess_logits_for_metrics",
-         "it needs the full logits"),
+        (getattr(args, "padding_free", False), "padding_free", PACKED),
+        (packing, "packing_strategy='bfd' (packing=True)", PACKED),
+        (no_logits and args.label_smoothing_factor > 0, "label_smoothing_factor", LOGITS),
+        (no_logits and trainer.compute_loss_func is not None, "compute_loss_func", LOGITS),
+        (no_logits and trainer.compute_metrics is not None, "compute_metrics", LOGITS),
+        (no_logits and trainer.preprocess_logits_for_metrics is not None, "preprocess_logits_for_metrics",
+         LOGITS),
         (trainer.model_init is not None, "model_init", "the trainer would build a new, unprepared model"),
         (args.world_size > 1 or bool(args.fsdp) or bool(args.deepspeed),
          "multi-process or sharded training (DDP, FSDP, DeepSpeed)",

@@ -17,6 +17,10 @@ METHOD_OPTIONS = {
 }
 """The StreamConfig fields each method reads; other fields do not change its step."""
 
+TRAINER_KINDS = ("trainer", "sft", "dpo", "grpo")
+"""Trainers a parity check builds: transformers' `Trainer`, TRL's SFT, DPO and GRPO trainers."""
+PARITY_DATA_KINDS = ("text", "prompt-completion")
+"""Rows a parity check trains on (GRPO trains on prompts whatever is asked)."""
 NOT_FOR_TRAINERS = ("objective", "baseline_attention", "keep_chunks", "baseline_loss")
 """StreamConfig fields a trainer does not take: the objective is the trainer's own loss; the others only
 matter to measurement and simulation, never to a real training step."""

@@ -1,0 +1,101 @@
+"""`streambp-bench verify --trainer KIND`: a trainer's updates with `stream_trainer` against plain, per group.
+
+The work is `streambp_core.integrations.parity_setup.run_parity`; this module reads the trainer settings
+(`--set NAME=VALUE`), refuses the verify options that do not apply to a trainer, and prints the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+from rich.table import Table
+
+from streambp_bench.output import emit, stderr_console
+from streambp_core.config import ConfigError
+
+NOT_FOR_TRAINERS = ("--padding", "--objective", "--head-mode", "--offload", "--nproc", "--shard")
+"""verify options a trainer check does not read: the trainer pads, picks its loss and runs one process."""
+
+
+def parse_settings(pairs: list[str] | None) -> dict[str, object]:
+    """{'weight_decay': 0.1, ...} from ['weight_decay=0.1', ...]: each value read as JSON when it parses
+    (numbers, true/false, lists), else as text (e.g. optim=adamw_torch)."""
+    settings: dict[str, object] = {}
+    for pair in pairs or []:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--set takes NAME=VALUE (a TrainingArguments or TRL config field): {pair!r}")
+        try:
+            settings[name.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            settings[name.strip()] = text
+    return settings
+
+
+def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dtype: str, seq_len: int,
+                       batch_size: int, ps: int, ps_head: int, seed: int, device: str, lora_rank: int,
+                       attn: str, data: str, settings: list[str] | None, unused: dict[str, bool],
+                       as_json: bool) -> bool:
+    """Train `trainer` plain and with each method on `model`; print each group's update error; whether
+    every method is within tolerance."""
+    import torch
+
+    from streambp_core.integrations.parity_setup import GRPO_SETTINGS, ParitySetup, run_parity
+
+    given = [name for name, is_set in unused.items() if is_set]
+    if given:
+        raise ConfigError(f"{given[0]} does not apply to --trainer (the trainer pads its batches, computes "
+                          "its own loss and runs one process)")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: a trainer check trains for real; use --device cpu or cuda")
+    methods = tuple(m for m in methods if m != "plain") or ("checkpoint", "mst", "streambp")
+    options = parse_settings(settings)
+    group = options.get("num_generations", GRPO_SETTINGS["num_generations"]) if trainer == "grpo" else 1
+    rows = batch_size * group  # -b: prompts per batch for grpo, each with its group of completions
+    options = {"per_device_train_batch_size": rows, **options}
+    quiet_libraries()
+    setup = ParitySetup(trainer=trainer, model=model, dtype=getattr(torch, dtype), data=data,
+                        lora_rank=lora_rank, seq_len_tokens=seq_len, seed=seed, device=device,
+                        settings=options)
+    stream = {"partition_size": ps, "head_partition_size": ps_head, "attn": attn}
+    # Libraries that print while they import or train (e.g. an accelerator probe) write to stderr.
+    with stderr_console().status(f"training {trainer} on {model}: plain, {', '.join(methods)} ..."), \
+            contextlib.redirect_stdout(sys.stderr):
+        results = run_parity(setup, methods, **stream)
+    document = {"source": f"measured-{device}", "trainer": trainer, "model": model, "dtype": dtype,
+                "data": data, "lora_rank": lora_rank, "settings": options, "stream_options": stream,
+                "results": [r.to_dict() for r in results]}
+    emit(document, as_json, lambda console: _print(console, document, results))
+    return all(r.ok for r in results)
+
+
+def quiet_libraries() -> None:
+    """This process's datasets progress bars and transformers' info and warning lines off: stdout holds only
+    the report (the trainers' own printed logs are removed by `parity_setup`)."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+
+
+def _print(console, document: dict, results) -> None:
+    table = Table(title=f"parameter updates vs plain {document['trainer']} training", title_justify="left")
+    for column in ("method", "group", "update err", "tolerance", "worst parameter", "ok"):
+        table.add_column(column, justify="right" if column in ("update err", "tolerance") else "left",
+                         overflow="fold" if column == "worst parameter" else "ellipsis")
+    for result in results:
+        for group in result.groups:
+            ok = group.rel_error <= result.tolerance
+            table.add_row(result.method, group.group, f"{group.rel_error:.2e}", f"{result.tolerance:.0e}",
+                          group.worst_parameter, "[green]pass[/]" if ok else "[bold red]FAIL[/]")
+    console.print(table)
+    settings = ", ".join(f"{k}={v}" for k, v in document["settings"].items())
+    console.print(f"{document['source']}: {document['model']}, {document['dtype']}, {document['data']} data, "
+                  f"lora rank {document['lora_rank']}, {settings}; update err = ||update - update_plain|| / "
+                  "||update_plain|| over each group's parameters after training", soft_wrap=True)
+    ok = all(r.ok for r in results)
+    console.print("[green]every method trains as plain does[/]" if ok
+                  else "[bold red]some methods do not train as plain does[/]")
