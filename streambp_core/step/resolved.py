@@ -3,9 +3,9 @@
 A command resolves each model once (`ResolvedModel.of(name)`: the preset or config.json read and
 validated, `models.load_config`) and hands the object to every step, simulation and search of that model.
 Model builds trust its config (`models.build_model(..., checked=True)`); the only copies are the config
-at other depths (`at_depth`, one per depth, kept). It also owns the simulation memo: the output metadata
-of meta kernels (`simulation_mode.SimulationMode`) and a sharded step's shard layout, shared by every simulated
-step of the model, which changes no figure, only the time.
+at other depths (`at_depth`, one per depth, kept). It also owns the simulation memo: the output
+metadata of meta kernels (`simulation_mode.SimulationMode`) and a sharded step's shard layout, shared by
+every simulated step of the model, which changes no figure, only the time.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class ResolvedModel:
         copied, so later changes to the caller's object do not reach it)."""
         self.config: PretrainedConfig = checked_config(model)
         self.memo: dict = {}
-        """Simulation memo: meta kernels' output metadata and shard layouts (`simulation_mode.SimulationMode`)."""
+        """Simulation memo: meta kernels' output metadata and shard layouts
+        (`simulation_mode.SimulationMode`)."""
         self._depths: dict[int, PretrainedConfig] = {}
 
     @classmethod
