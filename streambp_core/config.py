@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
+from streambp_core.tiers import TierError, canonical_offload, tier_problem
+
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 VERIFY_METHODS = ("checkpoint", "mst", "streambp")
 """The methods `verify` compares with plain when none are named."""
@@ -23,9 +26,9 @@ HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
 FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
 """Objectives whose loss is linear in its per-sequence sums, so the fused head can serve them."""
-OFFLOAD_MODES = ("none", "checkpoints")
-"""Where the tensors a method keeps from forward for backward live: on the device ("none"), or in host
-memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""
+OFFLOAD_MODES = TIER_SETS
+"""Which parts of a step live in host memory: "none", or a canonical comma list of tiers (checkpoints,
+optimizer, params; see `streambp_core.tiers`)."""
 SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2")
 """How one rank of `gpus` holds the model state. none: all of it (one GPU). zero2 and zero3: torch FSDP2,
 what `streambp_core.dist.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
@@ -94,11 +97,14 @@ class StreamConfig:
     logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
 
     offload: str = "none"
-    """'checkpoints': keep what the method saves between forward and backward (layer inputs) in host
-    memory. checkpoint and mst through transformers' checkpoint offload; streambp through
-    `engine.offload.HostChain`. plain keeps no checkpoints and refuses it."""
+    """The tiers in host memory (`streambp_core.tiers`; a comma list or a tuple, stored canonical).
+    checkpoints: what the method saves between forward and backward (layer inputs); checkpoint and mst
+    through transformers' checkpoint offload, streambp through `engine.offload.HostChain`. params: the
+    weights, gathered a layer at a time (`engine.host_params`). optimizer: `Run.adamw()` gives the host
+    optimizer (`engine.host_optimizer`). plain refuses checkpoints and params."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", offload_choice(self.offload))
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
         require_choice("offload", self.offload, OFFLOAD_MODES)
         require_choice("baseline_loss", self.baseline_loss, BASELINE_LOSSES)
@@ -120,6 +126,15 @@ def require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     """Raise ConfigError unless `value` is one of `choices` (the message lists them)."""
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def offload_choice(value) -> str:
+    """The canonical tier string of `value` (`tiers.canonical_offload`), or ConfigError naming the
+    unknown tier."""
+    try:
+        return canonical_offload(value)
+    except TierError as err:
+        raise ConfigError(str(err)) from None
 
 
 def require_positive(name: str, value: int) -> None:
@@ -202,8 +217,8 @@ class StepSpec:
     seed: int = 0
     """Seed of the random weights and tokens of a measured step."""
     offload: str = "none"
-    """none, or checkpoints: what the method keeps between forward and backward lives in host memory
-    (`StreamConfig.offload`); plain keeps no checkpoints and refuses it."""
+    """none, or the tiers in host memory, a comma list of checkpoints, optimizer, params (`StreamConfig.
+    offload`, `streambp_core.tiers`); plain takes the optimizer tier only."""
     gpus: int = 1
     """Ranks the step is data-parallel over (one sequence per rank); the figures are one rank's."""
     shard: str = "none"
@@ -218,14 +233,12 @@ class StepSpec:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"model must be a preset name or a directory, got {self.model!r}")
         check_method(self.method)
+        object.__setattr__(self, "offload", offload_choice(self.offload))
         for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS), ("dtype", DTYPES),
                               ("attn", ATTN_BACKENDS), ("protocol", PROTOCOLS),
                               ("grads", ("auto", *GRADS_MODES)), ("offload", OFFLOAD_MODES),
                               ("shard", SHARD_MODES), ("head_mode", HEAD_MODES)):
             require_choice(name, getattr(self, name), choices)
-        if self.offload != "none" and self.method == "plain":
-            raise ConfigError("offload does not apply to plain: it keeps no checkpoints, so there is "
-                              "nothing to offload")
         for name in ("batch_size", "partition_size", "head_partition_size", "gpus"):
             require_positive(name, getattr(self, name))
         if self.gpus > 1 and self.shard == "none":
@@ -237,6 +250,8 @@ class StepSpec:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         self._check_training_step()
+        if (problem := tier_problem(self.method, self.offload, self.optimizer)) is not None:
+            raise ConfigError(problem)
         self._resolve_head_mode()
 
     def _resolve_head_mode(self) -> None:
