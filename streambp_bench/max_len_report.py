@@ -183,7 +183,9 @@ def _offload_line(plan: Plan) -> str:
             "mst + offload: the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; "
             "streambp: each layer's input in pinned host memory, prefetched a layer ahead); peak GiB is "
             f"the device's; host GiB = the host pool's peak, {bound}; copied GiB each way = bytes copied "
-            "device -> host in forward, and as many host -> device in backward, per step.")
+            "device -> host, and host -> device, per step (+ offload TIERS: optimizer = AdamW's states and "
+            "fp32 masters on the host, gradients sent as each is complete; params = weights on the host, "
+            "each layer gathered for its forward and its backward).")
 
 
 def _train_lines(results: list[MethodResult]) -> list[str]:

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from streambp_bench import paper
+from streambp_bench.host_tier_item import tiers_section
 from streambp_bench.offload_item import offload_section
 from streambp_bench.readme_step import step_sections
 from streambp_bench.reproduce_items import frame_of
@@ -272,6 +273,7 @@ SECTIONS = {
     "table4": table4_section,
     "table6": table6_section,
     "offload": offload_section,
+    "offload-tiers": tiers_section,
 }
 
 

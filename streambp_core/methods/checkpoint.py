@@ -34,7 +34,8 @@ class CheckpointRun(PlainRun):
         self._attributes_before = {m: set(vars(m)) for m in self.model.modules()}
         self._functions_before = {m: vars(m)["_gradient_checkpointing_func"] for m in self.model.modules()
                                   if "_gradient_checkpointing_func" in vars(m)}
-        enable_activation_checkpointing(self.model, offload="checkpoints" in offload_tiers(self.config.offload))
+        offload = "checkpoints" in offload_tiers(self.config.offload)
+        enable_activation_checkpointing(self.model, offload=offload)
         self._eval_layers = [layer for layer in self.parts.layers if not layer.training]
         for layer in self._eval_layers:
             layer.training = True  # the layer's own flag only: transformers' checkpoint gate

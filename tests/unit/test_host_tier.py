@@ -17,8 +17,8 @@ from streambp_core.engine.host_params import HostParams
 from streambp_core.measure import MemoryTracker
 from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods import host_tier
-from streambp_core.models.lora import apply_lora
 from streambp_core.models.load import build_model, tiny_config
+from streambp_core.models.lora import apply_lora
 
 ALL = "checkpoints,optimizer,params"
 
@@ -29,7 +29,8 @@ def _model(family: str = "qwen3", lora: int = 0):
 
 
 def _batch(model, objective: str):
-    batch = random_batch(vocab_size=model.config.vocab_size, seq_len=13, batch_size=2, padding="right", seed=3)
+    vocab = model.config.vocab_size
+    batch = random_batch(vocab_size=vocab, seq_len=13, batch_size=2, padding="right", seed=3)
     labels, extra = objective_inputs(objective, batch, seed=1)
     return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "labels": labels, **extra}
 
@@ -135,7 +136,8 @@ def test_the_host_pool_holds_weights_masters_and_moments():
     spec = StepSpec(model="tiny/llama", method="streambp", optimizer="adamw", offload=ALL, dtype="float64")
     model = _model("llama")
     params = sum(p.numel() for p in model.parameters())
-    run = streambp_core.prepare(model, "streambp", partition_size=4, head_partition_size=3, offload=spec.offload)
+    run = streambp_core.prepare(model, "streambp", partition_size=4, head_partition_size=3,
+                                offload=spec.offload)
     with run:
         optimizer = run.adamw()
         inputs = _batch(model, "sft")
