@@ -202,9 +202,13 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
         return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}): shard the model "
                 "with streambp_core.dist.shard_model in each rank's process group, then prepare it as on "
                 "one GPU (the trainer integration runs one process)."]
-    return [f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
+    line = (f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
-            f"{trainer_settings_line(best.spec)} before trainer.train()."]
+            f"{trainer_settings_line(best.spec)} before trainer.train().")
+    if "optimizer" in best.spec.offload:  # a trainer makes its own optimizer on the device
+        line += (" For the optimizer tier give the trainer streambp_core.engine.host_optimizer.HostAdamW "
+                 "as its optimizer: optimizers=(HostAdamW(model.parameters(), lr=...), None).")
+    return [line]
 
 
 def _partitions(plan: Plan, results: list[MethodResult]) -> str:

@@ -6,7 +6,8 @@ masters). The device holds neither.
 
 Steps of one training step:
 1. Backward: as each parameter's gradient is complete (its post-accumulate-grad hook: once per step, or
-   once per firing for a parameter fed from several places, e.g. a tied embedding and head), the
+   once per firing for a parameter fed from several places, e.g. a tied embedding and head, or a norm
+   weight whose gradient streambp accumulates chunk by chunk), the
    gradient is copied to host memory (pinned, on a side stream with an event on CUDA) and the device
    gradient dropped, so the device never holds the whole model's gradients.
 2. `step()`: per parameter, its host gradients are summed in the master's dtype (in arrival order, as
