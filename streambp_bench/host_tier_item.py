@@ -86,7 +86,8 @@ def tiers_section(frame: pd.DataFrame) -> list[str]:
                      f"{_gib(row['host_peak_gib'])} | "
                      f"{_gib(row['to_host_gib'])} / {_gib(row['to_device_gib'])} | "
                      f"{'' if alst is None else f'{alst:,}'} |")
-    return [*lines, "", *_target_lines(data), ""]
+    targets = _target_lines(data)
+    return [*lines, "", *targets, *([""] if targets else [])]
 
 
 def _target_lines(data: pd.DataFrame) -> list[str]:
@@ -105,7 +106,7 @@ def _target_lines(data: pd.DataFrame) -> list[str]:
             lines.append(f"- ALST recipe (mst + every tier) on one {gpu}: {recipe['value'].iloc[0]:,.0f} "
                          f"tokens, {ratio:.2f}x ALST's {alst:,} (within ±{ALST_TOLERANCE:.0%}: "
                          f"{'yes' if abs(ratio - 1) <= ALST_TOLERANCE else 'no'})")
-    return lines
+    return lines if len(lines) > 2 else []
 
 
 def _gib(value: float) -> str:
