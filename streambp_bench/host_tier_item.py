@@ -11,7 +11,8 @@ beside Arctic Long Sequence Training's published single-GPU lengths; its README 
   optimizer offload); its published lengths: 500k tokens on one H100, 1.2M on one H200 (arXiv
   2506.13996). The tiers here are this project's own (`streambp_core.tiers`); DeepSpeed's ZeRO-3 offload
   engine is not run.
-Rows go to `offload-tiers.csv`.
+Rows go to one CSV per GPU, `offload-tiers-h100.csv` and `offload-tiers-h200.csv` (`offload-tiers-tiny.csv`
+when quick): a row's key holds no budget, so two GPUs' rows of one step would replace each other.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from streambp_core.tiers import ALL_TIERS, tier_problem
 GPUS_GIB = {"H100 80GB": 81_559 / 1024, "H200 141GB": 143_771 / 1024}
 """Each GPU's whole memory in GiB (nvidia-smi's MiB totals: 81,559 and 143,771)."""
 QUICK_GPUS_GIB = {"tiny budget": 0.005}
+CSV_NAMES = {"H100 80GB": "offload-tiers-h100", "H200 141GB": "offload-tiers-h200",
+             "tiny budget": "offload-tiers-tiny"}
+"""The CSV (item name) of each GPU's rows."""
 MODELS = ("meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B")
 TIER_SETS = ("none", "checkpoints", "optimizer", "checkpoints,optimizer", "optimizer,params", ALL_TIERS)
 """Every tier set a step with an optimizer can run (`tiers.tier_problem`)."""
@@ -50,16 +54,18 @@ def cells(quick: bool) -> list[tuple[StepSpec, float]]:
 
 
 def run(settings: Settings) -> None:
-    """Search every cell (side by side on the settings' workers) and write `offload-tiers.csv`."""
+    """Search every cell (side by side on the settings' workers) and write each GPU's CSV."""
     from streambp_bench.max_len import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
 
     cache: dict = {}
+    grid = cells(settings.quick)
     tasks = [Task(spec_label(spec), max_len_row, (spec, budget, cache),
                   SEARCH_COST.get(spec.method, 0) + spec.offload.count(","))
-             for spec, budget in cells(settings.quick)]
+             for spec, budget in grid]
     rows = run_tasks(tasks, settings.jobs, settings.context, settings.note)
-    settings.csv("offload-tiers").append_many(rows)
+    for name in {CSV_NAMES[_gpu(budget)] for _, budget in grid}:
+        settings.csv(name).append_many(row for row in rows if CSV_NAMES[_gpu(row.budget_gib)] == name)
 
 
 def _gpu(budget_gib: float) -> str:
@@ -70,7 +76,8 @@ def _gpu(budget_gib: float) -> str:
 def tiers_section(frame: pd.DataFrame) -> list[str]:
     """The README section: max length per model, GPU, method and tier set, host GiB needed, ALST's."""
     data = frame[frame["metric"] == "max_len"].assign(gpu=lambda f: f["budget_gib"].map(_gpu))
-    lines = ["## Host tiers — full fine-tuning with AdamW on one GPU (simulated)", "",
+    gpus = " and ".join(sorted(set(data["gpu"])))
+    lines = [f"## Host tiers — full fine-tuning with AdamW on one {gpus} (simulated)", "",
              "bf16, batch 1, SFT, AdamW (fp32 masters and moments on the host with the optimizer tier; "
              "pure bf16 on the device without), ps 500, ps-head 100; budget = the GPU's whole memory "
              "(H100 80GB: 79.6 GiB, H200 141GB: 140.4 GiB). Host GiB = the host pool's peak at the max "

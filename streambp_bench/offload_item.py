@@ -68,7 +68,7 @@ def run(settings: Settings) -> list[Path]:
     lengths = (256, 1024, 4096) if settings.quick else CURVE_TOKENS
     points = [spec.at(length) for spec in specs if spec.model == curve_model for length in lengths]
     memory_curve(points, resolve_target("sim", budget), results, settings)
-    host_tier_item.run(settings)  # full fine-tuning with every tier set: offload-tiers.csv
+    host_tier_item.run(settings)  # full fine-tuning with every tier set, one CSV per GPU
     return [plots.save(memory_figure(results.load()), settings.out_dir / "offload-memory.png")]
 
 

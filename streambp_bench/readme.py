@@ -273,7 +273,9 @@ SECTIONS = {
     "table4": table4_section,
     "table6": table6_section,
     "offload": offload_section,
-    "offload-tiers": tiers_section,
+    "offload-tiers-h100": tiers_section,
+    "offload-tiers-h200": tiers_section,
+    "offload-tiers-tiny": tiers_section,
 }
 
 
