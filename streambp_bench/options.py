@@ -55,6 +55,18 @@ class Offload(str):
 
 Offload.none = Offload("none")
 OffloadOrBoth = Offload
+
+
+def _offload(text: str) -> Offload:
+    """`--offload`'s value: both, or a tier set (an unknown tier: typer's one-line bad-parameter error)."""
+    from streambp_core.tiers import TierError, canonical_offload
+
+    if text.strip() == "both":
+        return Offload("both")
+    try:
+        return Offload(canonical_offload(text))
+    except TierError as err:
+        raise typer.BadParameter(str(err)) from None
 Shard = _choices("Shard", SHARD_MODES[1:])
 Stage = _choices("Stage", FSDP_STAGES)
 GpuModelName = _choices("GpuModelName", GPU_MODEL_NAMES)
@@ -152,12 +164,12 @@ _OFFLOAD_HELP = (
     "too); none: on the device"
 )
 OffloadOption = Annotated[
-    Offload, typer.Option("--offload", parser=Offload, metavar="TIERS",
+    Offload, typer.Option("--offload", parser=_offload, metavar="TIERS",
                           help=_OFFLOAD_HELP + ". plain takes the optimizer tier only.")
 ]
 OffloadOrBothOption = Annotated[
     OffloadOrBoth,
-    typer.Option("--offload", parser=Offload, metavar="TIERS",
+    typer.Option("--offload", parser=_offload, metavar="TIERS",
                  help=_OFFLOAD_HELP + "; both: each method with and without checkpoints (plain without "
                  "only). Asking plain for checkpoints or params is refused."),
 ]

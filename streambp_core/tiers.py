@@ -39,8 +39,8 @@ def canonical_offload(value: str | tuple[str, ...] | list[str] | frozenset[str] 
         return ALL_TIERS
     unknown = [name for name in names if name not in OFFLOAD_TIERS]
     if unknown:
-        raise TierError(f"unknown offload tier {', '.join(map(repr, unknown))}; choose from "
-                        f"{', '.join(OFFLOAD_TIERS)} (comma-separated), all or none")
+        raise TierError(f"offload must be one of none, {', '.join(OFFLOAD_TIERS)}, all or a comma list of "
+                        f"tiers; unknown tier {', '.join(map(repr, unknown))}")
     return ",".join(tier for tier in OFFLOAD_TIERS if tier in names)
 
 
