@@ -21,7 +21,6 @@ from streambp_core.config import (
     GRADS_MODES,
     HEAD_MODES,
     OBJECTIVES,
-    OFFLOAD_MODES,
     OPTIMIZERS,
     PADDINGS,
     PROTOCOLS,
@@ -42,8 +41,33 @@ Attn = _choices("Attn", ATTN_BACKENDS)
 Protocol = _choices("Protocol", PROTOCOLS)
 Grads = _choices("Grads", ("auto", *GRADS_MODES))
 Optimizer = _choices("Optimizer", OPTIMIZERS)
-Offload = _choices("Offload", OFFLOAD_MODES)
-OffloadOrBoth = _choices("OffloadOrBoth", (*OFFLOAD_MODES, "both"))
+
+
+class Offload(str):
+    """`--offload`'s text: none, a comma list of tiers (checkpoints, optimizer, params; all) or both;
+    checked by `StepSpec` (one `error:` line for an unknown tier). `.value` as the choice Enums have."""
+
+    none: Offload
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+
+Offload.none = Offload("none")
+OffloadOrBoth = Offload
+
+
+def _offload(text: str) -> Offload:
+    """`--offload`'s value: both, or a tier set (an unknown tier: typer's one-line bad-parameter error)."""
+    from streambp_core.tiers import TierError, canonical_offload
+
+    if text.strip() == "both":
+        return Offload("both")
+    try:
+        return Offload(canonical_offload(text))
+    except TierError as err:
+        raise typer.BadParameter(str(err)) from None
 Shard = _choices("Shard", SHARD_MODES[1:])
 Stage = _choices("Stage", FSDP_STAGES)
 GpuModelName = _choices("GpuModelName", GPU_MODEL_NAMES)
@@ -142,18 +166,23 @@ GradsOption = Annotated[
 ]
 
 _OFFLOAD_HELP = (
-    "checkpoints: what each method keeps between forward and backward lives in host memory, copied out "
-    "in forward and back in backward (checkpoint: transformers' own checkpoint offload; mst + offload: "
-    "the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; streambp: each layer's "
-    "input in pinned host memory, prefetched a layer ahead); none: on the device"
+    "Tiers in host memory, comma-separated (all = every one). checkpoints: what each method keeps between "
+    "forward and backward, copied out in forward and back in backward (checkpoint: transformers' own "
+    "checkpoint offload; mst + offload: the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint "
+    "offload; streambp: each layer's input in pinned host memory, prefetched a layer ahead); optimizer: "
+    "AdamW's states and fp32 master weights, the step run on the host (needs --optimizer adamw); params: "
+    "the weights, each layer gathered for its forward and backward (with an optimizer, needs optimizer "
+    "too); none: on the device"
 )
 OffloadOption = Annotated[
-    Offload, typer.Option("--offload", help=_OFFLOAD_HELP + ". plain has none to offload.")
+    Offload, typer.Option("--offload", parser=_offload, metavar="TIERS",
+                          help=_OFFLOAD_HELP + ". plain takes the optimizer tier only.")
 ]
 OffloadOrBothOption = Annotated[
     OffloadOrBoth,
-    typer.Option("--offload", help=_OFFLOAD_HELP + "; both: each method with and without (plain without "
-                 "only). Asking plain for checkpoints alone is refused: it keeps no checkpoints."),
+    typer.Option("--offload", parser=_offload, metavar="TIERS",
+                 help=_OFFLOAD_HELP + "; both: each method with and without checkpoints (plain without "
+                 "only). Asking plain for checkpoints or params is refused."),
 ]
 
 

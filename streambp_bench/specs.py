@@ -9,6 +9,7 @@ from pathlib import Path
 
 from streambp_bench import options as opt
 from streambp_core.config import METHODS, ConfigError, StepSpec, check_model
+from streambp_core.tiers import tier_label
 
 
 def method_list(methods: str) -> tuple[str, ...]:
@@ -40,8 +41,9 @@ def with_offload(specs: tuple[StepSpec, ...], offload: str) -> tuple[StepSpec, .
 
 
 def spec_label(spec: StepSpec) -> str:
-    """How a table names the step: its method, '+ offload' when its checkpoints live in host memory."""
-    return f"{spec.method} + offload" if spec.stream.offload != "none" else spec.method
+    """How a table names the step: its method, '+ offload' when its checkpoints live in host memory,
+    '+ offload <tiers>' for other tier sets (`tiers.tier_label`)."""
+    return f"{spec.method} {tier_label(spec.offload)}".rstrip()
 
 
 def writable_results(out: Path | None) -> Path | None:

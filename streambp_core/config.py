@@ -9,6 +9,9 @@ from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 
+from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
+from streambp_core.tiers import TierError, canonical_offload, tier_problem
+
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 VERIFY_METHODS = ("checkpoint", "mst", "streambp")
 """The methods `verify` compares with plain when none are named."""
@@ -25,9 +28,9 @@ HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
 FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
 """Objectives whose loss is linear in its per-sequence sums, so the fused head can serve them."""
-OFFLOAD_MODES = ("none", "checkpoints")
-"""Where the tensors a method keeps from forward for backward live: on the device ("none"), or in host
-memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""
+OFFLOAD_MODES = TIER_SETS
+"""Which parts of a step live in host memory: "none", or a canonical comma list of tiers (checkpoints,
+optimizer, params; see `streambp_core.tiers`)."""
 SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2")
 """How one rank of `gpus` holds the model state. none: all of it (one GPU). zero2 and zero3: torch FSDP2,
 what `streambp_core.parallel.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
@@ -103,11 +106,14 @@ class StreamConfig:
     logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
 
     offload: str = "none"
-    """'checkpoints': keep what the method saves between forward and backward (layer inputs) in host
-    memory. checkpoint and mst through transformers' checkpoint offload; streambp through
-    `engine.offload.HostChain`. plain keeps no checkpoints and refuses it (`check_offload`)."""
+    """The tiers in host memory (`streambp_core.tiers`; a comma list or a tuple, stored canonical).
+    checkpoints: what the method saves between forward and backward (layer inputs); checkpoint and mst
+    through transformers' checkpoint offload, streambp through `engine.offload.HostChain`. params: the
+    weights, gathered a layer at a time (`engine.host_params`). optimizer: `Run.adamw()` gives the host
+    optimizer (`engine.host_optimizer`). plain refuses checkpoints and params (`check_offload`)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", offload_choice(self.offload))
         require_choice("objective", self.objective, OBJECTIVES)
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
         require_choice("offload", self.offload, OFFLOAD_MODES)
@@ -136,22 +142,27 @@ class StreamConfig:
         return self.mlp_chunk_size or self.partition_size
 
 
-CHECKPOINT_FREE_METHODS = ("plain",)
-"""Methods that keep no checkpoints between forward and backward, so offloading them means nothing."""
-
-
-def check_offload(method: str, offload: str) -> None:
-    """ConfigError when `offload` asks a method that keeps no checkpoints to move them to the host: the
-    one place this rule lives (`StepSpec` and `prepare` both call it)."""
-    if offload != "none" and method in CHECKPOINT_FREE_METHODS:
-        raise ConfigError(f"offload={offload!r} does not apply to {method}: it keeps no checkpoints, so "
-                          "there is nothing to offload")
+def check_offload(method: str, offload: str, optimizer: str | None = None) -> None:
+    """ConfigError when `method` cannot run with the tier set `offload` (and `optimizer`, when known):
+    the one rule, `tiers.tier_problem` (plain keeps no checkpoints and streams no layers; params with an
+    optimizer needs the optimizer tier; the optimizer tier needs an optimizer)."""
+    if (problem := tier_problem(method, offload, optimizer)) is not None:
+        raise ConfigError(problem)
 
 
 def require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     """Raise ConfigError unless `value` is one of `choices` (the message lists them)."""
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def offload_choice(value) -> str:
+    """The canonical tier string of `value` (`tiers.canonical_offload`), or ConfigError naming the
+    unknown tier."""
+    try:
+        return canonical_offload(value)
+    except TierError as err:
+        raise ConfigError(str(err)) from None
 
 
 def require_positive(name: str, value: int) -> None:
@@ -263,7 +274,7 @@ class StepSpec:
         for name, choices in (("optimizer", OPTIMIZERS), ("dtype", DTYPES), ("protocol", PROTOCOLS),
                               ("grads", ("auto", *GRADS_MODES)), ("shard", SHARD_MODES)):
             require_choice(name, getattr(self, name), choices)
-        check_offload(self.method, self.stream.offload)
+        check_offload(self.method, self.stream.offload, self.optimizer)
         for name in ("batch_size", "gpus"):
             require_positive(name, getattr(self, name))
         if self.gpus > 1 and self.shard == "none":
@@ -322,6 +333,11 @@ class StepSpec:
     def objective(self) -> str:
         """The step's objective (`stream.objective`)."""
         return self.stream.objective
+
+    @property
+    def offload(self) -> str:
+        """The step's tiers in host memory (`stream.offload`, canonical)."""
+        return self.stream.offload
 
     @property
     def is_training_step(self) -> bool:

@@ -109,9 +109,19 @@ def check_host_budget(plan: Plan) -> None:
     at the shortest length a search probes (simulated): then no length fits, whatever the device."""
     if plan.host_budget_bytes is None:
         return
+    from streambp_core.step.host_pool import host_resident_bytes
     from streambp_core.step.simulate import simulate
 
-    for spec in (spec for spec in plan.specs if spec.stream.offload != "none"):
+    for spec in (spec for spec in plan.specs if "optimizer" in spec.offload):
+        held = host_resident_bytes(spec, plan.resolved.config)
+        if held["optimizer"] > plan.host_budget_bytes:
+            raise ConfigError(
+                f"host budget {plan.host_budget_bytes / GIB:g} GiB is below the optimizer's states "
+                f"{spec_label(spec)} keeps in host memory (fp32 masters + AdamW moments: "
+                f"{format_size(held['optimizer'])}): no sequence length fits"
+            )
+
+    for spec in (spec for spec in plan.specs if spec.offload != "none"):
         need = simulate(spec.at(SHORTEST_PROBE_TOKENS), plan.resolved).host_peak_bytes
         if need > plan.host_budget_bytes:
             raise ConfigError(

@@ -184,7 +184,9 @@ def _offload_line(plan: Plan) -> str:
             "mst + offload: the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; "
             "streambp: each layer's input in pinned host memory, prefetched a layer ahead); peak GiB is "
             f"the device's; host GiB = the host pool's peak, {bound}; copied GiB each way = bytes copied "
-            "device -> host in forward, and as many host -> device in backward, per step.")
+            "device -> host, and host -> device, per step (+ offload TIERS: optimizer = AdamW's states and "
+            "fp32 masters on the host, gradients sent as each is complete; params = weights on the host, "
+            "each layer gathered for its forward and its backward).")
 
 
 def _train_lines(results: list[MethodResult]) -> list[str]:
@@ -201,9 +203,13 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
         return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}): shard the model "
                 "with streambp_core.parallel.shard_model in each rank's process group, then prepare it as on "
                 "one GPU (the trainer integration runs one process)."]
-    return [f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
+    line = (f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
-            f"{trainer_settings_line(best.spec)} before trainer.train()."]
+            f"{trainer_settings_line(best.spec)} before trainer.train().")
+    if "optimizer" in best.spec.offload:  # a trainer makes its own optimizer on the device
+        line += (" For the optimizer tier give the trainer streambp_core.engine.host_optimizer.HostAdamW "
+                 "as its optimizer: optimizers=(HostAdamW(model.parameters(), lr=...), None).")
+    return [line]
 
 
 def _partitions(plan: Plan, results: list[MethodResult]) -> str:

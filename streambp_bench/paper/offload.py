@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from streambp_bench.paper import plots, published
+from streambp_bench.paper import host_tiers, plots, published
 from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, max_len_rows, memory_curve
 from streambp_bench.specs import with_offload
@@ -50,6 +50,7 @@ def run(settings: Settings) -> list[Path]:
     lengths = (256, 1024, 4096) if settings.quick else CURVE_TOKENS
     points = [spec.at(length) for spec in specs if spec.model == curve_model for length in lengths]
     memory_curve(points, resolve_target("sim", budget), results, settings)
+    host_tiers.run(settings)  # full fine-tuning with every tier set, one CSV per GPU
     return [plots.save(memory_figure(results.load()), settings.out_dir / "offload-memory.png")]
 
 

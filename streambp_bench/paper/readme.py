@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from streambp_bench.paper import host_tiers
 from streambp_bench.paper.items import ITEMS
 from streambp_bench.paper.prose import prose
 from streambp_bench.paper.published import PAPER
@@ -23,5 +24,9 @@ def render(out_dir: Path) -> str:
         frame = frame_of(out_dir / f"{name}.csv")
         if frame is not None and len(frame):
             lines += item.section(frame)
+    for name in host_tiers.CSV_NAMES.values():  # the offload item's tier grid, one CSV per GPU
+        frame = frame_of(out_dir / f"{name}.csv")
+        if frame is not None and len(frame):
+            lines += host_tiers.section(frame)
     lines += step_sections(out_dir)
     return "\n".join([*lines, prose("models"), "", prose("changes"), ""])

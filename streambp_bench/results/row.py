@@ -24,6 +24,7 @@ from streambp_core.config import (
     SHARD_MODES,
     StepSpec,
 )
+from streambp_core.tiers import OFFLOAD_TIERS, offload_tiers
 
 if TYPE_CHECKING:  # pandas is imported where a frame is built: writing rows does not need it
     import pandas as pd
@@ -68,8 +69,14 @@ class ResultRow:
     grads: str = "resident"
     """Gradients allocated before the step (resident) or made by it (fresh)."""
     offload: str = "none"
-    """Where the method kept its checkpoints between forward and backward: on the device (none) or in
-    host memory (checkpoints)."""
+    """The tiers in host memory (`streambp_core.tiers`): none, or a canonical comma list of checkpoints,
+    optimizer, params."""
+    offload_checkpoints: int = 0
+    """1 when the checkpoints were in host memory (from `offload`; a file without the column reads 0)."""
+    offload_optimizer: int = 0
+    """1 when the optimizer's states, fp32 masters and step were in host memory (from `offload`)."""
+    offload_params: int = 0
+    """1 when the weights were in host memory, gathered a layer at a time (from `offload`)."""
     gpus: int = 1
     """Ranks of a data-parallel step; the row's memory is one rank's."""
     shard: str = "none"
@@ -129,6 +136,8 @@ class ResultRow:
         for name, allowed in _CHOICES.items():
             require_one_of(name, getattr(self, name), allowed)
         object.__setattr__(self, "head_mode", _head_mode_cell(self.method, self.head_mode))
+        for tier in OFFLOAD_TIERS:  # one column per tier, read from the tier set
+            object.__setattr__(self, f"offload_{tier}", int(tier in offload_tiers(self.offload)))
         for name in ("method", "model", "metric", "device_name"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")

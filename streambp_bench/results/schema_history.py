@@ -15,6 +15,9 @@ stood for (offload "none": nothing was offloaded before the column existed; gpus
 one unsharded GPU). head_mode reads empty, which a row takes as its method's default head
 (`ResultRow.head_mode`): recompute on a streambp row, the only head streambp ran before the column
 existed, and empty on any other method's, as new rows have it, so a re-run upserts onto the old row.
+The per-tier columns (offload_checkpoints, offload_optimizer, offload_params) read 0 and are then set
+from the row's `offload` (a file with offload "checkpoints" and no tier columns reads
+offload_checkpoints 1).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ ADDED_COLUMNS: dict[str, str] = {
     "step_time_p20_ms": "", "step_time_p80_ms": "", "confirmed_layers": "",
     "offload": "none", "host_peak_gib": "", "to_host_gib": "", "to_device_gib": "",
     "gpus": "1", "shard": "none", "head_mode": "",
+    "offload_checkpoints": "0", "offload_optimizer": "0", "offload_params": "0",
 }  # fmt: skip
 """Columns added since schema 2 -> the cell a file without the column reads (module docstring)."""
 

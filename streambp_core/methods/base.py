@@ -9,11 +9,13 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError, StreamConfig
+from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.models.adapters import DecoderParts
+from streambp_core.tiers import offload_tiers
 
 
 class Run:
@@ -35,8 +37,12 @@ class Run:
         self.router_aux: RouterAux | None = router_aux(self.parts.backbone.config)
         """The router load-balancing loss's settings when the model adds it to its loss, else None."""
         self._closed = False
+        self.host_params: HostParams | None = None
+        """The params tier's weights in host memory (None without it)."""
         try:
             self._setup()
+            if "params" in offload_tiers(config.offload):
+                self.host_params = self._host_params(next(model.parameters()).device)
         except BaseException:
             guards.release(self.parts, self)
             raise
@@ -87,6 +93,8 @@ class Run:
         """Undo what preparing changed; the model is plain again."""
         if not self._closed:
             try:
+                if self.host_params is not None:
+                    self.host_params.close()
                 self._teardown()
             finally:
                 self._closed = True
@@ -97,6 +105,19 @@ class Run:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def adamw(self, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:
+        """AdamW over the model's trainable parameters: in host memory (`HostAdamW`) with the optimizer
+        tier, else torch's on the device. Options as torch.optim.AdamW's (lr, betas, eps, weight_decay)."""
+        from streambp_core.methods.host_tier import adamw
+
+        return adamw(self.model, "optimizer" in offload_tiers(self.config.offload), lr=lr, **options)
+
+    def _host_params(self, device) -> HostParams:
+        """The params tier for this method: units bracketed by module hooks (`host_tier.hooked_params`)."""
+        from streambp_core.methods.host_tier import hooked_params
+
+        return hooked_params(self.parts, device)
 
     def _check_dropout(self) -> None:
         """ConfigError when dropout is on where this method cannot replay it (see `guards`)."""

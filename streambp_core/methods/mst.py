@@ -50,4 +50,14 @@ class MstRun(CheckpointRun):
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
                         keep_chunks=self.config.keep_chunks)
         params = trainable_parameters([self.parts.lm_head])
-        return StreamedHead.apply(hidden, objective, plan, *params)
+        if self.host_params is None:
+            return StreamedHead.apply(hidden, objective, plan, *params)
+        head = self.host_params.num_units - 1  # lm_head: bracketed here, its chunks run inside the head
+        hidden = self.host_params.enter(head, hidden)
+        return self.host_params.leave(head, StreamedHead.apply(hidden, objective, plan, *params))
+
+    def _host_params(self, device):
+        """The params tier: lm_head bracketed around the chunked head, the rest by module hooks."""
+        from streambp_core.methods.host_tier import hooked_params
+
+        return hooked_params(self.parts, device, hook_head=False)

@@ -26,6 +26,7 @@ from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
 from streambp_core.models.adapters import layer_parts
+from streambp_core.tiers import offload_tiers
 
 
 class StreamBPRun(Run):
@@ -56,8 +57,11 @@ class StreamBPRun(Run):
     def _streamed_loss(self, objective, input_ids, attention_mask):
         chain = self._host_chain(input_ids)
         hidden, routing = self._streamed_layers(input_ids, attention_mask, chain)
+        head = len(self._layers) + 1  # the head's unit of the params tier
+        hidden = self._enter(head, hidden)
         head_params = trainable_parameters([self.parts.norm, self.parts.lm_head])
-        loss = self._head_function.apply(hidden, objective, _offloaded(self._head, chain), *head_params)
+        loss = self._leave(head, self._head_function.apply(hidden, objective, _offloaded(self._head, chain),
+                                                           *head_params))
         if not routing:
             return loss
         valid = key_padding(attention_mask)
@@ -76,7 +80,7 @@ class StreamBPRun(Run):
 
     def _host_chain(self, input_ids) -> HostChain | None:
         """This step's host chain when offloading checkpoints, else None."""
-        return HostChain(input_ids.device) if self.config.offload == "checkpoints" else None
+        return HostChain(input_ids.device) if "checkpoints" in offload_tiers(self.config.offload) else None
 
     def _streamed_layers(self, input_ids, attention_mask, chain: HostChain | None):
         """The last layer's output and the (probability sums, picks) of each routed layer under the
@@ -87,13 +91,29 @@ class StreamBPRun(Run):
         rope = self.parts.rope_tables(hidden, positions)
         valid = key_padding(attention_mask)
         routing = []
-        for layer, plan in self._layers:
+        for unit, (layer, plan) in enumerate(self._layers, start=1):
             layer_step = partial(_streamed_layer, layer, _offloaded(plan, chain))
+            hidden = self._enter(unit, hidden)
             hidden = sharded_forward(layer, layer_step, hidden, *rope[plan.parts.rope_key], valid)
             if isinstance(hidden, tuple):
                 hidden, *sums = hidden
                 routing.append(sums)
+            hidden = self._leave(unit, hidden)
         return hidden, routing
+
+    def _host_params(self, device):
+        """The params tier: layers and head bracketed here (`host_tier.streamed_params`)."""
+        from streambp_core.methods.host_tier import streamed_params
+
+        return streamed_params(self.parts, device)
+
+    def _enter(self, unit: int, hidden):
+        """`hidden` entering params-tier unit `unit` (gathered; unchanged without the tier)."""
+        return hidden if self.host_params is None else self.host_params.enter(unit, hidden)
+
+    def _leave(self, unit: int, output):
+        """`output` leaving params-tier unit `unit` (released; unchanged without the tier)."""
+        return output if self.host_params is None else self.host_params.leave(unit, output)
 
 
 def _streamed_layer(layer, plan: LayerPlan, hidden, cos, sin, valid):

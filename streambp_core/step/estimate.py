@@ -18,6 +18,10 @@ what tuned kernels reach on them, not fitted to this project's measurements:
 Offload transfers (PCIe) are not in the op record of a meta step: `estimate_step` takes the bytes each
 way from the simulation and adds the part of their PCIe time that the step's compute cannot hide,
 max(0, transfer - compute), as if every copy overlapped compute (it runs on a side stream): a lower bound.
+With the optimizer and params offload tiers those bytes include each gradient sent to the host, the
+updated weights returned and every weight gathered for forward and backward (PCIe per direction: 64 GB/s
+on H100 and H200, Gen5 x16; 32 GB/s on A100 and A800, Gen4 x16); the host optimizer step's CPU time is
+not estimated.
 Depth: the ops of a 1-layer and a 2-layer model are recorded and the difference is scaled to the full
 depth (every decoder layer dispatches the same ops), so a 36-layer model costs two short meta steps.
 """

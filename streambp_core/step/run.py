@@ -18,10 +18,11 @@ import torch
 
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.result import TrackerResult
-from streambp_core.measure.tags import WEIGHTS
+from streambp_core.measure.tags import OFFLOADED, WEIGHTS
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.adapters import decoder_parts
+from streambp_core.step.host_pool import host_pool_tensors
 from streambp_core.step.protocol import step_protocol
 from streambp_core.step.setup import Setup
 from streambp_core.step.simulation_mode import SimulationMode, checkpoint_tags
@@ -148,6 +149,8 @@ def tracked_step(
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, optimizer, device=device) as tracker:
             tracker.track_resizable(gathered, WEIGHTS)
+            tracker.track(host_pool_tensors(run, optimizer), OFFLOADED)
+            tracker.reset_peak()  # host copies were counted as device weights until filed as host
             phases = _Phases(tracker, device)
             with (
                 SimulationMode(setup.config.vocab_size, cache, tracker),

@@ -27,7 +27,7 @@ from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
 from streambp_core.models.load import build_model
 from streambp_core.models.lora import apply_lora
 from streambp_core.step.batch import objective_inputs, random_batch
-from streambp_core.step.optim import make_optimizer
+from streambp_core.step.host_pool import device_resident, step_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +72,7 @@ def build_training_model(
         model = apply_lora(model, spec.lora_rank)
     if wrap is not None:
         model = wrap(model)
-    optimizer = make_optimizer(model, spec.optimizer)
+    optimizer = step_optimizer(model, spec)
     if optimizer is not None:
         for param in model.parameters():
             if param.requires_grad:
@@ -125,10 +125,12 @@ def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
     trainable = sum(p.nbytes for p in params if p.requires_grad)
     state = 0 if optimizer is None else sum(
         t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    if hasattr(optimizer, "remove_hooks"):
+        optimizer.remove_hooks()
     held = {"weights": sum(p.nbytes for p in params), "grads": trainable, "optimizer": state}
     if spec.shard != "none":  # one rank's: its shards (and what DeepSpeed ZeRO-2 keeps whole)
         from streambp_core.step.shards import ShardLayout, rank_breakdown
 
         phase = "forward" if spec.shard == "deepspeed-zero2" else "optimizer"
         held = rank_breakdown(spec, ShardLayout.from_model(model, spec.gpus), held, phase)
-    return sum(held.values())
+    return sum(device_resident(spec, held).values())

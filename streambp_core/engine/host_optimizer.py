@@ -1,0 +1,135 @@
+"""AdamW stepped in host memory: the `optimizer` offload tier, as ZeRO-Offload's CPU Adam runs it.
+
+`HostAdamW(params)` keeps, per trainable parameter, a master copy in host memory (the parameter's dtype
+promoted to at least float32) and AdamW's two moments beside it (torch's AdamW, single-tensor, over the
+masters). The device holds neither.
+
+Steps of one training step:
+1. Backward: as each parameter's gradient is complete (its post-accumulate-grad hook: once per step, or
+   once per firing for a parameter fed from several places, e.g. a tied embedding and head, or a norm
+   weight whose gradient streambp accumulates chunk by chunk), the
+   gradient is copied to host memory (pinned, on a side stream with an event on CUDA) and the device
+   gradient dropped, so the device never holds the whole model's gradients.
+2. `step()`: per parameter, its host gradients are summed in the master's dtype (in arrival order, as
+   autograd would have accumulated them), AdamW updates the master and its moments, and the master is
+   copied into the parameter's data: back to the device, or into the host copy when the weights live on
+   the host too (`engine.host_params`).
+
+Exactness: with parameters of float32 or float64 the masters have the parameters' dtype, so the applied
+update is bitwise that of torch's AdamW (single-tensor) on the device; with bfloat16 or float16
+parameters it is the fp32 master's update rounded to the parameters' dtype (mixed-precision AdamW, not
+the pure-bf16 AdamW a step without the tier runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from streambp_core.engine.offload import host_copy
+from streambp_core.measure.tags import OFFLOADED, memory_category
+
+
+class HostAdamW(torch.optim.Optimizer):
+    """AdamW with master weights, moments and the step in host memory (see the module docstring).
+
+    Takes torch.optim.AdamW's hyperparameters. Registers one post-accumulate-grad hook per parameter;
+    `remove_hooks()` takes them off (a later backward then leaves gradients on the device, stepped as
+    they are)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], *, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        params = [p for p in params if p.requires_grad]
+        super().__init__(params, {"lr": lr})
+        self._stream = None
+        with memory_category(OFFLOADED):
+            self._masters = {id(p): _master_of(p) for p in params}
+        self._host_adamw = torch.optim.AdamW(list(self._masters.values()), lr=lr, betas=betas, eps=eps,
+                                             weight_decay=weight_decay, foreach=False)
+        self._pending: dict[int, list[tuple[Tensor, torch.cuda.Event | None]]] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._take_grad) for p in params]
+
+    def host_tensors(self) -> list[Tensor]:
+        """Masters, moments and gradients waiting in host memory (for a tracker's host pool)."""
+        state = [t for s in self._host_adamw.state.values() for t in s.values() if isinstance(t, Tensor)]
+        pending = [host for pieces in self._pending.values() for host, _ in pieces]
+        return [*self._masters.values(), *state, *pending]
+
+    def master(self, param: nn.Parameter) -> Tensor:
+        """`param`'s master copy in host memory."""
+        return self._masters[id(param)]
+
+    def remove_hooks(self) -> None:
+        """Stop taking gradients to the host as they are complete."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Sum each parameter's host gradients into its master's dtype, step AdamW on the host, copy the
+        updated masters into the parameters (module docstring, step 2)."""
+        if closure is not None:
+            raise ValueError("HostAdamW.step takes no closure")
+        with memory_category(OFFLOADED):
+            for group in self.param_groups:
+                self._host_adamw.param_groups[0]["lr"] = group["lr"]
+                for param in group["params"]:
+                    self._step_one(param)
+        self._pending.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients waiting in host memory and any still on the device."""
+        self._pending.clear()
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    def _step_one(self, param: nn.Parameter) -> None:
+        pieces = self._pending.pop(id(param), [])
+        if param.grad is not None:  # a gradient set by hand, or made with the hooks off
+            pieces.append(self._to_host(param.grad))
+            param.grad = None
+        if not pieces:
+            return
+        master = self._masters[id(param)]
+        grad = None
+        for host, event in pieces:
+            if event is not None:
+                event.synchronize()
+            grad = host.to(master.dtype, copy=True) if grad is None else grad.add_(host)
+        master.grad = grad
+        self._host_adamw.step()
+        master.grad = None
+        param.data.copy_(master)
+
+    def _take_grad(self, param: Tensor) -> None:
+        """Post-accumulate-grad hook: the gradient to host memory, the device's dropped."""
+        if param.grad is None:
+            return
+        self._pending.setdefault(id(param), []).append(self._to_host(param.grad))
+        param.grad = None
+
+    def _to_host(self, grad: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        host = host_copy(grad)
+        if not grad.is_cuda:
+            return host.copy_(grad), None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(grad.device)
+        self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(grad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        grad.record_stream(self._stream)
+        return host, event
+
+
+def _master_of(param: nn.Parameter) -> Tensor:
+    """A host copy of `param` in its dtype promoted to at least float32 (filed as offloaded)."""
+    dtype = torch.promote_types(param.dtype, torch.float32)
+    device = "meta" if param.device.type == "meta" else "cpu"
+    master = torch.empty(param.shape, dtype=dtype, device=device, pin_memory=param.is_cuda)
+    return master.copy_(param.detach())

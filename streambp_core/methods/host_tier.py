@@ -1,0 +1,46 @@
+"""The host tiers a prepared run holds: its weights in host memory (`params`) and the optimizer it
+offers (`optimizer`); see `streambp_core.tiers`.
+
+Units of the params tier, in forward order: the embedding (forward only: its backward scatters by
+index and reads no weight), each decoder layer, then the head. Methods that call transformers' modules
+(checkpoint, mst) have their units bracketed by module hooks; streambp brackets its streamed layers and
+head itself, so the head is one unit (final norm and lm_head, which its streamed head runs together).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from streambp_core.engine.host_optimizer import HostAdamW
+from streambp_core.engine.host_params import HostParams
+from streambp_core.models.adapters import DecoderParts
+
+
+def hooked_params(parts: DecoderParts, device: torch.device, *, hook_head: bool = True) -> HostParams:
+    """Weights on the host, units [embedding, each layer, final norm, lm_head], each bracketed by its
+    module's hooks (lm_head not when `hook_head` is False: the method brackets it, unit `len(layers)+2`)."""
+    units = [[parts.embed], *([layer] for layer in parts.layers), [parts.norm], [parts.lm_head]]
+    tier = HostParams(units, device, forward_only=(0,))
+    for index, (module,) in enumerate(units):
+        if hook_head or module is not parts.lm_head:
+            tier.hook(index, module)
+    return tier
+
+
+def streamed_params(parts: DecoderParts, device: torch.device) -> HostParams:
+    """Weights on the host, units [embedding, each layer, head (final norm + lm_head)]; the embedding is
+    bracketed by its hooks, layers and head by the streamed method (`HostParams.enter`, `leave`)."""
+    units = [[parts.embed], *([layer] for layer in parts.layers), [parts.norm, parts.lm_head]]
+    tier = HostParams(units, device, forward_only=(0,))
+    tier.hook(0, parts.embed)
+    return tier
+
+
+def adamw(model: nn.Module, on_host: bool, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters: `HostAdamW` when `on_host`, else torch's (single-tensor,
+    as `streambp_core.step.optim`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if on_host:
+        return HostAdamW(params, lr=lr, **options)
+    return torch.optim.AdamW(params, lr=lr, foreach=False, **options)
