@@ -31,6 +31,9 @@ from streambp_core.config import ConfigError
 from streambp_core.engine.cuda_attention import sdpa_attention
 
 IGNORE_INDEX = -100
+PACKING_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""Forward arguments a padding-free collator adds for flash-attn's varlen kernel (TRL's); they describe the
+documents that `position_ids` describe, and give them when `position_ids` are absent (`call_position_ids`)."""
 
 
 @dataclass(frozen=True)
@@ -172,3 +175,23 @@ def packed_cuda_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scal
         warnings.warn("attention: packed rows attend through torch SDPA with a per-document mask "
                       "(attn=flash)", stacklevel=3)
     return sdpa_attention(q, k, v, allowed, scale, window)
+
+
+def call_position_ids(call: dict) -> Tensor | None:
+    """The position_ids of a model forward call: as given, else from its `cu_seq_lens_q` (one packed row);
+    ConfigError when both are given and disagree, or the offsets do not cover the row."""
+    position_ids, cu_seqlens = call.get("position_ids"), call.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return position_ids
+    from_lengths = position_ids_from_lengths(lengths_from_cu_seqlens(cu_seqlens), device=cu_seqlens.device)
+    input_ids = call["input_ids"]
+    if input_ids.shape[0] != 1 or from_lengths.shape[1] != input_ids.shape[1]:
+        raise ConfigError(f"cu_seq_lens_q {cu_seqlens.tolist()} does not cover input_ids of shape "
+                          f"{tuple(input_ids.shape)} (one packed row)")
+    if position_ids is None:
+        return from_lengths
+    same = position_ids.numel() == from_lengths.numel() and torch.equal(
+        position_ids.reshape(from_lengths.shape).to(from_lengths.device), from_lengths)
+    if not same:
+        raise ConfigError("cu_seq_lens_q and position_ids describe different documents")
+    return position_ids

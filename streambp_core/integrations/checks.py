@@ -26,10 +26,10 @@ def check_trainer(trainer, method: str) -> None:
 
 def _refusals(trainer) -> list[tuple[bool, str, str]]:
     args = trainer.args
-    packing = getattr(args, "packing", False) and getattr(args, "packing_strategy", "") == "bfd"
+    packing = getattr(args, "padding_free", False) or getattr(args, "packing", False)
     return [
-        (getattr(args, "padding_free", False) or packing, "padding_free (or packing='bfd')",
-         "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"),
+        (packing and not _packs_sft(trainer), f"padding_free or packing with {type(trainer).__name__}",
+         "packed rows train the sft objective only (sequence scores would mix documents)"),
         (args.label_smoothing_factor > 0, "label_smoothing_factor", "it needs the full logits"),
         (trainer.compute_loss_func is not None, "compute_loss_func", "it needs the full logits"),
         (trainer.compute_metrics is not None, "compute_metrics", "it needs the full logits"),
@@ -44,6 +44,12 @@ def _refusals(trainer) -> list[tuple[bool, str, str]]:
         (_prompt_learning(trainer.model), "a prompt-learning adapter (prefix/prompt tuning)",
          "it prepends virtual tokens; use LoRA"),
     ]
+
+
+def _packs_sft(trainer) -> bool:
+    """Whether the trainer's loss is per token (transformers' Trainer, TRL's SFTTrainer): packed rows fit."""
+    names = [cls.__name__ for cls in type(trainer).__mro__]
+    return "SFTTrainer" in names or not _is_trl(trainer)
 
 
 def _active_dropout(model) -> str:
