@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 import streambp_core
-from streambp_core.batch import PADDINGS, Batch, objective_inputs, random_batch
+from streambp_core.batch import PADDINGS, Batch, document_lengths, objective_inputs, pack_rows, random_batch
 from streambp_core.compare import Gradients, max_grad_err
 from streambp_core.config import (
     HEAD_MODES,
@@ -88,6 +88,8 @@ class VerifySpec:
     """streambp's LM head: recompute, fused or auto (see `StreamConfig.head_mode`)."""
     offload: str = "none"
     """'checkpoints': the methods run with their checkpoints in host memory (the reference, plain, never)."""
+    packing: str = ""
+    """Packed rows: a document count ("3", random lengths) or lengths ("100,37,250"); "" unpacked."""
 
     def __post_init__(self) -> None:
         require_choice("offload", self.offload, OFFLOAD_MODES)
@@ -104,6 +106,19 @@ class VerifySpec:
         require_choice("head_mode", self.head_mode, HEAD_MODES)
         require_choice("padding", self.padding, PADDINGS)
         _check_device(self.device)
+        if self.packing:
+            self.document_lengths()  # validated here
+            if self.objective != "sft":
+                raise ConfigError(f"--packing: packed rows train the sft objective, not {self.objective}")
+            if self.padding != "none":
+                raise ConfigError("--packing with --padding: packed rows pad their end themselves "
+                                  "(give lengths summing to less than --seq-len)")
+
+    def document_lengths(self) -> list[list[int]]:
+        """Each row's packed document lengths (`batch.document_lengths`); [] when unpacked."""
+        if not self.packing:
+            return []
+        return document_lengths(self.packing, self.seq_len, self.batch_size, self.seed)
 
     def step(self, method: str) -> StepSpec:
         """One method's step of this check, as a `StepSpec`."""
@@ -211,7 +226,8 @@ def run_step(model: PreTrainedModel, method: str, batch: Batch, spec: VerifySpec
                "offload": "none" if method == "plain" else spec.offload}
     labels, inputs = objective_inputs(spec.objective, batch, spec.seed)
     with streambp_core.prepare(model, method, **options) as run:
-        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels,
+                        position_ids=batch.position_ids, **inputs)
         loss.backward()
     grads: Gradients = {}
     for name, param in model.named_parameters():
@@ -335,6 +351,8 @@ def verify_spec(spec: VerifySpec, progress: Progress | None = None) -> VerifyRep
         seed=spec.seed + 1,
         device=spec.device,
     )
+    if spec.packing:
+        batch = pack_rows(batch, spec.document_lengths())
     if low_precision:
         return _verify_low_precision(model, batch, spec, note)
     return _verify_exact(model, batch, spec, note)

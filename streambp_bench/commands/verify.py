@@ -68,6 +68,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective grpo -b 2 --head-mode fused[/]
 
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3 --method all[/]
+
+[cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
 """
 
 DEFAULT_METHOD_LIST = ",".join(VERIFY_METHODS)
@@ -109,7 +111,7 @@ def describe(report: VerifyReport) -> str:
         f"{spec.source}: {spec.model}, {spec.dtype}, seq_len {spec.seq_len}, batch {spec.batch_size}, "
         f"ps {spec.partition_size}, ps-head {spec.head_partition_size}, padding {spec.padding}, "
         f"seed {spec.seed}, objective {spec.objective}, lora rank {spec.lora_rank}, attn {spec.attn}, "
-        f"offload {spec.offload}{head}; "
+        f"offload {spec.offload}{head}{_packing(spec)}; "
         f"reference loss {report.reference_loss:.6f}"
     )
     if report.reference_dtype != spec.dtype:
@@ -119,6 +121,14 @@ def describe(report: VerifyReport) -> str:
             f"tolerance = 2 x plain-{spec.dtype} error ({_fmt(baseline)}) + 1e-6"
         )
     return text
+
+
+def _packing(spec) -> str:
+    """The packed rows' documents, as the provenance line names them ('' when unpacked)."""
+    if not spec.packing:
+        return ""
+    rows = "; ".join(",".join(map(str, row)) for row in spec.document_lengths())
+    return f", packed documents {rows}"
 
 
 def print_report(report: VerifyReport, *, as_json: bool) -> None:
@@ -176,6 +186,11 @@ def verify(
         opt.Stage | None, typer.Option("--shard", help="FSDP2 stage of a sharded verify (needs --nproc): "
                                        "zero2 or zero3; both when not given.")
     ] = None,
+    packing: Annotated[
+        str, typer.Option("--packing", metavar="DOCS", help="Packed rows (sft): a document count (3: random "
+                          "lengths filling each row) or lengths (100,37,250; a shorter total pads the row's "
+                          "end); position_ids restart per document and attention stays within each.")
+    ] = "",
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -192,6 +207,8 @@ def verify(
     if nproc is not None and "streambp" in methods and head != "recompute":
         raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
                           "recomputing head (--head-mode recompute)")
+    if nproc is not None and packing:
+        raise ConfigError("--packing with --nproc: the sharded verify runs unpacked rows")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
@@ -216,6 +233,7 @@ def verify(
         attn=attn.value,
         head_mode=head,
         offload=offload.value,
+        packing=packing,
     )
     if nproc is not None:
         from streambp_bench.verify_sharded import run_sharded
