@@ -14,6 +14,8 @@ from tests.unit.test_integrations import (
     assert_same_steps,
     common_args,
     datasets,
+    example,
+    model_dir,  # noqa: F401 (a fixture)
     plain_trainer,
     stream_trainer,
     tiny_model,
@@ -94,3 +96,17 @@ def test_padding_free_refused_for_sequence_trainers(tmp_path):
     trainer.args.padding_free = True  # TRL 1.16 turns it off itself; a later one may not
     with pytest.raises(ConfigError, match="padding_free or packing with DPOTrainer cannot train"):
         stream_trainer(trainer, "streambp")
+
+
+def test_sft_example_packs(model_dir, tmp_path, monkeypatch):  # noqa: F811 (the fixture)
+    """`examples/train_sft.py --packing` trains: its config packs, and the streamed step runs on it."""
+    from safetensors.torch import load_file
+
+    argv = ["--model", str(model_dir), "--data", str(model_dir / "data.jsonl"), "--output-dir", str(tmp_path),
+            "--dtype", "float32", "--max-steps", "1", "--grad-accum", "1", "--batch-size", "2",
+            "--max-length", "32", "--partition-size", "4", "--packing"]
+    example("train_sft", monkeypatch).main(argv)
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    initial = load_file(str(model_dir / "model.safetensors"))
+    assert saved.keys() == initial.keys()
+    assert any(not torch.equal(saved[name], initial[name]) for name in initial), "the step moved weights"
