@@ -89,6 +89,18 @@ def test_every_method_matches_plain_on_packed_rows(name):
     assert relative_errors(unpacked[1], ref[1])["model.layers.0.self_attn.q_proj.weight"] > 1e-3
 
 
+def test_left_padding_and_a_row_that_starts_mid_document():
+    """Row 0: three padding tokens, then documents of 8 and 12 tokens; row 1 starts inside a document
+    (positions 4, 5, ...), then two more."""
+    model = model_of("mistral-window")
+    ids = torch.randint(0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 23, dtype=torch.long)
+    mask[0, :3] = 0
+    positions = torch.cat([torch.zeros(1, 3, dtype=torch.long), position_ids_from_lengths([8, 12])], dim=1)
+    row1 = torch.cat([torch.arange(4, 11)[None], position_ids_from_lengths([9, 7])], dim=1)
+    assert_methods_match_plain(model, ids, mask, torch.cat([positions, row1]))
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_engine_attention_baseline_matches_transformers_packed_path(name):
     model = model_of(name)
@@ -149,6 +161,11 @@ def test_bad_position_ids_are_config_errors(positions, mask, message):
     mask = None if mask is None else torch.tensor(mask)
     with streambp_core.prepare(model, "streambp") as run, pytest.raises(ConfigError, match=message):
         run.loss(ids, attention_mask=mask, position_ids=torch.tensor(positions))
+
+
+def test_packing_on_the_meta_device_is_refused():
+    with pytest.raises(ConfigError, match="packed rows need real position_ids, not meta tensors"):
+        packed_rows(torch.tensor([[0, 1, 0, 1]], device="meta"), None, (1, 4))
 
 
 @pytest.mark.parametrize("objective", ["grpo", "dpo"])
