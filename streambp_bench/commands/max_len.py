@@ -10,6 +10,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
+from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import sharding, step_specs, writable_results
 from streambp_bench.tokens import UNITS, parse_partition
@@ -109,6 +110,7 @@ def max_len(
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,
     jobs: opt.Jobs = None,
+    packing: packing_note.PackingOption = None,
     as_json: opt.Json = False,
     out: Annotated[
         Path | None,
@@ -129,6 +131,7 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
+    packing_note.check_packing(packing)
     at_lengths = tuple(parse_partition(length, "--at") or 0 for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)
@@ -154,9 +157,16 @@ def max_len(
     if results_file is not None:
         report.write_rows(plan, results, results_file, extra_rows=auto.estimated_rows(steps, extras))
     document = report.to_dict(plan, results) | (auto.to_dict(steps, extras) if extras.active else {})
+    notes = packing_note.packing_notes(
+        packing, [r.spec.at(r.search.max_len_tokens) for r in results if r.search.max_len_tokens >= 2],
+        extras.gpu)
+    if packing:
+        document["packing"] = packing_note.to_dict(notes)
 
     def render(console) -> None:
         report.print_report(plan, results, out)
         if extras.active:
             console.print(auto.render_table(steps, extras))
+        if notes:
+            console.print(packing_note.render_table(notes))
     emit(document, as_json, render)

@@ -18,6 +18,7 @@ from rich.progress import (
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
+from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
 from streambp_bench.tokens import UNITS, parse_partition, parse_token_list
@@ -145,11 +146,13 @@ def sweep(
         "sweep.csv"
     ),
     force: Annotated[bool, typer.Option("--force", help="Re-run points already in --out.")] = False,
+    packing: packing_note.PackingOption = None,
     as_json: opt.Json = False,
 ) -> None:
     """Run the grid and upsert its rows into --out (help text: `HELP`)."""
     from streambp_bench.sweep import grid
 
+    packing_note.check_packing(packing)
     check_budget_gib(budget_gib)
     ranks, where = sharding(gpus, shard, device.value)
     models = opt.split_list(model)
@@ -207,11 +210,16 @@ def sweep(
             raise typer.Exit(code=130) from None
     heads = {"head_mode": head} if (head := _streambp_head(points)) else {}
     summary = {"out": str(out), "source": target.source, "points": len(points), **counts, **heads}
+    notes = packing_note.packing_notes(packing, list(points), gpu)
+    if packing:
+        summary["packing"] = packing_note.to_dict(notes)
     how = target.source + (f"; streambp head {head}" if head else "")
 
     def render(console) -> None:
         console.print(f"{counts['ran']} points run, {counts['skipped']} already done, {counts['failed']} "
                       f"failed ({how}); rows in {escape(str(out))}", soft_wrap=True)
+        if notes:
+            console.print(packing_note.render_table(notes))
 
     emit(summary, as_json, render)
 

@@ -79,6 +79,7 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3 --method all[/]
 
 [cyan]streambp-bench verify -m ./my-model-dir --dtype float64 --trainer sft --set weight_decay=0.1[/]
+[cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
 """
 
 DEFAULT_METHOD_LIST = ",".join(VERIFY_METHODS)
@@ -122,7 +123,7 @@ def describe(report: VerifyReport) -> str:
         f"{spec.source}: {step.model}, {step.dtype}, seq_len {step.seq_len_tokens}, batch {step.batch_size}, "
         f"ps {stream.partition_size}, ps-head {stream.head_partition_size}, padding {spec.padding}, "
         f"seed {step.seed}, objective {step.objective}, lora rank {step.lora_rank}, attn {stream.attn}, "
-        f"offload {stream.offload}{head}; "
+        f"offload {stream.offload}{head}{_packing(spec)}; "
         f"reference loss {report.reference_loss:.6f}"
     )
     if report.reference_dtype != step.dtype:
@@ -132,6 +133,14 @@ def describe(report: VerifyReport) -> str:
             f"tolerance = 2 x plain-{step.dtype} error ({_fmt(baseline)}) + 1e-6"
         )
     return text
+
+
+def _packing(spec) -> str:
+    """The packed rows' documents, as the provenance line names them ('' when unpacked)."""
+    if not spec.packing:
+        return ""
+    rows = "; ".join(",".join(map(str, row)) for row in spec.document_lengths())
+    return f", packed documents {rows}"
 
 
 def print_report(report: VerifyReport, *, as_json: bool) -> None:
@@ -200,6 +209,11 @@ def verify(
         list[str] | None, typer.Option("--set", help="With --trainer: a TrainingArguments / TRL config "
                                        "field, NAME=VALUE (repeat it), e.g. --set weight_decay=0.1.")
     ] = None,
+    packing: Annotated[
+        str, typer.Option("--packing", metavar="DOCS", help="Packed rows (sft): a document count (3: random "
+                          "lengths filling each row) or lengths (100,37,250; a shorter total pads the row's "
+                          "end); position_ids restart per document and attention stays within each.")
+    ] = "",
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -229,6 +243,8 @@ def verify(
     if nproc is not None and "streambp" in methods and head != "recompute":
         raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
                           "recomputing head (--head-mode recompute)")
+    if nproc is not None and packing:
+        raise ConfigError("--packing with --nproc: the sharded verify runs unpacked rows")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     from streambp_core.measure.cuda import cuda_available
@@ -242,6 +258,7 @@ def verify(
         batch_size=batch_size, partition_size=ps, head_partition_size=ps_head, dtype=dtype.value, seed=seed,
         objective=objective.value, lora_rank=lora_rank, attn=attn.value, head_mode=head_mode.value,
         offload=offload.value,
+        packing=packing,
     )
     if nproc is not None:
         from streambp_bench.verify.sharded import run_sharded

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from streambp_core.engine.chunks import allowed_mask
 from streambp_core.engine.cuda_attention import cuda_attention, flash_attn_available
+from streambp_core.engine.packing import packed_cuda_attention
 
 __all__ = ["allowed_mask", "flash_attn_available", "prefix_attention"]
 
@@ -36,12 +37,15 @@ def prefix_attention(
 ) -> Tensor:
     """Attention output (B, H, c, hd) of queries q (B, H, c, hd) against keys/values (B, Hkv, e, hd).
 
-    `key_valid` (B, e) bool marks real (non-padding) keys; None means every key is real. A query row that
+    `key_valid` (B, e) bool marks real (non-padding) keys, a (B, c, e) one the keys each query may see (its
+    own document in a packed row, `engine.packing`); None means every key is real. A query row that
     sees no valid key outputs zeros, as torch SDPA does for a fully masked row. `window` (sliding-window
     attention): a query sees only itself and the `window - 1` keys before it; None: the whole prefix.
     """
     if window is not None and window >= k.shape[2]:
         window = None  # the band covers every key: plain causal attention
+    if q.device.type == "cuda" and key_valid is not None and key_valid.dim() == 3:
+        return packed_cuda_attention(q, k, v, key_valid, scale, backend, window)
     if q.device.type == "cuda":
         return cuda_attention(q, k, v, key_valid, scale, backend, window)
     out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)

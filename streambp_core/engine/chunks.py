@@ -62,8 +62,9 @@ def allowed_mask(
 ) -> Tensor:
     """Boolean (B or 1, c, e) mask of a query chunk, the last c of e positions: lower-right causal and,
     when given, the key padding `key_valid` (B, e) and a sliding `window` (a query sees itself and the
-    window - 1 keys before it: the lower-right band)."""
-    e = key_valid.shape[1] if key_valid is not None else num_keys
+    window - 1 keys before it: the lower-right band). A (B, c, e) `key_valid` is a per-query mask (the
+    keys of each query's own document in a packed row, `engine.packing`)."""
+    e = key_valid.shape[-1] if key_valid is not None else num_keys
     device = key_valid.device if key_valid is not None else None
     q_pos = torch.arange(e - num_queries, e, device=device)
     distance = q_pos[:, None] - torch.arange(e, device=device)[None, :]  # (c, e)
@@ -72,7 +73,7 @@ def allowed_mask(
         allowed = allowed & (distance < window)
     if key_valid is None:
         return allowed[None]
-    return allowed[None] & key_valid[:, None, :]
+    return allowed[None] & (key_valid if key_valid.dim() == 3 else key_valid[:, None, :])
 
 
 def window_start(end: int, num_queries: int, window: int | None) -> int:

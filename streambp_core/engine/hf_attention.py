@@ -46,13 +46,17 @@ def engine_attention_forward(
 
 
 def _key_valid(attention_mask: Tensor | None) -> Tensor | None:
-    """(B, T) key validity from the (B, 1, 1, T) mask of `engine_mask_argument` (or a (B, T) one)."""
+    """(B, T) key validity from the (B, 1, 1, T) mask of `engine_mask_argument` (or a (B, T) one); (B, T, T)
+    from a packed rows' per-document mask."""
     if attention_mask is None or attention_mask.dim() == 2:
         return attention_mask
     key_shaped = attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)
     if key_shaped and attention_mask.dtype == torch.bool:
         return attention_mask[:, 0, 0]
-    raise ValueError("the engine attention takes a (batch, 1, 1, seq_len) boolean key mask, not a full mask")
+    if attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and attention_mask.dtype == torch.bool:
+        return attention_mask[:, 0]  # packed rows: each query's own document (`engine.packing`)
+    raise ValueError("the engine attention takes a (batch, 1, 1, seq_len) boolean key mask or a "
+                     "(batch, 1, seq_len, seq_len) per-document one, not an additive mask")
 
 
 def register_engine_attention(backend: str = "auto") -> str:

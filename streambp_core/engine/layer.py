@@ -38,6 +38,7 @@ from streambp_core.engine.linear_grads import (
     plain_linear,
 )
 from streambp_core.engine.offload import HostChain
+from streambp_core.engine.packing import PackedRows, query_rows
 from streambp_core.engine.rope import Rope, rotate
 from streambp_core.engine.router import ChunkRouting, RouterAux
 from streambp_core.measure.tags import memory_category
@@ -61,6 +62,8 @@ class LayerPlan:
     router_aux: RouterAux | None = None
     """A routed (mixture-of-experts) layer under the load-balancing loss: the layer also returns its
     routing sums (`engine.router`)."""
+    packed: PackedRows | None = None
+    """This step's packed rows: each chunk attends within its queries' documents (`engine.packing`)."""
 
     def routing(self, grad: Tensor | None = None) -> ChunkRouting | None:
         """A fresh `ChunkRouting` for one pass of a routed layer under the loss, else None."""
@@ -119,6 +122,15 @@ def _valid(key_valid: Tensor | None, first: int, end: int) -> Tensor | None:
     return None if key_valid is None else key_valid[:, first:end]
 
 
+def _chunk_keys(plan: LayerPlan, key_valid: Tensor | None, start: int, end: int) -> tuple[int, Tensor | None]:
+    """First key of the band chunk start..end attends to, and its key mask: (B, e) key validity, or for
+    packed rows (B, c, e), each query's own document."""
+    first = window_start(end, end - start, plan.parts.sliding_window)
+    if plan.packed is None:
+        return first, _valid(key_valid, first, end)
+    return plan.packed.chunk_keys(start, end, first)
+
+
 def _kv_cache(plan: LayerPlan, h_in: Tensor, rope: Rope):
     """Rotated K and V of the whole sequence (B, Hkv, T, hd), computed chunk by chunk, without grad, and
     the keys before the k-norm (B, T, Hkv, hd) when the backward takes a k-norm's gradient from them."""
@@ -162,10 +174,10 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
         h = h_in[:, start:end]
         q, k, v = project_qkv(parts, parts.input_norm(h), rope.chunk(start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
-        first = window_start(end, end - start, parts.sliding_window)
+        first, valid = _chunk_keys(plan, key_valid, start, end)
         with _routed(routing, _valid(key_valid, start, end)):
             h_out[:, start:end] = finish_chunk(plan, h, q, keys[:, :, first:end], values[:, :, first:end],
-                                               _valid(key_valid, first, end))
+                                               valid)
     return h_out
 
 
@@ -183,12 +195,12 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
-        band = slice(window_start(end, end - start, plan.parts.sliding_window), end)
+        first, valid = _chunk_keys(plan, key_valid, start, end)
+        band = slice(first, end)
         kv = _KVState(keys[:, :, band], values[:, :, band], d_keys[:, :, band], d_values[:, :, band],
                       None if raw_keys is None else raw_keys[:, start:end])
         chunk_grad = _chunk_backward(plan, h_in[:, start:end], rope.chunk(start, end),
-                                     _valid(key_valid, band.start, end), kv, grad_out[:, start:end], params,
-                                     routing)
+                                     valid, kv, grad_out[:, start:end], params, routing)
         grad_in[:, start:end] = chunk_grad
         del kv, chunk_grad
         if chunk_done is not None:
@@ -226,7 +238,7 @@ def _chunk_backward(plan, h_in_chunk, rope: Rope, valid, kv: _KVState, grad_chun
             q = project_q(parts, x_leaf, rope)
         else:
             q, k, v = project_qkv(parts, x_leaf, rope)
-        with _routed(routing, None if valid is None else valid[:, -h.shape[1]:]):
+        with _routed(routing, query_rows(valid, h.shape[1])):
             outputs = _chunk_outputs(plan, h, q, prefix_k, prefix_v, valid)
     grads = _output_grads(plan, outputs, grad_chunk)
     if routing is not None:  # the load-balancing loss's share of this chunk

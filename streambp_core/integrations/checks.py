@@ -12,7 +12,6 @@ NO_LOGITS_METHODS = ("mst", "streambp")
 """Methods whose model answers a trainer's loss call without the full logits (`checkpoint` keeps them, so
 the settings that read logits are refused only for these)."""
 LOGITS = "it needs the full logits"
-PACKED = "packed rows restart their positions, and the streamed layers assume 0..T-1 in every row"
 
 
 def check_trainer(trainer, method: str) -> None:
@@ -31,11 +30,11 @@ def check_trainer(trainer, method: str) -> None:
 
 def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
     args = trainer.args
-    packing = getattr(args, "packing", False) and getattr(args, "packing_strategy", "") == "bfd"
+    packing = getattr(args, "padding_free", False) or getattr(args, "packing", False)
     no_logits = method in NO_LOGITS_METHODS
     return [
-        (getattr(args, "padding_free", False), "padding_free", PACKED),
-        (packing, "packing_strategy='bfd' (packing=True)", PACKED),
+        (packing and not _packs_sft(trainer), f"padding_free or packing with {type(trainer).__name__}",
+         "packed rows train the sft objective only (sequence scores would mix documents)"),
         (no_logits and args.label_smoothing_factor > 0, "label_smoothing_factor", LOGITS),
         (no_logits and trainer.compute_loss_func is not None, "compute_loss_func", LOGITS),
         (no_logits and trainer.compute_metrics is not None, "compute_metrics", LOGITS),
@@ -50,6 +49,12 @@ def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
         (_prompt_learning(trainer.model), "a prompt-learning adapter (prefix/prompt tuning)",
          "it prepends virtual tokens; use LoRA"),
     ]
+
+
+def _packs_sft(trainer) -> bool:
+    """Whether the trainer's loss is per token (transformers' Trainer, TRL's SFTTrainer): packed rows fit."""
+    names = [cls.__name__ for cls in type(trainer).__mro__]
+    return "SFTTrainer" in names or not _is_trl(trainer)
 
 
 def _active_dropout(model) -> str:

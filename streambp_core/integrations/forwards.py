@@ -29,6 +29,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.objectives import IGNORE_INDEX
+from streambp_core.engine.packing import PACKING_ARGUMENTS, call_position_ids
 
 HARMLESS_ARGUMENTS = frozenset({"return_dict", "cache_position"})
 """Arguments a streamed forward accepts whatever their value (they change nothing it returns)."""
@@ -67,7 +68,7 @@ def streamed_backbone_forward(run, previous: Callable[..., Any]) -> Callable[...
         if reason is None:
             input_ids = call["input_ids"]
             with torch.autocast(input_ids.device.type, enabled=False):
-                hidden = run.hidden_states(input_ids, call.get("attention_mask"))
+                hidden = run.hidden_states(input_ids, call.get("attention_mask"), call_position_ids(call))
                 # The final norm recomputed in backward: only the layer output is kept for it.
                 hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
             return BaseModelOutputWithPast(last_hidden_state=hidden)
@@ -97,7 +98,8 @@ def streamed_loss_forward(run, previous: Callable[..., Any]) -> Callable[..., An
             raise ConfigError(f"a {run.method} model cannot compute its loss on a forward with {reason}")
         input_ids = call["input_ids"]
         with torch.autocast(input_ids.device.type, enabled=False):
-            loss = run.loss(input_ids, attention_mask=call.get("attention_mask"), labels=labels)
+            loss = run.loss(input_ids, attention_mask=call.get("attention_mask"), labels=labels,
+                            position_ids=call_position_ids(call))
         if num_items is not None:
             num_valid = (labels[:, 1:] != IGNORE_INDEX).sum().to(loss.dtype)
             loss = loss * num_valid / torch.as_tensor(num_items, device=loss.device, dtype=loss.dtype)
@@ -122,7 +124,6 @@ def _generating(call: dict) -> bool:
 def _not_streamable(call: dict) -> str | None:
     """Why this forward call cannot be streamed (a phrase naming the argument), or None when it can."""
     input_ids, attention_mask = call.get("input_ids"), call.get("attention_mask")
-    position_ids = call.get("position_ids")
     if _generating(call):
         return "a KV cache (use_cache=True)"
     if call.get("inputs_embeds") is not None or input_ids is None:
@@ -131,17 +132,10 @@ def _not_streamable(call: dict) -> str | None:
         return f"input_ids of shape {tuple(input_ids.shape)} (need batch x seq_len, seq_len >= 2)"
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         return "an attention_mask that is not one 0/1 entry per token"
-    if position_ids is not None and not _default_positions(position_ids, input_ids.shape[1]):
-        return "position_ids other than 0..T-1 (padding-free packing)"
-    handled = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "use_cache", *CACHE_ARGUMENTS}
+    handled = {"input_ids", "attention_mask", "position_ids", "inputs_embeds", "use_cache", *CACHE_ARGUMENTS,
+               *PACKING_ARGUMENTS}
     extra = sorted(k for k, v in call.items()
                    if k not in handled | HARMLESS_ARGUMENTS and v is not None and v is not False)
     if extra:
         return ", ".join(extra)
     return None
-
-
-def _default_positions(position_ids: torch.Tensor, seq_len: int) -> bool:
-    """Whether `position_ids` are 0..T-1 in every row, as the streamed layers assume."""
-    expected = torch.arange(seq_len, device=position_ids.device)
-    return position_ids.shape[-1] == seq_len and bool((position_ids == expected).all())

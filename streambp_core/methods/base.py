@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
+from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
@@ -57,23 +58,39 @@ class Run:
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
+        position_ids: Tensor | None = None,
         **objective_inputs: Any,
     ) -> Tensor:
         """Scalar training loss of one batch; `loss.backward()` fills the model's `.grad`.
 
         input_ids (B, T); attention_mask (B, T) with 1 for real tokens (None: all real); labels (B, T)
-        with -100 for ignored positions (None: the inputs, padding ignored).
+        with -100 for ignored positions (None: the inputs, padding ignored); position_ids (B, T) or (1, T)
+        that restart at 0 for each document of a packed row (None: 0..T-1; see `engine.packing`).
         """
         if self._closed:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
         _check_batch(input_ids, attention_mask, labels)
         guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
+        packed = self.packed_rows(input_ids, attention_mask, position_ids)
+        if labels is None and packed is not None:
+            labels = document_labels(input_ids, packed)
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
         if self.objective_name == "sft":
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
-        return self._loss(input_ids, attention_mask, labels, **objective_inputs)
+        return self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+
+    def packed_rows(self, input_ids: Tensor, attention_mask: Tensor | None,
+                    position_ids: Tensor | None) -> PackedRows | None:
+        """The documents of packed rows (`engine.packing.packed_rows`); None for ordinary rows.
+        ConfigError for position_ids that cannot be, and for an objective other than sft (GRPO and DPO
+        score whole sequences, and TRL's trainers for them do not pack)."""
+        packed = packed_rows(position_ids, attention_mask, tuple(input_ids.shape))
+        if packed is not None and self.objective_name != "sft":
+            raise ConfigError(f"packed rows (position_ids restarting per document) cannot train the "
+                              f"{self.objective_name} objective: it scores whole sequences; pack for sft")
+        return packed
 
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
         """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""
@@ -128,7 +145,8 @@ class Run:
     def _teardown(self) -> None:
         """Undo `_setup`."""
 
-    def _loss(self, input_ids, attention_mask, labels, **objective_inputs) -> Tensor:
+    def _loss(self, input_ids, attention_mask, labels, packed: PackedRows | None = None,
+              **objective_inputs) -> Tensor:
         raise NotImplementedError
 
 

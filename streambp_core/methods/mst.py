@@ -38,14 +38,15 @@ class MstRun(CheckpointRun):
             unchunk_mlp(layer.mlp)
         super()._teardown()
 
-    def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
+    def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
-        return sharded_forward(self.model, partial(self._chunked_loss, objective), input_ids, attention_mask)
+        loss = partial(self._chunked_loss, objective, packed)
+        return sharded_forward(self.model, loss, input_ids, attention_mask)
 
-    def _chunked_loss(self, objective, input_ids, attention_mask):
+    def _chunked_loss(self, objective, packed, input_ids, attention_mask):
         """Backbone, then the chunked head; run as the model's forward when the model is sharded."""
-        mask = self.mask_argument(attention_mask)
-        outputs = self.parts.backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        inputs = self.model_inputs(attention_mask, packed)
+        outputs = self.parts.backbone(input_ids=input_ids, **inputs, use_cache=False)
         hidden = outputs.last_hidden_state
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
                         keep_chunks=self.config.keep_chunks)

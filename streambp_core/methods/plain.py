@@ -12,6 +12,7 @@ import torch
 
 from streambp_core.engine.hf_attention import engine_attention, engine_mask_argument
 from streambp_core.engine.objectives import IGNORE_INDEX
+from streambp_core.engine.packing import PackedRows
 from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 
@@ -55,13 +56,25 @@ class PlainRun(Run):
             return engine_mask_argument(key_padding(attention_mask))
         return attention_mask
 
-    def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
-        mask = self.mask_argument(attention_mask)
-        if self.objective_name == "sft" and not objective_inputs and not self._float64_head:
-            return self.model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    def model_inputs(self, attention_mask, packed: PackedRows | None) -> dict:
+        """The attention mask and position_ids arguments of the model's forward. Packed rows go through
+        transformers' own packed path (position_ids that restart, no mask), or under the engine attention
+        a per-document mask (`engine.packing`)."""
+        if packed is None:
+            return {"attention_mask": self.mask_argument(attention_mask)}
+        if self.uses_engine_attention:
+            return {"attention_mask": packed.attention_mask(), "position_ids": packed.positions}
+        return {"attention_mask": None, "position_ids": packed.hf_position_ids()}
+
+    def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
+        inputs = self.model_inputs(attention_mask, packed)
+        mask = inputs["attention_mask"]
+        unpadded = packed is None or not packed.padded  # else transformers' router loss would count padding
+        if self.objective_name == "sft" and not objective_inputs and not self._float64_head and unpadded:
+            return self.model(input_ids=input_ids, **inputs, labels=labels, use_cache=False).loss
         if self.config.baseline_loss == "trl" and self.objective_name != "sft":
             return self._trl_loss(input_ids, mask, attention_mask, labels, objective_inputs)
-        outputs = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        outputs = self.model(input_ids=input_ids, **inputs, use_cache=False)
         loss = full_logits_loss(self, outputs.logits, labels, **objective_inputs)
         return loss + self.router_loss(getattr(outputs, "router_logits", None), attention_mask)
 

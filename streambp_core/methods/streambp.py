@@ -50,13 +50,14 @@ class StreamBPRun(Run):
         fused = cfg.head_mode == "fused"  # resolved against the objective by StreamConfig
         self._head_function = FusedHead if fused else StreamedHead
 
-    def _loss(self, input_ids, attention_mask, labels, **objective_inputs):
+    def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
         objective = self.make_objective(labels, **objective_inputs)
-        return sharded_forward(self.model, partial(self._streamed_loss, objective), input_ids, attention_mask)
+        loss = partial(self._streamed_loss, objective, packed)
+        return sharded_forward(self.model, loss, input_ids, attention_mask)
 
-    def _streamed_loss(self, objective, input_ids, attention_mask):
+    def _streamed_loss(self, objective, packed, input_ids, attention_mask):
         chain = self._host_chain(input_ids)
-        hidden, routing = self._streamed_layers(input_ids, attention_mask, chain)
+        hidden, routing = self._streamed_layers(input_ids, attention_mask, chain, packed)
         head = len(self._layers) + 1  # the head's unit of the params tier
         hidden = self._enter(head, hidden)
         head_params = trainable_parameters([self.parts.norm, self.parts.lm_head])
@@ -69,29 +70,34 @@ class StreamBPRun(Run):
         prob_sums, picks = zip(*routing, strict=True)
         return loss + aux_loss(list(prob_sums), list(picks), valid_tokens, self.router_aux)
 
-    def hidden_states(self, input_ids, attention_mask=None):
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None):
         """The last decoder layer's output (B, T, d), before the final norm, through the streamed layers.
 
         `loss` puts the streamed head on top; a trainer's own head (e.g. a fused log-prob head) can too.
         The router load-balancing loss, when the model enables it, is added by `loss` only.
         On a sharded model, call it inside the model's FSDP forward (`sharded_forward`), as `loss` does.
+        `position_ids` that restart per document make packed rows (`engine.packing`).
         """
-        return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids))[0]
+        packed = self.packed_rows(input_ids, attention_mask, position_ids)
+        return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids), packed)[0]
 
     def _host_chain(self, input_ids) -> HostChain | None:
         """This step's host chain when offloading checkpoints, else None."""
         return HostChain(input_ids.device) if "checkpoints" in offload_tiers(self.config.offload) else None
 
-    def _streamed_layers(self, input_ids, attention_mask, chain: HostChain | None):
+    def _streamed_layers(self, input_ids, attention_mask, chain: HostChain | None, packed=None):
         """The last layer's output and the (probability sums, picks) of each routed layer under the
-        load-balancing loss."""
+        load-balancing loss. Packed rows: RoPE at their positions, attention within each document."""
         with memory_category("checkpoints"):
             hidden = self.parts.embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        if packed is not None:
+            positions = packed.positions
         rope = self.parts.rope_tables(hidden, positions)
         valid = key_padding(attention_mask)
         routing = []
         for unit, (layer, plan) in enumerate(self._layers, start=1):
+            plan = plan if packed is None else replace(plan, packed=packed)
             layer_step = partial(_streamed_layer, layer, _offloaded(plan, chain))
             hidden = self._enter(unit, hidden)
             hidden = sharded_forward(layer, layer_step, hidden, *rope[plan.parts.rope_key], valid)

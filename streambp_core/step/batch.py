@@ -25,6 +25,9 @@ class Batch:
     labels: torch.Tensor
     """[batch, seq_len] int64: `input_ids` with padded positions set to -100."""
 
+    position_ids: torch.Tensor | None = None
+    """[batch, seq_len] int64 positions restarting at 0 for each packed document; None: 0..T-1."""
+
     @property
     def valid_tokens(self) -> int:
         """Number of non-padded positions in the whole batch."""
@@ -108,3 +111,48 @@ def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch
         inputs = {"ref_chosen_logps": ref[: rows // 2], "ref_rejected_logps": ref[rows // 2:], "beta": 0.1}
         return labels, inputs
     raise ConfigError(f"unknown objective {objective!r}")
+
+
+def document_lengths(text: str, seq_len: int, rows: int, seed: int = 0) -> list[list[int]]:
+    """Each row's packed document lengths from `--packing` text: "N" for N random lengths that fill the
+    row (different per row, fixed by `seed`), or "a,b,c" for those lengths in every row (a shorter total
+    leaves trailing padding). ConfigError for text that is neither or lengths that do not fit."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"--packing takes a document count or lengths like 100,37,250, got {text!r}")
+    if len(parts) > 1:
+        lengths = [int(p) for p in parts]
+        if sum(lengths) > seq_len:
+            raise ConfigError(f"--packing lengths {text} sum to {sum(lengths)} > seq_len {seq_len}")
+        return [lengths] * rows
+    count = int(parts[0])
+    if count > seq_len:
+        raise ConfigError(f"--packing {count} documents do not fit in seq_len {seq_len}")
+    generator = torch.Generator().manual_seed(seed + 11)
+    result = []
+    for _ in range(rows):
+        cuts = (torch.randperm(seq_len - 1, generator=generator)[: count - 1] + 1).sort().values.tolist()
+        result.append([b - a for a, b in zip([0, *cuts], [*cuts, seq_len], strict=True)])
+    return result
+
+
+def pack_rows(batch: Batch, lengths: list[list[int]]) -> Batch:
+    """`batch` as packed rows of documents with `lengths` per row: positions restart at 0 for each
+    document, each document's first label is ignored (as TRL's packing collator sets it), and positions
+    past a row's documents are trailing padding."""
+    rows, seq_len = batch.input_ids.shape
+    positions = torch.zeros(rows, seq_len, dtype=torch.long)
+    starts = torch.zeros(rows, seq_len, dtype=torch.bool)
+    mask = torch.zeros(rows, seq_len, dtype=torch.long)
+    for row, row_lengths in enumerate(lengths):
+        offset = 0
+        for n in row_lengths:
+            positions[row, offset:offset + n] = torch.arange(n)
+            starts[row, offset], offset = True, offset + n
+        mask[row, :offset] = 1
+    device = batch.input_ids.device
+    mask, starts = mask.to(device), starts.to(device)
+    labels = batch.input_ids.masked_fill(starts | (mask == 0), IGNORE_INDEX)
+    padded = not bool(mask.all())
+    return Batch(input_ids=batch.input_ids, attention_mask=mask if padded else None, labels=labels,
+                 position_ids=positions.to(device))

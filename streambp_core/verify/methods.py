@@ -28,7 +28,14 @@ import streambp_core
 from streambp_core.config import VERIFY_METHODS, ConfigError, StepSpec, require_choice
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
-from streambp_core.step.batch import PADDINGS, Batch, objective_inputs, random_batch
+from streambp_core.step.batch import (
+    PADDINGS,
+    Batch,
+    document_lengths,
+    objective_inputs,
+    pack_rows,
+    random_batch,
+)
 from streambp_core.verify.compare import Gradients, max_grad_err
 from streambp_core.verify.ram import check_ram
 
@@ -70,6 +77,8 @@ class VerifySpec:
     methods: tuple[str, ...] = VERIFY_METHODS
     padding: str = "none"
     device: str = "cpu"
+    packing: str = ""
+    """Packed rows: a document count ("3", random lengths) or lengths ("100,37,250"); "" unpacked."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.step, StepSpec):
@@ -84,13 +93,27 @@ class VerifySpec:
         require_choice("dtype", self.step.dtype, tuple(DTYPES))
         require_choice("padding", self.padding, PADDINGS)
         _check_device(self.device)
+        if self.packing:
+            self.document_lengths()  # validated here
+            if self.step.objective != "sft":
+                raise ConfigError("--packing: packed rows train the sft objective, not "
+                                  f"{self.step.objective}")
+            if self.padding != "none":
+                raise ConfigError("--packing with --padding: packed rows pad their end themselves "
+                                  "(give lengths summing to less than --seq-len)")
+
+    def document_lengths(self) -> list[list[int]]:
+        """Each row's packed document lengths (`batch.document_lengths`); [] when unpacked."""
+        if not self.packing:
+            return []
+        return document_lengths(self.packing, self.step.seq_len_tokens, self.step.batch_size, self.step.seed)
 
     @classmethod
     def of(cls, *, model: str, methods: tuple[str, ...] = VERIFY_METHODS, padding: str = "none",
-           device: str = "cpu", **step: object) -> VerifySpec:
+           device: str = "cpu", packing: str = "", **step: object) -> VerifySpec:
         """A verification from flat fields: `step` as `StepSpec.of` takes them (defaults `VERIFY_STEP`)."""
         return cls(step=StepSpec.of(model=model, method="streambp", **{**VERIFY_STEP, **step}),
-                   methods=tuple(methods), padding=padding, device=device)
+                   methods=tuple(methods), padding=padding, device=device, packing=packing)
 
     def step_of(self, method: str) -> StepSpec:
         """One method's step of this check (plain with offload is refused, as every step's)."""
@@ -104,7 +127,8 @@ class VerifySpec:
     def to_dict(self) -> dict[str, object]:
         """The spec, flat: the step's fields (but its method) and the stream's, methods, padding, device."""
         fields = {k: v for k, v in self.step.to_dict().items() if k != "method"}
-        return {**fields, "methods": list(self.methods), "padding": self.padding, "device": self.device}
+        return {**fields, "methods": list(self.methods), "padding": self.padding, "device": self.device,
+                "packing": self.packing}
 
     @property
     def source(self) -> str:
@@ -201,7 +225,8 @@ def run_step(model: PreTrainedModel, step: StepSpec, batch: Batch) -> Step:
         param.grad = None
     labels, inputs = objective_inputs(step.objective, batch, step.seed)
     with streambp_core.prepare(model, step.method, step.stream) as run:
-        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels,
+                        position_ids=batch.position_ids, **inputs)
         loss.backward()
     grads: Gradients = {}
     for name, param in model.named_parameters():
@@ -327,6 +352,8 @@ def verify_spec(spec: VerifySpec, progress: Progress | None = None) -> VerifyRep
         seed=spec.step.seed + 1,
         device=spec.device,
     )
+    if spec.packing:
+        batch = pack_rows(batch, spec.document_lengths())
     if low_precision:
         return _verify_low_precision(model, batch, spec, note)
     return _verify_exact(model, batch, spec, note)

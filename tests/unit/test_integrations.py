@@ -213,12 +213,13 @@ def test_refused_settings_are_named(tmp_path, setup, named):
     assert "forward" not in vars(trainer.model), "a refused trainer's model is left untouched"
 
 
-def test_packed_positions_are_refused_at_the_forward(tmp_path):
+def test_bad_packed_positions_are_refused_at_the_forward(tmp_path):
+    """Packed rows stream (`test_packed_trainers.py`); position_ids that cannot be packed rows are refused."""
     trainer = plain_trainer(tmp_path)
     stream_trainer(trainer, "streambp")
     ids = torch.tensor([[3, 4, 5, 6]])
-    with pytest.raises(ConfigError, match="position_ids other than 0..T-1"):
-        trainer.model.model(input_ids=ids, position_ids=torch.tensor([[0, 1, 0, 1]]), use_cache=False)
+    with pytest.raises(ConfigError, match="increase by 1 within a document"):
+        trainer.model.model(input_ids=ids, position_ids=torch.tensor([[0, 1, 3, 4]]), use_cache=False)
     with torch.no_grad():  # generation-style calls keep the model's own forward
         cached = trainer.model(input_ids=ids, use_cache=True)
     assert cached.logits.shape == (1, 4, VOCAB)

@@ -24,9 +24,6 @@ from tests.unit.test_trainer_parity import one_thread  # noqa: E402, F401 (a fix
 README = Path(__file__).resolve().parents[2] / "README.md"
 METHODS = ("checkpoint", "mst", "streambp")
 REFUSED = {  # README name -> what sets it on a built transformers Trainer
-    "padding_free": lambda t: setattr(t.args, "padding_free", True),
-    "packing_strategy": lambda t: (setattr(t.args, "packing", True),
-                                   setattr(t.args, "packing_strategy", "bfd")),
     "label_smoothing_factor": lambda t: setattr(t.args, "label_smoothing_factor", 0.1),
     "compute_loss_func": lambda t: setattr(t, "compute_loss_func", lambda *a, **k: 0.0),
     "compute_metrics": lambda t: setattr(t, "compute_metrics", lambda *a: {}),
@@ -45,6 +42,7 @@ SUPPORTED = {  # README name -> (trainer kind, a value other than the default)
     "save_strategy": ("trainer", "steps"), "save_steps": ("trainer", 2), "bf16": ("trainer", True),
     "max_length": ("sft", 12), "completion_only_loss": ("sft", False), "beta": ("dpo", 0.2),
     "num_generations": ("grpo", 2), "max_completion_length": ("grpo", 3), "peft_config": ("sft", 4),
+    "packing": ("sft", True), "padding_free": ("sft", True),
 }
 
 NOT_SETTINGS = {"stream_trainer", "AutoModelForCausalLM", "Trainer", "sgd", "adamw_torch"}

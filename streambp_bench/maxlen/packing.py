@@ -1,0 +1,68 @@
+"""`--packing DOCS` of max-len and sweep: a note beside their figures, for packed rows of each length
+(`streambp_core.step.packed`): the same peak memory, less attention work (estimated)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+PackingOption = Annotated[
+    str | None,
+    typer.Option("--packing", metavar="DOCS", help="Also report packed rows of each length: a document count "
+                 "(3: random lengths) or lengths (100,37,250): peak memory as unpacked, attention FLOPs the "
+                 "sum of squared document lengths (estimated time saved with --gpu-model)."),
+]
+
+
+def check_packing(text: str | None) -> None:
+    """ConfigError for `--packing` text that is neither a document count nor lengths."""
+    if text:
+        from streambp_core.step.batch import document_lengths
+
+        document_lengths(text, 10**9, 1)
+
+
+def packing_notes(text: str | None, specs: list, gpu=None) -> list:
+    """One `PackedAttention` per distinct (model, method, length) of `specs` that the documents fit; []
+    without `--packing`."""
+    if not text:
+        return []
+    from streambp_core.config import ConfigError
+    from streambp_core.step.batch import document_lengths
+    from streambp_core.step.packed import packed_attention
+    from streambp_core.step.resolved import ResolvedModel
+
+    notes, models = [], {}
+    for spec in dict.fromkeys(specs):
+        try:
+            documents = document_lengths(text, spec.seq_len_tokens, spec.batch_size, spec.seed)
+        except ConfigError:  # the documents are longer than this length
+            continue
+        if gpu is not None and spec.model not in models:
+            models[spec.model] = ResolvedModel(spec.model)
+        notes.append((spec, packed_attention(spec, documents, gpu, models.get(spec.model))))
+    return notes
+
+
+def to_dict(notes: list) -> list[dict]:
+    """JSON entries: each point's method, model and packed attention figures."""
+    return [{"model": spec.model, "method": spec.method, **note.to_dict()} for spec, note in notes]
+
+
+def render_table(notes: list) -> Table:
+    """The notes as a table."""
+    table = Table(title="packed rows (estimated): peak memory as for an unpacked row of the same length "
+                  "(plus a chunk's document mask); attention FLOPs = sum of squared document lengths",
+                  title_justify="left")
+    columns = ("method", "length", "documents (row 1)", "attention FLOPs vs unpacked", "attention ms",
+               "saved ms")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("method", "documents (row 1)") else "right")
+    for spec, note in notes:
+        docs = ",".join(map(str, note.documents[0]))
+        ms = ("-", "-") if note.attention_ms is None else (f"{note.attention_ms:.1f}", f"{note.saved_ms:.1f}")
+        table.add_row(spec.method, f"{note.seq_len_tokens:,}", docs, f"{note.attention_flops_fraction:.1%}",
+                      *ms)
+    return table
