@@ -77,6 +77,11 @@ class StreamConfig:
     attn: str = "auto"
     """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
 
+    attn_blocking: bool = True
+    """streambp: a chunk whose prefix is longer than `engine.blocked_attention.BLOCKED_MIN_KEYS` keys runs
+    its attention backward over tiles of keys on CUDA, so no kernel buffer grows with the prefix; False
+    keeps the unblocked kernels at every length (to measure what blocking saves)."""
+
     baseline_attention: str = "auto"
     """Attention of the transformers-driven methods (plain, checkpoint, mst): 'model' keeps the model's own
     implementation; 'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no
@@ -192,6 +197,8 @@ class StepSpec:
     """Tokens per LM-head and loss chunk (streambp, mst)."""
     attn: str = "auto"
     """Attention kernel on CUDA (auto, sdpa, flash); a simulation uses its flash-like fake kernel."""
+    attn_blocking: bool = True
+    """streambp's attention backward over tiles of keys for long prefixes (`StreamConfig.attn_blocking`)."""
     protocol: str = "default"
     """default (this project's step), paper (the paper's script; backprop-only steps) or trl (the baselines'
     GRPO and DPO losses as TRL 0.17's trainers compute them, with GRPOTrainer's sampling temperature)."""
@@ -287,6 +294,7 @@ class StepSpec:
         kernel, as on the meta device, so every method runs the same attention)."""
         return {"objective": self.objective, "partition_size": self.partition_size,
                 "head_partition_size": self.head_partition_size, "attn": self.attn,
+                "attn_blocking": self.attn_blocking,
                 "baseline_attention": "engine", "offload": self.offload,
                 "baseline_loss": "trl" if self.protocol == "trl" else "full", "head_mode": self.head_mode}
 

@@ -37,20 +37,22 @@ def prefix_attention(
     scale: float,
     backend: str = "auto",
     window: int | None = None,
+    blocking: bool = True,
 ) -> Tensor:
     """Attention output (B, H, c, hd) of queries q (B, H, c, hd) against keys/values (B, Hkv, e, hd).
 
     `key_valid` (B, e) bool marks real (non-padding) keys; None means every key is real. A query row that
     sees no valid key outputs zeros, as torch SDPA does for a fully masked row. `window` (sliding-window
     attention): a query sees only itself and the `window - 1` keys before it; None: the whole prefix.
+    `blocking` False: never the blocked backward (`cuda_attention.blocked_applies`), whatever the prefix.
     """
     if window is not None and window >= k.shape[2]:
         window = None  # the band covers every key: plain causal attention
     if q.device.type == "cuda":
-        return cuda_attention(q, k, v, key_valid, scale, backend, window)
+        return cuda_attention(q, k, v, key_valid, scale, backend, window, blocking)
     if q.device.type == "meta":
-        workspace = backward_workspace_bytes(plan_kernel(backend, q, k, key_valid, window, simulated=True),
-                                             q, k, window)
+        kernel = plan_kernel(backend, q, k, key_valid, window, simulated=True, blocking=blocking)
+        workspace = backward_workspace_bytes(kernel, q, k, window)
         return _SimulatedAttention.apply(q, k, v, key_valid, scale, window, workspace)
     out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)
     return out

@@ -139,9 +139,7 @@ def blocked_flash_backward(grad_out, q, k, v, out, lse, rng_state, unused, scale
     """(dq, dk, dv) shaped (B, heads, T, hd) like q, k, v: one `flash_tile_backward` per tile; `out` is the
     forward's (B, c, H, hd) output and `lse` its (B, H, c) log-sum-exp."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, heads, hd) views
-    grad_t = grad_out.transpose(1, 2)
-    if grad_t.stride(-1) != 1:
-        grad_t = grad_t.contiguous()
+    grad_t = grad_out.transpose(1, 2).contiguous()  # a view of the o_proj input's gradient: no copy
     d_q = torch.zeros(qt.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     d_k, d_v = torch.zeros_like(kt), torch.zeros_like(vt)
     for tile in attention_tiles(q.shape[2], k.shape[2], window, block_tokens):

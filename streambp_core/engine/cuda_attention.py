@@ -86,7 +86,7 @@ def blocked_applies(q: Tensor, k: Tensor, key_valid: Tensor | None) -> bool:
 
 
 def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, window: int | None,
-                simulated: bool = False) -> str:
+                simulated: bool = False, blocking: bool = True) -> str:
     """The path `cuda_attention` takes for this chunk: 'blocked' (`BlockedFlashAttention`), 'flash' or
     'flash-varlen' (flash-attn), 'sdpa-cudnn' (a square half-precision chunk: SDPA's own causal
     dispatch, cuDNN on Hopper GPUs), 'sdpa-flash' (torch's lower-right bias: its FlashAttention-2 kernel
@@ -95,9 +95,10 @@ def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, wi
 
     `simulated` (meta tensors, the simulator): `auto` means sdpa, the kernels every torch build has, so a
     simulation does not depend on whether flash-attn is installed where it runs; padding is taken to
-    leave each row's real tokens contiguous (a meta mask has no values); no warning.
+    leave each row's real tokens contiguous (a meta mask has no values); no warning. `blocking` False:
+    never 'blocked'.
     """
-    if blocked_applies(q, k, key_valid):
+    if blocking and blocked_applies(q, k, key_valid):
         return "blocked"
     asked = "sdpa" if simulated and backend == "auto" else backend
     packs = simulated or _band_packs(key_valid, window, backend)
@@ -122,10 +123,11 @@ def _flash_unusable(q: Tensor) -> str | None:
 
 
 def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
-                   backend: str, window: int | None = None) -> Tensor:
+                   backend: str, window: int | None = None, blocking: bool = True) -> Tensor:
     """`prefix_attention` on CUDA: (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values; `window`
-    narrows each query to itself and the window - 1 keys before it."""
-    if blocked_applies(q, k, key_valid):
+    narrows each query to itself and the window - 1 keys before it; `blocking` False: never the blocked
+    backward."""
+    if blocking and blocked_applies(q, k, key_valid):
         return blocked.BlockedFlashAttention.apply(q, k, v, scale, window, blocked.BLOCK_TOKENS)
     if choose_kernel(backend, q) == "flash" and _band_packs(key_valid, window, backend):
         if key_valid is None:

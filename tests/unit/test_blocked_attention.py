@@ -17,7 +17,8 @@ from tests.unit.test_cuda_attention import padding
 def _inputs(batch, heads, kv_heads, queries, keys, dim=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    return make(batch, heads, queries, dim), make(batch, kv_heads, keys, dim), make(batch, kv_heads, keys, dim)
+    kv_shape = (batch, kv_heads, keys, dim)
+    return make(batch, heads, queries, dim), make(*kv_shape), make(*kv_shape)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
