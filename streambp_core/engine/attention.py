@@ -72,8 +72,8 @@ class _SimulatedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, key_valid = ctx.saved_tensors
-        with memory_category(KERNEL_WORKSPACE):
-            workspace = q.new_empty(ctx.workspace_bytes, dtype=torch.uint8)
+        with memory_category(KERNEL_WORKSPACE):  # none for a path not modelled
+            workspace = q.new_empty(ctx.workspace_bytes, dtype=torch.uint8) if ctx.workspace_bytes else None
         d_q, d_k, d_v = torch.ops.streambp.prefix_attn_bwd(
             grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window)
         del workspace  # freed when the kernel returns
