@@ -36,7 +36,6 @@ from streambp_core.config import (
     SHARD_MODES,
     StepSpec,
 )
-from streambp_core.measure.tags import CATEGORIES
 
 if TYPE_CHECKING:  # pandas is imported where a frame is built: writing rows does not need it
     import pandas as pd
@@ -47,7 +46,10 @@ METRICS = ("peak_memory", "step_time", "max_len", "grad_rel_err")
 """Known metrics; `value` is GiB, milliseconds, tokens and a relative error respectively."""
 RESOLVED_HEAD_MODES = tuple(mode for mode in HEAD_MODES if mode != "auto")
 """The head modes a streambp row records: what ran (auto is resolved by `StepSpec`)."""
-CATEGORY_COLUMNS = tuple(f"{name}_gib" for name in CATEGORIES)
+CATEGORY_COLUMNS = tuple(
+    f"{name}_gib"
+    for name in "weights grads optimizer checkpoints kv logits temporaries kernel_workspace".split()
+)
 
 
 

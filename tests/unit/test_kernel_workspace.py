@@ -3,6 +3,8 @@ each chunk would take on a GPU, and the `kernel_workspace` category a meta backw
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,3 +88,12 @@ def test_a_meta_backward_holds_the_workspace_under_its_category(keys):
     assert result.end_breakdown_bytes[KERNEL_WORKSPACE] == 0
     gradients = sum(x.numel() * x.element_size() for x in (q, k, v))
     assert result.peak_bytes >= expected + gradients
+
+
+def test_results_have_a_column_per_category():
+    """The results CSV names every device category, kernel_workspace included (`<category>_gib`)."""
+    from streambp_bench.results import CATEGORY_COLUMNS, ResultRow
+    from streambp_core.measure.tags import CATEGORIES
+
+    assert CATEGORY_COLUMNS == tuple(f"{name}_gib" for name in CATEGORIES)
+    assert "kernel_workspace_gib" in {field.name for field in dataclasses.fields(ResultRow)}
