@@ -89,6 +89,11 @@ class StreamConfig:
     attn: str = "auto"
     """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
 
+    attn_blocking: bool = True
+    """streambp: a chunk whose prefix is longer than `engine.blocked_attention.BLOCKED_MIN_KEYS` keys runs
+    its attention backward over tiles of keys on CUDA, so no kernel buffer grows with the prefix; False
+    keeps the unblocked kernels at every length (to measure what blocking saves)."""
+
     baseline_attention: str = "auto"
     """Attention of the transformers-driven methods (plain, checkpoint, mst): 'model' keeps the model's own
     implementation; 'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 HELP = (
     "Run a grid of training steps and write one results row per point: the peak memory and the memory "
-    "by category (weights, grads, optimizer, checkpoints, K/V, logits, temporaries); on cpu/cuda also the "
+    "by category (weights, grads, optimizer, checkpoints, K/V, logits, temporaries, kernel workspace); on "
+    "cpu/cuda also the "
     "step time (median of 5 timed steps after 1 warm-up, wall clock) as a second row (metric step_time).\n\n"
     "[bold]--device sim[/] (the default without a GPU) simulates each step on meta tensors; a simulated "
     "peak above --budget-gib is written with status oom. [bold]cpu[/] / [bold]cuda[/] run real steps.\n\n"

@@ -111,8 +111,8 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
     shown = [c for c in CATEGORIES if any(breakdown_gib(r).get(c, 0) > 0 for r in results)]
     breakdown = Table(title=f"memory at that peak by category, {unit}", title_justify="left")
     offloaded = ("offloaded (host)",) if plan.offloads else ()
-    for column in ("method", *shown, *offloaded):
-        breakdown.add_column(column, justify="left" if column == "method" else "right")
+    for column in ("method", *shown, *offloaded):  # kernel_workspace reads "kernel workspace"
+        breakdown.add_column(column.replace("_", " "), justify="left" if column == "method" else "right")
     for r in results:
         lo, hi = r.search.bracket
         peak, parts, ratio = peak_gib(r), breakdown_gib(r), ratio_to_checkpoint(results, r)

@@ -36,7 +36,8 @@ METRICS = ("peak_memory", "step_time", "max_len", "grad_rel_err")
 RESOLVED_HEAD_MODES = tuple(mode for mode in HEAD_MODES if mode != "auto")
 """The head modes a streambp row records: what ran (auto is resolved by `StepSpec`)."""
 CATEGORY_COLUMNS = tuple(
-    f"{name}_gib" for name in "weights grads optimizer checkpoints kv logits temporaries".split()
+    f"{name}_gib"
+    for name in "weights grads optimizer checkpoints kv logits temporaries kernel_workspace".split()
 )
 
 
@@ -111,6 +112,9 @@ class ResultRow:
     kv_gib: float | None = None
     logits_gib: float | None = None
     temporaries_gib: float | None = None
+    kernel_workspace_gib: float | None = None
+    """Buffers the attention kernels allocate inside themselves at the peak (simulated rows, from the
+    kernels' source: `streambp_core.engine.kernel_workspace`); empty on measured rows and older files."""
     budget_gib: float | None = None
     """Device memory the point was judged against."""
     host_peak_gib: float | None = None

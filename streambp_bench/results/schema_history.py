@@ -37,7 +37,7 @@ SCHEMA_1_COLUMNS: tuple[str, ...] = (
 ADDED_COLUMNS: dict[str, str] = {
     "step_time_p20_ms": "", "step_time_p80_ms": "", "confirmed_layers": "",
     "offload": "none", "host_peak_gib": "", "to_host_gib": "", "to_device_gib": "",
-    "gpus": "1", "shard": "none", "head_mode": "",
+    "gpus": "1", "shard": "none", "head_mode": "", "kernel_workspace_gib": "",
     "offload_checkpoints": "0", "offload_optimizer": "0", "offload_params": "0",
 }  # fmt: skip
 """Columns added since schema 2 -> the cell a file without the column reads (module docstring)."""

@@ -15,13 +15,19 @@ Steps, each writing rows to one results CSV:
    allocator's retries and OOM count over the timed steps.
 4. profile: at the longest timed length, one profiled step of each timed variant, kernel time by class
    (attention forward/backward, GEMM, copy, other; metric `kernel_ms_<class>`): where the time goes.
+5. kernel workspace: streambp on the memory model at the plan's workspace lengths, for each attention
+   kernel, with its attention backward blocked over keys and without (metrics peak_memory_blocked and
+   peak_memory_unblocked): the allocator's peak next to the simulator's, which counts the kernels' own
+   buffers (`streambp_core.engine.kernel_workspace`); a simulated row off the allocator's peak by more
+   than 3% is an error. attn sdpa runs torch's FlashAttention-2 on the chunks that attend to a prefix and
+   cuDNN on each layer's first, square chunk (SDPA's dispatch on Hopper); flash runs flash-attn.
 Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,6 +55,8 @@ from streambp_core.verify.methods import VerifySpec, verify_spec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 AUTO = "auto"
+WORKSPACE_TOLERANCE = 0.03
+"""Largest relative gap between a simulated and a measured peak of the kernel-workspace rows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +80,8 @@ class CheckPlan:
     """Lengths of the step-time rows (the profile runs the longest); none: `lengths`."""
     budget_gib: float | None = None
     """Memory the AUTO partitions may fill; None: the CUDA device's total memory."""
+    workspace_lengths: tuple[int, ...] = ()
+    """Lengths of the kernel-workspace rows (step 5); none: no such rows."""
 
     @property
     def timed_lengths(self) -> tuple[int, ...]:
@@ -80,11 +90,12 @@ class CheckPlan:
 
 GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype="bfloat16",
                      verify_seq_len=1024, memory_model="Qwen/Qwen3-1.7B", dtype="bfloat16",
-                     lengths=(4096, 8192, 16384), time_lengths=(16384, 32768))
+                     lengths=(4096, 8192, 16384), time_lengths=(16384, 32768),
+                     workspace_lengths=(65536, 131072))
 CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=32,
                      memory_model="tiny/qwen3", dtype="float32", lengths=(48, 96, 144),
                      partition_size=32, head_partition_size=16, timed_head_partitions=(16, AUTO),
-                     budget_gib=1.0)
+                     budget_gib=1.0, workspace_lengths=(96, 144))
 
 
 def default_plan() -> CheckPlan:
@@ -150,11 +161,36 @@ def _simulated(spec: StepSpec, resolved: ResolvedModel) -> ProbeResult:
                        breakdown_bytes=sim.breakdown_bytes, source="simulated")
 
 
-def _memory_row(spec: StepSpec, probe: ProbeResult, where: str) -> ResultRow:
-    """A peak_memory row of one probe (measured or simulated), with the allocator's figures it has."""
+def workspace_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
+    """Step 5: streambp's measured and simulated peak per attention kernel, blocked or not, per length."""
+    config = model.config
+    for attn in attention_kernels(plan):
+        for blocking in (False, True):
+            metric = "peak_memory_blocked" if blocking else "peak_memory_unblocked"
+            for seq_len in plan.workspace_lengths:
+                spec = memory_spec(plan, "streambp", seq_len).replaced(attn=attn, attn_blocking=blocking)
+                measured = measure_setup(build_setup(spec, config, plan.device, model=model), plan.device)
+                yield _memory_row(spec, measured, where, metric)
+                yield _judged(_memory_row(spec, _simulated(spec, config), where, metric), measured)
+
+
+def _judged(simulated: ResultRow, measured: ProbeResult) -> ResultRow:
+    """The simulated row, an error when it is off the allocator's peak by more than WORKSPACE_TOLERANCE (a
+    CPU dry run's tracker peak is not judged: the target is about the GPU)."""
+    if measured.source != "measured-cuda" or measured.peak_bytes is None or simulated.value is None:
+        return simulated
+    ratio = simulated.value * GIB / measured.peak_bytes
+    if abs(ratio - 1) <= WORKSPACE_TOLERANCE:
+        return simulated
+    return replace(simulated, status="error",
+                   error=f"simulated/measured {ratio:.3f}: outside {WORKSPACE_TOLERANCE:.0%}")
+
+
+def _memory_row(spec: StepSpec, probe: ProbeResult, where: str, metric: str = "peak_memory") -> ResultRow:
+    """A peak row (`metric`) of one probe (measured or simulated), with the allocator's figures it has."""
     peak = None if probe.peak_bytes is None else probe.peak_bytes / GIB
     return ResultRow(
-        **spec_fields(spec), status=probe.status, metric="peak_memory", value=peak, error=probe.message,
+        **spec_fields(spec), status=probe.status, metric=metric, value=peak, error=probe.message,
         **memory_columns(probe.peak_bytes, probe.breakdown_bytes), **allocator_columns(probe),
         **provenance(probe.source, where),
     )

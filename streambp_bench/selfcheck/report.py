@@ -25,7 +25,9 @@ def print_summary(console: Console, frame: pd.DataFrame | None, where: str) -> b
             table.add_row(row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
         failed = bool((grads.status != "ok").any())
         console.print(table)
-    for table in (_memory_table(frame, where), _time_table(frame, where), _profile_table(frame, where)):
+    tables = (_memory_table(frame, where), _time_table(frame, where), _profile_table(frame, where),
+              _workspace_table(frame, where))
+    for table in tables:
         if table.row_count:  # a skipped step (--skip-*) has no rows: no empty table
             console.print(table)
     return failed
@@ -47,6 +49,31 @@ def _memory_table(frame: pd.DataFrame, where: str) -> Table:
         ratio = f"{sim / row.value:.3f}" if sim is not None and row.value else "-"
         counts = (_gib(row.peak_reserved_gib), _count(row.alloc_retries), _count(row.num_ooms))
         table.add_row(key[0], str(key[1]), _gib(row.value), _gib(sim), ratio, *counts[: len(extra)])
+    return table
+
+
+WORKSPACE_METRICS = {"peak_memory_unblocked": "unblocked", "peak_memory_blocked": "blocked"}
+"""The kernel-workspace rows' metrics and how the table names their attention backward."""
+
+
+def _workspace_table(frame: pd.DataFrame, where: str) -> Table:
+    """streambp's peak per attention kernel, backward (unblocked, blocked) and length: measured, simulated,
+    their ratio, and the kernel workspace the simulation counted at its peak."""
+    rows = frame[frame.metric.isin(list(WORKSPACE_METRICS))]
+    table = Table(title=f"kernel workspace: streambp peak GiB, attention backward unblocked vs blocked "
+                        f"({where})", title_justify="left")
+    for column in ("attn", "backward", "tokens", "measured", "simulated", "sim/measured", "kernel workspace",
+                   "status"):
+        table.add_column(column, justify="left" if column in ("attn", "backward", "status") else "right")
+    key = ["attn", "metric", "seq_len_tokens"]
+    simulated = rows[rows.source == "simulated"].set_index(key)
+    for _, row in rows[rows.source != "simulated"].iterrows():
+        sim = simulated.loc[tuple(row[key])] if tuple(row[key]) in simulated.index else None
+        value = None if sim is None else sim.value
+        ratio = f"{value / row.value:.3f}" if value is not None and row.value else "-"
+        table.add_row(row.attn, WORKSPACE_METRICS[row.metric], str(row.seq_len_tokens), _gib(row.value),
+                      _gib(value), ratio, _gib(None if sim is None else sim.kernel_workspace_gib),
+                      row.status if sim is None else sim.status)
     return table
 
 

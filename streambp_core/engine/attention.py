@@ -11,7 +11,9 @@ Kernels:
 - CPU and meta: the `streambp::prefix_attn_fwd/_bwd` custom ops. Their CPU kernels are exact math in the
   input precision (float64 stays float64); their fake kernels allocate what a flash kernel allocates (the
   output and a float32 log-sum-exp, never a score matrix), so a simulated step on the meta device sees the
-  memory a GPU step would.
+  memory a GPU step would. On meta the backward also holds, while it runs, the buffers the CUDA path
+  this chunk would take allocates inside its kernels (`cuda_attention.plan_kernel`,
+  `kernel_workspace.py`), filed under the `kernel_workspace` category.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch
 from torch import Tensor
 
 from streambp_core.engine.chunks import allowed_mask
-from streambp_core.engine.cuda_attention import cuda_attention, flash_attn_available
+from streambp_core.engine.cuda_attention import cuda_attention, flash_attn_available, plan_kernel
+from streambp_core.engine.kernel_workspace import backward_workspace_bytes
 from streambp_core.engine.packing import packed_cuda_attention
+from streambp_core.measure.tags import KERNEL_WORKSPACE, memory_category
 
 __all__ = ["allowed_mask", "flash_attn_available", "prefix_attention"]
 
@@ -34,6 +38,7 @@ def prefix_attention(
     scale: float,
     backend: str = "auto",
     window: int | None = None,
+    blocking: bool = True,
 ) -> Tensor:
     """Attention output (B, H, c, hd) of queries q (B, H, c, hd) against keys/values (B, Hkv, e, hd).
 
@@ -41,15 +46,42 @@ def prefix_attention(
     own document in a packed row, `engine.packing`); None means every key is real. A query row that
     sees no valid key outputs zeros, as torch SDPA does for a fully masked row. `window` (sliding-window
     attention): a query sees only itself and the `window - 1` keys before it; None: the whole prefix.
+    `blocking` False: never the blocked backward (`cuda_attention.blocked_applies`), whatever the prefix.
     """
     if window is not None and window >= k.shape[2]:
         window = None  # the band covers every key: plain causal attention
     if q.device.type == "cuda" and key_valid is not None and key_valid.dim() == 3:
         return packed_cuda_attention(q, k, v, key_valid, scale, backend, window)
     if q.device.type == "cuda":
-        return cuda_attention(q, k, v, key_valid, scale, backend, window)
+        return cuda_attention(q, k, v, key_valid, scale, backend, window, blocking)
+    if q.device.type == "meta":
+        kernel = plan_kernel(backend, q, k, key_valid, window, simulated=True, blocking=blocking)
+        workspace = backward_workspace_bytes(kernel, q, k, window)
+        return _SimulatedAttention.apply(q, k, v, key_valid, scale, window, workspace)
     out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)
     return out
+
+
+class _SimulatedAttention(torch.autograd.Function):
+    """The custom ops on meta tensors, whose backward holds `workspace_bytes` (a kernel's own buffers,
+    filed under kernel_workspace) while the backward op allocates its gradients, as the kernel does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_valid, scale, window, workspace_bytes):
+        out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)
+        ctx.save_for_backward(q, k, v, out, key_valid)
+        ctx.scale, ctx.window, ctx.workspace_bytes = scale, window, workspace_bytes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, key_valid = ctx.saved_tensors
+        with memory_category(KERNEL_WORKSPACE):  # none for a path not modelled
+            workspace = q.new_empty(ctx.workspace_bytes, dtype=torch.uint8) if ctx.workspace_bytes else None
+        d_q, d_k, d_v = torch.ops.streambp.prefix_attn_bwd(
+            grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window)
+        del workspace  # freed when the kernel returns
+        return d_q, d_k, d_v, None, None, None, None
 
 
 def _grouped(q: Tensor, num_kv_heads: int) -> Tensor:

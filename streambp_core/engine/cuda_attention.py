@@ -15,6 +15,12 @@ Kernel choice (`choose_kernel`), the same for every method because all of them a
   of the keys when there are fewer queries than keys. Padded: `flash_attn_varlen_func` on the packed
   real tokens (below). flash-attn takes float16/bfloat16 only.
 - `auto`: flash when flash-attn is importable and takes the inputs, else sdpa.
+- Whatever the backend, an unpadded half-precision chunk whose prefix is longer than
+  `blocked_attention.BLOCKED_MIN_KEYS` (and not square) takes `BlockedFlashAttention`: torch's
+  FlashAttention-2 with a backward over tiles of keys, whose buffers do not grow with the prefix
+  (`blocked_applies`); below that the kernels above, faster there, and their buffers are small.
+`plan_kernel` names the path a chunk takes; the simulator sizes each path's own buffers from it
+(`kernel_workspace.py`).
 Whenever the choice is not flash-attn although flash-attn was asked for (or `auto` finds it missing),
 a warning says why; Python shows each such warning once per process.
 
@@ -42,6 +48,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
+from streambp_core.engine import blocked_attention as blocked
 from streambp_core.engine.chunks import allowed_mask
 
 FLASH_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
@@ -55,15 +62,53 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def choose_kernel(backend: str, q: Tensor) -> str:
-    """'flash' or 'sdpa' for queries `q` under the requested `backend` (auto, sdpa, flash)."""
+def choose_kernel(backend: str, q: Tensor, warn: bool = True) -> str:
+    """'flash' or 'sdpa' for queries `q` under the requested `backend` (auto, sdpa, flash); `warn` False
+    keeps quiet about a flash-attn that cannot take them."""
     if backend == "sdpa":
         return "sdpa"
     reason = _flash_unusable(q)
     if reason is None:
         return "flash"
-    warnings.warn(f"attention: {reason}; using torch SDPA (attn={backend})", stacklevel=2)
+    if warn:
+        warnings.warn(f"attention: {reason}; using torch SDPA (attn={backend})", stacklevel=2)
     return "sdpa"
+
+
+def blocked_applies(q: Tensor, k: Tensor, key_valid: Tensor | None) -> bool:
+    """Whether `cuda_attention` takes `BlockedFlashAttention`: an unpadded chunk with fewer queries than
+    keys, more than `BLOCKED_MIN_KEYS` keys, in a precision and head size torch's flash kernel takes, on
+    a GPU it runs on (compute capability 8.0 or later)."""
+    head_dim = q.shape[-1]
+    return (key_valid is None and q.shape[2] < k.shape[2] and k.shape[2] > blocked.BLOCKED_MIN_KEYS
+            and q.dtype in FLASH_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0
+            and (q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 8))
+
+
+def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, window: int | None,
+                simulated: bool = False, blocking: bool = True) -> str:
+    """The path `cuda_attention` takes for this chunk: 'blocked' (`BlockedFlashAttention`), 'flash' or
+    'flash-varlen' (flash-attn), 'sdpa-cudnn' (a square half-precision chunk: SDPA's own causal
+    dispatch, cuDNN on Hopper GPUs), 'sdpa-flash' (torch's lower-right bias: its FlashAttention-2 kernel
+    in half precision), 'sdpa-masked' (a boolean mask: K/V expanded, the memory-efficient kernel) or
+    'sdpa-other' (SDPA outside half precision).
+
+    `simulated` (meta tensors, the simulator): `auto` means sdpa, the kernels every torch build has, so a
+    simulation does not depend on whether flash-attn is installed where it runs; padding is taken to
+    leave each row's real tokens contiguous (a meta mask has no values); no warning. `blocking` False:
+    never 'blocked'.
+    """
+    if blocking and blocked_applies(q, k, key_valid):
+        return "blocked"
+    asked = "sdpa" if simulated and backend == "auto" else backend
+    packs = simulated or _band_packs(key_valid, window, backend)
+    if choose_kernel(asked, q, warn=not simulated) == "flash" and packs:
+        return "flash" if key_valid is None else "flash-varlen"
+    if key_valid is not None or window is not None:
+        return "sdpa-masked"
+    if q.dtype not in FLASH_DTYPES:
+        return "sdpa-other"
+    return "sdpa-cudnn" if q.shape[2] == k.shape[2] else "sdpa-flash"
 
 
 def _flash_unusable(q: Tensor) -> str | None:
@@ -78,9 +123,12 @@ def _flash_unusable(q: Tensor) -> str | None:
 
 
 def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
-                   backend: str, window: int | None = None) -> Tensor:
+                   backend: str, window: int | None = None, blocking: bool = True) -> Tensor:
     """`prefix_attention` on CUDA: (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values; `window`
-    narrows each query to itself and the window - 1 keys before it."""
+    narrows each query to itself and the window - 1 keys before it; `blocking` False: never the blocked
+    backward."""
+    if blocking and blocked_applies(q, k, key_valid):
+        return blocked.BlockedFlashAttention.apply(q, k, v, scale, window, blocked.BLOCK_TOKENS)
     if choose_kernel(backend, q) == "flash" and _band_packs(key_valid, window, backend):
         if key_valid is None:
             return flash_attention(q, k, v, scale, window)

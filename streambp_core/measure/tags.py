@@ -28,11 +28,16 @@ LOGITS = "logits"
 """Logits and their gradients."""
 TEMPORARIES = "temporaries"
 """Everything untagged: the default."""
+KERNEL_WORKSPACE = "kernel_workspace"
+"""Buffers a kernel allocates and frees inside itself (attention backward's): only a simulated step files
+any here, from the kernels' source (`engine/kernel_workspace.py`); no tracker sees them on a GPU."""
 
 OFFLOADED = "offloaded"
 """Host copies of tensors saved for backward (checkpoint offload): the host pool, not device memory."""
 
-CATEGORIES: tuple[str, ...] = (WEIGHTS, GRADS, OPTIMIZER, CHECKPOINTS, KV, LOGITS, TEMPORARIES)
+CATEGORIES: tuple[str, ...] = (
+    WEIGHTS, GRADS, OPTIMIZER, CHECKPOINTS, KV, LOGITS, TEMPORARIES, KERNEL_WORKSPACE,
+)
 """The device categories, in report order: their bytes make up a device peak."""
 HOST_CATEGORIES: tuple[str, ...] = (OFFLOADED,)
 """Categories held in host memory: counted in a tracker's host pool, never in its device peak."""

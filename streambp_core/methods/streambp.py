@@ -43,7 +43,8 @@ class StreamBPRun(Run):
         cfg = self.config
         self._layers = [
             (layer, LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
-                              keep_chunks=cfg.keep_chunks, router_aux=self.router_aux))
+                              keep_chunks=cfg.keep_chunks, router_aux=self.router_aux,
+                              attn_blocking=cfg.attn_blocking))
             for layer in self.parts.layers
         ]
         self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks)

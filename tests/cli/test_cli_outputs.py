@@ -24,7 +24,8 @@ TTY = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}
 COMMANDS = {
     "plot": ["plot", FIG3_CSV],
     "reproduce": ["reproduce", "table6", "--quick"],
-    "selfcheck": ["selfcheck", "--skip-verify", "--skip-memory", "--skip-time", "--skip-profile"],
+    "selfcheck": ["selfcheck", "--skip-verify", "--skip-memory", "--skip-time", "--skip-profile",
+                  "--skip-workspace"],
 }
 
 
@@ -59,12 +60,13 @@ def test_selfcheck_on_a_cpu_writes_nothing_without_out(tmp_path: Path, monkeypat
                     value=1e-7, **provenance("measured-cpu", "cpu"))
     monkeypatch.setattr(check, "verify_rows", lambda plan, where: iter([row]))
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["selfcheck", "--skip-memory", "--skip-time", "--skip-profile"])
+    result = CliRunner().invoke(app, ["selfcheck", "--skip-memory", "--skip-time", "--skip-profile",
+                                      "--skip-workspace"])
     assert result.exit_code == 0, result.output
     assert list(tmp_path.iterdir()) == []  # no results/gpu/selfcheck-cpu-dry-run.csv
     assert "rows not saved" in result.stdout and "1.000e-07" in result.stdout
     kept = CliRunner().invoke(app, ["selfcheck", "--skip-memory", "--skip-time", "--skip-profile",
-                                    "--out", "kept"])
+                                    "--skip-workspace", "--out", "kept"])
     assert kept.exit_code == 0 and len(ResultsFile(tmp_path / "kept/selfcheck-cpu-dry-run.csv").rows()) == 1
 
 

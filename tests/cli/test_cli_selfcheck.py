@@ -58,6 +58,12 @@ def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     assert frame[["peak_reserved_gib", "alloc_retries", "num_ooms"]].isna().all().all()  # no CUDA allocator
     assert "alloc retries" not in result.output
     assert set(grads.attn) == {"sdpa"} and set(memory.attn) == {"auto"}
+    workspace = frame[frame.metric.isin(["peak_memory_unblocked", "peak_memory_blocked"])]
+    assert len(workspace) == 2 * 2 * len(plan.workspace_lengths)  # (unblocked, blocked) x (measured, sim)
+    assert set(workspace.source) == {"measured-cpu", "simulated"} and (workspace.status == "ok").all()
+    assert set(workspace.seq_len_tokens) == set(plan.workspace_lengths)
+    assert set(workspace.method) == {"streambp"}
+    assert "kernel workspace: streambp peak GiB" in result.output
 
 
 def test_gpu_plan_is_chosen_when_cuda_is_present():

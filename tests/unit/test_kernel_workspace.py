@@ -1,0 +1,99 @@
+"""The attention kernels' own buffers in a simulated step: the sizes from the kernels' source, the path
+each chunk would take on a GPU, and the `kernel_workspace` category a meta backward files them under."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from streambp_core.engine import blocked_attention, cuda_attention
+from streambp_core.engine.attention import prefix_attention
+from streambp_core.engine.cuda_attention import plan_kernel
+from streambp_core.engine.kernel_workspace import (
+    backward_workspace_bytes,
+    blocked_backward_bytes,
+    cudnn_backward_bytes,
+    flash_backward_bytes,
+)
+from streambp_core.measure.tags import KERNEL_WORKSPACE
+from streambp_core.measure.tracker import MemoryTracker
+
+MIB, GIB = 2**20, 2**30
+QWEN3_8B = {"heads": 32, "kv_heads": 8, "head_dim": 128}
+
+
+def test_flash_backward_expands_dk_dv_to_every_query_head():
+    """mha_bwd's buffers: with GQA 2 x e x H x d bf16 (16 KiB a key on Qwen3-8B), plus fp32 softmax_d
+    and dq_accum over the queries rounded up to 128; without GQA only the two fp32 buffers."""
+    keys = 166_472
+    gqa = flash_backward_bytes(1, 32, 8, 500, keys, 128, 2)
+    fp32_rows = 4 * 512 * 32 + 4 * 512 * 32 * 128
+    assert gqa == 16 * 1024 * keys + fp32_rows
+    assert 2.5 * GIB < gqa < 2.6 * GIB
+    assert flash_backward_bytes(1, 32, 32, 500, keys, 128, 2) == fp32_rows
+
+
+def test_cudnn_estimate_matches_the_one_measurement():
+    """~97 MiB measured inside cuDNN attention at 16 heads (8 KV heads) x 8k tokens, bf16, d = 128."""
+    assert cudnn_backward_bytes(1, 16, 8, 8192, 8192, 128, 2) / MIB == pytest.approx(96.5)
+
+
+@pytest.mark.parametrize("queries", [500, 4096, 20_000])
+def test_the_blocked_backward_is_bounded_whatever_the_prefix(queries):
+    """The blocked path's buffers do not grow with the keys, and stay under 2 GiB on Qwen3-8B."""
+    sizes = {blocked_backward_bytes(1, 32, 8, queries, keys, 128, 2, None, blocked_attention.BLOCK_TOKENS)
+             for keys in (100_000, 400_000, 1_700_000, 3_000_000)}
+    assert len(sizes) == 1 and sizes.pop() <= 2 * GIB
+    unblocked = flash_backward_bytes(1, 32, 8, queries, 1_700_000, 128, 2)
+    assert unblocked > 20 * GIB
+
+
+def _meta(heads, kv_heads, queries, keys, dim=128, dtype=torch.bfloat16):
+    make = lambda *shape: torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)  # noqa: E731
+    return make(1, heads, queries, dim), make(1, kv_heads, keys, dim), make(1, kv_heads, keys, dim)
+
+
+def test_simulated_paths_follow_the_cuda_choice(monkeypatch):
+    """auto is simulated as sdpa: a square chunk cuDNN, a longer prefix torch's flash kernel, padding the
+    masked path; past BLOCKED_MIN_KEYS the blocked path; flash-attn when asked for and importable."""
+    short_q, short_k, _ = _meta(32, 8, 500, 8000)
+    long_q, long_k, _ = _meta(32, 8, 500, blocked_attention.BLOCKED_MIN_KEYS + 1)
+    square_q, square_k, _ = _meta(32, 8, 8000, 8000)
+    valid = torch.ones(1, 8000, dtype=torch.bool, device="meta")
+    assert plan_kernel("auto", square_q, square_k, None, None, simulated=True) == "sdpa-cudnn"
+    assert plan_kernel("auto", short_q, short_k, None, None, simulated=True) == "sdpa-flash"
+    assert plan_kernel("auto", short_q, short_k, valid, None, simulated=True) == "sdpa-masked"
+    assert plan_kernel("auto", long_q, long_k, None, None, simulated=True) == "blocked"
+    assert plan_kernel("auto", long_q, long_k, None, 4096, simulated=True) == "blocked"
+    monkeypatch.setattr(cuda_attention, "flash_attn_available", lambda: True)
+    assert plan_kernel("auto", short_q, short_k, None, None, simulated=True) == "sdpa-flash"
+    assert plan_kernel("flash", short_q, short_k, None, None, simulated=True) == "flash"
+    assert plan_kernel("flash", short_q, short_k, valid, None, simulated=True) == "flash-varlen"
+
+
+@pytest.mark.parametrize("keys", [8000, blocked_attention.BLOCKED_MIN_KEYS + 500])
+def test_a_meta_backward_holds_the_workspace_under_its_category(keys):
+    """On meta the backward holds the planned path's buffers, under kernel_workspace, while it allocates
+    the gradients: the peak has them, the end of the step does not."""
+    q, k, v = _meta(32, 8, 500, keys)
+    expected = backward_workspace_bytes(plan_kernel("auto", q, k, None, None, simulated=True), q, k, None)
+    assert expected > 0
+    with MemoryTracker(device="meta") as tracker:
+        out = prefix_attention(q, k, v, None, 0.1, "auto")
+        out.backward(torch.empty_like(out))
+    result = tracker.result()
+    assert result.peak_breakdown_bytes[KERNEL_WORKSPACE] == expected
+    assert result.end_breakdown_bytes[KERNEL_WORKSPACE] == 0
+    gradients = sum(x.numel() * x.element_size() for x in (q, k, v))
+    assert result.peak_bytes >= expected + gradients
+
+
+def test_results_have_a_column_per_category():
+    """The results CSV names every device category, kernel_workspace included (`<category>_gib`)."""
+    from streambp_bench.results import CATEGORY_COLUMNS, ResultRow
+    from streambp_core.measure.tags import CATEGORIES
+
+    assert CATEGORY_COLUMNS == tuple(f"{name}_gib" for name in CATEGORIES)
+    assert "kernel_workspace_gib" in {field.name for field in dataclasses.fields(ResultRow)}
