@@ -187,6 +187,10 @@ def sweep(
     points = with_offload(tuple(grid), offload.value)
     writable_results(out)
     from streambp_bench.results import ResultsFile
+    from streambp_core.models.load import load_config
+
+    for name in models:
+        load_config(name)  # a model that cannot run is refused here, before the first point
     from streambp_core.step.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)

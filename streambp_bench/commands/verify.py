@@ -219,6 +219,9 @@ def verify(
     )
     if nproc is not None:
         from streambp_bench.verify_sharded import run_sharded
+        from streambp_core.models.load import load_config
+
+        load_config(model)  # a model that cannot run is refused before any rank starts
 
         stages = (shard.value,) if shard is not None else ("zero2", "zero3")
         ok = run_sharded(spec, nproc, stages, as_json=as_json)

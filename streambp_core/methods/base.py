@@ -73,7 +73,8 @@ class Run:
         if self.objective_name == "sft":
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
-        return self._loss(input_ids, attention_mask, labels, **objective_inputs)
+        loss = self._loss(input_ids, attention_mask, labels, **objective_inputs)
+        return guards.watch_versions(loss, self.model)
 
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
         """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""

@@ -111,3 +111,28 @@ def check_sft_targets(labels: Tensor) -> None:
             "every label is -100 (ignored) after the shift, so the cross-entropy has no target token "
             "and its mean would be NaN; label at least one token after the first"
         )
+
+
+def watch_versions(loss: Tensor, model: nn.Module) -> Tensor:
+    """`loss`, with a hook that raises at the start of its backward, as torch's own in-place check does,
+    when a trainable parameter of `model` was changed in place after the loss was computed: a method
+    that recomputes from the weights would otherwise return a gradient of neither the old nor the new
+    weights (plain backprop raises the same error through its saved tensors)."""
+    if not loss.requires_grad:
+        return loss
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    versions = [param._version for _, param in named]
+
+    def check(grad: Tensor) -> Tensor:
+        for (name, param), version in zip(named, versions, strict=True):
+            if param._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: parameter {name} {list(param.shape)} is at version "
+                    f"{param._version}; expected version {version} instead (it changed between "
+                    "run.loss() and backward(); compute the loss again after changing the weights)"
+                )
+        return grad
+
+    loss.register_hook(check)
+    return loss
