@@ -23,6 +23,9 @@ HEAD_MODES = ("auto", "fused", "recompute")
 """How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
 FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
 """Objectives whose loss is linear in its per-sequence sums, so the fused head can serve them."""
+SEARCH_CAP_TOKENS = 10_000_000
+"""The longest length a max-length search probes: a method that fits there is reported as fitting at
+least this many tokens (capped), never as a maximum."""
 OFFLOAD_MODES = ("none", "checkpoints")
 """Where the tensors a method keeps from forward for backward live: on the device ("none"), or in host
 memory ("checkpoints": copied out in forward, back in backward; see `streambp_core.engine.offload`)."""

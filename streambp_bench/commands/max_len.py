@@ -13,7 +13,7 @@ from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import partition_option, sharding, step_specs, writable_results
 from streambp_bench.workers import start_server, worker_count
-from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, check_budget_gib
+from streambp_core.config import MIN_AUTO_PARTITION, SEARCH_CAP_TOKENS, ConfigError, check_budget_gib
 
 HELP = (
     "Find the longest sequence each method can back-propagate within a memory budget, and show where the "
@@ -75,6 +75,15 @@ EPILOG = """[bold]Examples[/]
 """
 
 
+def _at_length(text: str) -> int:
+    """One `--at` length in tokens: 2 up to the search cap (ConfigError otherwise, before any work)."""
+    tokens = None if text.strip().lower() == "auto" else partition_option(text, "--at")
+    if tokens is None or not 2 <= tokens <= SEARCH_CAP_TOKENS:
+        raise ConfigError(f"--at: a length must be a number of tokens from 2 to {SEARCH_CAP_TOKENS:,} "
+                          f"(k = 1024), got {text!r}")
+    return tokens
+
+
 @user_errors
 def max_len(
     model: opt.Model = "Qwen/Qwen3-8B",
@@ -125,13 +134,13 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
-    at_lengths = tuple(partition_option(length, "--at") or 0 for length in opt.split_list(at or ""))
+    at_lengths = tuple(_at_length(length) for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)
     context = start_server(workers)  # its imports overlap with the ones below
     from streambp_bench import max_len_auto as auto
     from streambp_bench import max_len_report as report
-    from streambp_bench.max_len import make_plan, run_plan
+    from streambp_bench.max_len import check_refused, make_plan, run_plan
 
     extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
                          gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
@@ -144,6 +153,7 @@ def max_len(
             progress.stop()
             print_error(error)
             raise typer.Exit(code=1) from None
+    check_refused(results)
     steps: list = []
     if extras.active:
         with stderr_console().status("partitions and estimated step times"):
