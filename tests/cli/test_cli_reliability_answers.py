@@ -53,7 +53,8 @@ def test_at_rows_keep_the_offload_label() -> None:
 
 def test_a_model_the_cpu_cannot_hold_is_an_error_not_length_0(monkeypatch) -> None:
     monkeypatch.setattr("streambp_core.step.probe.available_ram_bytes", lambda: 1024)
-    result = CliRunner().invoke(app, [*TINY, "--device", "cpu", "--budget-gib", "1", "--method", "checkpoint"])
+    args = [*TINY, "--device", "cpu", "--budget-gib", "1", "--method", "checkpoint"]
+    result = CliRunner().invoke(app, args)
     one_line_error(result, "RAM", "checkpoint")
 
 
