@@ -71,9 +71,9 @@ ITEM_NAMES = tuple(item.value for item in Item if item is not Item.all)
 @user_errors
 def reproduce(
     item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6, offload or all.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for CSVs, PNGs and README.md.")] = Path(
-        "results"
-    ),
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Directory for CSVs, PNGs and README.md (default results/; --quick needs one).")
+    ] = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="Tiny models, budgets and lengths: a smoke test, not the paper's.")
     ] = False,
@@ -82,6 +82,10 @@ def reproduce(
 ) -> None:
     """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
     chosen = list(ITEM_NAMES) if item is Item.all else [item.value]
+    if out is None and quick:
+        raise ConfigError("--quick writes tiny smoke-test rows: give --out DIR (they must not be merged into "
+                          "results/, where they would stand for the paper's settings)")
+    out = Path("results") if out is None else out
     _check_out(out, chosen)
     workers = worker_count(jobs, available_cpus(), "sim")  # the searches are simulated everywhere
     context = start_server(workers, (*PRELOAD, "streambp_bench.reproduce_items"))  # overlaps the imports
