@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     from trl import SFTConfig, SFTTrainer
 
     args = setup.parser(__doc__.splitlines()[0], EXAMPLE).parse_args(argv)
+    data = setup.rows(args.data, choices=(("text",), ("prompt", "completion")))
     model, tokenizer = setup.load(args)
-    data = setup.rows(args.data)
     config = SFTConfig(**setup.trainer_options(args), max_length=args.max_length)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
     setup.train(trainer, args)
