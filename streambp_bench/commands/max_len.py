@@ -12,7 +12,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import partition_option, sharding, step_specs, writable_results
-from streambp_bench.workers import start_server, worker_count
+from streambp_bench.workers import start_server, stop_server, worker_count
 from streambp_core.config import MIN_AUTO_PARTITION, SEARCH_CAP_TOKENS, ConfigError, check_budget_gib
 
 HELP = (
@@ -144,7 +144,11 @@ def max_len(
 
     extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
                          gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
-    plan = make_plan(specs, where, budget_gib, host_budget_gib)
+    try:
+        plan = make_plan(specs, where, budget_gib, host_budget_gib)
+    except BaseException:
+        stop_server(context)
+        raise
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
         try:
@@ -153,6 +157,8 @@ def max_len(
             progress.stop()
             print_error(error)
             raise typer.Exit(code=1) from None
+        finally:
+            stop_server(context)
     check_refused(results)
     steps: list = []
     if extras.active:

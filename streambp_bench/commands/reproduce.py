@@ -16,7 +16,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import writable_folder
-from streambp_bench.workers import PRELOAD, start_server, worker_count
+from streambp_bench.workers import PRELOAD, start_server, stop_server, worker_count
 from streambp_core.config import ConfigError, available_cpus
 
 HELP = (
@@ -98,7 +98,10 @@ def reproduce(
         console.print(
             "table1 needs a GPU (none here): measuring CPU step-time ratios of a tiny model instead"
         )
-    written, seconds = _run_items(chosen, out, quick, device, console, (workers, context))
+    try:
+        written, seconds = _run_items(chosen, out, quick, device, console, (workers, context))
+    finally:
+        stop_server(context)
     out.mkdir(parents=True, exist_ok=True)
     readme_path = out / "README.md"
     readme_path.write_text(readme.render(out), encoding="utf-8")
