@@ -110,9 +110,13 @@ def atomic_rewrite(path: str | os.PathLike[str], header: Sequence[str], records:
 
 
 def check_writable(path: str | os.PathLike[str]) -> None:
-    """ConfigError when a file could not be created or replaced at `path`: its nearest existing folder is
-    not a directory or not writable."""
-    folder = real_path(path).parent
+    """ConfigError when a file could not be created or replaced at `path`: the file itself (or its writers'
+    lock) exists read-only, or its nearest existing folder is not a directory or not writable."""
+    real = real_path(path)
+    for target in (real, real.with_name(f".{real.name}.lock")):
+        if target.is_file() and not os.access(target, os.W_OK):
+            raise ConfigError(f"cannot write {path}: {target} is read-only")
+    folder = real.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():

@@ -68,6 +68,8 @@ class Run:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
         _check_batch(input_ids, attention_mask, labels)
         guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
+        if labels is not None:
+            guards.check_labels(labels, self.parts.lm_head.weight.shape[0])
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
         if self.objective_name == "sft":

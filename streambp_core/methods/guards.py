@@ -103,6 +103,20 @@ def check_tokens(input_ids: Tensor, vocab_size: int) -> None:
         raise ConfigError(f"input_ids holds token ids outside the vocabulary 0..{vocab_size - 1}")
 
 
+def check_labels(labels: Tensor, vocab_size: int) -> None:
+    """ConfigError for labels that are neither -100 (ignored) nor a token id of the vocabulary (one host
+    sync): the loss would index outside the logits."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ConfigError(f"labels must hold integer token ids (or {IGNORE_INDEX}), got dtype {labels.dtype}")
+    if labels.device.type == "meta":
+        return
+    outside = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+    if bool(outside.any()):
+        first = int(labels[outside][0])
+        raise ConfigError(f"labels holds {first}, outside the vocabulary 0..{vocab_size - 1} (and not "
+                          f"{IGNORE_INDEX}, the ignored label)")
+
+
 def check_sft_targets(labels: Tensor) -> None:
     """ConfigError when no position has a target (every shifted label is -100): the mean cross-entropy
     would be 0/0 = NaN."""

@@ -78,3 +78,17 @@ def test_sharded_verify_judges_by_the_single_process_criterion() -> None:
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)["results"]
     assert row["ok"] and row["max_rel_err"] < 1e-10
+
+
+def test_a_read_only_out_file_is_refused_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    out = tmp_path / "s.csv"
+    _sweep(out, "1")
+    out.chmod(0o444)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == out and mode & os.W_OK
+                        else real_access(p, mode))
+    result = CliRunner().invoke(app, [*SWEEP, "--budget-gib", "2", "--out", str(out)])
+    one_line_error(result, "read-only", str(out))
+    assert "sweep (" not in result.stderr  # no progress: refused before the first point
