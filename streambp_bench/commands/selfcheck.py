@@ -57,6 +57,8 @@ def selfcheck(
     as_json: opt.Json = False,
 ) -> None:
     """Run the self-check (see the command help)."""
+    if out is not None:
+        writable_folder(out)  # a bad --out is refused before torch is imported (well under a second)
     from streambp_bench import selfcheck as check
     from streambp_bench.results import rows_to_frame
     from streambp_bench.selfcheck_report import print_summary

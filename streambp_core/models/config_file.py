@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from transformers import PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from streambp_core.config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 try:
     from huggingface_hub.errors import StrictDataclassError
@@ -57,6 +59,8 @@ def _json_kind(value: object) -> str:
 
 def config_from_values(values: dict, source: str) -> PretrainedConfig:
     """A transformers config from config.json's values, or ConfigError naming `source` and the problem."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     model_type = values.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: no model_type (config.json must name its architecture)")
@@ -68,6 +72,21 @@ def config_from_values(values: dict, source: str) -> PretrainedConfig:
         raise ConfigError(f"{source}: invalid {model_type} config: {' '.join(str(error).split())}") from None
     check_geometry(config, source)
     return config
+
+
+def precheck_values(values: dict, source: str) -> None:
+    """The geometry checks that need no transformers (so bad input is refused in well under a second),
+    on config.json's raw values: `check_geometry` runs in full once the config is built."""
+    raw = SimpleNamespace(**values)
+    for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
+        value = getattr(raw, name, None)
+        if value is not None and not _is_positive_int(value):
+            raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+    if _is_positive_int(getattr(raw, "num_attention_heads", None)) and _is_positive_int(
+            getattr(raw, "hidden_size", None)):
+        _check_heads(raw, source)
+    _check_experts(raw, source)
+    _check_layer_types(raw, source)
 
 
 def check_geometry(config: PretrainedConfig, source: str) -> None:
@@ -87,7 +106,7 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
 
 
 OPTIONAL_POSITIVE_SIZES = (
-    "num_key_value_heads", "head_dim", "moe_intermediate_size", "decoder_sparse_step",
+    "num_key_value_heads", "head_dim", "moe_intermediate_size", "decoder_sparse_step", "num_experts",
     "num_local_experts", "query_pre_attn_scalar",
 )  # fmt: skip
 """Config sizes that must be positive when set (None: transformers derives or skips them)."""
@@ -117,7 +136,7 @@ def _check_heads(config: PretrainedConfig, source: str) -> None:
 def _check_experts(config: PretrainedConfig, source: str) -> None:
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     per_token = getattr(config, "num_experts_per_tok", None)
-    if not experts or per_token is None:
+    if not _is_positive_int(experts) or per_token is None:
         return
     if not _is_positive_int(per_token) or per_token > experts:
         raise ConfigError(
@@ -149,7 +168,7 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
     if window is not None and not _is_positive_int(window):
         raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
+    if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
         return
     unknown = sorted({str(kind) for kind in layer_types} - set(ENGINE_LAYER_TYPES))
     if unknown:
@@ -157,8 +176,9 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
             f"{source}: layer_types {', '.join(unknown)} not supported by the engine "
             f"(it runs {' and '.join(ENGINE_LAYER_TYPES)})"
         )
-    if "sliding_attention" in layer_types and window is None:
-        why = " (use_sliding_window is false)" if getattr(config, "use_sliding_window", None) is False else ""
+    switched_off = getattr(config, "use_sliding_window", None) is False
+    if "sliding_attention" in layer_types and (window is None or switched_off):
+        why = " (use_sliding_window is false)" if switched_off else ""
         raise ConfigError(
             f"{source}: layer_types names sliding_attention but the config has no sliding_window{why}; "
             "set sliding_window or make those layers full_attention"

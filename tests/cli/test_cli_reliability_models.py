@@ -4,6 +4,9 @@ check (`streambp_core.models.config_file.check_geometry`) sits behind every way 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from tests.cli.errors import one_line_error
 QWEN3 = json.loads((PRESET_DIR / "tiny--qwen3.json").read_text())
 MOE = json.loads((PRESET_DIR / "tiny--qwen3-moe.json").read_text())
 SLIDING = ["sliding_attention", "full_attention"]
+REPO = Path(__file__).parents[2]
 
 BROKEN = {
     "sliding-null": ({**QWEN3, "layer_types": SLIDING, "sliding_window": None}, "sliding_window"),
@@ -83,3 +87,27 @@ def _direct(values: dict):
 def test_valid_sliding_layers_still_load() -> None:
     config = tiny_config("qwen3", layer_types=SLIDING, sliding_window=16, use_sliding_window=True)
     assert config.layer_types == SLIDING and config.sliding_window == 16
+
+
+PRECHECK = """
+import sys
+from streambp_core.config import ConfigError, check_model
+try:
+    check_model(sys.argv[1])
+except ConfigError as error:
+    print(error)
+print("torch imported" if "torch" in sys.modules or "transformers" in sys.modules else "light")
+"""
+
+
+@pytest.mark.parametrize("case", ["kv-heads-0", "head-dim-1", "experts-per-token", "sliding-null",
+                                  "sliding-off"])
+def test_a_broken_config_is_refused_without_importing_torch(tmp_path: Path, case: str) -> None:
+    """The cheap model check every command runs first refuses these, so the error takes well under a
+    second (torch and transformers alone take seconds to import)."""
+    values, key = BROKEN[case]
+    folder = _model_dir(tmp_path, values)
+    done = subprocess.run([sys.executable, "-c", PRECHECK, str(folder)], capture_output=True, text=True,
+                          check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    message, weight = done.stdout.strip().splitlines()
+    assert key in message and weight == "light", done.stdout
