@@ -25,6 +25,9 @@ class Run:
     method = "base"
     keeps_checkpoints = True
     """Whether the method keeps checkpoints between forward and backward (so `offload` applies)."""
+    drives_modules = False
+    """Whether the method calls the decoder's modules itself rather than the model's forward (so a peft
+    wrapper's own forward, e.g. prompt tuning's virtual tokens, does not run)."""
 
     def __init__(self, model: nn.Module, config: StreamConfig, objective: str = "sft") -> None:
         if objective not in OBJECTIVES:
@@ -36,6 +39,8 @@ class Run:
         self.config = config
         self.objective_name = objective
         self.parts: DecoderParts = guards.parts_of(model)
+        if self.drives_modules:
+            guards.refuse_prompt_learning(model, self.method)
         self._check_dropout()
         guards.claim(self.parts, self)
         self.router_aux: RouterAux | None = router_aux(self.parts.backbone.config)

@@ -44,6 +44,20 @@ def parts_of(model: nn.Module) -> DecoderParts:
         ) from None
 
 
+def refuse_prompt_learning(model: nn.Module, method: str) -> None:
+    """ConfigError when `model` is a peft prompt-learning model (prompt tuning, prefix tuning, p-tuning):
+    its virtual tokens are added by peft's forward, which `method` does not run, so it would train
+    without them."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config, "peft_type", "prompt learning")
+        raise ConfigError(
+            f"{method} cannot train a peft prompt-learning model ({getattr(kind, 'value', kind)}): its "
+            f"virtual tokens are added by peft's forward, which {method} does not run; use plain or "
+            "checkpoint, or LoRA"
+        )
+
+
 def claim(parts: DecoderParts, run: object) -> None:
     """Mark the model as prepared by `run`; ConfigError when another run on it is still open."""
     previous = getattr(parts.backbone, OPEN_RUN_ATTRIBUTE, None)
