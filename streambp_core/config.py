@@ -142,24 +142,10 @@ def check_model(name: str) -> str:
     checked by `streambp_core.models.load_config`.
     """
     presets = sorted(path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json"))
-    if name.strip().lower() in {p.lower() for p in presets}:
-        return name
-    path = Path(name).expanduser()
-    if path.exists():
-        _precheck_local_config(path)
+    if name.strip().lower() in {p.lower() for p in presets} or Path(name).expanduser().exists():
         return name
     raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
                       f"presets: {', '.join(presets)}")
-
-
-def _precheck_local_config(path: Path) -> None:
-    """The checks of a local config.json that need no transformers (JSON, geometry), so a broken one is
-    refused in well under a second; everything else is checked when the config is loaded."""
-    from streambp_core.models.config_file import precheck_values, read_config_file
-
-    file = path if path.is_file() else path / "config.json"
-    if file.is_file():
-        precheck_values(read_config_file(file), str(file))
 
 
 def available_cpus() -> int:

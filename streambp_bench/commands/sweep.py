@@ -27,7 +27,8 @@ from streambp_bench.specs import (
     with_offload,
     writable_results,
 )
-from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib, check_model
+from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib
+from streambp_core.models.config_file import precheck_model
 
 if TYPE_CHECKING:
     from streambp_bench.results import ResultRow
@@ -162,7 +163,7 @@ def sweep(
     if not models:
         raise ConfigError("give at least one model")
     for name in models:
-        check_model(name)
+        precheck_model(name)
     auto_layer = ps.strip().lower() == "auto"
     if gpu_model is not None and (gpus or 1) > 1:
         raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")

@@ -20,7 +20,8 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list, streambp_head
-from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
+from streambp_core.config import VERIFY_METHODS, ConfigError
+from streambp_core.models.config_file import precheck_model
 
 if TYPE_CHECKING:
     from streambp_core.verify import VerifyReport
@@ -179,7 +180,7 @@ def verify(
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
-    check_model(model)
+    precheck_model(model)
     methods = method_list(method)
     where = device.value
     if where == "sim":

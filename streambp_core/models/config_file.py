@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, check_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -72,6 +72,18 @@ def config_from_values(values: dict, source: str) -> PretrainedConfig:
         raise ConfigError(f"{source}: invalid {model_type} config: {' '.join(str(error).split())}") from None
     check_geometry(config, source)
     return config
+
+
+def precheck_model(name: str) -> str:
+    """`check_model(name)`, then, for a local config.json, the checks that need no transformers (JSON,
+    geometry): a broken one is refused in well under a second, before torch is imported; the rest is
+    checked when the config is loaded."""
+    check_model(name)
+    path = Path(name).expanduser()
+    file = path if path.is_file() else path / "config.json"
+    if path.exists() and file.is_file():
+        precheck_values(read_config_file(file), str(file))
+    return name
 
 
 def precheck_values(values: dict, source: str) -> None:

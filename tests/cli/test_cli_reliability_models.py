@@ -91,9 +91,10 @@ def test_valid_sliding_layers_still_load() -> None:
 
 PRECHECK = """
 import sys
-from streambp_core.config import ConfigError, check_model
+from streambp_core.config import ConfigError
+from streambp_core.models.config_file import precheck_model
 try:
-    check_model(sys.argv[1])
+    precheck_model(sys.argv[1])
 except ConfigError as error:
     print(error)
 print("torch imported" if "torch" in sys.modules or "transformers" in sys.modules else "light")
