@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-from streambp_core.config import METHODS
+from streambp_core.config import METHODS, ConfigError
 from streambp_core.integrations import stream_trainer
 from streambp_core.models import build_model, has_weights, load_model
 from streambp_core.models.lora import apply_lora
@@ -19,10 +21,47 @@ from streambp_core.models.lora import apply_lora
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
+def fail(message: str) -> NoReturn:
+    """Bad input: one `error:` line on stderr, exit 2 (as the streambp-bench CLI)."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+POSITIVE_OPTIONS = ("partition_size", "head_partition_size", "batch_size", "grad_accum", "max_steps",
+                    "save_steps")
+
+
+class ExampleParser(argparse.ArgumentParser):
+    """argparse with the CLI's bad-input contract: every error is one `error:` line and exit 2, and the
+    numbers, the data file and the model are checked before anything is loaded."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's own
+        parsed = super().parse_args(args, namespace)
+        for name in POSITIVE_OPTIONS:
+            if getattr(parsed, name) < 1:
+                fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(parsed, name)}")
+        if parsed.max_length < 2:
+            fail(f"--max-length must be at least 2 tokens, got {parsed.max_length}")
+        if parsed.lora_rank < 0:
+            fail(f"--lora-rank must be 0 or more, got {parsed.lora_rank}")
+        if not parsed.data.is_file():
+            fail(f"--data {parsed.data}: no such file")
+        try:
+            from streambp_core.models import load_config
+
+            load_config(parsed.model)
+        except ConfigError as error:
+            fail(f"--model: {error}")
+        return parsed
+
+
 def parser(description: str, example: str) -> argparse.ArgumentParser:
     """The options every example takes; `example` is a command line shown under --help."""
-    cli = argparse.ArgumentParser(description=description, epilog=f"Example:\n  {example}",
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli = ExampleParser(description=description, epilog=f"Example:\n  {example}",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--model", required=True, help="local model directory (config, safetensors, tokenizer)")
     cli.add_argument("--data", required=True, type=Path, help="JSON-lines file, one example per line")
     cli.add_argument("--output-dir", required=True, type=Path, help="where checkpoints are written")
@@ -60,15 +99,26 @@ def load(args: argparse.Namespace, *, trainable: bool = True):
     return model, tokenizer
 
 
-def rows(path: Path, *fields: str):
-    """The JSON-lines file as a `datasets.Dataset`, checked for `fields` (nothing is cached on disk)."""
+def rows(path: Path, *fields: str, choices: tuple[tuple[str, ...], ...] = ()):
+    """The JSON-lines file as a `datasets.Dataset`, checked for `fields` (or, given `choices`, for one of
+    those sets of fields); bad input is one `error:` line, exit 2. Nothing is cached on disk."""
     from datasets import Dataset
 
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    missing = [f for f in fields if any(f not in r for r in records)]
-    if not records or missing:
-        raise SystemExit(f"error: {path} needs JSON lines with the fields {', '.join(fields)}")
-    return Dataset.from_list(records)
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            fail(f"{path} line {number}: not valid JSON ({error.msg})")
+        if not isinstance(records[-1], dict):
+            fail(f"{path} line {number}: expected a JSON object per line")
+    for wanted in choices or (fields,):
+        if records and all(all(f in r for f in wanted) for r in records):
+            return Dataset.from_list(records)
+    needs = " or ".join(", ".join(wanted) for wanted in choices or (fields,))
+    fail(f"{path} needs JSON lines with the fields {needs}")
 
 
 def trainer_options(args: argparse.Namespace) -> dict:

@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     cli = setup.parser(__doc__.splitlines()[0], EXAMPLE)
     cli.add_argument("--beta", type=float, default=0.1, help="DPO temperature (default 0.1)")
     args = cli.parse_args(argv)
+    data = setup.rows(args.data, "prompt", "chosen", "rejected")
     model, tokenizer = setup.load(args)
     ref_model = None if args.lora_rank else setup.load(args, trainable=False)[0]
-    data = setup.rows(args.data, "prompt", "chosen", "rejected")
     config = DPOConfig(**setup.trainer_options(args), max_length=args.max_length, beta=args.beta)
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=config, train_dataset=data,
                          processing_class=tokenizer)

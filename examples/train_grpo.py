@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--max-completion-length", type=int, default=4096, help="tokens per completion")
     cli.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 scores a reference too")
     args = cli.parse_args(argv)
-    model, tokenizer = setup.load(args)
     data = setup.rows(args.data, "prompt", "answer")
+    model, tokenizer = setup.load(args)
     options = {**setup.trainer_options(args), "per_device_train_batch_size": args.num_generations}
     config = GRPOConfig(**options, num_generations=args.num_generations, beta=args.beta,
                         max_completion_length=args.max_completion_length)

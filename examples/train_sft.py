@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--packing", action="store_true",
                      help="pack examples into rows of --max-length tokens (documents kept apart)")
     args = cli.parse_args(argv)
+    data = setup.rows(args.data, choices=(("text",), ("prompt", "completion")))
     model, tokenizer = setup.load(args)
-    data = setup.rows(args.data)
     config = SFTConfig(**setup.trainer_options(args), max_length=args.max_length, packing=args.packing)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
     setup.train(trainer, args)

@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     args = setup.parser(__doc__.splitlines()[0], EXAMPLE).parse_args(argv)
-    model, tokenizer = setup.load(args)
     texts = setup.rows(args.data, "text")
+    model, tokenizer = setup.load(args)
     data = texts.map(lambda row: tokenizer(row["text"], truncation=True, max_length=args.max_length),
                      remove_columns=texts.column_names)
     trainer = Trainer(model=model, args=TrainingArguments(**setup.trainer_options(args)), train_dataset=data,

@@ -20,6 +20,8 @@ from typer.core import TyperGroup
 from streambp_core.config import ConfigError
 
 USER_ERROR_EXIT_CODE = 2
+INTERRUPTED_EXIT_CODE = 130
+"""Exit code of a command stopped by Ctrl-C (128 + SIGINT), with one `error: interrupted` line."""
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -51,6 +53,9 @@ def user_errors(command: Callable[P, R]) -> Callable[P, R]:
         except USER_ERRORS as error:
             print_error(error)
             raise typer.Exit(code=USER_ERROR_EXIT_CODE) from None
+        except KeyboardInterrupt:  # Ctrl-C, e.g. while workers or ranks start: one line, no traceback
+            print_error(ValueError("interrupted"))
+            raise typer.Exit(code=INTERRUPTED_EXIT_CODE) from None
 
     return wrapper
 
@@ -66,9 +71,9 @@ class OneLineErrorsGroup(TyperGroup):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except Exception as error:  # click's exceptions (typer may ship its own copy of click: duck-typed)
-            if type(error).__name__ == "Abort":
-                print_error(ValueError("aborted"))
-                sys.exit(1)
+            if type(error).__name__ == "Abort":  # Ctrl-C (click turns KeyboardInterrupt into Abort)
+                print_error(ValueError("interrupted"))
+                sys.exit(INTERRUPTED_EXIT_CODE)
             if not (hasattr(error, "format_message") and hasattr(error, "exit_code")):
                 raise
             hint = f" (see {error.ctx.command_path} --help)" if getattr(error, "ctx", None) else ""

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from streambp_bench import options as opt
-from streambp_core.config import METHODS, ConfigError, StepSpec, check_model
+from streambp_core.config import METHODS, ConfigError, StepSpec
+from streambp_core.models.config_file import precheck_model
 from streambp_core.tiers import tier_label
 
 
@@ -25,7 +26,7 @@ def method_list(methods: str) -> tuple[str, ...]:
 def step_specs(model: str, methods: str, offload: str = "none", **fields: object) -> tuple[StepSpec, ...]:
     """One validated `StepSpec` per method of `methods` on `model` (checked to exist), at `offload`
     (`with_offload`: 'both' gives each method with and without)."""
-    check_model(model)
+    precheck_model(model)
     specs = tuple(StepSpec.of(model=model, method=method, **fields) for method in method_list(methods))
     return with_offload(specs, offload)
 

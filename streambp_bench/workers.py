@@ -51,6 +51,18 @@ def start_server(workers: int, preload: Sequence[str] = PRELOAD) -> Any | None:
     return context
 
 
+def stop_server(context: Any | None) -> None:
+    """End the fork server `start_server` started for `context` (None: there is none), so a command
+    leaves no process running after it returns (multiprocessing would keep it for the process's life)."""
+    if context is None:
+        return
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and hasattr(server, "_stop"):
+        server._stop()
+
+
 class WorkerError(RuntimeError):
     """A worker process died without sending a result (killed, out of memory)."""
 

@@ -18,6 +18,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+SEARCH_CAP_TOKENS = 10_000_000
+"""The longest length a max-length search probes: a method that fits there is reported as fitting at
+least this many tokens (capped), never as a maximum."""
 OK, OOM, REFUSED = "ok", "oom", "refused"
 
 OomPool = Callable[[BaseException], str | None]
@@ -85,6 +88,11 @@ class SearchResult:
     """Host memory the probes were also judged against; None: the host pool was reported, not bounded."""
 
     @property
+    def capped(self) -> bool:
+        """Whether the longest length searched fits: the true maximum is that length or more."""
+        return self.max_len_tokens > 0 and self.bracket[1] is None
+
+    @property
     def refused(self) -> list[ProbeResult]:
         """Probes that were not run (e.g. a CPU probe needing more RAM than the machine has)."""
         return [p for p in self.probes if p.status == REFUSED]
@@ -103,7 +111,7 @@ def max_trainable_length(
     second_len: int | None = None,
     tolerance: Callable[[int], int] = default_tolerance,
     min_len: int = 2,
-    max_len: int = 10_000_000,
+    max_len: int = SEARCH_CAP_TOKENS,
     max_probes: int = 40,
     on_probe: Callable[[ProbeResult, int, int | None], None] | None = None,
     host_budget_bytes: int | None = None,

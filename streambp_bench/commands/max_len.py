@@ -14,8 +14,9 @@ from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import sharding, step_specs, writable_results
 from streambp_bench.tokens import UNITS, parse_partition
-from streambp_bench.workers import start_server, worker_count
+from streambp_bench.workers import start_server, stop_server, worker_count
 from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, check_budget_gib
+from streambp_core.search import SEARCH_CAP_TOKENS
 
 HELP = (
     "Find the longest sequence each method can back-propagate within a memory budget, and show where the "
@@ -80,6 +81,15 @@ EPILOG = """[bold]Examples[/]
 """
 
 
+def _at_length(text: str) -> int:
+    """One `--at` length in tokens: 2 up to the search cap (ConfigError otherwise, before any work)."""
+    tokens = None if text.strip().lower() == "auto" else parse_partition(text, "--at")
+    if tokens is None or not 2 <= tokens <= SEARCH_CAP_TOKENS:
+        raise ConfigError(f"--at: a length must be a number of tokens from 2 to {SEARCH_CAP_TOKENS:,} "
+                          f"(k = 1000, ki = 1024), got {text!r}")
+    return tokens
+
+
 @user_errors
 def max_len(
     model: opt.Model = "Qwen/Qwen3-8B",
@@ -132,16 +142,20 @@ def max_len(
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
     packing_note.check_packing(packing)
-    at_lengths = tuple(parse_partition(length, "--at") or 0 for length in opt.split_list(at or ""))
+    at_lengths = tuple(_at_length(length) for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)
     context = start_server(workers)  # its imports overlap with the ones below
     from streambp_bench.maxlen import auto, report
-    from streambp_bench.maxlen.plan import make_plan, run_plan
+    from streambp_bench.maxlen.plan import check_refused, make_plan, run_plan
 
     extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
                          gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
-    plan = make_plan(specs, where, budget_gib, host_budget_gib)
+    try:
+        plan = make_plan(specs, where, budget_gib, host_budget_gib)
+    except BaseException:
+        stop_server(context)
+        raise
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=stderr_console(), transient=True) as progress:
         try:
@@ -150,6 +164,9 @@ def max_len(
             progress.stop()
             print_error(error)
             raise typer.Exit(code=1) from None
+        finally:
+            stop_server(context)
+    check_refused(results)
     steps: list = []
     if extras.active:
         with stderr_console().status("partitions and estimated step times"):

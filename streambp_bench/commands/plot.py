@@ -47,6 +47,22 @@ def read_results(paths: list[Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def undrawn_note(df: pd.DataFrame) -> str | None:
+    """A line saying how many ok rows were not drawn because their value is not a finite number (inf,
+    nan or empty: no point to place), and which; None when every ok row has one."""
+    import numpy as np
+
+    values = df["value"].astype(float)
+    bad = df[(df["status"] == "ok") & ~np.isfinite(values)]
+    if bad.empty:
+        return None
+    where = ", ".join(f"{r.method} {r.model} {r.metric} T={int(r.seq_len_tokens):,} value {r.value}"
+                      for r in bad.head(3).itertuples())
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    rows = f"{len(bad)} ok row{'s' if len(bad) != 1 else ''}"
+    return f"not drawn: {rows} without a finite value ({where}{more})"
+
+
 def choose_kinds(df: pd.DataFrame, kind: Kind) -> list[str]:
     """The figure kinds to draw: all available ones for auto, else `kind` if the rows support it."""
     from streambp_bench.paper import plots
@@ -173,3 +189,5 @@ def plot(
     console.print(f"wrote {len(written)} figure{'s' if len(written) != 1 else ''}:")
     for path in written:
         console.print(f"  {escape(str(path))}", soft_wrap=True)
+    if (note := undrawn_note(df)) is not None:
+        console.print(escape(note), soft_wrap=True)

@@ -16,7 +16,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import writable_folder
-from streambp_bench.workers import PRELOAD, start_server, worker_count
+from streambp_bench.workers import PRELOAD, start_server, stop_server, worker_count
 from streambp_core.config import ConfigError, available_cpus
 
 HELP = (
@@ -71,9 +71,9 @@ ITEM_NAMES = tuple(item.value for item in Item if item is not Item.all)
 @user_errors
 def reproduce(
     item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6, offload or all.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for CSVs, PNGs and README.md.")] = Path(
-        "results"
-    ),
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Directory for CSVs, PNGs and README.md (default results/; --quick needs one).")
+    ] = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="Tiny models, budgets and lengths: a smoke test, not the paper's.")
     ] = False,
@@ -82,6 +82,10 @@ def reproduce(
 ) -> None:
     """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
     chosen = list(ITEM_NAMES) if item is Item.all else [item.value]
+    if out is None and quick:
+        raise ConfigError("--quick writes tiny smoke-test rows: give --out DIR (they must not be merged into "
+                          "results/, where they would stand for the paper's settings)")
+    out = Path("results") if out is None else out
     _check_out(out, chosen)
     workers = worker_count(jobs, available_cpus(), "sim")  # the searches are simulated everywhere
     context = start_server(workers, (*PRELOAD, "streambp_bench.paper.items"))  # overlaps the imports
@@ -94,7 +98,10 @@ def reproduce(
         console.print(
             "table1 needs a GPU (none here): measuring CPU step-time ratios of a tiny model instead"
         )
-    written, seconds = _run_items(chosen, out, quick, device, console, (workers, context))
+    try:
+        written, seconds = _run_items(chosen, out, quick, device, console, (workers, context))
+    finally:
+        stop_server(context)
     out.mkdir(parents=True, exist_ok=True)
     readme_path = out / "README.md"
     readme_path.write_text(readme.render(out), encoding="utf-8")

@@ -61,6 +61,8 @@ def selfcheck(
     as_json: opt.Json = False,
 ) -> None:
     """Run the self-check (see the command help)."""
+    if out is not None:
+        writable_folder(out)  # a bad --out is refused before torch is imported (well under a second)
     from streambp_bench.results import rows_to_frame
     from streambp_bench.selfcheck import check
     from streambp_bench.selfcheck.report import print_summary

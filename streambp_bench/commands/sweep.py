@@ -22,7 +22,8 @@ from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
 from streambp_bench.tokens import UNITS, parse_partition, parse_token_list
-from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib, check_model
+from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib
+from streambp_core.models.config_file import precheck_model
 
 if TYPE_CHECKING:
     from streambp_bench.results import ResultRow
@@ -160,7 +161,7 @@ def sweep(
     if not models:
         raise ConfigError("give at least one model")
     for name in models:
-        check_model(name)
+        precheck_model(name)
     auto_layer = ps.strip().lower() == "auto"
     if gpu_model is not None and (gpus or 1) > 1:
         raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
@@ -185,6 +186,10 @@ def sweep(
     points = with_offload(tuple(points), offload.value)
     writable_results(out)
     from streambp_bench.results import ResultsFile
+    from streambp_core.models.load import load_config
+
+    for name in models:
+        load_config(name)  # a model that cannot run is refused here, before the first point
     from streambp_core.step.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)

@@ -21,8 +21,9 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list
-from streambp_core.config import VERIFY_METHODS, ConfigError, StreamConfig, check_model
+from streambp_core.config import VERIFY_METHODS, ConfigError, StreamConfig
 from streambp_core.integrations.settings import PARITY_DATA_KINDS, TRAINER_KINDS
+from streambp_core.models.config_file import precheck_model
 
 if TYPE_CHECKING:
     from streambp_core.verify.methods import VerifyReport
@@ -217,7 +218,7 @@ def verify(
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
-    check_model(model)
+    precheck_model(model)
     if trainer is not None:
         from streambp_bench.verify.trainer import run_trainer_parity
 
@@ -262,6 +263,9 @@ def verify(
     )
     if nproc is not None:
         from streambp_bench.verify.sharded import run_sharded
+        from streambp_core.models.load import load_config
+
+        load_config(model)  # a model that cannot run is refused before any rank starts
 
         stages = (shard.value,) if shard is not None else ("zero2", "zero3")
         ok = run_sharded(spec, nproc, stages, as_json=as_json)

@@ -43,13 +43,16 @@ class StepAt:
     seq_len_tokens: int
     spec: StepSpec | None
     estimated_ms: float | None = None
+    label: str = ""
+    """The method's row label ('streambp + offload'); the method's name when empty."""
 
     def to_dict(self) -> dict:
         spec = self.spec
         sizes = {} if spec is None or not spec.partitioned else {
             "partition_size": spec.stream.partition_size,
             "head_partition_size": spec.stream.head_partition_size}
-        return {"method": self.method, "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
+        return {"method": self.method, "label": self.label or self.method,
+                "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
                 **sizes, "estimated_step_time_ms": self.estimated_ms}
 
 
@@ -61,8 +64,8 @@ def finish(plan: Plan, results: list[MethodResult],
     for result in results:
         at_max = _step_at(plan, result.spec, result.search.max_len_tokens, extras)
         finished.append(result if at_max.spec is None else replace(result, spec=at_max.spec))
-        steps.append(at_max)
-        steps += [_step_at(plan, result.spec, length, extras) for length in extras.at_lengths]
+        lengths = [_step_at(plan, result.spec, length, extras) for length in extras.at_lengths]
+        steps += [replace(step, label=result.label) for step in (at_max, *lengths)]
     return finished, steps
 
 
@@ -108,7 +111,7 @@ def render_table(steps: list[StepAt], extras: Extras) -> Table:
             f"{spec.stream.partition_size:,}", f"{spec.stream.head_partition_size:,}")
         estimate = "-" if step.estimated_ms is None else f"{step.estimated_ms / 1e3:.2f}"
         fits = "" if spec is not None else " (does not fit)"
-        table.add_row(step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate)
+        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate)
     return table
 
 

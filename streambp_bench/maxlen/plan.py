@@ -97,6 +97,8 @@ def make_plan(
     plan = Plan(specs=specs, target=target, resolved=resolved, resident_bytes=needed,
                 host_budget_bytes=host_budget)
     check_host_budget(plan)
+    if target.device == "cpu":
+        check_cpu_ram(plan)
     return plan
 
 
@@ -129,6 +131,26 @@ def check_host_budget(plan: Plan) -> None:
                 f"host memory at {SHORTEST_PROBE_TOKENS} tokens ({format_size(need)}, simulated): no "
                 "sequence length fits"
             )
+
+
+def check_cpu_ram(plan: Plan) -> None:
+    """ConfigError (one line) when even the shortest real CPU step of a spec would need more RAM than the
+    machine may give it: every probe would be refused, so there is no length to report."""
+    from streambp_core.step.probe import cpu_ram_refusal
+
+    for spec in plan.specs:
+        refusal = cpu_ram_refusal(spec.at(SHORTEST_PROBE_TOKENS), plan.config)
+        if refusal is not None:
+            raise ConfigError(f"{spec_label(spec)} at {SHORTEST_PROBE_TOKENS} tokens on the CPU: {refusal}")
+
+
+def check_refused(results: list[MethodResult]) -> None:
+    """ConfigError when a search found no length because its probes were refused (not run: RAM), so that
+    `max length 0` is never reported as an answer."""
+    for result in results:
+        if result.search.max_len_tokens == 0 and result.search.refused:
+            why = result.search.refused[0].message
+            raise ConfigError(f"{result.label}: no length could be measured: {why}")
 
 
 OnProbe = Callable[[str, ProbeResult, int, int | None], None]

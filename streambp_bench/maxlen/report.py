@@ -22,7 +22,7 @@ from streambp_bench.results import (
 )
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB, format_size, memory_unit
-from streambp_core.search import ProbeResult
+from streambp_core.search import SEARCH_CAP_TOKENS, ProbeResult
 
 
 def peak_gib(result: MethodResult) -> float | None:
@@ -52,7 +52,8 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
     offload = result.spec.stream.offload
     same = [r for r in results if r.method == "checkpoint" and r.spec.stream.offload == offload]
     reference = next(iter(same), None)
-    if reference is None or reference.search.max_len_tokens == 0:
+    if reference is None or reference.search.max_len_tokens == 0 or result.search.capped or (
+            reference.search.capped):  # a capped length is a lower bound: no ratio
         return None
     return result.search.max_len_tokens / reference.search.max_len_tokens
 
@@ -79,6 +80,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
                 "label": r.label,
                 "head_mode": row_head_mode(r.spec) or None,
                 "max_len_tokens": r.search.max_len_tokens,
+                "capped": r.search.capped,
                 "confirmed_layers": r.search.confirmed_layers,
                 "peak_gib": peak_gib(r),
                 "breakdown_gib": breakdown_gib(r),
@@ -93,6 +95,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
             }
             for r in results
         ],
+        "notes": offload_notes(results),
     }
 
 
@@ -120,7 +123,7 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         host_cells = [_gib(moved["host_peak_gib"]), _gib(moved["to_host_gib"])] if plan.offloads else []
         lengths.add_row(
             r.label,
-            f"{r.search.max_len_tokens:,}",
+            max_len_cell(r.search),
             f"{lo:,}, {'-' if hi is None else f'{hi:,}'}",
             "-" if peak is None else f"{peak * scale:.2f}",
             *host_cells,
@@ -132,6 +135,11 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         device_cells = [f"{parts[c] * scale:.2f}" if c in parts else "-" for c in shown]
         breakdown.add_row(r.label, *device_cells, *on_host)
     return lengths, breakdown
+
+
+def max_len_cell(search) -> str:
+    """The max length as the table prints it: `≥ N` when the search cap itself fits (no maximum found)."""
+    return f"≥ {search.max_len_tokens:,}" if search.capped else f"{search.max_len_tokens:,}"
 
 
 def _gib(value: float | None) -> str:
@@ -196,6 +204,9 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     best = max(results, key=lambda r: r.search.max_len_tokens, default=None)
     if best is None or best.search.max_len_tokens == 0:
         return []
+    if best.search.capped:
+        return [f"No maximum found: {best.label} fits the longest length searched ({SEARCH_CAP_TOKENS:,} "
+                "tokens), so the budget bounds nothing below it (≥ marks a capped answer, not a max length)."]
     if best.spec.shard == "deepspeed-zero2":
         return ["deepspeed-zero2 sizes what DeepSpeed allocates; DeepSpeed itself refuses a chunked "
                 "backward's gradient accumulation, so train with --shard zero2 or zero3 (torch FSDP2)."]
@@ -232,12 +243,33 @@ def _head(results: list[MethodResult]) -> str:
     return f", LM head {' / '.join(heads)} (streambp)" if heads else ""
 
 
+def offload_notes(results: list[MethodResult]) -> list[str]:
+    """Why a method reaches fewer tokens with its checkpoints offloaded than without: the categories that
+    hold more device memory at the offloaded peak (e.g. LoRA + AdamW: gradients live at that peak)."""
+    lines = []
+    for with_offload in (r for r in results if r.spec.offload != "none"):
+        plain = next((r for r in results if r.method == with_offload.method and r.spec.offload == "none"
+                      and r.spec.partition_size == with_offload.spec.partition_size), None)
+        if plain is None or with_offload.search.max_len_tokens >= plain.search.max_len_tokens:
+            continue
+        here, there = breakdown_gib(with_offload), breakdown_gib(plain)
+        more = sorted(((here.get(c, 0) - there.get(c, 0), c) for c in here), reverse=True)
+        grown = ", ".join(f"{c} +{gib:.2f} GiB" for gib, c in more if gib > 0.005) or "no category"
+        lines.append(
+            f"{with_offload.label} reaches fewer tokens than {plain.label} "
+            f"({with_offload.search.max_len_tokens:,} < {plain.search.max_len_tokens:,}): offloading frees "
+            f"the checkpoints but its peak falls elsewhere in the step, where the device holds more "
+            f"({grown}, simulated, each at its own max length)."
+        )
+    return lines
+
+
 def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:
     """The table and the provenance lines on stdout."""
     console = stdout_console()
     for table in render_tables(plan, results):
         console.print(table)
-    for line in describe(plan, results):
+    for line in [*describe(plan, results), *offload_notes(results)]:
         console.print(line if line.startswith("[yellow]") else escape(line), soft_wrap=True)
     if out is not None:
         console.print(f"rows upserted into {escape(str(out))}", soft_wrap=True)

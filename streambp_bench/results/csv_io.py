@@ -17,7 +17,9 @@ import csv
 import io
 import os
 import secrets
+import signal
 import stat
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -92,6 +94,31 @@ def atomic_rewrite(path: str | os.PathLike[str], header: Sequence[str], records:
     real.parent.mkdir(parents=True, exist_ok=True)
     mode = stat.S_IMODE(real.stat().st_mode) if real.exists() else None
     temp = real.with_name(f".{real.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with _sigterm_raises():
+        _write_and_replace(real, temp, mode, header, records)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While a temporary file exists: SIGTERM raises SystemExit(143) (in the main thread), so the rewrite's
+    cleanup removes the file before the process ends as SIGTERM would have ended it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _write_and_replace(real: Path, temp: Path, mode: int | None, header: Sequence[str],
+                       records: Sequence[Record]) -> None:
+    """Write `temp`, give it `mode`, and replace `real` with it; remove `temp` whatever happens."""
     descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
         with os.fdopen(descriptor, "w", newline="", encoding="utf-8") as handle:
@@ -110,9 +137,13 @@ def atomic_rewrite(path: str | os.PathLike[str], header: Sequence[str], records:
 
 
 def check_writable(path: str | os.PathLike[str]) -> None:
-    """ConfigError when a file could not be created or replaced at `path`: its nearest existing folder is
-    not a directory or not writable."""
-    folder = real_path(path).parent
+    """ConfigError when a file could not be created or replaced at `path`: the file itself (or its writers'
+    lock) exists read-only, or its nearest existing folder is not a directory or not writable."""
+    real = real_path(path)
+    for target in (real, real.with_name(f".{real.name}.lock")):
+        if target.is_file() and not os.access(target, os.W_OK):
+            raise ConfigError(f"cannot write {path}: {target} is read-only")
+    folder = real.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():

@@ -135,6 +135,22 @@ def _simulated_row(spec: StepSpec, base: dict, target, model) -> ResultRow:
                      **host_columns(sim))
 
 
+def finished(row: ResultRow, target) -> bool:
+    """Whether `row` answers its point for `target`, so a resumed sweep may skip it: not an error, an ok
+    row with a value (a NaN or empty value is no answer), and a simulated row judged against the same
+    budget (the budget decides a simulated point's ok or oom)."""
+    if row.status == "error" or (row.status == "ok" and row.value is None):
+        return False
+    return row.source != "simulated" or row.budget_gib == target.budget_gib
+
+
+def _no_value_is_an_error(row: ResultRow) -> ResultRow:
+    """An ok row without a value (NaN is read as no value) becomes an error row, re-run on resume."""
+    if row.status != "ok" or row.value is not None:
+        return row
+    return replace(row, status="error", error=row.error or f"{row.metric} has no value (NaN or empty)")
+
+
 def run_points(
     points: Sequence[StepSpec],
     target,
@@ -155,7 +171,7 @@ def run_points(
     from streambp_core.step.resolved import ResolvedModel
 
     models = {name: ResolvedModel(name) for name in dict.fromkeys(p.model for p in points)}
-    done = set() if force else {row.key() for row in results.rows() if row.status != "error"}
+    done = set() if force else {row.key() for row in results.rows() if finished(row, target)}
     written: list[ResultRow] = []
     for point in points:
         model = models[point.model]
@@ -165,7 +181,7 @@ def run_points(
             if on_point is not None:
                 on_point(point, None)
             continue
-        rows = run_point(point, target, model)
+        rows = [_no_value_is_an_error(row) for row in run_point(point, target, model)]
         if gpu is not None:
             rows.append(estimated_row(point, gpu, rows[0], model))
         results.append_many(rows)

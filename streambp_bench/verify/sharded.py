@@ -7,11 +7,13 @@ step's collectives (calls and bytes, per step and per FSDP unit).
 
 from __future__ import annotations
 
+import typer
 from rich.table import Table
 
+from streambp_bench.errors import print_error
 from streambp_bench.output import emit, stderr_console
 from streambp_core.measure.units import format_size
-from streambp_core.parallel.launch import backend_for, check_nproc
+from streambp_core.parallel.launch import RankError, backend_for, check_nproc
 from streambp_core.parallel.verify import ShardedReport, verify_sharded
 from streambp_core.verify.methods import VerifySpec
 
@@ -22,8 +24,12 @@ def run_sharded(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_jso
     raises ConfigError before any rank starts."""
     backend = backend_for(spec.device)
     check_nproc(nproc, spec.device)
-    with stderr_console().status(f"verifying on {nproc} ranks ({backend}): {', '.join(stages)} ..."):
-        report = verify_sharded((spec,), nproc=nproc, shards=stages)
+    try:
+        with stderr_console().status(f"verifying on {nproc} ranks ({backend}): {', '.join(stages)} ..."):
+            report = verify_sharded((spec,), nproc=nproc, shards=stages)
+    except RankError as error:  # one line naming the rank, exit 1 (a failure, not bad input)
+        print_error(error)
+        raise typer.Exit(code=1) from None
     emit(report.to_dict(), as_json, lambda console: _print(console, report, spec, backend))
     return report.ok
 

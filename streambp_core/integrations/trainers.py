@@ -58,6 +58,9 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
     plain `Trainer`. A trainer setting that cannot work with a prepared model raises ConfigError naming it.
     """
     check_method(method)
+    if not hasattr(trainer, "model") or not hasattr(trainer, "args"):
+        raise ConfigError(f"stream_trainer() takes a transformers Trainer or a TRL trainer, got "
+                          f"{type(trainer).__name__}")
     check_trainer(trainer, method)
     runs: list[Run] = []
     undo: list[Callable[[], None]] = []

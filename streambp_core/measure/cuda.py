@@ -181,12 +181,19 @@ def _pinned_peak_bytes() -> int | None:
     return None if peak is None else int(peak)
 
 
+class HostMemoryFailure(RuntimeError):
+    """The host ran out of memory where no device memory was at stake (a simulation on meta tensors): an
+    error of the machine running it, never an out-of-memory data point (`is_oom` is False for it)."""
+
+
 def is_oom(exc: BaseException) -> bool:
     """True when `exc` is an out-of-memory failure.
 
     Recognises torch.OutOfMemoryError (CUDA's), Python's MemoryError, and RuntimeErrors whose message
     says CUDA out of memory, cuBLAS could not allocate, or the CPU allocator could not allocate.
     """
+    if isinstance(exc, HostMemoryFailure):
+        return False
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)

@@ -26,6 +26,9 @@ class Run:
     """
 
     method = "base"
+    drives_modules = False
+    """Whether the method calls the decoder's modules itself rather than the model's forward (so a peft
+    wrapper's own forward, e.g. prompt tuning's virtual tokens, does not run)."""
 
     def __init__(self, model: nn.Module, config: StreamConfig) -> None:
         """`config` is validated (`prepare` checks it against the method)."""
@@ -33,6 +36,8 @@ class Run:
         self.config = config
         self.objective_name = config.objective
         self.parts: DecoderParts = guards.parts_of(model)
+        if self.drives_modules:
+            guards.refuse_prompt_learning(model, self.method)
         self._check_dropout()
         guards.claim(self.parts, self)
         self.router_aux: RouterAux | None = router_aux(self.parts.backbone.config)
@@ -71,6 +76,8 @@ class Run:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
         _check_batch(input_ids, attention_mask, labels)
         guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
+        if labels is not None:
+            guards.check_labels(labels, self.parts.lm_head.weight.shape[0])
         packed = self.packed_rows(input_ids, attention_mask, position_ids)
         if labels is None and packed is not None:
             labels = document_labels(input_ids, packed)
@@ -79,7 +86,8 @@ class Run:
         if self.objective_name == "sft":
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
-        return self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+        loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+        return guards.watch_versions(loss, self.model)
 
     def packed_rows(self, input_ids: Tensor, attention_mask: Tensor | None,
                     position_ids: Tensor | None) -> PackedRows | None:

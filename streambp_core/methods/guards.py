@@ -44,6 +44,20 @@ def parts_of(model: nn.Module) -> DecoderParts:
         ) from None
 
 
+def refuse_prompt_learning(model: nn.Module, method: str) -> None:
+    """ConfigError when `model` is a peft prompt-learning model (prompt tuning, prefix tuning, p-tuning):
+    its virtual tokens are added by peft's forward, which `method` does not run, so it would train
+    without them."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config, "peft_type", "prompt learning")
+        raise ConfigError(
+            f"{method} cannot train a peft prompt-learning model ({getattr(kind, 'value', kind)}): its "
+            f"virtual tokens are added by peft's forward, which {method} does not run; use plain or "
+            "checkpoint, or LoRA"
+        )
+
+
 def claim(parts: DecoderParts, run: object) -> None:
     """Mark the model as prepared by `run`; ConfigError when another run on it is still open."""
     previous = getattr(parts.backbone, OPEN_RUN_ATTRIBUTE, None)
@@ -103,6 +117,20 @@ def check_tokens(input_ids: Tensor, vocab_size: int) -> None:
         raise ConfigError(f"input_ids holds token ids outside the vocabulary 0..{vocab_size - 1}")
 
 
+def check_labels(labels: Tensor, vocab_size: int) -> None:
+    """ConfigError for labels that are neither -100 (ignored) nor a token id of the vocabulary (one host
+    sync): the loss would index outside the logits."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ConfigError(f"labels must hold integer token ids (or {IGNORE_INDEX}), got dtype {labels.dtype}")
+    if labels.device.type == "meta":
+        return
+    outside = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+    if bool(outside.any()):
+        first = int(labels[outside][0])
+        raise ConfigError(f"labels holds {first}, outside the vocabulary 0..{vocab_size - 1} (and not "
+                          f"{IGNORE_INDEX}, the ignored label)")
+
+
 def check_sft_targets(labels: Tensor) -> None:
     """ConfigError when no position has a target (every shifted label is -100): the mean cross-entropy
     would be 0/0 = NaN."""
@@ -111,3 +139,28 @@ def check_sft_targets(labels: Tensor) -> None:
             "every label is -100 (ignored) after the shift, so the cross-entropy has no target token "
             "and its mean would be NaN; label at least one token after the first"
         )
+
+
+def watch_versions(loss: Tensor, model: nn.Module) -> Tensor:
+    """`loss`, with a hook that raises at the start of its backward, as torch's own in-place check does,
+    when a trainable parameter of `model` was changed in place after the loss was computed: a method
+    that recomputes from the weights would otherwise return a gradient of neither the old nor the new
+    weights (plain backprop raises the same error through its saved tensors)."""
+    if not loss.requires_grad:
+        return loss
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    versions = [param._version for _, param in named]
+
+    def check(grad: Tensor) -> Tensor:
+        for (name, param), version in zip(named, versions, strict=True):
+            if param._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: parameter {name} {list(param.shape)} is at version "
+                    f"{param._version}; expected version {version} instead (it changed between "
+                    "run.loss() and backward(); compute the loss again after changing the weights)"
+                )
+        return grad
+
+    loss.register_hook(check)
+    return loss

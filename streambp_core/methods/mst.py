@@ -18,6 +18,7 @@ class MstRun(CheckpointRun):
     """Checkpointed layers with chunked MLPs; the head never materialises T x vocab logits."""
 
     method = "mst"
+    drives_modules = True
 
     def _check_dropout(self) -> None:
         super()._check_dropout()

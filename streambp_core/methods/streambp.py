@@ -33,6 +33,7 @@ class StreamBPRun(Run):
     """Exact backpropagation with one chunk's activations alive per layer."""
 
     method = "streambp"
+    drives_modules = True
 
     def _check_dropout(self) -> None:
         recomputed = [*self.parts.layers, self.parts.norm, self.parts.lm_head]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from streambp_core.config import ConfigError, check_model
 
-from streambp_core.config import ConfigError
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 try:
     from huggingface_hub.errors import StrictDataclassError
@@ -57,6 +59,8 @@ def _json_kind(value: object) -> str:
 
 def config_from_values(values: dict, source: str) -> PretrainedConfig:
     """A transformers config from config.json's values, or ConfigError naming `source` and the problem."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     model_type = values.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: no model_type (config.json must name its architecture)")
@@ -70,29 +74,124 @@ def config_from_values(values: dict, source: str) -> PretrainedConfig:
     return config
 
 
-def check_geometry(config: PretrainedConfig, source: str) -> None:
-    """ConfigError unless sizes are positive, query heads are a multiple of K/V heads and every layer type
-    has a kernel (transformers' own validation covers the rest, e.g. hidden size vs heads)."""
-    for name in POSITIVE_SIZES:
-        value = getattr(config, name, None)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+def precheck_model(name: str) -> str:
+    """`check_model(name)`, then, for a local config.json, the checks that need no transformers (JSON,
+    geometry): a broken one is refused in well under a second, before torch is imported; the rest is
+    checked when the config is loaded."""
+    check_model(name)
+    path = Path(name).expanduser()
+    file = path if path.is_file() else path / "config.json"
+    if path.exists() and file.is_file():
+        precheck_values(read_config_file(file), str(file))
+    return name
+
+
+def precheck_values(values: dict, source: str) -> None:
+    """The geometry checks that need no transformers (so bad input is refused in well under a second),
+    on config.json's raw values: `check_geometry` runs in full once the config is built."""
+    raw = SimpleNamespace(**values)
+    for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
+        value = getattr(raw, name, None)
+        if value is not None and not _is_positive_int(value):
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads and (not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads):
-        raise ConfigError(
-            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads!r}"
-        )
+    if _is_positive_int(getattr(raw, "num_attention_heads", None)) and _is_positive_int(
+            getattr(raw, "hidden_size", None)):
+        _check_heads(raw, source)
+    _check_experts(raw, source)
+    _check_layer_types(raw, source)
+
+
+def check_geometry(config: PretrainedConfig, source: str) -> None:
+    """ConfigError, naming the key, unless the config describes a model that can run: positive sizes,
+    query heads a multiple of K/V heads, an even head size (RoPE rotates halves), experts per token
+    within the expert count, a known activation, and a window for every sliding layer. The one check
+    behind every command (`load_config`, `build_model`), run before any model is built."""
+    for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
+        value = getattr(config, name, None)
+        if value is not None and not _is_positive_int(value):
+            raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+    _check_heads(config, source)
+    _check_experts(config, source)
+    _check_activation(config, source)
+    _check_rope(config, source)
     _check_layer_types(config, source)
 
 
+OPTIONAL_POSITIVE_SIZES = (
+    "num_key_value_heads", "head_dim", "moe_intermediate_size", "decoder_sparse_step", "num_experts",
+    "num_local_experts", "query_pre_attn_scalar",
+)  # fmt: skip
+"""Config sizes that must be positive when set (None: transformers derives or skips them)."""
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_heads(config: PretrainedConfig, source: str) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads!r}"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim < 2 or head_dim % 2:
+        raise ConfigError(
+            f"{source}: head_dim must be an even number of at least 2 (RoPE rotates pairs), got {head_dim}"
+        )
+
+
+def _check_experts(config: PretrainedConfig, source: str) -> None:
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    per_token = getattr(config, "num_experts_per_tok", None)
+    if not _is_positive_int(experts) or per_token is None:
+        return
+    if not _is_positive_int(per_token) or per_token > experts:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok must be between 1 and the {experts} experts, got {per_token!r}"
+        )
+
+
+def _check_activation(config: PretrainedConfig, source: str) -> None:
+    from transformers.activations import ACT2FN
+
+    for name in ("hidden_act", "hidden_activation"):
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+            raise ConfigError(f"{source}: {name} {value!r} is not an activation transformers knows")
+
+
+def _check_rope(config: PretrainedConfig, source: str) -> None:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    tables = [table for table in parameters.values() if isinstance(table, dict)] or [parameters]
+    for table in tables:
+        theta = table.get("rope_theta")
+        number = isinstance(theta, int | float) and not isinstance(theta, bool)
+        if theta is not None and (not number or theta <= 0):
+            raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+
+
 def _check_layer_types(config: PretrainedConfig, source: str) -> None:
+    window = getattr(config, "sliding_window", None)
+    if window is not None and not _is_positive_int(window):
+        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
+    if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
         return
     unknown = sorted({str(kind) for kind in layer_types} - set(ENGINE_LAYER_TYPES))
     if unknown:
         raise ConfigError(
             f"{source}: layer_types {', '.join(unknown)} not supported by the engine "
             f"(it runs {' and '.join(ENGINE_LAYER_TYPES)})"
+        )
+    switched_off = getattr(config, "use_sliding_window", None) is False
+    if "sliding_attention" in layer_types and (window is None or switched_off):
+        why = " (use_sliding_window is false)" if switched_off else ""
+        raise ConfigError(
+            f"{source}: layer_types names sliding_attention but the config has no sliding_window{why}; "
+            "set sliding_window or make those layers full_attention"
         )

@@ -110,13 +110,11 @@ def checked_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
 
 
 def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
-    """Train mode with every dropout probability at zero, so two runs see the same function; norms that
-    would round a float64 model to float32 compute in at least float32 (see `models.precision`)."""
-    model.config.attention_dropout = 0.0
+    """Train mode with the dropout the config sets (trained as configured: plain and checkpoint, whose
+    recompute replays the forward's random masks, run it exactly; streambp and mst, which recompute
+    without replaying them, refuse it by name when prepared); norms that would round a float64 model to
+    float32 compute in at least float32 (see `models.precision`)."""
     norms_in_at_least_float32(model)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
     return model.train()
 
 
@@ -129,7 +127,7 @@ def build_model(
     attn_implementation: str = "sdpa",
     checked: bool = False,
 ) -> PreTrainedModel:
-    """A randomly initialised `*ForCausalLM` in train mode (dropout 0) on `device`.
+    """A randomly initialised `*ForCausalLM` in train mode (with its configured dropout) on `device`.
 
     `device="meta"` allocates no memory (shapes only), e.g. to count parameters of a 32B model.
     The same `seed`, config, dtype and device give the same weights. `checked`: the config was validated
@@ -137,7 +135,6 @@ def build_model(
     (its dtype and attention settings are its own), never a deep one.
     """
     config = copy.copy(config_or_name) if checked else checked_config(config_or_name)
-    config.attention_dropout = 0.0
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
@@ -166,7 +163,8 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
-    """Load a local directory's config and safetensors weights (never the network), train mode, dropout 0."""
+    """Load a local directory's config and safetensors weights (never the network), in train mode with
+    its configured dropout."""
     if not has_weights(path):
         raise ConfigError(f"{path} has no *.safetensors weights")
     config = check_supported(load_config(str(path)), str(path))

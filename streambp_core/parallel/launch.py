@@ -81,12 +81,24 @@ def run_ranks(
     backend = backend_for(device)
     check_nproc(nproc, device)
     with tempfile.TemporaryDirectory(prefix="streambp-ranks-") as workdir:
-        context = mp.start_processes(
-            _rank_main, args=(fn, nproc, backend, workdir, timeout_s, args), nprocs=nproc, join=False,
-            start_method="spawn",
-        )
-        _wait(context, Path(workdir), 2 * timeout_s)
+        context = _spawn_ignoring_interrupts(_rank_main, (fn, nproc, backend, workdir, timeout_s, args),
+                                             nproc)
+        try:
+            _wait(context, Path(workdir), 2 * timeout_s)
+        except KeyboardInterrupt:  # Ctrl-C reaches this process only: stop the ranks, then propagate
+            _stop(context.processes)
+            raise
         return [torch.load(Path(workdir) / f"rank{rank}.pt", weights_only=False) for rank in range(nproc)]
+
+
+def _spawn_ignoring_interrupts(main: Callable[..., Any], args: tuple, nproc: int):
+    """Start the ranks with SIGINT ignored, which a spawned interpreter inherits, so a Ctrl-C during
+    their start-up prints no traceback from each of them: the launcher stops them itself."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return mp.start_processes(main, args=args, nprocs=nproc, join=False, start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wait(context, workdir: Path, limit_s: float) -> None:

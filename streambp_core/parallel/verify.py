@@ -6,7 +6,7 @@ Steps of `verify_sharded` (in `nproc` spawned ranks, see `run_ranks`):
    training averages over ranks), the reference loss the mean loss.
 3. For each shard stage and method: a fresh copy of the model is sharded (`shard_model`), one step runs
    on each rank's batch under a `CollectiveLog`, the gradients are all-gathered to full tensors, and rank 0
-   compares them with the reference: max relative error over parameters, as single-process `verify`.
+   compares them with the reference by the criterion single-process `verify` uses (`compare.max_grad_err`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from streambp_core.parallel.comms import CollectiveLog
 from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
-from streambp_core.verify.compare import max_rel_err
+from streambp_core.verify.compare import max_grad_err
 from streambp_core.verify.methods import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
 
 
@@ -152,7 +152,7 @@ def _sharded_step(model, method, shard, spec: VerifySpec, batch, reference) -> S
     mean_loss = float(mean_loss) / dist.get_world_size()
     if reference is None:
         return None
-    err, worst = max_rel_err(grads, reference.grads)
+    err, worst = max_grad_err(grads, reference.grads)  # the criterion single-process verify judges by
     tolerance = TOLERANCE[spec.step.dtype]
     loss_err = abs(mean_loss - reference.loss)
     counts = log.summary()

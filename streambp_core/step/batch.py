@@ -82,6 +82,13 @@ def random_batch(
     return Batch(input_ids=input_ids.to(**to), attention_mask=mask, labels=labels.to(**to))
 
 
+def meta_batch(batch_size: int, seq_len: int) -> Batch:
+    """A batch of token ids on the meta device (shapes only, no padding): a simulated step's inputs, which
+    cost no host memory whatever their length."""
+    input_ids = torch.empty((batch_size, seq_len), dtype=torch.long, device="meta")
+    return Batch(input_ids=input_ids, attention_mask=None, labels=input_ids.clone())
+
+
 def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch.Tensor, dict]:
     """Labels and extra inputs of a synthetic `objective` step on `batch` (random but fixed by `seed`).
 
@@ -99,7 +106,8 @@ def objective_inputs(objective: str, batch: Batch, seed: int = 0) -> tuple[torch
         return batch.labels, {}
     if objective == "grpo":
         advantages = torch.randn(rows, generator=generator)
-        ref = -10.0 - 4.0 * torch.rand(rows, seq_len, generator=generator)
+        ref = (torch.empty(rows, seq_len, device="meta") if device.type == "meta"
+               else -10.0 - 4.0 * torch.rand(rows, seq_len, generator=generator))
         inputs = {"advantages": advantages.to(device), "completion_mask": (labels != IGNORE_INDEX).long(),
                   "ref_logps": ref.to(device), "beta": 0.04, "logits_to_keep": seq_len - seq_len // 4}
         return labels, inputs

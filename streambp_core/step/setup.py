@@ -26,7 +26,7 @@ from streambp_core.config import ConfigError, StepSpec
 from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
 from streambp_core.models.load import build_model
 from streambp_core.models.lora import apply_lora
-from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.step.batch import meta_batch, objective_inputs, random_batch
 from streambp_core.step.host_pool import device_resident, step_optimizer
 
 
@@ -91,8 +91,11 @@ def reset_grads(model: torch.nn.Module, spec: StepSpec) -> None:
 
 def step_inputs(spec: StepSpec, vocab_size: int, device: str) -> dict:
     """Keyword arguments of `run.loss` for one step of `spec` (protocol 3)."""
-    batch = random_batch(vocab_size=vocab_size, seq_len=spec.seq_len_tokens, batch_size=spec.sequences,
-                         seed=spec.seed + 1, device="cpu")
+    if device == "meta":  # shapes only: no host memory in proportion to the length
+        batch = meta_batch(spec.sequences, spec.seq_len_tokens)
+    else:
+        batch = random_batch(vocab_size=vocab_size, seq_len=spec.seq_len_tokens, batch_size=spec.sequences,
+                             seed=spec.seed + 1, device="cpu")
     if not spec.is_training_step:
         return {"input_ids": batch.input_ids.to(device)}
     labels, extra = objective_inputs(spec.objective, batch, spec.seed)

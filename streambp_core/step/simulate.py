@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec
+from streambp_core.measure.cuda import HostMemoryFailure, is_oom
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
@@ -144,7 +145,15 @@ def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, c
     """Per phase, (peak bytes, bytes by category at that peak) of one simulated step of `config`; appends
     the step's host figures (host-pool peak, bytes to host, bytes to device: affine in depth too) to
     `hosts`."""
-    record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+    try:
+        record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+    except Exception as exc:  # a meta step allocates no device memory: running out is the host's failure
+        if not is_oom(exc):
+            raise
+        raise HostMemoryFailure(
+            f"the simulation of {spec.model} at {spec.seq_len_tokens:,} tokens ran out of this machine's "
+            "memory (a simulated step holds no real tensors, so this is no simulated out-of-memory)"
+        ) from None
     host = record.host_figures()
     hosts.append((host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
     return [(phase.name, phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes),

@@ -35,8 +35,8 @@ def test_max_len_reports_the_partitions_that_reach_a_length_and_its_step_time(tm
     document = json.loads(result.stdout)
     at_max, at_1024 = document["steps"]
     estimated_ms = at_1024.pop("estimated_step_time_ms")
-    assert at_1024 == {"method": "streambp", "seq_len_tokens": 1024, "fits": True, "partition_size": 171,
-                       "head_partition_size": 256}
+    assert at_1024 == {"method": "streambp", "label": "streambp", "seq_len_tokens": 1024, "fits": True,
+                       "partition_size": 171, "head_partition_size": 256}
     assert estimated_ms > 0
     assert at_max["seq_len_tokens"] == document["results"][0]["max_len_tokens"] > 1024
     rows = {row.metric: row for row in ResultsFile(out).rows() if row.seq_len_tokens in (0, 1024)}
