@@ -139,7 +139,7 @@ def check_cpu_ram(plan: Plan) -> None:
     from streambp_core.step.probe import cpu_ram_refusal
 
     for spec in plan.specs:
-        refusal = cpu_ram_refusal(spec.at(SHORTEST_PROBE_TOKENS), plan.config)
+        refusal = cpu_ram_refusal(spec.at(SHORTEST_PROBE_TOKENS), plan.resolved)
         if refusal is not None:
             raise ConfigError(f"{spec_label(spec)} at {SHORTEST_PROBE_TOKENS} tokens on the CPU: {refusal}")
 

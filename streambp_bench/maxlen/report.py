@@ -249,7 +249,7 @@ def offload_notes(results: list[MethodResult]) -> list[str]:
     lines = []
     for with_offload in (r for r in results if r.spec.offload != "none"):
         plain = next((r for r in results if r.method == with_offload.method and r.spec.offload == "none"
-                      and r.spec.partition_size == with_offload.spec.partition_size), None)
+                      and r.spec.stream.partition_size == with_offload.spec.stream.partition_size), None)
         if plain is None or with_offload.search.max_len_tokens >= plain.search.max_len_tokens:
             continue
         here, there = breakdown_gib(with_offload), breakdown_gib(plain)

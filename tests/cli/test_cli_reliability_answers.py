@@ -45,14 +45,14 @@ def test_at_takes_lengths_from_2_to_the_cap_before_the_search(length: str) -> No
 def test_at_rows_keep_the_offload_label() -> None:
     args = [*TINY, "--method", "streambp", "--offload", "both", "--budget-gib", "0.05", "--at", "4k"]
     document = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
-    labels = [step["label"] for step in document["steps"] if step["seq_len_tokens"] == 4096]
+    labels = [step["label"] for step in document["steps"] if step["seq_len_tokens"] == 4000]  # k = 1000
     assert labels == ["streambp", "streambp + offload"]
     table = CliRunner().invoke(app, args).stdout
     assert "streambp + offload" in table.split("partitions that fit")[1]
 
 
 def test_a_model_the_cpu_cannot_hold_is_an_error_not_length_0(monkeypatch) -> None:
-    monkeypatch.setattr("streambp_core.step.probe.available_ram_bytes", lambda: 1024)
+    monkeypatch.setattr("streambp_core.measure.host_ram.available_ram_bytes", lambda: 1024)
     args = [*TINY, "--device", "cpu", "--budget-gib", "1", "--method", "checkpoint"]
     result = CliRunner().invoke(app, args)
     one_line_error(result, "RAM", "checkpoint")
