@@ -104,7 +104,7 @@ class HostParams:
             self._unbracketed.add(index)
             return hidden
         self._unbracketed.discard(index)
-        return _ReleaseAfterBackward.apply(hidden, self, index)
+        return _OnBackward.apply(hidden, self.release, index)  # released after the unit's backward
 
     def leave(self, index: int, output: Tensor) -> Tensor:
         """Release unit `index` after its forward; `output` comes back bracketed so that the unit is
@@ -113,7 +113,7 @@ class HostParams:
             self.release(index)
         if not isinstance(output, Tensor) or not output.requires_grad or index in self._forward_only:
             return output
-        return _GatherBeforeBackward.apply(output, self, index)
+        return _OnBackward.apply(output, self.backward_enter, index)  # gathered before it
 
     def backward_enter(self, index: int) -> None:
         """Before unit `index`'s backward: gather it, prefetch the previous unit that runs a backward."""
@@ -189,31 +189,18 @@ class HostParams:
         return None
 
 
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on a unit's input; its backward (after the unit's) releases the unit."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on a unit's input or output whose backward calls `action(index)` first: on the input
+    (its backward runs after the unit's) `release`, on the output (before the unit's) `backward_enter`."""
 
     @staticmethod
-    def forward(ctx, hidden, tier: HostParams, index: int):
-        ctx.tier, ctx.index = tier, index
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.tier.release(ctx.index)
-        return grad, None, None
-
-
-class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity on a unit's output; its backward (before the unit's) gathers the unit again."""
-
-    @staticmethod
-    def forward(ctx, output, tier: HostParams, index: int):
-        ctx.tier, ctx.index = tier, index
-        return output.view_as(output)
+    def forward(ctx, tensor, action, index: int):
+        ctx.action, ctx.index = action, index
+        return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.tier.backward_enter(ctx.index)
+        ctx.action(ctx.index)
         return grad, None, None
 
 

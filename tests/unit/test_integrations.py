@@ -19,6 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from streambp_core.config import ConfigError, StepSpec  # noqa: E402
 from streambp_core.integrations import stream_trainer, trainer_settings, trainer_settings_line  # noqa: E402
+from streambp_core.integrations.parity import causal_lm_loss_in_logits_dtype  # noqa: E402
 from streambp_core.models.load import build_model, tiny_config  # noqa: E402
 
 VOCAB = 512
@@ -59,26 +60,15 @@ def common_args(tmp_path, **overrides) -> dict:
     return {**args, **overrides}
 
 
-def float64_causal_lm_loss(outputs, labels, num_items_in_batch=None):
-    """transformers' causal-LM loss (shifted labels, -100 ignored, summed over `num_items_in_batch` when
-    given) in the logits' own precision: transformers' own casts logits with `.float()`, which would make
-    a float64 plain reference float32."""
-    logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1])
-    targets = labels[:, 1:].reshape(-1).to(logits.device)
-    if num_items_in_batch is None:
-        return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
-    total = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
-    return total / num_items_in_batch
-
-
 def trained(make_trainer, streamed: bool, method: str = "streambp", **options):
     """(parameters before, after) of the trainable parameters over `trainer.train()`; a plain
-    transformers Trainer computes its loss in float64 (`float64_causal_lm_loss`), as the streamed run does."""
+    transformers Trainer computes its loss in float64 (`parity.causal_lm_loss_in_logits_dtype`), as the
+    streamed run does."""
     from transformers import Trainer
 
     trainer = make_trainer()
     if not streamed and type(trainer) is Trainer:
-        trainer.compute_loss_func = float64_causal_lm_loss
+        trainer.compute_loss_func = causal_lm_loss_in_logits_dtype
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     if streamed:
         stream_trainer(trainer, method, **STREAM, **options)

@@ -9,26 +9,26 @@ import pytest
 
 from streambp_core.config import ConfigError
 from streambp_core.parallel.launch import RankError, available_cpus, check_nproc, run_ranks
-from tests.unit import dist_ranks
+from tests.unit import parallel_ranks
 
 pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
 
 
 def test_ranks_return_in_rank_order_after_a_collective():
-    assert run_ranks(dist_ranks.rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]
+    assert run_ranks(parallel_ranks.rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]
 
 
 def test_a_rank_that_raises_is_named_and_stops_the_others():
     start = time.monotonic()
     with pytest.raises(RankError, match=r"^rank 1 failed: ValueError: boom on purpose$"):
-        run_ranks(dist_ranks.rank_one_raises, 2, timeout_s=60)
+        run_ranks(parallel_ranks.rank_one_raises, 2, timeout_s=60)
     assert time.monotonic() - start < 50  # not the process-group timeout
 
 
 def test_a_rank_that_dies_is_named_not_waited_for():
     start = time.monotonic()
     with pytest.raises(RankError, match=r"^rank 1 failed: died \(exit code 3\)$"):
-        run_ranks(dist_ranks.rank_one_dies, 2, timeout_s=60)
+        run_ranks(parallel_ranks.rank_one_dies, 2, timeout_s=60)
     assert time.monotonic() - start < 50
 
 
