@@ -20,6 +20,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list, streambp_head
+from streambp_bench.verify.deepspeed import sharded_stages
 from streambp_core.config import VERIFY_METHODS, ConfigError, check_model
 
 if TYPE_CHECKING:
@@ -173,9 +174,14 @@ def verify(
                                  "(cpu) or the GPUs (cuda).")
     ] = None,
     shard: Annotated[
-        opt.Stage | None, typer.Option("--shard", help="FSDP2 stage of a sharded verify (needs --nproc): "
-                                       "zero2 or zero3; both when not given.")
+        str | None, typer.Option("--shard", help="Stage of a sharded verify (needs --nproc): fsdp2: zero2 or "
+                                 "zero3, both when not given; deepspeed: zero1, zero2 or zero3, zero1 and "
+                                 "zero2 when not given.")
     ] = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="Sharding engine of a sharded verify (needs --nproc): fsdp2 "
+                          "(torch FSDP2) or deepspeed (DeepSpeed ZeRO; the applied update of one step).")
+    ] = "fsdp2",
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -186,6 +192,7 @@ def verify(
         raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
     if shard is not None and nproc is None:
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
+    stages = sharded_stages(engine, shard, nproc)
     if nproc is not None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
     head = streambp_head(methods, objective.value, head_mode.value)
@@ -217,10 +224,13 @@ def verify(
         head_mode=head,
         offload=offload.value,
     )
-    if nproc is not None:
+    if nproc is not None and engine == "deepspeed":
+        from streambp_bench.verify.deepspeed import run_deepspeed
+
+        ok = run_deepspeed(spec, nproc, stages, as_json=as_json)
+    elif nproc is not None:
         from streambp_bench.verify.sharded import run_sharded
 
-        stages = (shard.value,) if shard is not None else ("zero2", "zero3")
         ok = run_sharded(spec, nproc, stages, as_json=as_json)
     else:
         report = verify_with_progress(spec)

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from streambp_core.config import OBJECTIVES, ConfigError, StreamConfig
 from streambp_core.engine.objectives import default_labels
+from streambp_core.engine.reduction import one_reduction_for
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
@@ -41,6 +42,8 @@ class Run:
         self.router_aux: RouterAux | None = router_aux(self.parts.backbone.config)
         """The router load-balancing loss's settings when the model adds it to its loss, else None."""
         self._closed = False
+        self._reduction = one_reduction_for(model, self.method)
+        """Under DeepSpeed ZeRO, one reduction per parameter per backward (`parallel.deepspeed`)."""
         try:
             self._setup()
         except BaseException:
@@ -73,7 +76,8 @@ class Run:
         if self.objective_name == "sft":
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
-        return self._loss(input_ids, attention_mask, labels, **objective_inputs)
+        loss = self._loss(input_ids, attention_mask, labels, **objective_inputs)
+        return loss if self._reduction is None else self._reduction.arm(loss)
 
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
         """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""
@@ -94,6 +98,8 @@ class Run:
         if not self._closed:
             try:
                 self._teardown()
+                if self._reduction is not None:
+                    self._reduction.disarm()
             finally:
                 self._closed = True
                 guards.release(self.parts, self)

@@ -1,0 +1,182 @@
+"""Exactness on DeepSpeed ZeRO across ranks: the applied update of one optimizer step, and the reductions.
+
+Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
+1. Every rank builds the same seeded model and draws every rank's batches (seed + 1 + rank, one per
+   micro-step), and computes the reference on its own: single-process plain backprop of the mean loss
+   over all ranks' and micro-steps' batches, then one step of torch's Adam (DeepSpeed's `torch_adam`).
+2. For each ZeRO stage and method: a fresh copy of the model goes through `deepspeed.initialize`; the
+   user's loop runs unchanged (`prepare(engine.module, ...)`, `engine.backward(run.loss(...))`,
+   `engine.step()`) over the rank's micro-steps, while every parameter id ZeRO puts into a reduction
+   bucket is counted (`reduce_ipg_grads`, the one place stages 1 and 2 reduce).
+3. Each rank compares the applied update (parameters after minus before) with the reference's: max
+   relative error over parameters; rank 0 returns the results.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import torch
+
+import streambp_core
+from streambp_core.config import ConfigError
+from streambp_core.engine.reduction import DRIVES_MODULES
+from streambp_core.models import build_model, load_config
+from streambp_core.parallel.deepspeed import STAGES, check_engine, check_installed, check_stage, zero_config
+from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
+from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.verify.compare import max_rel_err
+from streambp_core.verify.methods import DTYPES, TOLERANCE, VerifySpec
+
+LR = 1e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedResult:
+    """One method under one ZeRO stage against single-process plain (`verify`'s update figure)."""
+
+    method: str
+    shard: str
+    objective: str
+    nproc: int
+    micro_steps: int
+    max_rel_err: float
+    """Max over parameters of |update - plain's update| / |plain's update| (Frobenius), one step."""
+    worst_param: str
+    tolerance: float
+    reductions: dict[str, int]
+    """Per micro-step, how many parameters ZeRO reduced 0, 1 or more times ('0', '1', '2+')."""
+    ok: bool
+
+
+def verify_deepspeed(
+    specs: tuple[VerifySpec, ...], *, nproc: int, shards: tuple[str, ...] = ("zero1", "zero2"),
+    micro_steps: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[DeepSpeedResult]:
+    """Verify every spec's methods under every ZeRO stage across `nproc` ranks (module docstring)."""
+    check_installed()
+    if not specs:
+        raise ConfigError("give at least one spec")
+    for spec in specs:
+        check_spec(spec, shards)
+    per_rank = run_ranks(rank_verify, nproc, args=(specs, shards, micro_steps), timeout_s=timeout_s)
+    return per_rank[0]
+
+
+def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
+    """ConfigError for what a DeepSpeed verify cannot run (before any rank starts)."""
+    stages = [check_stage(shard) for shard in shards]
+    if spec.dtype not in TOLERANCE:
+        exact = ", ".join(TOLERANCE)
+        raise ConfigError(f"deepspeed verify compares exact dtypes ({exact}), got {spec.dtype}")
+    if spec.device != "cpu" or spec.lora_rank:
+        raise ConfigError("deepspeed verify runs on cpu ranks, full-parameter training (lora_rank 0)")
+    driven = [m for m in spec.methods if m in DRIVES_MODULES]
+    if 3 in stages and driven:
+        raise ConfigError(f"{', '.join(driven)} under deepspeed zero3 is not supported: the streamed layers "
+                          "read parameters ZeRO-3 partitions; use --shard zero1 or zero2")
+
+
+def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[DeepSpeedResult]:
+    """Body of each rank (module docstring); every rank checks, rank 0's results are returned."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = []
+    for spec in specs:
+        model = build_model(load_config(spec.model), dtype=DTYPES[spec.dtype], device="cpu", seed=spec.seed)
+        batches = [[_batch(spec, model, r, m) for m in range(micro_steps)] for r in range(world)]
+        reference = _plain_update(model, spec, batches)
+        for shard in shards:
+            for method in spec.methods:
+                result = _engine_step(model, method, shard, spec, batches[rank], reference, world)
+                results.append(result)
+    return results
+
+
+def _batch(spec: VerifySpec, model, rank: int, micro: int):
+    batch = random_batch(vocab_size=model.config.vocab_size, seq_len=spec.seq_len, batch_size=spec.batch_size,
+                         padding=spec.padding, seed=spec.seed + 1 + rank + 1000 * micro, device="cpu")
+    labels, inputs = objective_inputs(spec.objective, batch, spec.seed + rank + 1000 * micro)
+    return batch, labels, inputs
+
+
+def _loss(run_or_model, batch, labels, inputs):
+    return run_or_model.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
+
+
+def _plain_update(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]:
+    """Plain's update: the mean loss over every rank's micro-steps, one Adam step (data-parallel)."""
+    model = copy.deepcopy(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    count = sum(len(rank_batches) for rank_batches in batches)
+    with streambp_core.prepare(model, "plain", objective=spec.objective) as run:
+        for rank_batches in batches:
+            for batch in rank_batches:
+                (_loss(run, *batch) / count).backward()
+    optimizer.step()
+    return {name: p.detach() - before[name] for name, p in model.named_parameters()}
+
+
+def _engine_step(model, method, shard, spec: VerifySpec, batches, reference, world) -> DeepSpeedResult:
+    """The user's DeepSpeed loop on a copy of `model` over this rank's micro-steps; the update's error."""
+    import deepspeed
+
+    model = copy.deepcopy(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = zero_config(STAGES[shard], micro_batch=spec.batch_size, accumulation=len(batches), lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    check_engine(engine)
+    counts = count_reductions(engine.optimizer)
+    tallies: Counter = Counter()
+    options = {"partition_size": spec.partition_size, "head_partition_size": spec.head_partition_size,
+               "attn": spec.attn, "objective": spec.objective}
+    with streambp_core.prepare(engine.module, method, **options) as run:
+        for batch in batches:
+            counts.clear()
+            engine.backward(_loss(run, *batch))
+            tallies.update(_tally(counts, engine.module))
+            engine.step()
+    update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()}
+    err, worst = max_rel_err(update, reference)
+    tolerance = TOLERANCE[spec.dtype]
+    return DeepSpeedResult(method=method, shard=shard, objective=spec.objective, nproc=world,
+                           micro_steps=len(batches), max_rel_err=err, worst_param=worst, tolerance=tolerance,
+                           reductions=dict(tallies), ok=err <= tolerance and set(tallies) == {"1"})
+
+
+def count_reductions(optimizer) -> Counter:
+    """A Counter of param ids that fills as `optimizer` (ZeRO stage 1 or 2) reduces each bucket.
+
+    `reduce_ipg_grads` is where stages 1 and 2 reduce a bucket of gradients (both from the hooks and at
+    the epilogue); it is wrapped on this instance only.
+    """
+    counts: Counter = Counter()
+    reduce = optimizer.reduce_ipg_grads
+
+    def counted(comm_dtype=None, *args, **kwargs):
+        buckets = optimizer.ipg_buckets
+        buckets = buckets.values() if comm_dtype is None else [buckets[comm_dtype]]
+        for bucket in buckets:
+            counts.update(param_id for *_, param_id in bucket.params)
+        return reduce(comm_dtype, *args, **kwargs)
+
+    optimizer.reduce_ipg_grads = counted
+    return counts
+
+
+def _tally(counts: Counter, model) -> Counter:
+    """How many trainable parameters were reduced 0, 1, 2+ times in one micro-step."""
+    total = sum(1 for p in model.parameters() if p.requires_grad)
+    tally = Counter("1" if n == 1 else "2+" for n in counts.values())
+    tally["0"] = total - len(counts)
+    return +tally
+
+
+def report(results: list[DeepSpeedResult]) -> dict:
+    """JSON-ready summary (measured-cpu: real gloo ranks)."""
+    return {"source": "measured-cpu", "ok": all(r.ok for r in results),
+            "results": [asdict(r) for r in results]}
