@@ -94,16 +94,18 @@ class OneReduction:
         return grad
 
     def _flush(self) -> None:
-        """Hand every summed gradient to autograd once, through `p.view_as(p)`."""
+        """Hand every summed gradient to autograd once, through `p.view_as(p)` (grad mode is off while
+        the engine runs its callbacks, so it is turned on for the views)."""
         views, grads = [], []
-        for param in reversed(self.params):
-            param.ds_grad_is_ready = True
-            grad = param.grad
-            if grad is None:
-                continue
-            param.grad = None
-            views.append(param.view_as(param))
-            grads.append(grad)
+        with torch.enable_grad():
+            for param in reversed(self.params):
+                param.ds_grad_is_ready = True
+                grad = param.grad
+                if grad is None:
+                    continue
+                param.grad = None
+                views.append(param.view_as(param))
+                grads.append(grad)
         self.flushes += 1
         if views:
             torch.autograd.backward(views, grads)

@@ -2,7 +2,8 @@
 engine gets, and the verify command's bad input (one error line, exit 2, before any rank starts). With two
 real gloo ranks on the CPU: the user's DeepSpeed loop (`prepare(engine.module, ...)`, `engine.backward`,
 `engine.step`) applies plain's update after one optimizer step, with gradient accumulation over two
-micro-steps, and ZeRO reduces every parameter exactly once per micro-step (counted)."""
+micro-steps, and ZeRO reduces every parameter exactly once (counted: per micro-step on ZeRO-2, per step
+on ZeRO-1, which reduces at the accumulation boundary)."""
 
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ def _verify(model, methods, shards, objective="sft", micro_steps=2):
 
 def _check(results, expected):
     assert {(r.method, r.shard) for r in results} == expected
-    for r in results:
-        assert r.max_rel_err <= 1e-10, (r.method, r.shard, r.max_rel_err, r.worst_param)
+    for r in results:  # ZeRO accumulates in float32 and steps float32 master weights: float32's bound
+        assert r.max_rel_err <= 1e-5, (r.method, r.shard, r.max_rel_err, r.worst_param)
+        assert r.engine_plain_err <= 1e-5, (r.method, r.shard, r.engine_plain_err)
         assert r.reductions and set(r.reductions) == {"1"}, (r.method, r.shard, r.reductions)
         assert r.ok
 
