@@ -57,7 +57,8 @@ def zero_stage_of(model: nn.Module) -> int | None:
 
 
 DRIVES_MODULES = ("streambp", "mst")
-"""Methods that call a layer's pieces themselves: under ZeRO-3 they would read partitioned parameters."""
+"""Methods that call a layer's pieces themselves: under ZeRO-3 they would read partitioned parameters.
+ZeRO-3 runs plain only (untouched); every other method is refused under it."""
 
 
 def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
@@ -67,9 +68,11 @@ def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
     if stage is None or method == "plain":
         return None
     check_version(installed_version())
-    if stage == 3 and method in DRIVES_MODULES:
-        raise ConfigError(f"{method} under deepspeed zero3 is not supported: its streamed layers read "
-                          "parameters ZeRO-3 partitions; use zero1 or zero2, or the fsdp2 engine's zero3")
+    if stage == 3:
+        why = ("its streamed layers read parameters ZeRO-3 partitions" if method in DRIVES_MODULES
+               else "one reduction per parameter is not checked on ZeRO-3's partitioned gradients yet")
+        raise ConfigError(f"{method} under deepspeed zero3 is not supported: {why}; use zero1 or zero2, "
+                          "or the fsdp2 engine's zero3")
     return OneReduction(model.parameters())
 
 

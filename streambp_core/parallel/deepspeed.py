@@ -13,25 +13,39 @@ layer's weight gradients chunk by chunk, some through autograd (a hook firing pe
 "multiple gradient reduction", or reduces a partial sum), some by hand into `.grad` (no firing at all:
 never reduced). A tied embedding and head is fed from two places in one step.
 
-Mechanism, the same for ZeRO-1, 2 and 3 (`OneReduction`), a side buffer handed to autograd once:
+Mechanism (`streambp_core.engine.reduction.OneReduction`, armed by every non-plain run's `loss`): a side
+buffer handed to autograd once, with `ds_grad_is_ready` silencing the firings before it.
 1. When `run.loss` builds the loss, every trainable parameter gets `ds_grad_is_ready = False`
    (DeepSpeed >= 0.17.0: `reduce_independent_p_g_buckets_and_remove_grads` in `stage_1_and_2.py`
-   returns before reducing while it is False; `stage3.py` only adds a ready parameter to its bucket), so
-   every firing during the streamed backward leaves the gradient where it is, summing in `.grad`.
+   returns before reducing while it is False), so every firing during the streamed backward leaves the
+   gradient where it is, summing in `.grad`.
 2. A hook on the loss queues one callback at the end of the outer backward. There, with every chunk of
    every layer and both uses of a tied weight done, each parameter's summed gradient is taken out of
    `.grad` (the side buffer), the flag is set back to True, and one `torch.autograd.backward` through
    `p.view_as(p)` with those gradients fires each parameter's hook exactly once, in reverse layer order
    (the order of plain backprop, so DeepSpeed's buckets fill as usual).
 
-Why not per chunk's last firing (the flag alone): the engine writes most linear weight gradients by hand
-into `.grad` (no hook), so the last firing of a parameter is not a point the flag can mark; the single
-firing through `view_as` is. The cost, measured against ZeRO-2's own schedule: full gradients are held
-until the end of the backward, as `engine.coalesce_grad_reduction()` does (no overlap of reduction with
-backward).
+Per stage:
+- ZeRO-2 reduces from the hook on every micro-step: without the deferral it asserts (a second firing)
+  or never reduces a hand-written gradient; with it, one reduction per parameter per micro-step.
+- ZeRO-1 without `overlap_comm` reduces at the accumulation boundary from `.grad` (`reduce_gradients`)
+  and would be exact without help; with `overlap_comm` it reduces from the hook as ZeRO-2 does. The same
+  deferral serves both (one reduction per parameter per step, counted in the tests).
+- ZeRO-3: refused for every method but plain. Its parameters are partitioned and gathered by module
+  hooks that streambp's and mst's layers (which read a layer's pieces directly) do not go through, and
+  its gradients are partitioned in a way this mechanism is not checked on. So no chunk ever issues a
+  collective under DeepSpeed: a chunk count differing between ranks cannot deadlock (FSDP2's zero3 is
+  the sharded-parameter engine here, gathering once per layer, not per chunk).
 
-Refused by name (`check_engine`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage other than
-1, 2, 3, and `BF16_Optimizer` with `immediate_grad_update` on DeepSpeed before 0.19.8 (it over-counts).
+Why not the flag alone, cleared at a parameter's last firing: the engine writes most linear weight
+gradients by hand into `.grad` (no hook), so the last firing of a parameter is not a point the flag can
+mark; the single firing through `view_as` is. The cost, against ZeRO-2's own schedule: full gradients
+are held until the end of the backward, as `engine.coalesce_grad_reduction()` does (no overlap of
+reduction with backward).
+
+Refused by name (`check_engine`, `prepare`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage
+other than 1, 2, 3, every method but plain under ZeRO-3, and `BF16_Optimizer` with
+`immediate_grad_update` on DeepSpeed before 0.19.8 (it over-counts).
 """
 
 from __future__ import annotations

@@ -83,10 +83,11 @@ def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
         raise ConfigError(f"deepspeed verify compares exact dtypes ({exact}), got {spec.dtype}")
     if spec.device != "cpu" or spec.lora_rank:
         raise ConfigError("deepspeed verify runs on cpu ranks, full-parameter training (lora_rank 0)")
-    driven = [m for m in spec.methods if m in DRIVES_MODULES]
-    if 3 in stages and driven:
-        raise ConfigError(f"{', '.join(driven)} under deepspeed zero3 is not supported: the streamed layers "
-                          "read parameters ZeRO-3 partitions; use --shard zero1 or zero2")
+    if 3 in stages:
+        driven = [m for m in spec.methods if m in DRIVES_MODULES] or list(spec.methods)
+        raise ConfigError(f"{', '.join(driven)} under deepspeed zero3 is not supported (the streamed layers "
+                          "read parameters ZeRO-3 partitions; one reduction per parameter is checked on "
+                          "ZeRO-1 and ZeRO-2 only); use --shard zero1 or zero2")
 
 
 def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[DeepSpeedResult]:

@@ -37,14 +37,16 @@ def test_a_model_under_no_engine_is_left_alone():
         assert run._reduction is None
 
 
-def test_zero3_marks_refuse_the_streamed_methods():
+def test_zero3_marks_refuse_every_method_but_plain():
     model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
     for param in model.parameters():
         param.ds_id = 0  # the mark ZeRO-3 leaves on a parameter it partitions
     assert zero_stage_of(model) == 3
     with pytest.raises(ConfigError, match="streambp under deepspeed zero3 is not supported"):
         one_reduction_for(model, "streambp")
-    assert one_reduction_for(model, "checkpoint") is not None
+    with pytest.raises(ConfigError, match="checkpoint under deepspeed zero3 is not supported"):
+        one_reduction_for(model, "checkpoint")
+    assert one_reduction_for(model, "plain") is None  # plain is untouched: ZeRO-3's own hooks
 
 
 @pytest.mark.parametrize("args, message", [
