@@ -49,7 +49,9 @@ HELP = (
     "all-gathered gradient with single-process plain over the ranks' batches (each rank its own; the "
     "reference averages them), and counts each step's all-gathers and reduce-scatters (calls and bytes of "
     "the full tensors, per step and per FSDP unit: one per decoder layer plus the root). Full-parameter "
-    "training in float64 or float32."
+    "training in float64 or float32. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
+    "zero1, zero2; CPU ranks): the user's DeepSpeed loop, the applied update after one optimizer step "
+    "against single-process plain, and how many times ZeRO reduced each parameter."
 )
 
 EPILOG = """[bold]Examples[/]
