@@ -55,8 +55,9 @@ def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_j
 def _print(console, results, spec: VerifySpec, nproc: int) -> None:
     table = Table(title=f"applied update after one optimizer step vs single-process plain, {nproc} ranks",
                   title_justify="left")
-    for column in ("shard", "method", "max rel err", "vs engine plain", "tolerance", "reductions per parameter",
-                   "ok"):
+    columns = ("shard", "method", "max rel err", "vs engine plain", "tolerance", "reductions per parameter",
+               "ok")
+    for column in columns:
         table.add_column(column)
     for r in results:
         counts = ", ".join(f"{n} param(s) x{times}" for times, n in sorted(r.reductions.items()))
