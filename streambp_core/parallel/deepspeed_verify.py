@@ -35,10 +35,15 @@ from streambp_core.verify.methods import DTYPES, TOLERANCE, VerifySpec
 
 LR = 1e-3
 
-MASTER_TOLERANCE = 1e-5
-"""Update error accepted, against single-process plain and against plain on the same engine: ZeRO-1/2
-accumulate gradients in float32 and step float32 master weights whatever the parameters' dtype, so a
-gradient difference at float64's rounding can move an update by float32's; float32's bound applies."""
+ENGINE_TOLERANCE = 1e-5
+"""Update error accepted against plain on the same engine (the mechanism alone): ZeRO-1/2 step float32
+master weights whatever the parameters' dtype, so a gradient difference at float64's rounding can move
+an update by float32's."""
+
+MASTER_TOLERANCE = TOLERANCE["float32"]
+"""Update error accepted against single-process plain (float32 masters on both sides): ZeRO also
+accumulates micro-steps' gradients and reduces in float32, which plain on the engine shows alone (up to
+1.5e-5 measured, grpo on tiny/qwen3); float32's bound of `verify`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +178,7 @@ def _result(method, shard, spec, world, micro_steps, update, tallies, reference,
     return DeepSpeedResult(method=method, shard=shard, objective=spec.objective, nproc=world,
                            micro_steps=micro_steps, max_rel_err=err, engine_plain_err=engine_err,
                            worst_param=worst, tolerance=tolerance, reductions=dict(tallies),
-                           ok=err <= tolerance and engine_err <= tolerance and set(tallies) == {"1"})
+                           ok=err <= tolerance and engine_err <= ENGINE_TOLERANCE and set(tallies) == {"1"})
 
 
 def count_reductions(optimizer) -> Counter:
