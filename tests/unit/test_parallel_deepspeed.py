@@ -97,7 +97,7 @@ def _check(results, expected):
     assert {(r.method, r.shard) for r in results} == expected
     for r in results:  # ZeRO accumulates in float32 and steps float32 master weights: float32's bounds
         assert r.max_rel_err <= 1e-4, (r.method, r.shard, r.max_rel_err, r.worst_param)
-        assert r.engine_plain_err <= 1e-5, (r.method, r.shard, r.engine_plain_err)
+        assert r.engine_plain_err <= 1e-4, (r.method, r.shard, r.engine_plain_err)
         assert r.reductions and set(r.reductions) == {"1"}, (r.method, r.shard, r.reductions)
         assert r.ok
 
