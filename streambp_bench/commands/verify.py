@@ -21,6 +21,7 @@ from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list
+from streambp_bench.verify.deepspeed import sharded_stages
 from streambp_core.config import VERIFY_METHODS, ConfigError, StreamConfig
 from streambp_core.integrations.settings import PARITY_DATA_KINDS, TRAINER_KINDS
 from streambp_core.models.config_file import precheck_model
@@ -51,7 +52,9 @@ HELP = (
     "all-gathered gradient with single-process plain over the ranks' batches (each rank its own; the "
     "reference averages them), and counts each step's all-gathers and reduce-scatters (calls and bytes of "
     "the full tensors, per step and per FSDP unit: one per decoder layer plus the root). Full-parameter "
-    "training in float64 or float32.\n\n"
+    "training in float64 or float32. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
+    "zero1, zero2; CPU ranks): the user's DeepSpeed loop, the applied update after one optimizer step "
+    "against single-process plain, and how many times ZeRO reduced each parameter.\n\n"
     "[bold]--trainer trainer|sft|dpo|grpo[/] checks training instead of one gradient: builds the model as a "
     "user does (from_pretrained for a directory with weights, else from_config with random weights), "
     "trains it with transformers' Trainer or TRL's trainer plain and with stream_trainer for each method "
@@ -196,8 +199,9 @@ def verify(
                                  "(cpu) or the GPUs (cuda).")
     ] = None,
     shard: Annotated[
-        opt.Stage | None, typer.Option("--shard", help="FSDP2 stage of a sharded verify (needs --nproc): "
-                                       "zero2 or zero3; both when not given.")
+        str | None, typer.Option("--shard", help="Stage of a sharded verify (needs --nproc): fsdp2: zero2 or "
+                                 "zero3, both when not given; deepspeed: zero1, zero2 or zero3, zero1 and "
+                                 "zero2 when not given.")
     ] = None,
     trainer: Annotated[
         TrainerKind | None, typer.Option("--trainer", help="Check a trainer instead: its parameters after "
@@ -215,6 +219,10 @@ def verify(
                           "lengths filling each row) or lengths (100,37,250; a shorter total pads the row's "
                           "end); position_ids restart per document and attention stays within each.")
     ] = "",
+    engine: Annotated[
+        str, typer.Option("--engine", help="Sharding engine of a sharded verify (needs --nproc): fsdp2 "
+                          "(torch FSDP2) or deepspeed (DeepSpeed ZeRO; the applied update of one step).")
+    ] = "fsdp2",
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -238,6 +246,7 @@ def verify(
         raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
     if shard is not None and nproc is None:
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
+    stages = sharded_stages(engine, shard, nproc)
     if nproc is not None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
     head = StreamConfig(objective=objective.value, head_mode=head_mode.value).head_mode  # before torch
@@ -262,12 +271,16 @@ def verify(
         packing=packing,
     )
     if nproc is not None:
-        from streambp_bench.verify.sharded import run_sharded
         from streambp_core.models.load import load_config
 
         load_config(model)  # a model that cannot run is refused before any rank starts
+    if nproc is not None and engine == "deepspeed":
+        from streambp_bench.verify.deepspeed import run_deepspeed
 
-        stages = (shard.value,) if shard is not None else ("zero2", "zero3")
+        ok = run_deepspeed(spec, nproc, stages, as_json=as_json)
+    elif nproc is not None:
+        from streambp_bench.verify.sharded import run_sharded
+
         ok = run_sharded(spec, nproc, stages, as_json=as_json)
     else:
         report = verify_with_progress(spec)

@@ -12,6 +12,7 @@ from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
+from streambp_core.engine.reduction import one_reduction_for
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
@@ -45,6 +46,8 @@ class Run:
         self._closed = False
         self.host_params: HostParams | None = None
         """The params tier's weights in host memory (None without it)."""
+        self._reduction = one_reduction_for(model, self.method)
+        """Under DeepSpeed ZeRO, one reduction per parameter per backward (`parallel.deepspeed`)."""
         try:
             self._setup()
             if "params" in offload_tiers(config.offload):
@@ -87,7 +90,8 @@ class Run:
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
         loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
-        return guards.watch_versions(loss, self.model)
+        loss = guards.watch_versions(loss, self.model)
+        return loss if self._reduction is None else self._reduction.arm(loss)
 
     def packed_rows(self, input_ids: Tensor, attention_mask: Tensor | None,
                     position_ids: Tensor | None) -> PackedRows | None:
@@ -121,6 +125,8 @@ class Run:
                 if self.host_params is not None:
                     self.host_params.close()
                 self._teardown()
+                if self._reduction is not None:
+                    self._reduction.disarm()
             finally:
                 self._closed = True
                 guards.release(self.parts, self)

@@ -1,0 +1,75 @@
+"""`streambp-bench verify --nproc N --engine deepspeed`: DeepSpeed ZeRO across N CPU ranks, as a table.
+
+The work is `streambp_core.parallel.deepspeed_verify.verify_deepspeed`; this module checks the engine,
+its version, the stages and the ranks before any process starts, and prints each (stage, method)'s
+update error against single-process plain and how many times ZeRO reduced each parameter.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from streambp_bench.output import emit, stderr_console
+from streambp_core.config import FSDP_STAGES, ConfigError
+from streambp_core.parallel.launch import check_nproc
+from streambp_core.verify.methods import VerifySpec
+
+ENGINES = ("fsdp2", "deepspeed")
+DEEPSPEED_DEFAULT = ("zero1", "zero2")
+
+
+def sharded_stages(engine: str, shard: str | None, nproc: int | None) -> tuple[str, ...]:
+    """The stages a sharded verify runs on `engine`; ConfigError for a bad engine/stage combination or a
+    missing or too old DeepSpeed (before any rank starts)."""
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine != "fsdp2" and nproc is None:
+        raise ConfigError(f"--engine {engine} needs --nproc N: the ranks to shard the model across")
+    if engine == "fsdp2":
+        if shard is not None and shard not in FSDP_STAGES:
+            raise ConfigError(f"--shard for fsdp2 must be one of {', '.join(FSDP_STAGES)}, got {shard!r}")
+        return (shard,) if shard else FSDP_STAGES
+    from streambp_core.parallel.deepspeed import check_installed, check_stage
+
+    check_installed()
+    if shard is not None:
+        check_stage(shard)
+    return (shard,) if shard else DEEPSPEED_DEFAULT
+
+
+def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_json: bool) -> bool:
+    """Verify `spec` on DeepSpeed ZeRO across `nproc` CPU ranks for every stage; print; whether all passed."""
+    from streambp_core.parallel.deepspeed_verify import check_spec, report, verify_deepspeed
+
+    if spec.device != "cpu":
+        raise ConfigError("--engine deepspeed: the sharded verify runs on cpu ranks (gloo); use --device cpu")
+    check_nproc(nproc, spec.device)
+    check_spec(spec, stages)
+    with stderr_console().status(f"verifying on {nproc} deepspeed ranks (gloo): {', '.join(stages)} ..."):
+        results = verify_deepspeed((spec,), nproc=nproc, shards=stages)
+    summary = report(results)
+    emit(summary, as_json, lambda console: _print(console, results, spec, nproc))
+    return summary["ok"]
+
+
+def _print(console, results, spec: VerifySpec, nproc: int) -> None:
+    table = Table(title=f"applied update after one optimizer step vs single-process plain, {nproc} ranks",
+                  title_justify="left")
+    columns = ("shard", "method", "max rel err", "vs engine plain", "tolerance", "reductions per parameter",
+               "ok")
+    for column in columns:
+        table.add_column(column)
+    for r in results:
+        counts = ", ".join(f"{n} param(s) x{times}" for times, n in sorted(r.reductions.items()))
+        table.add_row(r.shard, r.method, f"{r.max_rel_err:.2e}", f"{r.engine_plain_err:.2e}",
+                      f"{r.tolerance:.0e}", counts,
+                      "[green]pass[/]" if r.ok else "[bold red]FAIL[/]")
+    console.print(table)
+    step, stream = spec.step, spec.step.stream
+    console.print(f"measured-cpu: {step.model}, {step.dtype}, {nproc} gloo ranks, DeepSpeed ZeRO with "
+                  f"torch's Adam, seq_len {step.seq_len_tokens} and batch {step.batch_size} per rank, ps "
+                  f"{stream.partition_size}, ps-head {stream.head_partition_size}, objective "
+                  f"{step.objective}, seed {step.seed}; "
+                  "reductions counted in ZeRO's reduce_ipg_grads, per micro-step (zero2) or per step "
+                  "(zero1); ZeRO steps float32 master weights whatever the dtype, hence float32's bound",
+                  soft_wrap=True)

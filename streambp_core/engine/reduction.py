@@ -1,0 +1,119 @@
+"""One gradient reduction per parameter per backward on a hook-based engine (DeepSpeed ZeRO).
+
+The mechanism and why are in `streambp_core.parallel.deepspeed`'s docstring; this module holds the part
+a method's `Run` uses (it sits below the methods), and never imports DeepSpeed: a model is recognised by
+the marks ZeRO leaves on its parameters (`ds_id`: stage 3; `_hp_mapping`: stages 1 and 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from streambp_core.config import ConfigError
+
+MIN_VERSION = (0, 17, 0)
+"""`ds_grad_is_ready` appears in DeepSpeed 0.17.0."""
+
+
+def version_tuple(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version string such as '0.19.8' or '0.17.0+cu121'."""
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check_version(text: str) -> None:
+    """ConfigError unless DeepSpeed `text` is at least `MIN_VERSION`."""
+    if version_tuple(text) < MIN_VERSION:
+        floor = ".".join(map(str, MIN_VERSION))
+        raise ConfigError(f"deepspeed {text} is below {floor}: it has no ds_grad_is_ready, so a chunked "
+                          "backward cannot be reduced once per parameter; install deepspeed>=0.17")
+
+
+def installed_version() -> str:
+    """The installed DeepSpeed's version; ConfigError when it is not installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("deepspeed")
+    except PackageNotFoundError as error:
+        raise ConfigError("engine deepspeed is not installed; pip install 'streambp-bench[deepspeed]'") \
+            from error
+
+
+def zero_stage_of(model: nn.Module) -> int | None:
+    """3 when ZeRO-3 partitions `model`'s parameters, 2 for ZeRO-1/2 (not told apart: both reduce from
+    the same hooks), None when no DeepSpeed engine holds the model."""
+    params = list(model.parameters())
+    if any(hasattr(param, "ds_id") for param in params):
+        return 3
+    if any(hasattr(param, "_hp_mapping") for param in params):
+        return 2
+    return None
+
+
+DRIVES_MODULES = ("streambp", "mst")
+"""Methods that call a layer's pieces themselves: under ZeRO-3 they would read partitioned parameters.
+ZeRO-3 runs plain only (untouched); every other method is refused under it."""
+
+
+def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
+    """The deferral a method's run arms on every loss under DeepSpeed ZeRO; None elsewhere and for
+    plain (the model untouched: autograd fires each hook once). ConfigError for what cannot be exact."""
+    stage = zero_stage_of(model)
+    if stage is None or method == "plain":
+        return None
+    check_version(installed_version())
+    if stage == 3:
+        why = ("its streamed layers read parameters ZeRO-3 partitions" if method in DRIVES_MODULES
+               else "one reduction per parameter is not checked on ZeRO-3's partitioned gradients yet")
+        raise ConfigError(f"{method} under deepspeed zero3 is not supported: {why}; use zero1 or zero2, "
+                          "or the fsdp2 engine's zero3")
+    return OneReduction(model.parameters())
+
+
+class OneReduction:
+    """One backward's gradient hooks deferred to one firing per parameter (module docstring)."""
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.flushes = 0
+        """How many times the flush ran (one per backward)."""
+
+    def arm(self, loss: torch.Tensor) -> torch.Tensor:
+        """Defer the hooks of the backward through `loss`; returns `loss`."""
+        for param in self.params:
+            param.ds_grad_is_ready = False
+        if loss.requires_grad:
+            loss.register_hook(self._queue_flush)
+        return loss
+
+    def _queue_flush(self, grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        return grad
+
+    def _flush(self) -> None:
+        """Hand every summed gradient to autograd once, through `p.view_as(p)` (grad mode is off while
+        the engine runs its callbacks, so it is turned on for the views)."""
+        views, grads = [], []
+        with torch.enable_grad():
+            for param in reversed(self.params):
+                param.ds_grad_is_ready = True
+                grad = param.grad
+                if grad is None:
+                    continue
+                param.grad = None
+                views.append(param.view_as(param))
+                grads.append(grad)
+        self.flushes += 1
+        if views:
+            torch.autograd.backward(views, grads)
+
+    def disarm(self) -> None:
+        """Leave every parameter ready again (the run is closing)."""
+        for param in self.params:
+            param.ds_grad_is_ready = True

@@ -1,0 +1,118 @@
+"""DeepSpeed ZeRO as an engine. Without ranks: the version floor, the stage names, what a model under no
+engine gets, and the verify command's bad input (one error line, exit 2, before any rank starts). With two
+real gloo ranks on the CPU: the user's DeepSpeed loop (`prepare(engine.module, ...)`, `engine.backward`,
+`engine.step`) applies plain's update after one optimizer step, with gradient accumulation over two
+micro-steps, and ZeRO reduces every parameter exactly once (counted: per micro-step on ZeRO-2, per step
+on ZeRO-1, which reduces at the accumulation boundary)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streambp_core
+from streambp_core.config import ConfigError
+from streambp_core.engine.reduction import check_version, one_reduction_for, version_tuple, zero_stage_of
+from streambp_core.models import build_model, load_config
+from streambp_core.parallel.launch import available_cpus
+from streambp_core.verify.methods import VerifySpec
+
+deepspeed = pytest.importorskip("deepspeed")
+two_cores = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
+
+
+def test_version_floor_is_refused_by_name():
+    assert version_tuple("0.19.8+cpu") == (0, 19, 8)
+    assert version_tuple("0.17") == (0, 17, 0)
+    check_version("0.17.0")
+    with pytest.raises(ConfigError, match="deepspeed 0.16.9 is below 0.17.0"):
+        check_version("0.16.9")
+
+
+def test_a_model_under_no_engine_is_left_alone():
+    model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
+    assert zero_stage_of(model) is None
+    assert one_reduction_for(model, "streambp") is None
+    with streambp_core.prepare(model, "streambp") as run:
+        assert run._reduction is None
+
+
+def test_zero3_marks_refuse_every_method_but_plain():
+    model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
+    for param in model.parameters():
+        param.ds_id = 0  # the mark ZeRO-3 leaves on a parameter it partitions
+    assert zero_stage_of(model) == 3
+    with pytest.raises(ConfigError, match="streambp under deepspeed zero3 is not supported"):
+        one_reduction_for(model, "streambp")
+    with pytest.raises(ConfigError, match="checkpoint under deepspeed zero3 is not supported"):
+        one_reduction_for(model, "checkpoint")
+    assert one_reduction_for(model, "plain") is None  # plain is untouched: ZeRO-3's own hooks
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--engine", "megatron"], "--engine must be one of fsdp2, deepspeed"),
+    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero4"], "deepspeed shard must be one of zero1"),
+    (["--nproc", "2", "--shard", "zero1"], "--shard for fsdp2 must be one of zero2, zero3"),
+    (["--engine", "deepspeed"], "--engine deepspeed needs --nproc N"),
+    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero3"], "streambp under deepspeed zero3"),
+    (["--nproc", "99999", "--engine", "deepspeed", "--shard", "zero2"], "nproc 99999 is more than"),
+])
+def test_verify_bad_input_is_one_error_line(args, message):
+    from typer.testing import CliRunner
+
+    from streambp_bench.cli import app
+
+    result = CliRunner().invoke(app, ["verify", "-m", "tiny/llama", "--dtype", "float64", "--method",
+                                      "streambp", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
+
+
+def test_a_missing_or_old_deepspeed_is_refused_before_ranks(monkeypatch):
+    import importlib.metadata
+
+    from streambp_bench.verify.deepspeed import sharded_stages
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(ConfigError, match="engine deepspeed is not installed"):
+        sharded_stages("deepspeed", "zero2", 2)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.16.0")
+    with pytest.raises(ConfigError, match="below 0.17.0"):
+        sharded_stages("deepspeed", "zero2", 2)
+
+
+def _verify(model, methods, shards, objective="sft", micro_steps=2):
+    from streambp_core.parallel.deepspeed_verify import verify_deepspeed
+
+    spec = VerifySpec.of(model=model, methods=methods, seq_len_tokens=32, batch_size=2, partition_size=8,
+                         head_partition_size=8, dtype="float64", padding="right", objective=objective)
+    return verify_deepspeed((spec,), nproc=2, shards=shards, micro_steps=micro_steps, timeout_s=600)
+
+
+def _check(results, expected):
+    assert {(r.method, r.shard) for r in results} == expected
+    for r in results:  # ZeRO accumulates in float32 and steps float32 master weights: float32's bounds
+        assert r.max_rel_err <= 1e-4, (r.method, r.shard, r.max_rel_err, r.worst_param)
+        assert r.engine_plain_err <= 1e-4, (r.method, r.shard, r.engine_plain_err)
+        assert r.reductions and set(r.reductions) == {"1"}, (r.method, r.shard, r.reductions)
+        assert r.ok
+
+
+@two_cores
+@pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])  # untied and tied embedding and head
+def test_streambp_on_zero2_applies_plains_update_with_one_reduction_each(model):
+    _check(_verify(model, ("streambp",), ("zero2",)), {("streambp", "zero2")})
+
+
+@pytest.mark.slow
+@two_cores
+@pytest.mark.parametrize("objective", ["sft", "grpo", "dpo"])
+@pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])
+def test_every_method_on_zero1_and_zero2(model, objective):
+    methods = ("plain", "checkpoint", "mst", "streambp")
+    results = _verify(model, methods, ("zero1", "zero2"), objective=objective)
+    _check(results, {(m, s) for m in methods for s in ("zero1", "zero2")})
