@@ -38,7 +38,7 @@ def test_verify_takes_suffixed_lengths() -> None:
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     spec = json.loads(result.stdout)["spec"]
-    assert (spec["seq_len"], spec["partition_size"], spec["head_partition_size"]) == (100, 40, 32)
+    assert (spec["seq_len_tokens"], spec["partition_size"], spec["head_partition_size"]) == (100, 40, 32)
 
 
 def test_length_help_says_what_k_is() -> None:
