@@ -149,8 +149,10 @@ def tracked_step(
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, optimizer, device=device) as tracker:
             tracker.track_resizable(gathered, WEIGHTS)
-            tracker.track(host_pool_tensors(run, optimizer), OFFLOADED)
-            tracker.reset_peak()  # host copies were counted as device weights until filed as host
+            host = host_pool_tensors(run, optimizer)
+            if host:  # host copies were counted as device weights until filed as host
+                tracker.track(host, OFFLOADED)
+                tracker.reset_peak()
             phases = _Phases(tracker, device)
             with (
                 SimulationMode(setup.config.vocab_size, cache, tracker),

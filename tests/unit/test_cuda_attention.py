@@ -145,9 +145,10 @@ def test_streambp_through_the_varlen_path_is_exact(fake_flash, monkeypatch):
     from streambp_core.models.load import build_model, tiny_config
     from tests.unit.test_exactness import assert_matches_plain, batch
 
-    monkeypatch.setattr(layer, "prefix_attention",
-                        lambda q, k, v, valid, scale, backend, window: cuda_attention.cuda_attention(
-                            q, k, v, valid, scale, "flash", window))
+    def through_flash(q, k, v, valid, scale, backend, window, blocking=True):
+        return cuda_attention.cuda_attention(q, k, v, valid, scale, "flash", window)
+
+    monkeypatch.setattr(layer, "prefix_attention", through_flash)
     model = build_model(tiny_config("qwen3"), dtype=torch.float64, seed=0)
     for side in ("right", "left"):
         ids, mask = batch(512, 3, 23, side)
