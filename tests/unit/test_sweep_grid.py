@@ -56,6 +56,7 @@ def test_simulated_point_row_has_peak_and_breakdown() -> None:
         row.kv_gib,
         row.logits_gib,
         row.temporaries_gib,
+        row.kernel_workspace_gib,
     ]
     assert row.value == pytest.approx(sum(parts))
     assert row.key() in grid.point_keys(point, where)
