@@ -7,12 +7,15 @@ update error against single-process plain and how many times ZeRO reduced each p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.table import Table
 
 from streambp_bench.output import emit, stderr_console
 from streambp_core.config import FSDP_STAGES, ConfigError
-from streambp_core.parallel.launch import check_nproc
-from streambp_core.verify.methods import VerifySpec
+
+if TYPE_CHECKING:
+    from streambp_core.verify.methods import VerifySpec
 
 ENGINES = ("fsdp2", "deepspeed")
 DEEPSPEED_DEFAULT = ("zero1", "zero2")
@@ -40,6 +43,7 @@ def sharded_stages(engine: str, shard: str | None, nproc: int | None) -> tuple[s
 def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_json: bool) -> bool:
     """Verify `spec` on DeepSpeed ZeRO across `nproc` CPU ranks for every stage; print; whether all passed."""
     from streambp_core.parallel.deepspeed_verify import check_spec, report, verify_deepspeed
+    from streambp_core.parallel.launch import check_nproc
 
     if spec.device != "cpu":
         raise ConfigError("--engine deepspeed: the sharded verify runs on cpu ranks (gloo); use --device cpu")

@@ -42,7 +42,7 @@ SUPPORTED = {  # README name -> (trainer kind, a value other than the default)
     "save_strategy": ("trainer", "steps"), "save_steps": ("trainer", 2), "bf16": ("trainer", True),
     "max_length": ("sft", 12), "completion_only_loss": ("sft", False), "beta": ("dpo", 0.2),
     "num_generations": ("grpo", 2), "max_completion_length": ("grpo", 3), "peft_config": ("sft", 4),
-    "packing": ("sft", True), "padding_free": ("sft", True),
+    "packing": ("sft", True),
 }
 
 NOT_SETTINGS = {"stream_trainer", "AutoModelForCausalLM", "Trainer", "sgd", "adamw_torch"}
