@@ -23,16 +23,18 @@ from pathlib import Path
 
 from csv_out import emit_rows
 
+from streambp_bench.tokens import UNITS, token_count
+
 COLUMNS = ("approach", "params", "max_rel_err", "worst_param", "model", "seq_len_tokens", "chunk_tokens",
            "nproc", "dtype", "source")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    for flag, default, what in (("--seq-len", 64, "length"), ("--chunk", 16, "chunk")):
+        parser.add_argument(flag, type=token_count(what), default=default, help=f"{what} in tokens ({UNITS})")
     parser.add_argument("--model", default="tiny/llama", help="preset (untied embedding and head)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per rank")
-    parser.add_argument("--chunk", type=int, default=16, help="tokens per chunk")
     parser.add_argument("--out", default=None, help="CSV path (default: print)")
     return parser.parse_args(argv)
 
