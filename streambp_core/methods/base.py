@@ -46,7 +46,7 @@ class Run:
         self._closed = False
         self.host_params: HostParams | None = None
         """The params tier's weights in host memory (None without it)."""
-        self._reduction = one_reduction_for(model, self.method)
+        self._reduction = one_reduction_for(model, self.method, self.drives_modules)
         """Under DeepSpeed ZeRO, one reduction per parameter per backward (`parallel.deepspeed`)."""
         try:
             self._setup()

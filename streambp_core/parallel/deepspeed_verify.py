@@ -25,7 +25,7 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.engine.reduction import DRIVES_MODULES
+from streambp_core.methods import RUN_CLASSES
 from streambp_core.models import build_model, load_config
 from streambp_core.parallel.deepspeed import STAGES, check_engine, check_installed, check_stage, zero_config
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
@@ -90,7 +90,7 @@ def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
     if spec.device != "cpu" or spec.step.lora_rank:
         raise ConfigError("deepspeed verify runs on cpu ranks, full-parameter training (lora_rank 0)")
     if 3 in stages:
-        driven = [m for m in spec.methods if m in DRIVES_MODULES] or list(spec.methods)
+        driven = [m for m in spec.methods if RUN_CLASSES[m].drives_modules] or list(spec.methods)
         raise ConfigError(f"{', '.join(driven)} under deepspeed zero3 is not supported (the streamed layers "
                           "read parameters ZeRO-3 partitions; one reduction per parameter is checked on "
                           "ZeRO-1 and ZeRO-2 only); use --shard zero1 or zero2")
