@@ -32,8 +32,7 @@ def step_optimizer(model: torch.nn.Module, spec: StepSpec) -> torch.optim.Optimi
 def host_pool_tensors(run, optimizer) -> list[torch.Tensor]:
     """What a prepared run and its optimizer hold in host memory before the step (params tier's weights,
     the host optimizer's masters and moments), for the tracker's host pool."""
-    host_params = getattr(run, "host_params", None)  # a prepared Run has it (None without the tier)
-    tensors = [] if host_params is None else host_params.host_tensors()
+    tensors = [] if run.host_params is None else run.host_params.host_tensors()
     if hasattr(optimizer, "host_tensors"):
         tensors += optimizer.host_tensors()
     return tensors

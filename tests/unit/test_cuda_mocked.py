@@ -308,7 +308,7 @@ def test_an_oom_step_reports_the_allocators_oom_count(monkeypatch: pytest.Monkey
     def out_of_memory(*args: object, **kwargs: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    fake_run = types.SimpleNamespace(loss=out_of_memory, close=lambda: None)
+    fake_run = types.SimpleNamespace(loss=out_of_memory, close=lambda: None, host_params=None)
     monkeypatch.setattr(run_module, "prepare", lambda *args, **kwargs: fake_run)
     monkeypatch.setattr(run_module, "MemoryTracker", functools.partial(MemoryTracker, cuda=True))
     stats = [{"num_alloc_retries": 0, "num_ooms": 0}, {"num_alloc_retries": 1, "num_ooms": 1}]
