@@ -27,3 +27,26 @@ def rank_one_dies(rank: int, world: int) -> None:
     if rank == 1:
         os._exit(3)
     dist.barrier()
+
+
+def sequence_all_to_all(rank: int, world: int, total_tokens: int) -> dict[str, float]:
+    """Each rank swaps its shard of a shared float64 sequence to head layout and back, with gradients;
+    returns the errors against the same tensor sliced by hand."""
+    from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
+
+    group = SequenceGroup.of_process_group()
+    full = torch.arange(2 * total_tokens * 4 * 3, dtype=torch.float64).view(2, total_tokens, 4, 3)
+    start, end = group.shard_bounds(total_tokens)
+    mine = full[:, start:end].clone().requires_grad_(True)
+    heads = seq_to_heads(mine, group, total_tokens)
+    local = 4 // world
+    expected = full[:, :, rank * local:(rank + 1) * local]
+    back = heads_to_seq(heads, group, total_tokens)
+    weights = torch.linspace(-1, 1, heads.numel(), dtype=torch.float64).view_as(heads)
+    (heads * weights).sum().backward()
+    full_weights = torch.cat([weights] * world, dim=2)  # every rank weights its heads alike
+    return {
+        "heads": float((heads - expected).abs().max()),
+        "round_trip": float((back - mine).abs().max()),
+        "grad": float((mine.grad - full_weights[:, start:end]).abs().max()),
+    }

@@ -1,0 +1,47 @@
+"""The Ulysses all-to-alls: shards of a sequence become this rank's heads over every token and back, with
+gradients, on real ranks (gloo) and, shapes only, on a simulated group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streambp_core.config import ConfigError
+from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
+from streambp_core.parallel.launch import available_cpus, run_ranks
+from tests.unit import parallel_ranks
+
+
+@pytest.mark.parametrize("total_tokens", [8, 7])  # even shards, and one rank a token longer
+@pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
+def test_real_ranks_swap_layouts_exactly_and_back(total_tokens):
+    results = run_ranks(parallel_ranks.sequence_all_to_all, 2, args=(total_tokens,))
+    for errors in results:
+        assert errors == {"heads": 0.0, "round_trip": 0.0, "grad": 0.0}
+
+
+def test_shards_cover_the_sequence_and_differ_by_at_most_one():
+    sizes = SequenceGroup(size=3, rank=0).shard_sizes(10)
+    assert sizes == [4, 3, 3]
+    assert [SequenceGroup(size=3, rank=r).shard_bounds(10) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+
+
+def test_simulated_group_allocates_the_real_shapes_on_meta():
+    group = SequenceGroup.simulated(4)
+    x = torch.empty(1, 25, 8, 16, device="meta", requires_grad=True)
+    heads = seq_to_heads(x, group, 100)
+    assert heads.shape == (1, 100, 2, 16) and heads.device.type == "meta"
+    assert heads_to_seq(heads, group, 100).shape == (1, 25, 8, 16)
+    heads.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_heads_that_do_not_split_over_the_ranks_are_refused():
+    with pytest.raises(ConfigError, match="6 heads do not split over 4"):
+        seq_to_heads(torch.empty(1, 2, 6, 4, device="meta"), SequenceGroup.simulated(4), 8)
+
+
+@pytest.mark.parametrize("size,rank", [(0, 0), (2, 2), (2, -1)])
+def test_a_group_outside_its_ranks_is_refused(size, rank):
+    with pytest.raises(ConfigError):
+        SequenceGroup(size=size, rank=rank)
