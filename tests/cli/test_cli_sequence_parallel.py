@@ -1,0 +1,68 @@
+"""`verify --nproc N --sp S`: bad input is one `error:` line and exit 2 before any rank starts; two gloo
+ranks sharing each sequence print every method's error against single-process plain."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from streambp_bench.cli import app
+from streambp_core.config import PRESET_DIR
+from tests.cli.errors import one_line_error
+
+TINY = ["verify", "--model", "tiny/llama", "--dtype", "float64", "--seq-len", "23", "--ps", "5",
+        "--ps-head", "4"]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def three_heads(tmp_path) -> str:
+    """tiny/qwen3 with three query heads (and one KV head): they cannot split over two ranks."""
+    config = json.loads((PRESET_DIR / "tiny--qwen3.json").read_text())
+    config.update(num_attention_heads=3, num_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--nproc", "2", "--sp", "3"], "--sp 3 does not divide --nproc 2"),
+    (["--sp", "2"], "--sp needs --nproc"),
+    (["--nproc", "4096", "--sp", "2"], "more than the"),
+    (["--nproc", "2", "--sp", "0"], "--sp must be at least 1"),
+    (["--nproc", "2", "--sp", "2", "--shard", "zero2"], "unsharded weights"),
+    (["--nproc", "2", "--sp", "2", "--dtype", "bfloat16"], "exact dtypes"),
+])
+def test_sequence_parallel_bad_input_is_one_line_before_any_rank_starts(runner, args, expected):
+    result = runner.invoke(app, [*TINY, *args])
+    assert expected in one_line_error(result)
+
+
+def test_heads_that_cannot_split_over_the_ranks_are_refused_before_any_rank_starts(runner, three_heads):
+    from streambp_core.parallel.launch import available_cpus
+
+    if available_cpus() < 2:
+        pytest.skip("needs two CPU cores for two ranks")
+    result = runner.invoke(app, [*TINY, "--model", three_heads, "--nproc", "2", "--sp", "2"])
+    assert "3 attention heads do not split over 2" in one_line_error(result)
+
+
+@pytest.mark.slow
+def test_two_ranks_sharing_each_sequence_match_plain(runner):
+    from streambp_core.parallel.launch import available_cpus
+
+    if available_cpus() < 2:
+        pytest.skip("needs two CPU cores for two ranks")
+    result = runner.invoke(app, [*TINY, "--nproc", "2", "--sp", "2", "--method", "streambp", "--padding",
+                                 "left", "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    (row,) = document["results"]
+    assert document["source"] == "measured-cpu" and document["sp"] == 2
+    assert row["ok"] and row["max_rel_err"] <= 1e-10 and row["chunks"] == 3  # 12-token shard, ps 5
+    assert row["all_to_alls"] == row["layers"] * (3 + 6 * row["chunks"])
