@@ -261,7 +261,7 @@ def verify(
     if shard is not None and nproc is None:
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     stages = sharded_stages(engine, shard, nproc)
-    if nproc is not None and offload.value != "none":
+    if nproc is not None and sp is None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
     head = StreamConfig(objective=objective.value, head_mode=head_mode.value).head_mode  # before torch
     if nproc is not None and sp is None and "streambp" in methods and head != "recompute":

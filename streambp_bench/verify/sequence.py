@@ -75,8 +75,9 @@ def _print(console, report, spec: VerifySpec, backend: str) -> None:
         f"{report.source}: {step.model}, {step.dtype}, {report.nproc} ranks ({backend}) in groups of "
         f"{report.sp} sharing each sequence, seq_len {step.seq_len_tokens}, batch {step.batch_size}, ps "
         f"{step.stream.partition_size} ({chunks} lockstep chunks per layer), ps-head "
-        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, seed "
-        f"{step.seed}; collectives of one step on rank 0 (bytes received), gradient sums excluded",
+        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, streambp "
+        f"head {step.stream.head_mode}, offload {step.stream.offload}, seed {step.seed}; collectives of "
+        "one step on rank 0 (bytes received), gradient sums excluded",
         soft_wrap=True)
     console.print("[green]all methods match plain[/]" if report.ok
                   else "[bold red]some methods do not match plain[/]")

@@ -1,8 +1,8 @@
 """Sequence parallelism (Ulysses) on two real ranks (gloo): every method's gradients, summed over the ranks
 sharing the sequence, equal single-process plain's over the whole sequence in float64 (sft everywhere,
 grpo and dpo, padding in one rank's shard only, a length that neither the chunk nor the ranks divide, tied
-and untied heads, KV heads replicated); each step's all-to-alls are a constant per layer plus a constant
-per lockstep chunk."""
+and untied heads, KV heads replicated, checkpoints in host memory); each step's all-to-alls are a
+constant per layer plus a constant per lockstep chunk."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def report(tmp_path_factory):
         replace(qwen, methods=("mst", "streambp"), step=qwen.step.replaced(objective="dpo")),
         replace(base, methods=("checkpoint", "streambp"), padding="none",
                 step=replace(base.step, model=_mqa_model(tmp_path_factory.mktemp("mqa")))),
+        replace(base, methods=("mst", "streambp"), step=base.step.replaced(offload="checkpoints")),
     )
     return specs, verify_sequence(specs, nproc=2, sp=2)
 
