@@ -1,5 +1,6 @@
 """`verify --nproc N --sp S`: bad input is one `error:` line and exit 2 before any rank starts; two gloo
-ranks sharing each sequence print every method's error against single-process plain."""
+ranks sharing each sequence, their weights sharded with FSDP2 zero3 across them, print every method's error
+against single-process plain."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def three_heads(tmp_path) -> str:
     (["--sp", "2"], "--sp needs --nproc"),
     (["--nproc", "4096", "--sp", "2"], "more than the"),
     (["--nproc", "2", "--sp", "0"], "--sp must be at least 1"),
-    (["--nproc", "2", "--sp", "2", "--shard", "zero2"], "unsharded weights"),
+    (["--nproc", "2", "--sp", "2", "--engine", "deepspeed"], "does not run under DeepSpeed"),
+    (["--nproc", "2", "--sp", "2", "--shard", "zero1"], "--shard with --sp must be one of zero2, zero3"),
     (["--nproc", "2", "--sp", "2", "--dtype", "bfloat16"], "exact dtypes"),
 ])
 def test_sequence_parallel_bad_input_is_one_line_before_any_rank_starts(runner, args, expected):
@@ -53,16 +55,16 @@ def test_heads_that_cannot_split_over_the_ranks_are_refused_before_any_rank_star
 
 
 @pytest.mark.slow
-def test_two_ranks_sharing_each_sequence_match_plain(runner):
+def test_two_ranks_sharing_each_sequence_and_sharding_the_weights_match_plain(runner):
     from streambp_core.parallel.launch import available_cpus
 
     if available_cpus() < 2:
         pytest.skip("needs two CPU cores for two ranks")
-    result = runner.invoke(app, [*TINY, "--nproc", "2", "--sp", "2", "--method", "streambp", "--padding",
-                                 "left", "--json"])
+    result = runner.invoke(app, [*TINY, "--nproc", "2", "--sp", "2", "--shard", "zero3", "--method",
+                                 "streambp", "--padding", "left", "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     (row,) = document["results"]
-    assert document["source"] == "measured-cpu" and document["sp"] == 2
+    assert document["source"] == "measured-cpu" and (document["sp"], document["shard"]) == (2, "zero3")
     assert row["ok"] and row["max_rel_err"] <= 1e-10 and row["chunks"] == 3  # 12-token shard, ps 5
     assert row["all_to_alls"] == row["layers"] * (3 + 6 * row["chunks"])
