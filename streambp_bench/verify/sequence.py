@@ -44,7 +44,7 @@ def run_sequence(spec: VerifySpec, nproc: int, sp: int, shard: str | None, *, as
     from streambp_core.parallel.sequence_verify import check_sequence_spec, verify_sequence
 
     backend = backend_for(spec.device)
-    check_sequence_spec(spec, nproc, sp)
+    check_sequence_spec(spec, nproc, sp, shard)
     try:
         with stderr_console().status(f"verifying sequence parallelism on {nproc} ranks ({backend}) ..."):
             report = verify_sequence((spec,), nproc=nproc, sp=sp, shard=shard)
@@ -84,7 +84,8 @@ def _print(console, report, spec: VerifySpec, backend: str) -> None:
         f"{report.sp} sharing each sequence, weights {_weights(report.shard)}, seq_len "
         f"{step.seq_len_tokens}, batch {step.batch_size}, ps "
         f"{step.stream.partition_size} ({chunks} lockstep chunks per layer), ps-head "
-        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, streambp "
+        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, lora rank "
+        f"{step.lora_rank}, streambp "
         f"head {step.stream.head_mode}, offload {step.stream.offload}, seed {step.seed}; collectives of "
         "one step on rank 0 (bytes received), gradient sums excluded",
         soft_wrap=True)

@@ -31,6 +31,7 @@ from streambp_core.engine.sequence_attention import kv_replication, lockstep_chu
 from streambp_core.engine.sequence_group import SequenceGroup, sum_gradients
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import decoder_parts
+from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.comms import CollectiveLog
 from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
@@ -83,7 +84,7 @@ class SequenceReport:
                 "ok": self.ok, "results": [asdict(result) for result in self.results]}
 
 
-def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int) -> None:
+def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int, shard: str | None = None) -> None:
     """ConfigError, before any rank starts, for what a sequence-parallel verify cannot check."""
     check_nproc(nproc, spec.device)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
@@ -93,8 +94,9 @@ def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int) -> None:
     if spec.step.dtype not in TOLERANCE:
         raise ConfigError(f"sequence-parallel verify compares exact dtypes ({', '.join(TOLERANCE)}), "
                           f"got {spec.step.dtype}")
-    if spec.step.lora_rank:
-        raise ConfigError("sequence-parallel verify checks full-parameter training; lora_rank must be 0")
+    if spec.step.lora_rank and shard is not None:
+        raise ConfigError("sequence-parallel verify with a shard stage checks full-parameter training; "
+                          "lora_rank must be 0")
     if spec.packing:
         raise ConfigError("sequence parallelism does not run packed rows")
     if spec.step.seq_len_tokens < sp:
@@ -116,7 +118,7 @@ def verify_sequence(specs: tuple[VerifySpec, ...], *, nproc: int, sp: int, shard
     if len(devices) != 1:
         raise ConfigError(f"all specs must use one device, got {', '.join(sorted(devices))}")
     for spec in specs:
-        check_sequence_spec(spec, nproc, sp)
+        check_sequence_spec(spec, nproc, sp, shard)
     device = devices.pop()
     per_rank = run_ranks(_rank_verify, nproc, device=device, args=(specs, sp, shard), timeout_s=timeout_s)
     return SequenceReport(nproc=nproc, sp=sp, shard=shard or "none", device=device,
@@ -142,6 +144,8 @@ def _rank_verify(rank: int, world: int, specs, sp: int, shard: str | None) -> li
     for spec in specs:
         model = build_model(load_config(spec.step.model), dtype=DTYPES[spec.step.dtype], device=spec.device,
                             seed=spec.step.seed)
+        if spec.step.lora_rank:
+            model = apply_lora(model, spec.step.lora_rank)
         batches = [_group_batch(spec, model, g) for g in range(world // sp)]
         reference = _reference(model, spec, batches) if rank == 0 else None
         for method in spec.methods:

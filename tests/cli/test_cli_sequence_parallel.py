@@ -39,6 +39,7 @@ def three_heads(tmp_path) -> str:
     (["--nproc", "2", "--sp", "2", "--engine", "deepspeed"], "does not run under DeepSpeed"),
     (["--nproc", "2", "--sp", "2", "--shard", "zero1"], "--shard with --sp must be one of zero2, zero3"),
     (["--nproc", "2", "--sp", "2", "--dtype", "bfloat16"], "exact dtypes"),
+    (["--nproc", "2", "--sp", "2", "--shard", "zero3", "--lora-rank", "4"], "lora_rank must be 0"),
 ])
 def test_sequence_parallel_bad_input_is_one_line_before_any_rank_starts(runner, args, expected):
     result = runner.invoke(app, [*TINY, *args])
