@@ -100,13 +100,15 @@ def test_the_router_load_balancing_loss_is_refused_by_name():
         streambp_core.prepare(model, "streambp", sequence_group=SequenceGroup.simulated(2))
 
 
-def test_packed_rows_and_a_sequence_shorter_than_the_ranks_are_refused(cpu_model):
+def test_packed_rows_a_sequence_shorter_than_the_ranks_and_hidden_states_are_refused(cpu_model):
     with streambp_core.prepare(cpu_model, "streambp", sequence_group=SequenceGroup.simulated(4)) as run:
         ids = torch.zeros(1, 8, dtype=torch.long)
         with pytest.raises(ConfigError, match="packed rows"):
             run.loss(ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
         with pytest.raises(ConfigError, match="less than the 4 sequence-parallel ranks"):
             run.loss(ids[:, :3])
+        with pytest.raises(ConfigError, match="hidden_states under sequence parallelism"):
+            run.hidden_states(ids)
 
 
 def test_a_step_spec_names_its_sequence_ranks():
