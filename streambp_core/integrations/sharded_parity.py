@@ -1,0 +1,240 @@
+"""Trainer parity on sharded engines: N CPU ranks under accelerate's FSDP2 or DeepSpeed plugin.
+
+    results = run_sharded_parity(ParitySetup(trainer="sft"), engine="fsdp2", shard="zero3", nproc=2,
+                                 methods=("streambp",), partition_size=8)
+
+Steps:
+1. The reference, in this process: single-process plain training of the same model on the same rows,
+   `nproc` times the per-rank batch, the same gradient accumulation (data parallelism's global batch).
+   GRPO samples its completions from each process's generator, so its reference is plain on the same
+   engine and ranks instead (the same completions as the method's run).
+2. `nproc` ranks (`parallel.launch.run_ranks`, gloo) each build the trainers as `accelerate launch` would
+   configure them (the plugin from the same environment variables) and train plain, then each method
+   with `stream_trainer`; every parameter is gathered to a full tensor after training.
+3. Each method's update (after - before) is compared with the reference's and with plain's on the same
+   engine, per group of parameters (`parity.group_errors`).
+
+CPU ranks: accelerate 1.15 takes its FSDP plugin only on accelerator devices (MULTI_GPU and the like)
+and its DeepSpeed plugin only when not told `cpu=True`. So each rank starts accelerate's `PartialState`
+over the gloo group itself and declares the distributed type `accelerate launch` gives GPU ranks
+(MULTI_GPU for FSDP, DEEPSPEED); the trainer then takes it (`use_configured_state`). Everything after
+(the plugin, `Accelerator.prepare`, `fsdp2_prepare_model`, `deepspeed.initialize`) runs as on GPUs.
+
+Tolerances: FSDP2 keeps the weights' dtype, so float64 runs are held to `update_tolerance` (1e-10 with
+SGD). DeepSpeed ZeRO-1/2 keep float32 master weights and step them whatever the parameters' dtype, so
+its figures are float32's: against single-process float64 plain, `deepspeed_verify.MASTER_TOLERANCE`;
+against plain on the same engine (the deferral alone), `deepspeed_verify.ENGINE_TOLERANCE`. TRL's
+trainers score tokens with TRL's fused LM head, which sums in float32 buffers whatever the weights'
+dtype: against single-process plain (a batch split differently) they are held to float32's bound too,
+against plain on the same engine to the weights' dtype's (`sharded_tolerances`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, replace
+
+from streambp_core.config import ConfigError
+from streambp_core.integrations.parity import MethodParity, group_errors, train_updates, update_tolerance
+from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory
+
+ENGINE_SHARDS = {"fsdp2": ("zero2", "zero3"), "deepspeed": ("zero1", "zero2", "zero3")}
+"""The `--shard` names of each engine (DeepSpeed's zero3 is refused by name, see `engines.py`)."""
+RANK_TIMEOUT_S = 600.0
+"""Process-group timeout of the ranks (a trainer's start-up and three steps on CPU)."""
+ACCUMULATION_STEPS = 2
+"""Micro-steps per optimizer step of a sharded parity run (unless the settings say otherwise)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedParity:
+    """One method on one engine: its update against the reference and against plain on the engine."""
+
+    engine: str
+    shard: str
+    nproc: int
+    reference: str
+    """What `against_reference` compares with: 'single-process plain' or 'plain on the engine'."""
+    against_reference: MethodParity
+    against_engine_plain: MethodParity
+    float64_plain_error: float | None = None
+    """DeepSpeed only: the largest group error against single-process float64 plain without an engine
+    (reported, not judged: float32 master weights round each update at their resolution)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.against_reference.ok and self.against_engine_plain.ok
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "shard": self.shard, "nproc": self.nproc, "reference": self.reference,
+                "ok": self.ok, "against_reference": self.against_reference.to_dict(),
+                "against_engine_plain": self.against_engine_plain.to_dict(),
+                "float64_plain_error": self.float64_plain_error}
+
+
+def check_sharded(setup: ParitySetup, engine: str, shard: str, methods) -> None:
+    """ConfigError, before any rank starts, for what a sharded trainer check cannot run."""
+    if engine not in ENGINE_SHARDS:
+        raise ConfigError(f"--engine must be one of {', '.join(ENGINE_SHARDS)}, got {engine!r}")
+    if shard not in ENGINE_SHARDS[engine]:
+        shards = ", ".join(ENGINE_SHARDS[engine])
+        raise ConfigError(f"--shard for {engine} must be one of {shards}, got {shard!r}")
+    if setup.device != "cpu":
+        raise ConfigError("a sharded trainer check runs on cpu ranks (gloo); use --device cpu")
+    if engine == "deepspeed":
+        from streambp_core.integrations.engines import deepspeed_refusals
+
+        plugin = _Plugin({"zero_optimization": {"stage": int(shard[-1])}})
+        for refused, setting, why in deepspeed_refusals(plugin):
+            if refused:
+                raise ConfigError(f"{setting} cannot train a {', '.join(methods)} model: {why}")
+    update_tolerance("sgd", setup.dtype)  # float64 or float32 only
+
+
+@dataclass(frozen=True)
+class _Plugin:
+    deepspeed_config: dict
+
+
+def run_sharded_parity(setup: ParitySetup, *, engine: str, shard: str, nproc: int, methods,
+                       **options) -> list[ShardedParity]:
+    """Train plain and each method on `nproc` ranks of `engine` and compare (module docstring)."""
+    from streambp_core.parallel.launch import check_nproc, run_ranks
+
+    try:
+        check_sharded(setup, engine, shard, methods)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    check_nproc(nproc, "cpu")
+    settings = {"gradient_accumulation_steps": ACCUMULATION_STEPS, **setup.settings}
+    setup = replace(setup, settings=settings)
+    per_rank = run_ranks(_rank_train, nproc, args=(setup, engine, shard, tuple(methods), options),
+                         timeout_s=RANK_TIMEOUT_S)
+    updates, tied = per_rank[0]
+    float64_plain = None
+    if setup.trainer == "grpo":
+        reference_name, reference = "plain on the engine", updates["plain"]
+    elif engine == "deepspeed":
+        reference_name = "single-process plain on deepspeed"
+        reference = _engine_plain(setup, engine, shard, nproc)
+        float64_plain = _single_process_plain(setup, nproc)
+    else:
+        reference_name, reference = "single-process plain", _single_process_plain(setup, nproc)
+    return [_compare(engine, shard, nproc, setup, method, reference_name, reference, updates, tied,
+                     float64_plain) for method in methods]
+
+
+def _compare(engine, shard, nproc, setup, method, reference_name, reference, updates, tied,
+             float64_plain) -> ShardedParity:
+    tolerance = sharded_tolerance(setup, engine, reference_name)
+    engine_tolerance = sharded_tolerance(setup, engine, "plain on the engine")
+    float64_error = None
+    if float64_plain is not None:
+        groups = group_errors(float64_plain, updates[method], tied)
+        float64_error = max((g.rel_error for g in groups), default=0.0)
+    return ShardedParity(
+        engine=engine, shard=shard, nproc=nproc, reference=reference_name,
+        against_reference=MethodParity(method, group_errors(reference, updates[method], tied), tolerance),
+        against_engine_plain=MethodParity(method, group_errors(updates["plain"], updates[method], tied),
+                                          engine_tolerance),
+        float64_plain_error=float64_error)
+
+
+def sharded_tolerance(setup: ParitySetup, engine: str, reference_name: str) -> float:
+    """The update tolerance against `reference_name`: `update_tolerance` of the optimizer and dtype,
+    raised to float32's bound where float32 arithmetic is forced (module docstring): DeepSpeed's master
+    weights, and TRL's fused LM head against single-process plain (its `ChunkedLogProbFunction` sums
+    log-sum-exp and head gradients in float32 buffers, so a batch split across ranks rounds differently;
+    plain on the engine splits it the same way)."""
+    from streambp_core.parallel.deepspeed_verify import ENGINE_TOLERANCE
+
+    tolerance = update_tolerance(setup.settings.get("optim", "sgd"), setup.dtype)
+    trl_head = setup.trainer != "trainer" and reference_name != "plain on the engine"
+    float32_forced = engine == "deepspeed" or trl_head
+    return max(tolerance, ENGINE_TOLERANCE) if float32_forced else tolerance
+
+
+def _engine_plain(setup: ParitySetup, engine: str, shard: str, nproc: int) -> dict:
+    """Plain training in one rank of `engine` on the global batch (`nproc` x the per-rank batch)."""
+    from streambp_core.parallel.launch import run_ranks
+
+    global_batch = _global_batch(setup, nproc)
+    per_rank = run_ranks(_rank_train, 1, args=(global_batch, engine, shard, (), {}), timeout_s=RANK_TIMEOUT_S)
+    return per_rank[0][0]["plain"]
+
+
+def _global_batch(setup: ParitySetup, nproc: int) -> ParitySetup:
+    from streambp_core.integrations.parity_setup import DEFAULT_SETTINGS
+
+    name = "per_device_train_batch_size"
+    per_rank = setup.settings.get(name, DEFAULT_SETTINGS[name])
+    return replace(setup, settings={**setup.settings, name: per_rank * nproc})
+
+
+def _single_process_plain(setup: ParitySetup, nproc: int) -> dict:
+    """Plain training in this process, no engine, on the global batch (`nproc` x the per-rank batch)."""
+    with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
+        updates, _, _ = train_updates(trainer_factory(_global_batch(setup, nproc), output_dir), None, {})
+    return updates
+
+
+def engine_environment(engine: str, shard: str) -> dict[str, str]:
+    """The environment `accelerate launch` gives a rank for `examples/accelerate/*.yaml` of this engine:
+    FSDP2 with one unit per decoder layer (the model's `_no_split_modules`), or DeepSpeed's plugin."""
+    if engine == "fsdp2":
+        return {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                "FSDP_RESHARD_AFTER_FORWARD": str(shard == "zero3").lower(),
+                "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": shard[-1]}
+
+
+def deepspeed_settings(shard: str) -> dict:
+    """The trainer's DeepSpeed config for ZeRO `shard`: the batch, accumulation and clipping the trainer's
+    arguments give ("auto"), the trainer's own optimizer (float32 masters in ZeRO)."""
+    return {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                          "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+                          "zero_optimization": {"stage": int(shard[-1])}}}
+
+
+def _declare_engine(engine: str) -> None:
+    """accelerate's state over this rank's gloo group, of the distributed type GPU ranks of `engine`
+    get (module docstring)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True, backend="gloo")
+    state.distributed_type = DistributedType.MULTI_GPU if engine == "fsdp2" else DistributedType.DEEPSPEED
+
+
+def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
+    """Body of each rank: ({method or 'plain': updates}, tied) on rank 0, None elsewhere."""
+    os.environ.update(engine_environment(engine, shard))
+    _declare_engine(engine)
+    settings = {**setup.settings, "use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    if engine == "deepspeed":
+        settings.update(deepspeed_settings(shard))
+    rank_setup = replace(setup, settings=settings)
+    updates, tied = {}, False
+    with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
+        make = trainer_factory(rank_setup, output_dir)
+        for method in ("plain", *methods):
+            _fresh_accelerator()
+            updates[method], tied = _train_full(make, None if method == "plain" else method, options)
+    return (updates, tied) if rank == 0 else None
+
+
+def _fresh_accelerator() -> None:
+    """Forget the previous trainer's accelerator (one per process takes a plugin), keeping the state over
+    the process group."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+def _train_full(make, method: str | None, options: dict):
+    """`train_updates` and whether the embedding is tied."""
+    updates, tied, _ = train_updates(make, method, options)
+    return updates, tied
