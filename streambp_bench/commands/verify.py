@@ -231,13 +231,12 @@ def verify(
         from streambp_bench.verify.trainer import run_trainer_parity
 
         unused = {"--padding": padding.value != "none", "--objective": objective.value != "sft",
-                  "--head-mode": head_mode.value != "recompute", "--offload": offload.value != "none",
-                  "--nproc": nproc is not None, "--shard": shard is not None}
+                  "--head-mode": head_mode.value != "recompute", "--offload": offload.value != "none"}
         if not run_trainer_parity(
                 trainer.value, model=model, methods=method_list(method), dtype=dtype.value, seq_len=seq_len,
                 batch_size=batch_size, ps=ps, ps_head=ps_head, seed=seed, device=device.value,
                 lora_rank=lora_rank, attn=attn.value, data=data.value, settings=settings, unused=unused,
-                as_json=as_json):
+                as_json=as_json, nproc=nproc, shard=shard, engine=engine):
             raise typer.Exit(code=1)
         return
     methods = method_list(method)

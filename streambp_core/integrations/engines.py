@@ -38,6 +38,8 @@ SHARDED_ENGINES = ("fsdp2", "deepspeed")
 """The engines `stream_trainer` trains on with more than one process."""
 DEEPSPEED_STAGES = (1, 2)
 """ZeRO stages a trainer streams on; ZeRO-3 partitions the parameters the streamed layers read."""
+ZERO_1_OR_2 = 2
+"""What `zero_stage_of` answers for a model ZeRO-1 or ZeRO-2 holds."""
 WRAP_SETTING = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_transformer_layer_cls_to_wrap: {}"
 
 
@@ -73,14 +75,14 @@ def fsdp2_refusals(plugin, model: nn.Module) -> list[tuple[bool, str, str]]:
     """What of accelerate's FSDP2 plugin the streamed layout cannot honour (module docstring)."""
     layer_class = type(parts_of(model).layers[0]).__name__
     wrapped = wrapped_classes(plugin, model)
-    wrap = "" if wrapped is None else ", ".join(sorted(wrapped)) or "none"
+    wrap = "" if wrapped is None else f" ({', '.join(sorted(wrapped)) or 'no class'})"
     offload = type(getattr(plugin, "cpu_offload", None)).__name__ == "CPUOffloadPolicy"
     policy = getattr(plugin, "mixed_precision_policy", None)
     reshard = getattr(plugin, "reshard_after_forward", True)
     unit = ("the streamed methods need one FSDP2 unit per decoder layer; set "
             f"{WRAP_SETTING.format(layer_class)}")
     return [
-        (wrapped != {layer_class}, f"FSDP2 auto wrap policy {_policy_name(plugin)} ({wrap})", unit),
+        (wrapped != {layer_class}, f"FSDP2 auto wrap policy {_policy_name(plugin)}{wrap}", unit),
         (offload, "FSDP2 CPU offload (fsdp_offload_params)", "it is not checked with streamed layers"),
         (policy is not None and any(getattr(policy, f, None) is not None for f in ("param_dtype",
                                                                                     "reduce_dtype")),
@@ -159,10 +161,9 @@ def shard_for_plugin(trainer) -> None:
 class DeepSpeedReduction:
     """One `OneReduction` armed once per backward of a model the trainer's DeepSpeed engine holds."""
 
-    def __init__(self, model: nn.Module, method: str, drives_modules: bool) -> None:
+    def __init__(self, model: nn.Module, method: str) -> None:
         self.model = model
         self.method = method
-        self.drives_modules = drives_modules
         self.reduction: OneReduction | None = None
         """Made at the first training forward under the engine (ZeRO marks the parameters then)."""
         self._armed = False
@@ -170,10 +171,12 @@ class DeepSpeedReduction:
     def arm(self, tensor: torch.Tensor) -> torch.Tensor:
         """Arm the deferral on `tensor` (a training forward's output) unless this backward has it already;
         returns `tensor`. Outside a ZeRO engine (before `train()` wraps the model) it does nothing."""
-        if self._armed or not tensor.requires_grad or zero_stage_of(self.model) is None:
+        if self._armed or not tensor.requires_grad or zero_stage_of(self.model) != ZERO_1_OR_2:
             return tensor
         if self.reduction is None:
-            self.reduction = one_reduction_for(self.model, self.method, self.drives_modules)
+            self.reduction = one_reduction_for(self.model, self.method)
+        if self.reduction is None:  # plain: autograd fires each hook once
+            return tensor
         self._armed = True
         self.reduction.arm(tensor)
         tensor.register_hook(self._queue_rearm)  # after the reduction's hook: its flush runs first

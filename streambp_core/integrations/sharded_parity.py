@@ -211,7 +211,6 @@ def _declare_engine(engine: str) -> None:
 def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
     """Body of each rank: ({method or 'plain': updates}, tied) on rank 0, None elsewhere."""
     os.environ.update(engine_environment(engine, shard))
-    _declare_engine(engine)
     settings = {**setup.settings, "use_cpu": False, "accelerator_config": {"use_configured_state": True}}
     if engine == "deepspeed":
         settings.update(deepspeed_settings(shard))
@@ -220,18 +219,19 @@ def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: s
     with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
         make = trainer_factory(rank_setup, output_dir)
         for method in ("plain", *methods):
-            _fresh_accelerator()
+            _fresh_accelerator(engine)
             updates[method], tied = _train_full(make, None if method == "plain" else method, options)
     return (updates, tied) if rank == 0 else None
 
 
-def _fresh_accelerator() -> None:
-    """Forget the previous trainer's accelerator (one per process takes a plugin), keeping the state over
-    the process group."""
+def _fresh_accelerator(engine: str) -> None:
+    """Forget the previous trainer's accelerator (one per process takes a plugin) and declare the
+    engine's distributed type again (the accelerator wrote its own over it), keeping the process group."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+    _declare_engine(engine)
 
 
 def _train_full(make, method: str | None, options: dict):

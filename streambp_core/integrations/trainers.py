@@ -22,7 +22,7 @@ from streambp_core.config import ConfigError, check_method
 from streambp_core.integrations.checks import check_trainer
 from streambp_core.integrations.engines import DeepSpeedReduction, shard_for_plugin, trainer_engine
 from streambp_core.integrations.forwards import set_forward, streamed_backbone_forward, streamed_loss_forward
-from streambp_core.methods import RUN_CLASSES, Run, prepare
+from streambp_core.methods import Run, prepare
 
 STREAMED_LOSS_METHODS = ("mst", "streambp")
 """Methods whose loss differs from the model's own forward (chunked or streamed head)."""
@@ -99,7 +99,7 @@ def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list,
 
 def _deepspeed_reduction(model: nn.Module, method: str, undo: list) -> DeepSpeedReduction:
     """The deferral a DeepSpeed-held model arms once per backward (`engines.DeepSpeedReduction`)."""
-    reduction = DeepSpeedReduction(model, method, RUN_CLASSES[method].drives_modules)
+    reduction = DeepSpeedReduction(model, method)
     undo.append(reduction.close)
     return reduction
 
