@@ -204,3 +204,23 @@ def test_sharded_check_refuses_before_any_rank_starts():
         run_sharded_parity(setup_of("sft"), engine="ddp", shard="zero2", nproc=2, methods=("streambp",))
     with pytest.raises(ConfigError, match="nproc 999"):
         run_sharded_parity(setup_of("sft"), engine="fsdp2", shard="zero2", nproc=999, methods=("streambp",))
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero3"], ("DeepSpeed ZeRO-3", "zero_stage 2")),
+    (["--shard", "zero2"], ("--shard needs --nproc",)),
+    (["--engine", "deepspeed"], ("--engine deepspeed needs --nproc",)),
+    (["--nproc", "2", "--shard", "zero1"], ("--shard for fsdp2",)),
+    (["--nproc", "2", "--lora-rank", "4"], ("full-parameter",)),
+])
+def test_cli_refuses_in_one_line_before_any_rank_starts(args, words):
+    from typer.testing import CliRunner
+
+    from streambp_bench.cli import app
+    from tests.cli.errors import one_line_error
+
+    if "deepspeed" in args and not deepspeed_installed():
+        pytest.skip("deepspeed is not installed")
+    result = CliRunner().invoke(app, ["verify", "-m", "tiny/qwen3", "--dtype", "float64", "--trainer", "sft",
+                                      *args])
+    one_line_error(result, *words)
