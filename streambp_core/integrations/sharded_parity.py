@@ -211,6 +211,7 @@ def _declare_engine(engine: str) -> None:
 def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
     """Body of each rank: ({method or 'plain': updates}, tied) on rank 0, None elsewhere."""
     os.environ.update(engine_environment(engine, shard))
+    _declare_engine(engine)  # before any TrainingArguments: they take the configured state
     settings = {**setup.settings, "use_cpu": False, "accelerator_config": {"use_configured_state": True}}
     if engine == "deepspeed":
         settings.update(deepspeed_settings(shard))
@@ -220,7 +221,7 @@ def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: s
         make = trainer_factory(rank_setup, output_dir)
         for method in ("plain", *methods):
             _fresh_accelerator(engine)
-            updates[method], tied = _train_full(make, None if method == "plain" else method, options)
+            updates[method], tied, _ = train_updates(make, None if method == "plain" else method, options)
     return (updates, tied) if rank == 0 else None
 
 
@@ -233,8 +234,3 @@ def _fresh_accelerator(engine: str) -> None:
     GradientState._reset_state()
     _declare_engine(engine)
 
-
-def _train_full(make, method: str | None, options: dict):
-    """`train_updates` and whether the embedding is tied."""
-    updates, tied, _ = train_updates(make, method, options)
-    return updates, tied

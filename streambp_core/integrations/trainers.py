@@ -40,7 +40,8 @@ class TrainerStream:
         return self.runs[0].method
 
     def close(self) -> None:
-        """Give the trainer's model (and reference model) back unprepared."""
+        """Give the trainer's model (and reference model) back unprepared (under FSDP2 it stays sharded,
+        as accelerate would have left it)."""
         while self._undo:
             self._undo.pop()()
         for run in self.runs:
