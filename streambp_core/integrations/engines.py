@@ -152,7 +152,9 @@ def shard_for_plugin(trainer) -> None:
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is None:
         mesh = init_device_mesh(accelerator.device.type, (torch.distributed.get_world_size(),))
-    reshard = accelerator.state.fsdp_plugin.reshard_after_forward
+    plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)  # as accelerate's prepare does first: it finds classes by name,
+    reshard = plugin.reshard_after_forward  # which fully_shard changes (FSDPQwen3DecoderLayer)
     for layer in parts_of(model).layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

@@ -76,6 +76,8 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
         reduction = _deepspeed_reduction(trainer.model, method, undo) if engine == "deepspeed" else None
         runs.append(_prepare_trained(trainer.model, method, options, undo, reduction))
         ref_model = getattr(trainer, "ref_model", None)
+        if type(ref_model).__name__ == "DeepSpeedEngine":  # TRL wraps a frozen reference for DeepSpeed
+            ref_model = ref_model.module
         if ref_model is not None and method == "streambp":
             runs.append(_prepare_frozen(ref_model, options, undo))
     except BaseException:
