@@ -153,8 +153,10 @@ def shard_for_plugin(trainer) -> None:
     if mesh is None:
         mesh = init_device_mesh(accelerator.device.type, (torch.distributed.get_world_size(),))
     plugin = accelerator.state.fsdp_plugin
-    plugin.set_auto_wrap_policy(model)  # as accelerate's prepare does first: it finds classes by name,
-    reshard = plugin.reshard_after_forward  # which fully_shard changes (FSDPQwen3DecoderLayer)
+    # As accelerate's prepare does first: the policy finds the layer class by its name, which fully_shard
+    # changes (Qwen3DecoderLayer becomes FSDPQwen3DecoderLayer).
+    plugin.set_auto_wrap_policy(model)
+    reshard = plugin.reshard_after_forward
     for layer in parts_of(model).layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
