@@ -51,6 +51,7 @@ def assert_sharded(results, methods) -> None:
     for result in results:
         for against, parity in ((result.reference, result.against_reference),
                                 ("plain on the engine", result.against_engine_plain)):
+            assert {g.group for g in parity.groups} >= {"attention", "mlp", "norms"}, parity.groups
             for group in parity.groups:
                 assert group.plain_update_norm > 0, f"{group.group} never moved: the comparison means nothing"
                 assert group.rel_error <= parity.tolerance, (
