@@ -32,6 +32,7 @@ against plain on the same engine to the weights' dtype's (`sharded_tolerances`).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 
@@ -209,7 +210,10 @@ def _declare_engine(engine: str) -> None:
 
 
 def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
-    """Body of each rank: ({method or 'plain': updates}, tied) on rank 0, None elsewhere."""
+    """Body of each rank: ({method or 'plain': updates}, tied) on rank 0, None elsewhere. What the
+    libraries print here goes to stderr: the caller's stdout holds only its report (`--json`)."""
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     os.environ.update(engine_environment(engine, shard))
     _declare_engine(engine)  # before any TrainingArguments: they take the configured state
     settings = {**setup.settings, "use_cpu": False, "accelerator_config": {"use_configured_state": True}}
