@@ -1,7 +1,7 @@
 """`streambp-bench verify --trainer KIND`: a trainer's updates with `stream_trainer` against plain, per group.
 
 The work is `streambp_core.integrations.parity_setup.run_parity` (one process) or, with `--nproc N
---engine fsdp2|deepspeed [--shard ...]`, `streambp_core.integrations.sharded_parity.run_sharded_parity`
+--engine fsdp2|deepspeed [--shard ...]`, `streambp_bench.verify.trainer_ranks.run_sharded_parity`
 (N CPU ranks under accelerate's plugin); this module reads the trainer settings (`--set NAME=VALUE`),
 refuses the verify options that do not apply to a trainer, and prints the table.
 """
@@ -127,7 +127,8 @@ def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: s
 
 def _run_sharded(setup, methods, stream: dict, nproc: int, engine: str, stages, as_json: bool) -> bool:
     """`run_sharded_parity` for every stage (each checked before any rank starts); print; all passed."""
-    from streambp_core.integrations.sharded_parity import check_sharded, run_sharded_parity
+    from streambp_bench.verify.trainer_ranks import run_sharded_parity
+    from streambp_core.integrations.sharded_parity import check_sharded
 
     for stage in stages:
         check_sharded(setup, engine, stage, methods)

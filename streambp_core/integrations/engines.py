@@ -29,7 +29,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streambp_core.engine.reduction import OneReduction, one_reduction_for, zero_stage_of
+from streambp_core.engine.reduction import (
+    OneReduction,
+    check_version,
+    installed_version,
+    one_reduction_for,
+    zero_stage_of,
+)
 from streambp_core.methods.guards import parts_of
 
 ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "deepspeed")
@@ -121,9 +127,7 @@ def _policy_name(plugin) -> str:
 
 def deepspeed_refusals(plugin) -> list[tuple[bool, str, str]]:
     """What of accelerate's DeepSpeed plugin cannot be reduced once per parameter (module docstring)."""
-    from streambp_core.parallel.deepspeed import check_installed
-
-    check_installed()  # missing, or below the floor: ConfigError naming it
+    check_version(installed_version())  # missing, or below the floor: ConfigError naming it
     config = getattr(plugin, "deepspeed_config", None) or {}
     zero = config.get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0) or 0)

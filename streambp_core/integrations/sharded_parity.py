@@ -1,18 +1,19 @@
-"""Trainer parity on sharded engines: N CPU ranks under accelerate's FSDP2 or DeepSpeed plugin.
-
-    results = run_sharded_parity(ParitySetup(trainer="sft"), engine="fsdp2", shard="zero3", nproc=2,
-                                 methods=("streambp",), partition_size=8)
+"""Trainer parity on sharded engines: the pieces of a check on N CPU ranks under accelerate's FSDP2 or
+DeepSpeed plugin. The ranks are started by `streambp_bench.verify.trainer_ranks.run_sharded_parity`
+(the launcher sits beside this package, in `parallel`); this module holds what each rank runs and how
+the figures are judged.
 
 Steps:
-1. The reference, in this process: single-process plain training of the same model on the same rows,
-   `nproc` times the per-rank batch, the same gradient accumulation (data parallelism's global batch).
-   GRPO samples its completions from each process's generator, so its reference is plain on the same
-   engine and ranks instead (the same completions as the method's run).
-2. `nproc` ranks (`parallel.launch.run_ranks`, gloo) each build the trainers as `accelerate launch` would
-   configure them (the plugin from the same environment variables) and train plain, then each method
-   with `stream_trainer`; every parameter is gathered to a full tensor after training.
+1. The reference: single-process plain training of the same model on the same rows, `nproc` times the
+   per-rank batch, the same gradient accumulation (data parallelism's global batch; `global_batch`).
+   On DeepSpeed the reference is that training on one DeepSpeed rank (float32 master weights on both
+   sides), with single-process float64 plain without an engine reported beside it. GRPO samples its
+   completions from each process's generator, so its reference is plain on the same engine and ranks.
+2. `nproc` ranks each build the trainers as `accelerate launch` would configure them (the plugin from
+   the same environment variables, `engine_environment`) and train plain, then each method with
+   `stream_trainer` (`rank_train`); every parameter is gathered to a full tensor after training.
 3. Each method's update (after - before) is compared with the reference's and with plain's on the same
-   engine, per group of parameters (`parity.group_errors`).
+   engine, per group of parameters (`compare_sharded`, `parity.group_errors`).
 
 CPU ranks: accelerate 1.15 takes its FSDP plugin only on accelerator devices (MULTI_GPU and the like)
 and its DeepSpeed plugin only when not told `cpu=True`. So each rank starts accelerate's `PartialState`
@@ -20,13 +21,12 @@ over the gloo group itself and declares the distributed type `accelerate launch`
 (MULTI_GPU for FSDP, DEEPSPEED); the trainer then takes it (`use_configured_state`). Everything after
 (the plugin, `Accelerator.prepare`, `fsdp2_prepare_model`, `deepspeed.initialize`) runs as on GPUs.
 
-Tolerances: FSDP2 keeps the weights' dtype, so float64 runs are held to `update_tolerance` (1e-10 with
-SGD). DeepSpeed ZeRO-1/2 keep float32 master weights and step them whatever the parameters' dtype, so
-its figures are float32's: against single-process float64 plain, `deepspeed_verify.MASTER_TOLERANCE`;
-against plain on the same engine (the deferral alone), `deepspeed_verify.ENGINE_TOLERANCE`. TRL's
-trainers score tokens with TRL's fused LM head, which sums in float32 buffers whatever the weights'
-dtype: against single-process plain (a batch split differently) they are held to float32's bound too,
-against plain on the same engine to the weights' dtype's (`sharded_tolerances`).
+Tolerances (`sharded_tolerance`): FSDP2 keeps the weights' dtype, so float64 runs are held to
+`update_tolerance` (1e-10 with SGD). DeepSpeed ZeRO-1/2 step float32 master weights whatever the
+parameters' dtype, so its figures are held to float32's bound. TRL's trainers score tokens with TRL's
+fused LM head, which sums in float32 buffers whatever the weights' dtype: against single-process plain
+(a batch split differently) they are held to float32's bound too, against plain on the same engine to
+the weights' dtype's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory
 
 ENGINE_SHARDS = {"fsdp2": ("zero2", "zero3"), "deepspeed": ("zero1", "zero2", "zero3")}
 """The `--shard` names of each engine (DeepSpeed's zero3 is refused by name, see `engines.py`)."""
+FLOAT32_TOLERANCE = 1e-4
+"""Where float32 arithmetic is forced: float32's bound of `verify` (and of the DeepSpeed verify's
+`ENGINE_TOLERANCE` and `MASTER_TOLERANCE`)."""
 RANK_TIMEOUT_S = 600.0
 """Process-group timeout of the ranks (a trainer's start-up and three steps on CPU)."""
 ACCUMULATION_STEPS = 2
@@ -98,36 +101,10 @@ class _Plugin:
     deepspeed_config: dict
 
 
-def run_sharded_parity(setup: ParitySetup, *, engine: str, shard: str, nproc: int, methods,
-                       **options) -> list[ShardedParity]:
-    """Train plain and each method on `nproc` ranks of `engine` and compare (module docstring)."""
-    from streambp_core.parallel.launch import check_nproc, run_ranks
-
-    try:
-        check_sharded(setup, engine, shard, methods)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    check_nproc(nproc, "cpu")
-    settings = {"gradient_accumulation_steps": ACCUMULATION_STEPS, **setup.settings}
-    setup = replace(setup, settings=settings)
-    per_rank = run_ranks(_rank_train, nproc, args=(setup, engine, shard, tuple(methods), options),
-                         timeout_s=RANK_TIMEOUT_S)
-    updates, tied = per_rank[0]
-    float64_plain = None
-    if setup.trainer == "grpo":
-        reference_name, reference = "plain on the engine", updates["plain"]
-    elif engine == "deepspeed":
-        reference_name = "single-process plain on deepspeed"
-        reference = _engine_plain(setup, engine, shard, nproc)
-        float64_plain = _single_process_plain(setup, nproc)
-    else:
-        reference_name, reference = "single-process plain", _single_process_plain(setup, nproc)
-    return [_compare(engine, shard, nproc, setup, method, reference_name, reference, updates, tied,
-                     float64_plain) for method in methods]
-
-
-def _compare(engine, shard, nproc, setup, method, reference_name, reference, updates, tied,
-             float64_plain) -> ShardedParity:
+def compare_sharded(engine: str, shard: str, nproc: int, setup: ParitySetup, method: str, reference_name: str,
+                    reference: dict, updates: dict, tied: bool, float64_plain: dict | None) -> ShardedParity:
+    """`method`'s updates against `reference` and against plain's on the engine (`updates['plain']`);
+    `float64_plain` (DeepSpeed) is reported beside them."""
     tolerance = sharded_tolerance(setup, engine, reference_name)
     engine_tolerance = sharded_tolerance(setup, engine, "plain on the engine")
     float64_error = None
@@ -148,24 +125,14 @@ def sharded_tolerance(setup: ParitySetup, engine: str, reference_name: str) -> f
     weights, and TRL's fused LM head against single-process plain (its `ChunkedLogProbFunction` sums
     log-sum-exp and head gradients in float32 buffers, so a batch split across ranks rounds differently;
     plain on the engine splits it the same way)."""
-    from streambp_core.parallel.deepspeed_verify import ENGINE_TOLERANCE
-
     tolerance = update_tolerance(setup.settings.get("optim", "sgd"), setup.dtype)
     trl_head = setup.trainer != "trainer" and reference_name != "plain on the engine"
     float32_forced = engine == "deepspeed" or trl_head
-    return max(tolerance, ENGINE_TOLERANCE) if float32_forced else tolerance
+    return max(tolerance, FLOAT32_TOLERANCE) if float32_forced else tolerance
 
 
-def _engine_plain(setup: ParitySetup, engine: str, shard: str, nproc: int) -> dict:
-    """Plain training in one rank of `engine` on the global batch (`nproc` x the per-rank batch)."""
-    from streambp_core.parallel.launch import run_ranks
-
-    global_batch = _global_batch(setup, nproc)
-    per_rank = run_ranks(_rank_train, 1, args=(global_batch, engine, shard, (), {}), timeout_s=RANK_TIMEOUT_S)
-    return per_rank[0][0]["plain"]
-
-
-def _global_batch(setup: ParitySetup, nproc: int) -> ParitySetup:
+def global_batch(setup: ParitySetup, nproc: int) -> ParitySetup:
+    """`setup` with `nproc` times its per-rank batch: what data parallelism over `nproc` ranks trains."""
     from streambp_core.integrations.parity_setup import DEFAULT_SETTINGS
 
     name = "per_device_train_batch_size"
@@ -173,10 +140,10 @@ def _global_batch(setup: ParitySetup, nproc: int) -> ParitySetup:
     return replace(setup, settings={**setup.settings, name: per_rank * nproc})
 
 
-def _single_process_plain(setup: ParitySetup, nproc: int) -> dict:
+def single_process_plain(setup: ParitySetup, nproc: int) -> dict:
     """Plain training in this process, no engine, on the global batch (`nproc` x the per-rank batch)."""
     with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
-        updates, _, _ = train_updates(trainer_factory(_global_batch(setup, nproc), output_dir), None, {})
+        updates, _, _ = train_updates(trainer_factory(global_batch(setup, nproc), output_dir), None, {})
     return updates
 
 
@@ -209,8 +176,10 @@ def _declare_engine(engine: str) -> None:
     state.distributed_type = DistributedType.MULTI_GPU if engine == "fsdp2" else DistributedType.DEEPSPEED
 
 
-def _rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
-    """Body of each rank: ({method or 'plain': updates}, tied) on rank 0, None elsewhere. What the
+def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
+    """Body of each rank (`parallel.launch.run_ranks`): trains plain, then each of `methods`, under the
+    plugin `accelerate launch` configures for `engine` and `shard`; ({method or 'plain': updates}, tied)
+    on rank 0, None elsewhere. What the
     libraries print here goes to stderr: the caller's stdout holds only its report (`--json`)."""
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())

@@ -1,6 +1,7 @@
 """`stream_trainer` on sharded engines: 2 CPU ranks (gloo) under accelerate's FSDP2 plugin and its DeepSpeed
 plugin, 3 SGD steps with gradient accumulation 2, every parameter's update against single-process plain
-(`integrations.sharded_parity`), and what a sharded trainer cannot do exactly refused by name.
+(`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
+sharded trainer cannot do exactly refused by name.
 
 The default run takes two cells, one per engine, each through a different arming path (TRL's fused head on
 the streamed decoder stack; transformers' Trainer on the streamed loss). The matrix (every trainer, every
@@ -21,10 +22,11 @@ import torch
 pytest.importorskip("trl", minversion="1.15")
 pytest.importorskip("accelerate")
 
+from streambp_bench.verify.trainer_ranks import run_sharded_parity  # noqa: E402
 from streambp_core.config import ConfigError  # noqa: E402
 from streambp_core.integrations.engines import deepspeed_refusals, fsdp2_refusals  # noqa: E402
 from streambp_core.integrations.parity_setup import ParitySetup  # noqa: E402
-from streambp_core.integrations.sharded_parity import engine_environment, run_sharded_parity  # noqa: E402
+from streambp_core.integrations.sharded_parity import engine_environment  # noqa: E402
 from streambp_core.models import build_model  # noqa: E402
 from streambp_core.models.load import tiny_config  # noqa: E402
 
