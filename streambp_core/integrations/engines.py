@@ -40,8 +40,6 @@ from streambp_core.methods.guards import parts_of
 
 ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "deepspeed")
 """What can hold a trainer: one process, DDP, accelerate's FSDP plugin (version 1 or 2), DeepSpeed."""
-SHARDED_ENGINES = ("fsdp2", "deepspeed")
-"""The engines `stream_trainer` trains on with more than one process."""
 DEEPSPEED_STAGES = (1, 2)
 """ZeRO stages a trainer streams on; ZeRO-3 partitions the parameters the streamed layers read."""
 ZERO_1_OR_2 = 2
@@ -65,7 +63,7 @@ def trainer_engine(trainer) -> str:
     return "single"
 
 
-def engine_refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
+def engine_refusals(trainer) -> list[tuple[bool, str, str]]:
     """(refused, setting, why) for the trainer's engine, as `checks._refusals` lists them."""
     engine = trainer_engine(trainer)
     if engine == "fsdp2":
