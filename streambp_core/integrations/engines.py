@@ -20,7 +20,8 @@ The engine is read from the trainer's own accelerator (`trainer_engine`):
   (`engine.reduction`, the mechanism `parallel.deepspeed` describes) armed once per backward, on the
   decoder stack's output (a forward hook) or on the streamed loss (StreamBP under `Trainer`, whose loss
   never calls the stack), so each parameter is reduced once per micro-step. ZeRO-3 is refused for
-  every method (`one_reduction_for` runs plain only there), as is optimizer or parameter offload.
+  every method (its partitioned parameters are gathered by module hooks the streamed layers do not go
+  through), as is optimizer or parameter offload (not checked).
 - DDP and FSDP1 are refused: their gradient hooks fire per accumulation and nothing defers them.
 """
 
