@@ -61,7 +61,9 @@ HELP = (
     "(3 optimizer steps of SGD unless --set says otherwise; random words over the model's vocabulary as "
     "data) and prints each parameter group's update error, ||update - update_plain|| / ||update_plain||. "
     "Tolerance: 1e-10 in float64 (1e-4 in float32) with SGD, 1e4 x that with Adam-like optimizers, whose "
-    "normalisation amplifies the rounding of near-zero gradients."
+    "normalisation amplifies the rounding of near-zero gradients. With [bold]--nproc N --engine "
+    "fsdp2|deepspeed[/] the trainer runs on N CPU ranks under accelerate's FSDP2 or DeepSpeed plugin "
+    "(gradient accumulation 2) and is compared with single-process plain and with plain on the engine."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -83,6 +85,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3 --method all[/]
 
 [cyan]streambp-bench verify -m ./my-model-dir --dtype float64 --trainer sft --set weight_decay=0.1[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --trainer sft --nproc 2 --engine fsdp2 --shard zero3[/]
 [cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
 """
 
