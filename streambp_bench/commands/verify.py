@@ -86,7 +86,7 @@ EPILOG = """[bold]Examples[/]
 
 [cyan]streambp-bench verify -m ./my-model-dir --dtype float64 --trainer sft --set weight_decay=0.1[/]
 
-[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --trainer sft --nproc 2 --engine fsdp2 --shard zero3[/]
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --trainer sft --nproc 2 --shard zero3[/]
 [cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
 """
 
