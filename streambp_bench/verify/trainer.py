@@ -51,7 +51,7 @@ def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dt
     if given:
         raise ConfigError(f"{given[0]} does not apply to --trainer (the trainer pads its batches and "
                           "computes its own loss)")
-    stages = _sharded_stages(nproc, shard, engine, device, lora_rank)
+    stages = _sharded_stages(nproc, shard, engine, device)
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device}: a trainer check trains for real; use --device cpu or cuda")
     methods = tuple(m for m in methods if m != "plain") or ("checkpoint", "mst", "streambp")
@@ -107,8 +107,7 @@ def _print(console, document: dict, results) -> None:
                   else "[bold red]some methods do not train as plain does[/]")
 
 
-def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: str,
-                    lora_rank: int) -> tuple[str, ...]:
+def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: str) -> tuple[str, ...]:
     """The stages a sharded trainer check runs (none without --nproc); ConfigError for what cannot run."""
     if nproc is None:
         if shard is not None:
@@ -120,8 +119,6 @@ def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: s
 
     if device != "cpu":
         raise ConfigError("--trainer with --nproc runs cpu ranks (gloo); use --device cpu")
-    if lora_rank:
-        raise ConfigError("--trainer with --nproc checks full-parameter training; drop --lora-rank")
     return sharded_stages(engine, shard, nproc)
 
 
@@ -138,6 +135,7 @@ def _run_sharded(setup, methods, stream: dict, nproc: int, engine: str, stages, 
             setup, engine=engine, shard=stage, nproc=nproc, methods=methods, **stream)]
     document = {"source": "measured-cpu", "trainer": setup.trainer, "model": str(setup.model),
                 "engine": engine, "nproc": nproc, "dtype": str(setup.dtype).removeprefix("torch."),
+                "lora_rank": setup.lora_rank,
                 "settings": setup.settings, "stream_options": stream,
                 "results": [r.to_dict() for r in results]}
     emit(document, as_json, lambda console: _print_sharded(console, document, results))

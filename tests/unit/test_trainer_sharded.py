@@ -214,7 +214,7 @@ def test_sharded_check_refuses_before_any_rank_starts():
     (["--shard", "zero2"], ("--shard needs --nproc",)),
     (["--engine", "deepspeed"], ("--engine deepspeed needs --nproc",)),
     (["--nproc", "2", "--shard", "zero1"], ("--shard for fsdp2",)),
-    (["--nproc", "2", "--lora-rank", "4"], ("full-parameter",)),
+    (["--nproc", "2", "--device", "cuda"], ("cpu ranks",)),
 ])
 def test_cli_refuses_in_one_line_before_any_rank_starts(args, words):
     from typer.testing import CliRunner
