@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -84,7 +85,9 @@ def load(args: argparse.Namespace, *, trainable: bool = True):
     """The model (LoRA-wrapped when asked and `trainable`) and its tokenizer, from the local directory."""
     from transformers import AutoTokenizer
 
-    dtype, device = DTYPES[args.dtype], "cuda" if torch.cuda.is_available() else "cpu"
+    # Under `accelerate launch` or torchrun each rank loads onto its own GPU (LOCAL_RANK).
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES[args.dtype]
     if has_weights(args.model):
         model = load_model(args.model, dtype=dtype, device=device)
     else:  # a config-only directory: random weights, for a smoke test of the pipeline

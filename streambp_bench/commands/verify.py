@@ -65,7 +65,9 @@ HELP = (
     "(3 optimizer steps of SGD unless --set says otherwise; random words over the model's vocabulary as "
     "data) and prints each parameter group's update error, ||update - update_plain|| / ||update_plain||. "
     "Tolerance: 1e-10 in float64 (1e-4 in float32) with SGD, 1e4 x that with Adam-like optimizers, whose "
-    "normalisation amplifies the rounding of near-zero gradients."
+    "normalisation amplifies the rounding of near-zero gradients. With [bold]--nproc N --engine "
+    "fsdp2|deepspeed[/] the trainer runs on N CPU ranks under accelerate's FSDP2 or DeepSpeed plugin "
+    "(gradient accumulation 2) and is compared with single-process plain and with plain on the engine."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -89,6 +91,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/llama --dtype float64 --nproc 2 --sp 2 --method all --padding right[/]
 
 [cyan]streambp-bench verify -m ./my-model-dir --dtype float64 --trainer sft --set weight_decay=0.1[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --trainer sft --nproc 2 --shard zero3[/]
 [cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
 """
 
@@ -242,13 +246,12 @@ def verify(
         from streambp_bench.verify.trainer import run_trainer_parity
 
         unused = {"--padding": padding.value != "none", "--objective": objective.value != "sft",
-                  "--head-mode": head_mode.value != "recompute", "--offload": offload.value != "none",
-                  "--nproc": nproc is not None, "--shard": shard is not None}
+                  "--head-mode": head_mode.value != "recompute", "--offload": offload.value != "none"}
         if not run_trainer_parity(
                 trainer.value, model=model, methods=method_list(method), dtype=dtype.value, seq_len=seq_len,
                 batch_size=batch_size, ps=ps, ps_head=ps_head, seed=seed, device=device.value,
                 lora_rank=lora_rank, attn=attn.value, data=data.value, settings=settings, unused=unused,
-                as_json=as_json):
+                as_json=as_json, nproc=nproc, shard=shard, engine=engine):
             raise typer.Exit(code=1)
         return
     methods = method_list(method)

@@ -1,7 +1,9 @@
 """`streambp-bench verify --trainer KIND`: a trainer's updates with `stream_trainer` against plain, per group.
 
-The work is `streambp_core.integrations.parity_setup.run_parity`; this module reads the trainer settings
-(`--set NAME=VALUE`), refuses the verify options that do not apply to a trainer, and prints the table.
+The work is `streambp_core.integrations.parity_setup.run_parity` (one process) or, with `--nproc N
+--engine fsdp2|deepspeed [--shard ...]`, `streambp_bench.verify.trainer_ranks.run_sharded_parity`
+(N CPU ranks under accelerate's plugin); this module reads the trainer settings (`--set NAME=VALUE`),
+refuses the verify options that do not apply to a trainer, and prints the table.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from rich.table import Table
 from streambp_bench.output import emit, stderr_console
 from streambp_core.config import ConfigError
 
-NOT_FOR_TRAINERS = ("--padding", "--objective", "--head-mode", "--offload", "--nproc", "--shard")
-"""verify options a trainer check does not read: the trainer pads, picks its loss and runs one process."""
+NOT_FOR_TRAINERS = ("--padding", "--objective", "--head-mode", "--offload")
+"""verify options a trainer check does not read: the trainer pads its batches and picks its loss."""
 
 
 def parse_settings(pairs: list[str] | None) -> dict[str, object]:
@@ -37,17 +39,19 @@ def parse_settings(pairs: list[str] | None) -> dict[str, object]:
 def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dtype: str, seq_len: int,
                        batch_size: int, ps: int, ps_head: int, seed: int, device: str, lora_rank: int,
                        attn: str, data: str, settings: list[str] | None, unused: dict[str, bool],
-                       as_json: bool) -> bool:
-    """Train `trainer` plain and with each method on `model`; print each group's update error; whether
-    every method is within tolerance."""
+                       as_json: bool, nproc: int | None = None, shard: str | None = None,
+                       engine: str = "fsdp2") -> bool:
+    """Train `trainer` plain and with each method on `model` (on `nproc` ranks of `engine` when given);
+    print each group's update error; whether every method is within tolerance."""
     import torch
 
     from streambp_core.integrations.parity_setup import GRPO_SETTINGS, ParitySetup, run_parity
 
     given = [name for name, is_set in unused.items() if is_set]
     if given:
-        raise ConfigError(f"{given[0]} does not apply to --trainer (the trainer pads its batches, computes "
-                          "its own loss and runs one process)")
+        raise ConfigError(f"{given[0]} does not apply to --trainer (the trainer pads its batches and "
+                          "computes its own loss)")
+    stages = _sharded_stages(nproc, shard, engine, device)
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device}: a trainer check trains for real; use --device cpu or cuda")
     methods = tuple(m for m in methods if m != "plain") or ("checkpoint", "mst", "streambp")
@@ -60,6 +64,8 @@ def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dt
                         lora_rank=lora_rank, seq_len_tokens=seq_len, seed=seed, device=device,
                         settings=options)
     stream = {"partition_size": ps, "head_partition_size": ps_head, "attn": attn}
+    if stages:
+        return _run_sharded(setup, methods, stream, nproc, engine, stages, as_json)
     # Libraries that print while they import or train (e.g. an accelerator probe) write to stderr.
     with stderr_console().status(f"training {trainer} on {model}: plain, {', '.join(methods)} ..."), \
             contextlib.redirect_stdout(sys.stderr):
@@ -96,6 +102,71 @@ def _print(console, document: dict, results) -> None:
     console.print(f"{document['source']}: {document['model']}, {document['dtype']}, {document['data']} data, "
                   f"lora rank {document['lora_rank']}, {settings}; update err = ||update - update_plain|| / "
                   "||update_plain|| over each group's parameters after training", soft_wrap=True)
+    ok = all(r.ok for r in results)
+    console.print("[green]every method trains as plain does[/]" if ok
+                  else "[bold red]some methods do not train as plain does[/]")
+
+
+def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: str) -> tuple[str, ...]:
+    """The stages a sharded trainer check runs (none without --nproc); ConfigError for what cannot run."""
+    if nproc is None:
+        if shard is not None:
+            raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
+        if engine != "fsdp2":
+            raise ConfigError(f"--engine {engine} needs --nproc N: the ranks to shard the model across")
+        return ()
+    from streambp_bench.verify.deepspeed import sharded_stages
+
+    if device != "cpu":
+        raise ConfigError("--trainer with --nproc runs cpu ranks (gloo); use --device cpu")
+    return sharded_stages(engine, shard, nproc)
+
+
+def _run_sharded(setup, methods, stream: dict, nproc: int, engine: str, stages, as_json: bool) -> bool:
+    """`run_sharded_parity` for every stage (each checked before any rank starts); print; all passed."""
+    from streambp_bench.verify.trainer_ranks import run_sharded_parity
+    from streambp_core.integrations.sharded_parity import check_sharded
+
+    for stage in stages:
+        check_sharded(setup, engine, stage, methods)
+    status = f"training {setup.trainer} on {nproc} {engine} ranks: {', '.join(stages)} ..."
+    with stderr_console().status(status), contextlib.redirect_stdout(sys.stderr):
+        results = [result for stage in stages for result in run_sharded_parity(
+            setup, engine=engine, shard=stage, nproc=nproc, methods=methods, **stream)]
+    document = {"source": "measured-cpu", "trainer": setup.trainer, "model": str(setup.model),
+                "engine": engine, "nproc": nproc, "dtype": str(setup.dtype).removeprefix("torch."),
+                "lora_rank": setup.lora_rank,
+                "settings": setup.settings, "stream_options": stream,
+                "results": [r.to_dict() for r in results]}
+    emit(document, as_json, lambda console: _print_sharded(console, document, results))
+    return all(r.ok for r in results)
+
+
+def _print_sharded(console, document: dict, results) -> None:
+    ranks = f"{document['nproc']} {document['engine']} ranks"
+    title = f"parameter updates vs plain {document['trainer']} training, {ranks}"
+    table = Table(title=title, title_justify="left")
+    for column in ("method", "shard", "group", "vs reference", "tol", "vs plain on engine", "tol", "ok"):
+        table.add_column(column, justify="right" if column.startswith(("vs", "tol")) else "left")
+    for result in results:
+        engine_errors = {g.group: g.rel_error for g in result.against_engine_plain.groups}
+        for group in result.against_reference.groups:
+            engine_error = engine_errors[group.group]
+            reference, on_engine = result.against_reference.tolerance, result.against_engine_plain.tolerance
+            ok = group.rel_error <= reference and engine_error <= on_engine
+            table.add_row(result.against_reference.method, result.shard, group.group,
+                          f"{group.rel_error:.2e}", f"{reference:.0e}", f"{engine_error:.2e}",
+                          f"{on_engine:.0e}", "[green]pass[/]" if ok else "[bold red]FAIL[/]")
+    console.print(table)
+    references = sorted({r.reference for r in results})
+    console.print(f"{document['source']}: {document['model']}, {document['dtype']}, {document['nproc']} gloo "
+                  f"ranks; reference: {', '.join(references)} on the global batch; update err = ||update - "
+                  "update_ref|| / ||update_ref|| over each group's parameters after training", soft_wrap=True)
+    float64 = [r.float64_plain_error for r in results if r.float64_plain_error is not None]
+    if float64:
+        console.print("deepspeed keeps float32 master weights: against single-process float64 plain without "
+                      f"an engine the largest group error is {max(float64):.2e} (measured-cpu, not judged)",
+                      soft_wrap=True)
     ok = all(r.ok for r in results)
     console.print("[green]every method trains as plain does[/]" if ok
                   else "[bold red]some methods do not train as plain does[/]")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from streambp_core.config import ConfigError
+from streambp_core.integrations.engines import engine_refusals
 
 FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
 """TRL trainers that score tokens with TRL's fused LM head on top of the decoder stack (TRL >= 1.15)."""
@@ -41,9 +42,7 @@ def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
         (no_logits and trainer.preprocess_logits_for_metrics is not None, "preprocess_logits_for_metrics",
          LOGITS),
         (trainer.model_init is not None, "model_init", "the trainer would build a new, unprepared model"),
-        (args.world_size > 1 or bool(args.fsdp) or bool(args.deepspeed),
-         "multi-process or sharded training (DDP, FSDP, DeepSpeed)",
-         "the streamed backward accumulates each gradient chunk by chunk; run one process"),
+        *engine_refusals(trainer),
         (_autocast_over_full_precision(trainer), "bf16/fp16 mixed precision over float32/float64 weights",
          "the streamed layers compute in the weights' dtype; load the model in bfloat16 instead"),
         (_prompt_learning(trainer.model), "a prompt-learning adapter (prefix/prompt tuning)",

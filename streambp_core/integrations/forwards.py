@@ -79,11 +79,13 @@ def streamed_backbone_forward(run, previous: Callable[..., Any]) -> Callable[...
     return forward
 
 
-def streamed_loss_forward(run, previous: Callable[..., Any]) -> Callable[..., Any]:
+def streamed_loss_forward(run, previous: Callable[..., Any],
+                          arm: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[..., Any]:
     """A causal-LM forward that answers `model(input_ids, attention_mask, labels)` with `run.loss`.
 
     With `num_items_in_batch` (transformers' `Trainer` under gradient accumulation) the loss is the token
     sum over that count, as transformers' own causal-LM loss is; without it, the mean over this batch.
+    `arm` (under DeepSpeed) is given the loss, to defer ZeRO's reductions to one per parameter.
     """
 
     def forward(self, *args, **kwargs):
@@ -100,6 +102,8 @@ def streamed_loss_forward(run, previous: Callable[..., Any]) -> Callable[..., An
         with torch.autocast(input_ids.device.type, enabled=False):
             loss = run.loss(input_ids, attention_mask=call.get("attention_mask"), labels=labels,
                             position_ids=call_position_ids(call))
+        if arm is not None:
+            loss = arm(loss)
         if num_items is not None:
             num_valid = (labels[:, 1:] != IGNORE_INDEX).sum().to(loss.dtype)
             loss = loss * num_valid / torch.as_tensor(num_items, device=loss.device, dtype=loss.dtype)

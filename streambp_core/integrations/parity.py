@@ -124,7 +124,7 @@ def train_updates(make_trainer, method: str | None, options: dict):
     if method not in NO_LOGITS_METHODS:  # plain and checkpoint: the model's own logits and loss
         float64_reference_loss(trainer)
     model = trainer.model
-    before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: full_tensor(p).to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     stream = None if method is None else stream_trainer(trainer, method, **options)
     try:
         trainer.train()
@@ -132,8 +132,14 @@ def train_updates(make_trainer, method: str | None, options: dict):
         if stream is not None:
             stream.close()
     after = dict(model.named_parameters())
-    updates = {n: after[n].detach().cpu() - before[n] for n in before}
+    updates = {n: full_tensor(after[n]).cpu() - before[n] for n in before}
     return updates, _tied(model), trainer
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value, detached: FSDP2's sharded ones all-gathered (a collective)."""
+    value = param.detach()
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def float64_reference_loss(trainer) -> None:

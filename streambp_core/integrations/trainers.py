@@ -7,6 +7,9 @@
 The trainer is not subclassed or patched: its own `compute_loss`, `loss.backward()`, gradient
 accumulation, clipping, optimizer, LoRA and checkpoint saving run as they do without streambp. What
 changes is the model's answer to the trainer's forward calls (see `forwards.py`).
+
+Under `accelerate launch` with the FSDP2 or the DeepSpeed plugin (ZeRO-1/2) the same call works on every
+rank; what it does there, and what it refuses, is in `engines.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from streambp_core.config import ConfigError, check_method
 from streambp_core.integrations.checks import check_trainer
+from streambp_core.integrations.engines import DeepSpeedReduction, shard_for_plugin, trainer_engine
 from streambp_core.integrations.forwards import set_forward, streamed_backbone_forward, streamed_loss_forward
 from streambp_core.methods import Run, prepare
 
@@ -36,7 +40,8 @@ class TrainerStream:
         return self.runs[0].method
 
     def close(self) -> None:
-        """Give the trainer's model (and reference model) back unprepared."""
+        """Give the trainer's model (and reference model) back unprepared (under FSDP2 it stays sharded,
+        as accelerate would have left it)."""
         while self._undo:
             self._undo.pop()()
         for run in self.runs:
@@ -62,11 +67,17 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
         raise ConfigError(f"stream_trainer() takes a transformers Trainer or a TRL trainer, got "
                           f"{type(trainer).__name__}")
     check_trainer(trainer, method)
+    engine = trainer_engine(trainer)
+    if engine == "fsdp2":
+        shard_for_plugin(trainer)
     runs: list[Run] = []
     undo: list[Callable[[], None]] = []
     try:
-        runs.append(_prepare_trained(trainer.model, method, options, undo))
+        reduction = _deepspeed_reduction(trainer.model, method, undo) if engine == "deepspeed" else None
+        runs.append(_prepare_trained(trainer.model, method, options, undo, reduction))
         ref_model = getattr(trainer, "ref_model", None)
+        if type(ref_model).__name__ == "DeepSpeedEngine":  # TRL wraps a frozen reference for DeepSpeed
+            ref_model = ref_model.module
         if ref_model is not None and method == "streambp":
             runs.append(_prepare_frozen(ref_model, options, undo))
     except BaseException:
@@ -75,14 +86,25 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
     return TrainerStream(runs, undo)
 
 
-def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list) -> Run:
+def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list,
+                     reduction: DeepSpeedReduction | None) -> Run:
     run = prepare(model, method, **options)
+    arm = None if reduction is None else reduction.arm
     if method in STREAMED_LOSS_METHODS:
         causal_lm = _causal_lm(model)
-        undo.append(set_forward(causal_lm, streamed_loss_forward(run, causal_lm.forward)))
+        undo.append(set_forward(causal_lm, streamed_loss_forward(run, causal_lm.forward, arm)))
     if method == "streambp":
         _stream_backbone(run, undo)
+    if reduction is not None:
+        undo.append(run.parts.backbone.register_forward_hook(reduction.hook_output).remove)
     return run
+
+
+def _deepspeed_reduction(model: nn.Module, method: str, undo: list) -> DeepSpeedReduction:
+    """The deferral a DeepSpeed-held model arms once per backward (`engines.DeepSpeedReduction`)."""
+    reduction = DeepSpeedReduction(model, method)
+    undo.append(reduction.close)
+    return reduction
 
 
 def _prepare_frozen(model: nn.Module, options: dict, undo: list) -> Run:

@@ -1,0 +1,46 @@
+"""`verify --trainer KIND --nproc N --engine fsdp2|deepspeed`: the ranks of a sharded trainer check.
+
+    results = run_sharded_parity(ParitySetup(trainer="sft"), engine="fsdp2", shard="zero3", nproc=2,
+                                 methods=("streambp",), partition_size=8)
+
+What each rank runs and how the figures are judged is `streambp_core.integrations.sharded_parity`; this
+module checks the request before any rank starts, starts the ranks (`parallel.launch.run_ranks`, gloo),
+trains the reference and returns one `ShardedParity` per method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from streambp_core.config import ConfigError
+
+
+def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, **options) -> list:
+    """Train plain and each method on `nproc` ranks of `engine` and compare them with the reference
+    (`sharded_parity`'s steps); ConfigError before any rank starts for what cannot run."""
+    from streambp_core.integrations import sharded_parity as sharded
+    from streambp_core.parallel.launch import check_nproc, run_ranks
+
+    try:
+        sharded.check_sharded(setup, engine, shard, methods)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    check_nproc(nproc, "cpu")
+    setup = replace(setup, settings={"gradient_accumulation_steps": sharded.ACCUMULATION_STEPS,
+                                     **setup.settings})
+    per_rank = run_ranks(sharded.rank_train, nproc, args=(setup, engine, shard, tuple(methods), options),
+                         timeout_s=sharded.RANK_TIMEOUT_S)
+    updates, tied = per_rank[0]
+    float64_plain = None
+    if setup.trainer == "grpo":
+        reference_name, reference = "plain on the engine", updates["plain"]
+    elif engine == "deepspeed":
+        reference_name = "single-process plain on deepspeed"
+        one_rank = run_ranks(sharded.rank_train, 1, timeout_s=sharded.RANK_TIMEOUT_S,
+                             args=(sharded.global_batch(setup, nproc), engine, shard, (), {}))
+        reference = one_rank[0][0]["plain"]
+        float64_plain = sharded.single_process_plain(setup, nproc)
+    else:
+        reference_name, reference = "single-process plain", sharded.single_process_plain(setup, nproc)
+    return [sharded.compare_sharded(engine, shard, nproc, setup, method, reference_name, reference, updates,
+                                    tied, float64_plain) for method in methods]

@@ -1,0 +1,229 @@
+"""`stream_trainer` on sharded engines: 2 CPU ranks (gloo) under accelerate's FSDP2 plugin and its DeepSpeed
+plugin, 3 SGD steps with gradient accumulation 2, every parameter's update against single-process plain
+(`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
+sharded trainer cannot do exactly refused by name.
+
+The default run takes two cells, one per engine, each through a different arming path (TRL's fused head on
+the streamed decoder stack; transformers' Trainer on the streamed loss). The matrix (every trainer, every
+method, both FSDP2 stages, ZeRO-1 and ZeRO-2, tied and untied heads; about 25 minutes on 2 cores) runs
+when STREAMBP_TRAINER_MATRIX=full is set. The example accelerate configs are read by accelerate's own
+launcher code (`accelerate launch` cannot start FSDP or DeepSpeed ranks on a CPU-only machine) and the
+plugins they make are checked as `stream_trainer` checks them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl", minversion="1.15")
+pytest.importorskip("accelerate")
+
+from streambp_bench.verify.trainer_ranks import run_sharded_parity  # noqa: E402
+from streambp_core.config import ConfigError  # noqa: E402
+from streambp_core.integrations.engines import deepspeed_refusals, fsdp2_refusals  # noqa: E402
+from streambp_core.integrations.parity_setup import ParitySetup  # noqa: E402
+from streambp_core.integrations.sharded_parity import engine_environment  # noqa: E402
+from streambp_core.models import build_model  # noqa: E402
+from streambp_core.models.load import tiny_config  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "accelerate"
+STREAM = {"partition_size": 5, "head_partition_size": 7}
+FULL = os.environ.get("STREAMBP_TRAINER_MATRIX") == "full"
+
+
+def deepspeed_installed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def setup_of(trainer: str, tied: bool = True) -> ParitySetup:
+    return ParitySetup(trainer=trainer, model=tiny_config("qwen3", tie_word_embeddings=tied), rows=16)
+
+
+def assert_sharded(results, methods) -> None:
+    """Every method within its tolerances in every group, and every group moved in the reference."""
+    assert [r.against_reference.method for r in results] == list(methods)
+    for result in results:
+        for against, parity in ((result.reference, result.against_reference),
+                                ("plain on the engine", result.against_engine_plain)):
+            assert {g.group for g in parity.groups} >= {"attention", "mlp", "norms"}, parity.groups
+            for group in parity.groups:
+                assert group.plain_update_norm > 0, f"{group.group} never moved: the comparison means nothing"
+                assert group.rel_error <= parity.tolerance, (
+                    f"{result.engine} {result.shard} {parity.method} {group.group}: {group.rel_error:.2e} > "
+                    f"{parity.tolerance:.0e} against {against}")
+
+
+def test_fsdp2_sft_streambp_matches_single_process_plain():
+    """TRL's SFT trainer, streamed decoder stack under TRL's fused head, FSDP2 zero3: exact against plain
+    on the engine (float64), within TRL's float32 head against single-process plain."""
+    results = run_sharded_parity(setup_of("sft"), engine="fsdp2", shard="zero3", nproc=2,
+                                 methods=("streambp",), **STREAM)
+    assert_sharded(results, ("streambp",))
+    assert results[0].reference == "single-process plain"
+    assert results[0].against_engine_plain.tolerance == 1e-10
+
+
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+def test_deepspeed_trainer_streambp_matches_single_process_plain():
+    """transformers' Trainer, streamed loss, DeepSpeed ZeRO-2: the deferred reduction makes the update
+    plain's on the engine; float32 masters bound it against single-process plain."""
+    results = run_sharded_parity(setup_of("trainer", tied=False), engine="deepspeed", shard="zero2",
+                                 nproc=2, methods=("streambp",), **STREAM)
+    assert_sharded(results, ("streambp",))
+    assert results[0].reference == "single-process plain on deepspeed"
+    assert results[0].float64_plain_error is not None and results[0].float64_plain_error > 0
+
+
+MATRIX = [(engine, shard, trainer, tied) for engine, shard in (("fsdp2", "zero2"), ("fsdp2", "zero3"),
+                                                              ("deepspeed", "zero1"), ("deepspeed", "zero2"))
+          for trainer in ("trainer", "sft", "dpo", "grpo") for tied in (True, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="the sharded trainer matrix runs with STREAMBP_TRAINER_MATRIX=full")
+@pytest.mark.parametrize(("engine", "shard", "trainer", "tied"), MATRIX, ids=str)
+def test_sharded_matrix(engine, shard, trainer, tied):
+    if engine == "deepspeed" and not deepspeed_installed():
+        pytest.skip("deepspeed is not installed")
+    methods = ("checkpoint", "mst", "streambp")
+    results = run_sharded_parity(setup_of(trainer, tied), engine=engine, shard=shard, nproc=2,
+                                 methods=methods, **STREAM)
+    assert_sharded(results, methods)
+
+
+def fsdp_plugin(monkeypatch, **env: str):
+    """accelerate's FSDP plugin as a rank of `accelerate launch` builds it from its environment."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    for name, value in {**engine_environment("fsdp2", "zero3"), **env}.items():
+        monkeypatch.setenv(name, value)
+    return FullyShardedDataParallelPlugin()
+
+
+def refused(refusals) -> list[str]:
+    return [setting for is_refused, setting, _ in refusals if is_refused]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model(tiny_config("qwen3"), dtype=torch.float64, device="cpu", seed=0)
+
+
+def test_fsdp2_plugin_of_one_unit_per_layer_is_taken(monkeypatch, tiny_model):
+    assert refused(fsdp2_refusals(fsdp_plugin(monkeypatch), tiny_model)) == []
+    named = fsdp_plugin(monkeypatch, FSDP_TRANSFORMER_CLS_TO_WRAP="Qwen3DecoderLayer")
+    assert refused(fsdp2_refusals(named, tiny_model)) == []
+
+
+@pytest.mark.parametrize(("env", "setting"), [
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"}, "auto wrap policy"),
+    ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, "auto wrap policy NO_WRAP"),
+    ({"FSDP_TRANSFORMER_CLS_TO_WRAP": "Qwen3MLP"}, "Qwen3MLP"),
+    ({"FSDP_OFFLOAD_PARAMS": "true"}, "CPU offload"),
+    ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, "fsdp_activation_checkpointing"),
+    ({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_SYNC_MODULE_STATES": "true"},
+     "fsdp_cpu_ram_efficient_loading"),
+])
+def test_fsdp2_plugin_settings_the_streamed_layout_cannot_honour_are_refused(monkeypatch, tiny_model, env,
+                                                                              setting):
+    names = refused(fsdp2_refusals(fsdp_plugin(monkeypatch, **env), tiny_model))
+    assert len(names) == 1 and setting in names[0], names
+
+
+class _DeepSpeedPlugin:
+    def __init__(self, zero: dict) -> None:
+        self.deepspeed_config = {"zero_optimization": zero}
+
+
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+@pytest.mark.parametrize(("zero", "setting"), [
+    ({"stage": 1}, None), ({"stage": 2}, None), ({"stage": 3}, "DeepSpeed ZeRO-3"),
+    ({"stage": 0}, "DeepSpeed zero_stage 0"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "DeepSpeed offload_optimizer"),
+])
+def test_deepspeed_plugin_stages(zero, setting):
+    names = refused(deepspeed_refusals(_DeepSpeedPlugin(zero)))
+    assert names == ([] if setting is None else [setting])
+
+
+def launch_environment(config_file: Path) -> dict[str, str]:
+    """The environment `accelerate launch --config_file FILE script.py` gives each rank, by accelerate's own
+    launcher code (the config read and merged as `launch_command` does)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "examples/train_sft.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    assert args.num_processes == 2 and not args.cpu
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return prepare_deepspeed_cmd_env(args)[1]
+    assert args.use_fsdp
+    return prepare_multi_gpu_env(args)
+
+
+def test_example_fsdp2_config_launches_the_checked_plugin(monkeypatch, tiny_model):
+    env = launch_environment(EXAMPLES / "fsdp2.yaml")
+    checked = engine_environment("fsdp2", "zero3")
+    assert {name: env.get(name) for name in checked} == checked  # what the 2-rank cells run under
+    for name, value in env.items():
+        if name.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(name, value)
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    assert refused(fsdp2_refusals(FullyShardedDataParallelPlugin(), tiny_model)) == []
+
+
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+def test_example_deepspeed_config_launches_zero2(monkeypatch, tmp_path):
+    env = launch_environment(EXAMPLES / "deepspeed_zero2.yaml")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+    for name, value in env.items():
+        if name.startswith("ACCELERATE_"):
+            monkeypatch.setenv(name, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    assert refused(deepspeed_refusals(DeepSpeedPlugin())) == []
+    zero3 = tmp_path / "zero3.yaml"
+    text = (EXAMPLES / "deepspeed_zero2.yaml").read_text()
+    zero3.write_text(text.replace("zero_stage: 2", "zero_stage: 3"))
+    stage = launch_environment(zero3)["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", stage)
+    assert refused(deepspeed_refusals(DeepSpeedPlugin())) == ["DeepSpeed ZeRO-3"]
+
+
+def test_sharded_check_refuses_before_any_rank_starts():
+    with pytest.raises(ConfigError, match="--shard for fsdp2 must be one of zero2, zero3"):
+        run_sharded_parity(setup_of("sft"), engine="fsdp2", shard="zero1", nproc=2, methods=("streambp",))
+    with pytest.raises(ConfigError, match="--engine must be one of fsdp2, deepspeed"):
+        run_sharded_parity(setup_of("sft"), engine="ddp", shard="zero2", nproc=2, methods=("streambp",))
+    with pytest.raises(ConfigError, match="nproc 999"):
+        run_sharded_parity(setup_of("sft"), engine="fsdp2", shard="zero2", nproc=999, methods=("streambp",))
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero3"], ("DeepSpeed ZeRO-3", "zero_stage 2")),
+    (["--shard", "zero2"], ("--shard needs --nproc",)),
+    (["--engine", "deepspeed"], ("--engine deepspeed needs --nproc",)),
+    (["--nproc", "2", "--shard", "zero1"], ("--shard for fsdp2",)),
+    (["--nproc", "2", "--device", "cuda"], ("cpu ranks",)),
+])
+def test_cli_refuses_in_one_line_before_any_rank_starts(args, words):
+    from typer.testing import CliRunner
+
+    from streambp_bench.cli import app
+    from tests.cli.errors import one_line_error
+
+    if "deepspeed" in args and not deepspeed_installed():
+        pytest.skip("deepspeed is not installed")
+    result = CliRunner().invoke(app, ["verify", "-m", "tiny/qwen3", "--dtype", "float64", "--trainer", "sft",
+                                      *args])
+    one_line_error(result, *words)
