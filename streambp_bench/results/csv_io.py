@@ -8,6 +8,10 @@
   `atomic_rewrite` writes a temporary file in the same directory, fsyncs it, gives it the old file's
   permission bits (a new file gets the umask's) and `os.replace`s it over the file. Through a symlink
   the file it points to is rewritten and the link is kept.
+- Appending (under the same lock): `append_records` writes the new rows' bytes at the end of the file in
+  one `write` and fsyncs it, so a row costs its own bytes, not the file's; an append that fails or is
+  interrupted (an exception, Ctrl-C, SIGTERM) truncates the file back to its old size. `read_tail`
+  reads only the rows past a known offset (what other writers appended since).
 """
 
 from __future__ import annotations
@@ -61,6 +65,34 @@ def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]
     if records and not text.endswith(("\n", "\r")):
         raise SchemaError(f"{path}, line {records[-1][0]}: the file ends mid-row (no end of line after it)")
     return header, records
+
+
+def read_tail(path: Path, offset_bytes: int, header: Sequence[str]) -> list[tuple[int, Record]]:
+    """The records of `path` from byte `offset_bytes` on (a row boundary: the byte before it is an end of
+    line), read with `header`; SchemaError when the offset is not a row boundary or the tail is not whole
+    rows. Line numbers count from the tail's first row as 1."""
+    with path.open("rb") as handle:
+        handle.seek(max(offset_bytes - 1, 0))
+        data = handle.read()
+    if offset_bytes and not data.startswith(b"\n"):
+        raise SchemaError(f"{path} changed in place since it was read (byte {offset_bytes}: no row start)")
+    tail = data[1:] if offset_bytes else data
+    try:
+        text = tail.decode("utf-8")
+    except UnicodeDecodeError as error:
+        where = offset_bytes + error.start
+        raise SchemaError(f"{path} is not a text CSV file (byte {where} is not UTF-8)") from None
+    if text and not text.endswith(("\n", "\r")):
+        raise SchemaError(f"{path}: the file ends mid-row (no end of line after its last row)")
+    reader = csv.DictReader(io.StringIO(text), fieldnames=list(header))
+    records = []
+    try:
+        for record in reader:
+            _check_cells(path, reader.line_num, record, len(header))
+            records.append((reader.line_num, record))
+    except csv.Error as error:
+        raise SchemaError(f"{path}: not a CSV file past byte {offset_bytes} ({error})") from None
+    return records
 
 
 def _check_cells(path: Path, line: int, record: dict, expected: int) -> None:
@@ -134,6 +166,31 @@ def _write_and_replace(real: Path, temp: Path, mode: int | None, header: Sequenc
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def append_records(path: str | os.PathLike[str], header: Sequence[str], records: Sequence[Record]) -> int:
+    """Append `records` (cells in `header`'s order, the rewrite's dialect) to the existing CSV at `path`
+    (through symlinks; the caller holds `locked` and has checked the header); returns the file's new size
+    in bytes. Whatever interrupts it, the file is left at its old size (module doc)."""
+    buffer = io.StringIO()
+    csv.DictWriter(buffer, fieldnames=list(header)).writerows(records)
+    payload = buffer.getvalue().encode("utf-8")
+    real = real_path(path)
+    descriptor = os.open(real, os.O_WRONLY | os.O_APPEND)
+    try:
+        with _sigterm_raises():
+            size_bytes = os.fstat(descriptor).st_size
+            try:
+                written = 0
+                while written < len(payload):  # one write for a point's rows; a short write goes on
+                    written += os.write(descriptor, payload[written:])
+                os.fsync(descriptor)
+            except BaseException:
+                os.ftruncate(descriptor, size_bytes)
+                raise
+    finally:
+        os.close(descriptor)
+    return size_bytes + len(payload)
 
 
 def check_writable(path: str | os.PathLike[str]) -> None:
