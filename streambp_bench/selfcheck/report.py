@@ -147,3 +147,31 @@ def _gib(value) -> str:
 
 def _count(value) -> str:
     return "-" if value is None or pd.isna(value) else str(int(value))
+
+
+def plan_table(listed: list[dict], total_minutes: float, budget_minutes: float) -> Table:
+    """The plan's items (name, estimated minutes on an H200, what), then the total against the budget."""
+    table = Table(title="selfcheck plan: estimated minutes on an H200", title_justify="left")
+    for column in ("item", "minutes", "what"):
+        table.add_column(column, justify="right" if column == "minutes" else "left")
+    for entry in listed:
+        table.add_row(entry["item"], f"{entry['estimated_minutes']:.2f}", entry["what"])
+    table.add_row("total", f"{total_minutes:.2f}", f"budget {budget_minutes:g} min: "
+                  f"{'within' if total_minutes <= budget_minutes else 'OVER'}")
+    return table
+
+
+def print_items(console: Console, outcomes, where: str) -> None:
+    """One line per item run: its rows, its minutes (measured, wall clock) next to its H200 estimate, and
+    its status with the reason it failed."""
+    if not outcomes:
+        return
+    table = Table(title=f"items: wall-clock minutes, measured ({where}), vs estimated on an H200",
+                  title_justify="left")
+    for column in ("item", "rows", "minutes", "estimated", "status"):
+        table.add_column(column, justify="left" if column in ("item", "status") else "right")
+    for outcome in outcomes:
+        status = f"failed: {outcome.error}" if outcome.error else "ok"
+        table.add_row(outcome.name, str(outcome.rows), f"{outcome.seconds / 60:.2f}",
+                      f"{outcome.estimated_s / 60:.2f}", status)
+    console.print(table)
