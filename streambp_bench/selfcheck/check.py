@@ -1,27 +1,29 @@
-"""The GPU self-check: bf16 exactness, measured vs simulated peak memory, and step time, as result rows.
+"""The GPU self-check's original steps: bf16 exactness, measured vs simulated peak memory, step time,
+a kernel profile and the kernel workspace, as result rows (the plan that runs them with the owed rows
+is `selfcheck.items`).
 
-Steps, each writing rows to one results CSV:
 1. verify in bfloat16 on the verify model for every objective and attention kernel (flash-attn only when
    importable; streambp with the fused LM head for sft and grpo): a method passes when its gradient
    error against an fp32 plain reference is at most 2x plain bf16's error against the same reference.
-2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
-   the simulator's prediction for the same settings; on CUDA with the reserved peak, and the allocator's
-   alloc retries and OOM count over the step.
+2. memory: the measured peak of one step of every method at three lengths on the memory model, next to
+   the simulator's prediction for the same settings (`measured_peak`: on CUDA the caching allocator's
+   peak over an untracked step, with the reserved peak, alloc retries and OOM count; on a CPU the
+   live-tensor tracker's).
 3. time: median step time of checkpoint and streambp at the plan's timed lengths (CUDA events; warm-up
    first), with the layer partition T/3 of the paper's timing runs (Table 1), streambp at each of the
    plan's timed LM-head partitions (the paper's 100, and a wider one: a 100-token head chunk re-reads
    the vocab x hidden weight and its gradient once per 100 tokens), and streambp with both partitions
-   chosen automatically (the largest whose simulated peak fits the device); on CUDA with the
-   allocator's retries and OOM count over the timed steps.
+   chosen automatically (the largest whose simulated peak fits the device, found once per length); on
+   CUDA with the allocator's retries and OOM count over the timed steps.
 4. profile: at the longest timed length, one profiled step of each timed variant, kernel time by class
    (attention forward/backward, GEMM, copy, other; metric `kernel_ms_<class>`): where the time goes.
 5. kernel workspace: streambp on the memory model at the plan's workspace lengths, for each attention
    kernel, with its attention backward blocked over keys and without (metrics peak_memory_blocked and
-   peak_memory_unblocked): the allocator's peak next to the simulator's, which counts the kernels' own
+   peak_memory_unblocked): the measured peak next to the simulator's, which counts the kernels' own
    buffers (`streambp_core.engine.kernel_workspace`); a simulated row off the allocator's peak by more
    than 3% is an error. attn sdpa runs torch's FlashAttention-2 on the chunks that attend to a prefix and
    cuDNN on each layer's first, square chunk (SDPA's dispatch on Hopper); flash runs flash-attn.
-Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
+Without CUDA the same code runs on CPU with a tiny preset and tiny lengths.
 """
 
 from __future__ import annotations
