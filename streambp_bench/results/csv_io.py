@@ -1,6 +1,7 @@
 """A CSV file read strictly and rewritten safely by several processes at once.
 
-- Reading: a file that is not UTF-8 text, holds NUL bytes, is a directory, or whose rows do not have
+- Reading: UTF-8 text, with or without a byte-order mark (a spreadsheet saving the file adds one); a
+  file that is not UTF-8 text, holds NUL bytes, is a directory, or whose rows do not have
   the header's cells (a row cut short, or the last row cut mid-row: no end of line) is a SchemaError
   naming the line, never a half-parsed row.
 - Rewriting: `locked(path)` holds an exclusive lock (the `filelock` package, a `.NAME.lock` file beside
@@ -49,7 +50,7 @@ def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]
     if path.is_dir():
         raise SchemaError(f"{path} is a directory, not a CSV file")
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        with path.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's byte-order mark
             text = handle.read()
     except UnicodeDecodeError as error:
         raise SchemaError(f"{path} is not a text CSV file (byte {error.start} is not UTF-8)") from None
@@ -67,16 +68,30 @@ def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]
     return header, records
 
 
-def read_tail(path: Path, offset_bytes: int, header: Sequence[str]) -> list[tuple[int, Record]]:
-    """The records of `path` from byte `offset_bytes` on (a row boundary: the byte before it is an end of
-    line), read with `header`; SchemaError when the offset is not a row boundary or the tail is not whole
-    rows. Line numbers count from the tail's first row as 1."""
+TAIL_CHECK_BYTES = 256
+"""Bytes before a known end of a CSV that `read_tail` compares with what they were (`bytes_before`)."""
+
+
+def bytes_before(path: Path, offset_bytes: int) -> bytes:
+    """The `TAIL_CHECK_BYTES` bytes of `path` before `offset_bytes` (fewer at the start of the file)."""
     with path.open("rb") as handle:
-        handle.seek(max(offset_bytes - 1, 0))
+        handle.seek(max(offset_bytes - TAIL_CHECK_BYTES, 0))
+        return handle.read(min(offset_bytes, TAIL_CHECK_BYTES))
+
+
+def read_tail(path: Path, offset_bytes: int, header: Sequence[str], before: bytes
+              ) -> list[tuple[int, Record]]:
+    """The records of `path` from byte `offset_bytes` on, read with `header`, when the bytes before it are
+    still `before` (`bytes_before` when that end was read) and end a row; SchemaError otherwise (the file
+    was replaced or changed in place, not only appended to) or when the tail is not whole rows. Line
+    numbers count from the tail's first row as 1."""
+    start = max(offset_bytes - len(before), 0)
+    with path.open("rb") as handle:
+        handle.seek(start)
         data = handle.read()
-    if offset_bytes and not data.startswith(b"\n"):
-        raise SchemaError(f"{path} changed in place since it was read (byte {offset_bytes}: no row start)")
-    tail = data[1:] if offset_bytes else data
+    if data[: offset_bytes - start] != before or (offset_bytes and not before.endswith(b"\n")):
+        raise SchemaError(f"{path} changed since it was read (the bytes before {offset_bytes} differ)")
+    tail = data[offset_bytes - start:]
     try:
         text = tail.decode("utf-8")
     except UnicodeDecodeError as error:

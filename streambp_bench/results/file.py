@@ -39,6 +39,9 @@ class _KeyIndex:
     file_id: tuple[int, int, int]
     size_bytes: int
     keys: set[tuple[str, ...]]
+    before: bytes = b""
+    """The bytes before `size_bytes` as they were (`csv_io.bytes_before`): a file replaced under a
+    reused inode number is told apart from one appended to."""
 
 
 class ResultsFile:
@@ -83,12 +86,12 @@ class ResultsFile:
                 records = [row.to_record() for row in new_rows.values()]
                 size_bytes = csv_io.append_records(real, COLUMNS, records)
                 keys.update(new_rows)
-                self._index = _KeyIndex(_file_id(real), size_bytes, keys)
+                self._index = _index_of(real, keys, size_bytes)
                 return
             by_key = {row.key(): row for row in self.rows()}
             by_key.update(new_rows)
             csv_io.atomic_rewrite(self.path, COLUMNS, [row.to_record() for row in by_key.values()])
-            self._index = _KeyIndex(_file_id(real), real.stat().st_size, set(by_key))
+            self._index = _index_of(real, set(by_key))
 
     def _known_keys(self, real: Path) -> set[tuple[str, ...]] | None:
         """The keys in the file at `real` (the caller holds its lock), read from the end this object last
@@ -100,9 +103,9 @@ class ResultsFile:
         if index is not None and (file_id == index.file_id and size_bytes == index.size_bytes or
                                   file_id[:2] == index.file_id[:2] and size_bytes > index.size_bytes):
             try:
-                tail = csv_io.read_tail(real, index.size_bytes, COLUMNS)
+                tail = csv_io.read_tail(real, index.size_bytes, COLUMNS, index.before)
                 index.keys.update(ResultRow.from_record(record).key() for _, record in tail)
-                index.size_bytes, index.file_id = size_bytes, file_id
+                self._index = _index_of(real, index.keys, size_bytes)
                 return index.keys
             except (SchemaError, TypeError, ValueError):
                 pass  # changed in place, not only appended to: read it whole
@@ -111,7 +114,7 @@ class ResultsFile:
         if list(header or ()) != list(COLUMNS):
             return None
         keys = {row.key() for row in self._parsed(records)}
-        self._index = _KeyIndex(file_id, size_bytes, keys)
+        self._index = _index_of(real, keys, size_bytes)
         return keys
 
     def check_target(self) -> None:
@@ -132,6 +135,12 @@ class ResultsFile:
         check_header([*header, *added] if header else header, self.path)
         defaults = {name: ADDED_COLUMNS[name] for name in added}
         return [(line, {**record, **defaults}) for line, record in records]
+
+
+def _index_of(real: Path, keys: set[tuple[str, ...]], size_bytes: int | None = None) -> _KeyIndex:
+    """The index of the file at `real` holding `keys`, ending at `size_bytes` (None: its size now)."""
+    size_bytes = real.stat().st_size if size_bytes is None else size_bytes
+    return _KeyIndex(_file_id(real), size_bytes, keys, csv_io.bytes_before(real, size_bytes))
 
 
 def _file_id(path: Path) -> tuple[int, int, int]:

@@ -66,6 +66,9 @@ class Runner:
     clock: Callable[[], float] = time.monotonic
     on_item: Callable[[Outcome], None] | None = None
     on_start: Callable[[Item], None] | None = None
+    estimates_s: dict[str, float] | None = None
+    """Each item's H200 estimate by name (None: `item.estimate_s(context)`; a CPU plan's items take the
+    GPU plan's estimates)."""
     outcomes: list[Outcome] = field(default_factory=list)
 
     def run(self, items: Sequence[Item], context: object,
@@ -83,7 +86,9 @@ class Runner:
                 error = one_line(failure)
             seconds = self.clock() - start
             self.write(item_row(item.name, seconds, error, self.device, self.where))
-            outcome = Outcome(item.name, made, seconds, item.estimate_s(context), error)
+            estimated = (item.estimate_s(context) if self.estimates_s is None
+                         else self.estimates_s.get(item.name, 0.0))
+            outcome = Outcome(item.name, made, seconds, estimated, error)
             self.outcomes.append(outcome)
             if self.on_item is not None:
                 self.on_item(outcome)

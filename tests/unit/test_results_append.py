@@ -142,3 +142,27 @@ def test_a_signal_mid_append_loses_no_finished_row_and_breaks_no_row(tmp_path: P
     assert len(rows) >= 20
     assert [row.seq_len_tokens for row in rows] == list(range(1, len(rows) + 1))
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_file_rewritten_in_place_and_grown_is_read_again_whole(tmp_path: Path) -> None:
+    """As a file replaced under a reused inode number looks: same inode, larger, other bytes before the
+    end the writer knew. Its rows are read again, so a re-run point still replaces its row."""
+    path = tmp_path / "r.csv"
+    first = ResultsFile(path)
+    first.append_many([_row(1), _row(2)])
+    other = tmp_path / "other.csv"
+    ResultsFile(other).append_many([_row(5), _row(2, value=7.0), _row(1, value=9.0)])
+    with path.open("r+b") as handle:  # the same inode, now holding another writer's file
+        handle.write(other.read_bytes())
+    first.upsert(_row(1, value=10.0))
+    rows = ResultsFile(path).rows()
+    assert sorted((row.seq_len_tokens, row.value) for row in rows) == [(1, 10.0), (2, 7.0), (5, 5.0)]
+
+
+def test_a_csv_saved_with_a_byte_order_mark_reads_and_takes_rows(tmp_path: Path) -> None:
+    path = tmp_path / "r.csv"
+    ResultsFile(path).append_many([_row(1)])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # as a spreadsheet saves it
+    assert [row.seq_len_tokens for row in ResultsFile(path).rows()] == [1]
+    ResultsFile(path).upsert(_row(2))
+    assert [row.seq_len_tokens for row in ResultsFile(path).rows()] == [1, 2]
