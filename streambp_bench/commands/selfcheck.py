@@ -94,12 +94,17 @@ def selfcheck(
     _check_names(list(fail or ()), "--fail")
     if fail and not dry_run:
         raise ConfigError("--fail makes a dry run's stand-in fail; give it with --dry-run")
+    if plan_only and dry_run:
+        raise ConfigError("--plan lists the plan and --dry-run runs it: give one of them")
+    if skipped & set(fail or ()):
+        raise ConfigError(f"--fail {', '.join(sorted(skipped & set(fail or ())))}: that item is skipped")
     _check_out(out)  # a bad --out is refused before torch is imported (well under a second)
     from streambp_bench.selfcheck import session
 
     if plan_only:
-        session.show_plan(as_json)
+        session.show_plan(skipped, as_json)
     elif dry_run:
-        session.dry_run(out, list(fail) if fail else ["fsdp"], as_json)
+        default_fail = [name for name in ("fsdp", *ITEM_NAMES) if name not in skipped][:1]
+        session.dry_run(out, skipped, list(fail) if fail else default_fail, as_json)
     else:
         session.run(out, skipped, as_json, stderr_console(), emit)

@@ -25,10 +25,11 @@ PLAN_BASIS = ("estimated from the committed H200 rows (results/gpu/selfcheck-h20
               "starts and simulations (streambp_bench/selfcheck/estimate.py)")
 
 
-def show_plan(as_json: bool) -> None:
-    """The GPU plan's items with their estimated minutes on an H200, the total and the budget."""
+def show_plan(skipped: set[str], as_json: bool) -> None:
+    """The GPU plan's items (but `skipped`) with their estimated minutes on an H200, the total and the
+    budget."""
     context = Context(check.GPU_PLAN, "plan")
-    items = plan_items(check.GPU_PLAN)
+    items = [item for item in plan_items(check.GPU_PLAN) if item.name not in skipped]
     listed = [{"item": item.name, "estimated_minutes": round(item.estimate_s(context) / 60, 2),
                "what": item.what} for item in items]
     total = total_minutes(items, context)
@@ -108,7 +109,7 @@ def _said(console: Console, outcome: Outcome) -> None:
         console.print(f"[green]done[/] {outcome.name}: {outcome.rows} rows in {took}")
 
 
-def dry_run(out: Path | None, fail: list[str], as_json: bool) -> None:
+def dry_run(out: Path | None, skipped: set[str], fail: list[str], as_json: bool) -> None:
     """The GPU plan with stand-ins (`plan.stand_in`), written to selfcheck-plan-dry-run.csv in --out
     (replaced on each dry run) or a temporary folder, then checked (`plan.check_dry_run`); exit 1 with
     the problems when a check fails."""
@@ -116,7 +117,8 @@ def dry_run(out: Path | None, fail: list[str], as_json: bool) -> None:
         path = (out if out is not None else Path(scratch)) / CSV_NAMES["dry-run"]
         path.unlink(missing_ok=True)
         results = ResultsFile(path)
-        context, items = Context(check.GPU_PLAN, "dry run"), plan_items(check.GPU_PLAN)
+        context = Context(check.GPU_PLAN, "dry run")
+        items = [item for item in plan_items(check.GPU_PLAN) if item.name not in skipped]
         late: list[str] = []
 
         def ended(outcome: Outcome) -> None:
@@ -126,12 +128,12 @@ def dry_run(out: Path | None, fail: list[str], as_json: bool) -> None:
         runner = Runner(results.upsert, "cpu", "dry run", on_item=ended)
         outcomes = runner.run(items, context, stand_in(fail, "NVIDIA H200 (plan)"))
         problems = late + check_dry_run(items, context, outcomes, results.rows(), fail, BUDGET_MINUTES)
-        _report_dry_run(items, context, outcomes, problems, path if out is not None else None, as_json)
+        _report_dry_run(items, context, outcomes, problems, path if out is not None else None, fail, as_json)
     if problems:
         raise typer.Exit(code=1)
 
 
-def _report_dry_run(items, context, outcomes, problems, path, as_json) -> None:
+def _report_dry_run(items, context, outcomes, problems, path, fail, as_json) -> None:
     total = total_minutes(items, context)
     document = {"items": [outcome.__dict__ for outcome in outcomes], "total_minutes": round(total, 2),
                 "budget_minutes": BUDGET_MINUTES, "problems": problems,
@@ -140,7 +142,8 @@ def _report_dry_run(items, context, outcomes, problems, path, as_json) -> None:
     def render(console: Console) -> None:
         print_items(console, outcomes, "dry run: stand-ins on the CPU")
         checks = ("items ran and ended in the plan's order", "each item's rows were in the file when it "
-                  "ended", "a failed stand-in wrote its failed row and the items after it ran",
+                  "ended", f"the failed stand-in ({', '.join(fail) or 'none asked'}) wrote its failed row "
+                  "and the items after it ran",
                   f"estimated total {total:.1f} min within the {BUDGET_MINUTES:g}-minute budget")
         if problems:
             for problem in problems:

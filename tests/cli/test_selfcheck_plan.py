@@ -201,3 +201,20 @@ def test_max_len_rows_put_the_measured_search_beside_the_simulated_one(monkeypat
     assert measured.seq_len_tokens == 0 and measured.status == "ok"
     assert simulated.source == "simulated" and simulated.status == "error" and simulated.value is None
     assert "capped" in simulated.error  # a capped search is no max length
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--plan", "--dry-run"], "give one of them"),
+    (["--dry-run", "--skip", "fsdp", "--fail", "fsdp"], "that item is skipped"),
+    (["--fail", "time"], "give it with --dry-run"),
+    (["--skip", "nope"], "unknown item nope"),
+])
+def test_selfcheck_options_that_contradict_are_one_line_errors(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["selfcheck", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_dry_run_without_the_default_failing_item_fails_another() -> None:
+    result = CliRunner().invoke(app, ["selfcheck", "--dry-run", "--skip", "fsdp", "--skip", "verify"])
+    assert result.exit_code == 0, result.output
+    assert "failed stand-in (memory)" in result.output and "fsdp" not in result.output
