@@ -104,6 +104,7 @@ def precheck_values(values: dict, source: str) -> None:
             getattr(raw, "hidden_size", None)):
         _check_heads(raw, source)
     _check_experts(raw, source)
+    _check_pad_token(raw, source)
     _check_activation(raw, source)
     _check_rope_types(raw, source)
     _check_layer_types(raw, source)
@@ -129,6 +130,7 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
     _check_heads(config, source)
     _check_experts(config, source)
+    _check_pad_token(config, source)
     _check_activation(config, source)
     _check_rope(config, source)
     _check_rope_types(config, source)
@@ -172,6 +174,16 @@ def _check_experts(config: PretrainedConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: num_experts_per_tok must be between 1 and the {experts} experts, got {per_token!r}"
         )
+
+
+def _check_pad_token(config: PretrainedConfig | SimpleNamespace, source: str) -> None:
+    """ConfigError unless `pad_token_id` (the embedding's padding row) is a row of the vocabulary (torch
+    asserts it when the embedding is built)."""
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if pad is None or not _is_positive_int(vocab):
+        return
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
+        raise ConfigError(f"{source}: pad_token_id must be a token id below vocab_size {vocab}, got {pad!r}")
 
 
 def _check_activation(config: PretrainedConfig | SimpleNamespace, source: str) -> None:

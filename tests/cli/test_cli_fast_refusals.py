@@ -34,6 +34,7 @@ MODELS = {
     "gpt2": ({**QWEN3, "model_type": "gpt2"}, "architecture 'gpt2' is not supported"),
     "activation": ({**QWEN3, "hidden_act": "nonsense"}, "hidden_act 'nonsense'"),
     "rope-type": ({**QWEN3, "rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "rope_type 'bogus'"),
+    "pad-token": ({**QWEN3, "vocab_size": 50, "pad_token_id": 100}, "pad_token_id must be a token id"),
 }
 COMMANDS = {
     "max-len": ["max-len", "--budget-gib", "1"],
@@ -57,7 +58,7 @@ def _model(tmp_path: Path, values: dict | None) -> str:
 
 
 CASES = [(case, "max-len") for case in MODELS] + [("no-config", "verify"), ("rope-type", "sweep"),
-                                                   ("gpt2", "verify")]
+                                                   ("gpt2", "verify"), ("pad-token", "verify")]
 
 
 @pytest.mark.parametrize(("case", "command"), CASES)
@@ -71,13 +72,16 @@ def test_a_broken_model_is_refused_before_torch_is_imported(tmp_path: Path, case
     assert stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1, stderr
 
 
-def test_a_rope_type_transformers_lacks_is_refused_when_the_config_loads(tmp_path: Path) -> None:
-    """The full check behind every load refuses it too (transformers raised a KeyError building it)."""
+@pytest.mark.parametrize("case", ["rope-type", "pad-token"])
+def test_the_full_check_refuses_them_when_the_config_loads(tmp_path: Path, case: str) -> None:
+    """The check behind every load refuses them too (building the model raised a KeyError inside
+    transformers, an AssertionError inside torch's embedding)."""
     from streambp_core.config import ConfigError
-    from streambp_core.models.load import load_config
+    from streambp_core.models.load import build_model, load_config
 
-    with pytest.raises(ConfigError, match="rope_type 'bogus' is not one transformers knows"):
-        load_config(_model(tmp_path, MODELS["rope-type"][0]))
+    values, message = MODELS[case]
+    with pytest.raises(ConfigError, match=message):
+        build_model(load_config(_model(tmp_path, values)), device="meta")
 
 
 def _foreign_csv(folder: Path, name: str) -> None:
