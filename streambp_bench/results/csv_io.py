@@ -191,7 +191,10 @@ def append_records(path: str | os.PathLike[str], header: Sequence[str], records:
     csv.DictWriter(buffer, fieldnames=list(header)).writerows(records)
     payload = buffer.getvalue().encode("utf-8")
     real = real_path(path)
-    descriptor = os.open(real, os.O_WRONLY | os.O_APPEND)
+    try:
+        descriptor = os.open(real, os.O_WRONLY | os.O_APPEND)
+    except PermissionError:
+        raise ConfigError(f"cannot write {path}: {real} is read-only") from None
     try:
         with _sigterm_raises():
             size_bytes = os.fstat(descriptor).st_size

@@ -189,8 +189,13 @@ def _tiers_s(ctx: Context) -> float:
 
 
 def _gpu_tests(ctx: Context):
+    """pytest on the plan's GPU tests, from the checkout this package runs from (whatever the current
+    folder), so pytest finds the tests' conftest."""
+    from pathlib import Path
+
     ctx.release_gpu()
-    yield owed.pytest_row(ctx.plan.gpu_tests, ctx.where, ctx.device, timeout_s=600)
+    checkout = Path(__file__).resolve().parents[2]
+    yield owed.pytest_row(ctx.plan.gpu_tests, ctx.where, ctx.device, timeout_s=600, cwd=str(checkout))
 
 
 def _gpu_tests_s(ctx: Context) -> float:

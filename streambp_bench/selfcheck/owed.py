@@ -221,9 +221,9 @@ def tier_rows(specs: tuple[StepSpec, ...], resolved_model, where: str, device: s
         yield peak_row(spec, simulated_probe(spec, resolved_model), where)
 
 
-def pytest_row(folder: str, where: str, device: str, timeout_s: float) -> ResultRow:
-    """Run `pytest -q <folder>` in a subprocess; its summary line as one row (metric tests_failed: the
-    failed and errored count; status error when any failed, none ran, or it timed out)."""
+def pytest_row(folder: str, where: str, device: str, timeout_s: float, cwd: str | None = None) -> ResultRow:
+    """Run `pytest -q <folder>` in a subprocess (in `cwd`); its summary line as one row (metric
+    tests_failed: the failed and errored count; status error when any failed, none ran, or it timed out)."""
     import subprocess
     import sys
 
@@ -231,7 +231,7 @@ def pytest_row(folder: str, where: str, device: str, timeout_s: float) -> Result
               **provenance(_source(device), where)}
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", folder],
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
     except subprocess.TimeoutExpired:
         return ResultRow(**fields, status="error", error=f"pytest {folder} ran past {timeout_s:g} s")
     summary = next((line.strip("= ") for line in reversed(done.stdout.splitlines()) if line.strip()), "")

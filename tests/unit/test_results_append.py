@@ -166,3 +166,20 @@ def test_a_csv_saved_with_a_byte_order_mark_reads_and_takes_rows(tmp_path: Path)
     assert [row.seq_len_tokens for row in ResultsFile(path).rows()] == [1]
     ResultsFile(path).upsert(_row(2))
     assert [row.seq_len_tokens for row in ResultsFile(path).rows()] == [1, 2]
+
+
+def test_a_file_made_read_only_during_a_sweep_is_a_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streambp_core.config import ConfigError
+
+    path = tmp_path / "r.csv"
+    file = ResultsFile(path)
+    file.upsert(_row(1))
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(csv_io.os, "open", read_only)
+    with pytest.raises(ConfigError, match=r"cannot write .*r\.csv.* is read-only"):
+        file.upsert(_row(2))
