@@ -177,8 +177,12 @@ def test_a_file_made_read_only_during_a_sweep_is_a_one_line_error(
     file = ResultsFile(path)
     file.upsert(_row(1))
 
-    def read_only(*args, **kwargs):
-        raise PermissionError(13, "Permission denied")
+    real_open = os.open
+
+    def read_only(file, flags, *args, **kwargs):  # the CSV opened to append; the lock file as before
+        if flags & os.O_APPEND:
+            raise PermissionError(13, "Permission denied")
+        return real_open(file, flags, *args, **kwargs)
 
     monkeypatch.setattr(csv_io.os, "open", read_only)
     with pytest.raises(ConfigError, match=r"cannot write .*r\.csv.* is read-only"):
