@@ -60,6 +60,10 @@ def measured_step(setup, device: str, *, warmup: int = 0) -> StepFigures:
     except Exception as error:
         if not is_oom(error):
             raise
+        if device == "cuda":  # the failed step's blocks back to the device for the next item
+            import torch
+
+            torch.cuda.empty_cache()
         probe = ProbeResult(seq_len_tokens=spec.seq_len_tokens, status=OOM, source=_source(device),
                             message=" ".join(str(error).split())[:300])
         step_ms = None
