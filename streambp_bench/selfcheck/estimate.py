@@ -20,8 +20,10 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-COMMITTED_ROWS = Path("results/gpu/selfcheck-h200.csv")
-"""The committed H200 rows the estimate is fitted to (relative to the repository root)."""
+from streambp_core.config import ConfigError
+
+COMMITTED_ROWS = Path(__file__).resolve().parents[2] / "results" / "gpu" / "selfcheck-h200.csv"
+"""The committed H200 rows the estimate is fitted to (in the checkout this package runs from)."""
 FIT_MODEL = "Qwen/Qwen3-1.7B"
 FIT_LENGTHS = (8192, 16384)
 """Lengths of the fit: at 4k a step is launch-bound (streambp 522 ms at 4k vs 639 ms at 8k)."""
@@ -55,8 +57,10 @@ class StepCurve:
 
 
 def fitted_curves(path: Path = COMMITTED_ROWS) -> dict[str, StepCurve]:
-    """checkpoint's and streambp's curves fitted to the committed step times (module doc); ValueError
-    when the file lacks a row of the fit."""
+    """checkpoint's and streambp's curves fitted to the committed step times (module doc); ConfigError
+    when the file is missing or lacks a row of the fit."""
+    if not path.is_file():
+        raise ConfigError(f"the plan's estimates are fitted to {path}, which is not here (a checkout has it)")
     with path.open(newline="", encoding="utf-8") as handle:
         times = {(row["method"], int(row["seq_len_tokens"])): float(row["value"])
                  for row in csv.DictReader(handle)
@@ -71,7 +75,7 @@ def fitted_curves(path: Path = COMMITTED_ROWS) -> dict[str, StepCurve]:
 
 def _time(times: dict, method: str, seq_len: int, path: Path) -> float:
     if (method, seq_len) not in times:
-        raise ValueError(f"{path} has no {method} step_time row at {seq_len} tokens to fit")
+        raise ConfigError(f"{path} has no {method} step_time row at {seq_len} tokens to fit")
     return times[method, seq_len]
 
 

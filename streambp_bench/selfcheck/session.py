@@ -17,6 +17,7 @@ from streambp_bench.selfcheck.estimate import BUDGET_MINUTES
 from streambp_bench.selfcheck.items import Context, plan_items
 from streambp_bench.selfcheck.plan import Outcome, Runner, check_dry_run, stand_in, total_minutes
 from streambp_bench.selfcheck.report import plan_table, print_items, print_summary
+from streambp_core.config import ConfigError
 
 CSV_NAMES = {"cuda": "selfcheck.csv", "cpu": "selfcheck-cpu-dry-run.csv",
              "dry-run": "selfcheck-plan-dry-run.csv"}
@@ -74,7 +75,11 @@ def run(out: Path | None, skipped: set[str], as_json: bool, console: Console, em
             results.upsert(row)
 
     gpu_context = Context(check.GPU_PLAN, "plan")
-    estimates = {item.name: item.estimate_s(gpu_context) for item in plan_items(check.GPU_PLAN)}
+    try:
+        estimates = {item.name: item.estimate_s(gpu_context) for item in plan_items(check.GPU_PLAN)}
+    except ConfigError as error:  # no estimates is no reason not to measure
+        console.print(f"[yellow]no estimates: {error}[/]", soft_wrap=True)
+        estimates = {}
     runner = Runner(write, plan.device, where, on_item=lambda outcome: _said(console, outcome),
                     on_start=lambda item: console.print(f"selfcheck: {item.name} on {where} ..."),
                     estimates_s=estimates)

@@ -218,3 +218,14 @@ def test_a_dry_run_without_the_default_failing_item_fails_another() -> None:
     result = CliRunner().invoke(app, ["selfcheck", "--dry-run", "--skip", "fsdp", "--skip", "verify"])
     assert result.exit_code == 0, result.output
     assert "failed stand-in (memory)" in result.output and "fsdp" not in result.output
+
+
+def test_the_estimate_without_the_committed_rows_is_a_one_line_error(tmp_path: Path) -> None:
+    from streambp_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="the plan's estimates are fitted to"):
+        estimate.fitted_curves(tmp_path / "missing.csv")
+    partial = tmp_path / "rows.csv"
+    partial.write_text("method,model,seq_len_tokens,metric,value\ncheckpoint,Qwen/Qwen3-1.7B,8192,step_time,1\n")
+    with pytest.raises(ConfigError, match="no checkpoint step_time row at 16384 tokens"):
+        estimate.fitted_curves(partial)
