@@ -2,7 +2,8 @@
 
 - checkpoint offload (`offload_rows`): streambp on the memory model with its checkpoints in pinned host
   memory and without, at one length: the allocator's peak, the pinned-host allocator's peak (column
-  host_peak_gib) and the step time, each with the simulated peak and host pool beside it;
+  host_peak_gib) and the step time (column step_time_ms of the peak row), each with the simulated peak
+  and host pool beside it;
 - one FSDP2 rank on nccl (`fsdp_rows`): the step sharded by torch FSDP2 (ZeRO-3) on a one-rank nccl group
   (`parallel.launch.run_ranks`), its allocator peak next to the sharded simulation's;
 - `max-len --device cuda` (`max_len_rows`): the measured search on a small model next to the simulated one;
@@ -123,14 +124,6 @@ def peak_row(spec: StepSpec, probe: ProbeResult, where: str, step_ms: float | No
                      **provenance(probe.source, where))
 
 
-def time_row(spec: StepSpec, figures: StepFigures, where: str) -> ResultRow:
-    """The step_time row (ms) of a measured step; an error row when the step did not run."""
-    fields = {**spec_fields(spec), **provenance(figures.probe.source, where), "metric": "step_time"}
-    if figures.step_ms is None:
-        return ResultRow(**fields, status=figures.probe.status, error=figures.probe.message or "no time")
-    return ResultRow(**fields, value=figures.step_ms, step_time_ms=figures.step_ms)
-
-
 def offload_specs(model: str, dtype: str, seq_len: int) -> tuple[StepSpec, StepSpec]:
     """streambp at `seq_len` without and with checkpoint offload: layer partition T/3 (the timing runs'
     protocol), a 1024-token fused LM head."""
@@ -141,15 +134,14 @@ def offload_specs(model: str, dtype: str, seq_len: int) -> tuple[StepSpec, StepS
 
 def offload_rows(specs: tuple[StepSpec, ...], network, resolved_model, where: str, device: str,
                  warmup: int) -> Iterator[ResultRow]:
-    """Each spec's measured peak and time (the first after `warmup` steps) and simulated peak; the ratio of
-    their step times is the summary's (`report`)."""
+    """Each spec's measured peak with its step time (step_time_ms; the first spec's after `warmup` steps)
+    and simulated peak; the ratio of their step times is the summary's (`report`)."""
     from streambp_core.step.setup import build_setup
 
     for index, spec in enumerate(specs):
         setup = build_setup(spec, resolved_model.config, device, model=network)
         figures = measured_step(setup, device, warmup=warmup if index == 0 else 0)
         yield peak_row(spec, figures.probe, where, figures.step_ms)
-        yield time_row(spec, figures, where)
         yield peak_row(spec, simulated_probe(spec, resolved_model), where)
 
 
@@ -179,9 +171,7 @@ def fsdp_rows(spec: StepSpec, resolved_model, where: str, device: str) -> Iterat
     from streambp_core.parallel.launch import run_ranks
 
     probe, step_ms = run_ranks(fsdp_rank, 1, device=device, args=(spec, resolved_model.config, device))[0]
-    figures = StepFigures(probe, step_ms)
     yield peak_row(spec, probe, where, step_ms)
-    yield time_row(spec, figures, where)
     yield peak_row(spec, simulated_probe(spec, resolved_model), where)
 
 
