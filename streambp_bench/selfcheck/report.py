@@ -55,8 +55,8 @@ def _memory_table(frame: pd.DataFrame, where: str) -> Table:
 def _owed(frame: pd.DataFrame) -> pd.Series:
     """The peak rows of the items beyond the memory step: offloaded, sharded or with an optimizer, or
     with the 1024-token head those items run (the memory step's head partition is the plan's, 100)."""
-    return ((frame.offload != "none") | (frame.shard != "none") | (frame.optimizer != "none")
-            | (frame.head_partition_size == 1024))
+    wide_head = frame.head_partition_size.eq(1024).fillna(False).astype(bool)  # empty for plain, checkpoint
+    return (frame.offload != "none") | (frame.shard != "none") | (frame.optimizer != "none") | wide_head
 
 
 OWED_KEY = ["model", "method", "seq_len_tokens", "offload", "shard", "optimizer"]
