@@ -66,6 +66,9 @@ class Runner:
     clock: Callable[[], float] = time.monotonic
     on_item: Callable[[Outcome], None] | None = None
     on_start: Callable[[Item], None] | None = None
+    minutes_rows: bool = True
+    """Write every item's minutes row; False: only a failed item's (the CPU check keeps its minutes out
+    of its CSV)."""
     estimates_s: dict[str, float] | None = None
     """Each item's H200 estimate by name (None: `item.estimate_s(context)`; a CPU plan's items take the
     GPU plan's estimates)."""
@@ -85,7 +88,8 @@ class Runner:
             except Exception as failure:  # a failed item is a row; the plan goes on
                 error = one_line(failure)
             seconds = self.clock() - start
-            self.write(item_row(item.name, seconds, error, self.device, self.where))
+            if self.minutes_rows or error:
+                self.write(item_row(item.name, seconds, error, self.device, self.where))
             estimated = (item.estimate_s(context) if self.estimates_s is None
                          else self.estimates_s.get(item.name, 0.0))
             outcome = Outcome(item.name, made, seconds, estimated, error)

@@ -82,7 +82,7 @@ def run(out: Path | None, skipped: set[str], as_json: bool, console: Console, em
         estimates = {}
     runner = Runner(write, plan.device, where, on_item=lambda outcome: _said(console, outcome),
                     on_start=lambda item: console.print(f"selfcheck: {item.name} on {where} ..."),
-                    estimates_s=estimates)
+                    estimates_s=estimates, minutes_rows=plan.device == "cuda")
     outcomes = runner.run([item for item in items if item.name not in not_run], Context(plan, where))
     frame = results.load() if results is not None and results.path.exists() else None
     frame = rows_to_frame(made) if frame is None and made else frame

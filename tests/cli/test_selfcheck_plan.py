@@ -259,3 +259,11 @@ def test_the_summary_pairs_the_owed_rows_and_keeps_them_out_of_the_memory_table(
     assert memory_table.count("65536") == 1 and "0.992" in memory_table  # the memory step's row alone
     assert "1.100" in owed_table and "0.990" in owed_table  # offloaded vs resident time, sim/measured
     assert "zero3" in owed_table and "7.5" in owed_table and "8" in owed_table
+
+
+def test_the_cpu_check_keeps_only_a_failed_items_row() -> None:
+    written: list[ResultRow] = []
+    runner = plan.Runner(written.append, "cpu", "cpu", minutes_rows=False)
+    runner.run([_item("a", 1), _item("b", 0, fails=True)], context=None)
+    assert [(row.model, row.metric, row.status) for row in written] == [
+        ("a", "peak_memory", "ok"), ("b", plan.ITEM_METRIC, "error")]
