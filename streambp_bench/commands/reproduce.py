@@ -85,6 +85,9 @@ def reproduce(
     if out is None and quick:
         raise ConfigError("--quick writes tiny smoke-test rows: give --out DIR (they must not be merged into "
                           "results/, where they would stand for the paper's settings)")
+    if out is not None and quick and out.resolve() == Path("results").resolve():
+        raise ConfigError(f"--quick writes tiny smoke-test rows: --out {out} is results/, where they would "
+                          "stand for the paper's settings; give another folder")
     out = Path("results") if out is None else out
     _check_out(out, chosen)
     workers = worker_count(jobs, available_cpus(), "sim")  # the searches are simulated everywhere

@@ -1,6 +1,7 @@
 """A CSV file read strictly and rewritten safely by several processes at once.
 
-- Reading: a file that is not UTF-8 text, holds NUL bytes, is a directory, or whose rows do not have
+- Reading: UTF-8 text, with or without a byte-order mark (a spreadsheet saving the file adds one); a
+  file that is not UTF-8 text, holds NUL bytes, is a directory, or whose rows do not have
   the header's cells (a row cut short, or the last row cut mid-row: no end of line) is a SchemaError
   naming the line, never a half-parsed row.
 - Rewriting: `locked(path)` holds an exclusive lock (the `filelock` package, a `.NAME.lock` file beside
@@ -8,6 +9,10 @@
   `atomic_rewrite` writes a temporary file in the same directory, fsyncs it, gives it the old file's
   permission bits (a new file gets the umask's) and `os.replace`s it over the file. Through a symlink
   the file it points to is rewritten and the link is kept.
+- Appending (under the same lock): `append_records` writes the new rows' bytes at the end of the file in
+  one `write` and fsyncs it, so a row costs its own bytes, not the file's; an append that fails or is
+  interrupted (an exception, Ctrl-C, SIGTERM) truncates the file back to its old size. `read_tail`
+  reads only the rows past a known offset (what other writers appended since).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]
     if path.is_dir():
         raise SchemaError(f"{path} is a directory, not a CSV file")
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        with path.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's byte-order mark
             text = handle.read()
     except UnicodeDecodeError as error:
         raise SchemaError(f"{path} is not a text CSV file (byte {error.start} is not UTF-8)") from None
@@ -61,6 +66,48 @@ def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]
     if records and not text.endswith(("\n", "\r")):
         raise SchemaError(f"{path}, line {records[-1][0]}: the file ends mid-row (no end of line after it)")
     return header, records
+
+
+TAIL_CHECK_BYTES = 256
+"""Bytes before a known end of a CSV that `read_tail` compares with what they were (`bytes_before`)."""
+
+
+def bytes_before(path: Path, offset_bytes: int) -> bytes:
+    """The `TAIL_CHECK_BYTES` bytes of `path` before `offset_bytes` (fewer at the start of the file)."""
+    with path.open("rb") as handle:
+        handle.seek(max(offset_bytes - TAIL_CHECK_BYTES, 0))
+        return handle.read(min(offset_bytes, TAIL_CHECK_BYTES))
+
+
+def read_tail(path: Path, offset_bytes: int, header: Sequence[str], before: bytes
+              ) -> list[tuple[int, Record]]:
+    """The records of `path` from byte `offset_bytes` on, read with `header`, when the bytes before it are
+    still `before` (`bytes_before` when that end was read) and end a row; SchemaError otherwise (the file
+    was replaced or changed in place, not only appended to) or when the tail is not whole rows. Line
+    numbers count from the tail's first row as 1."""
+    start = max(offset_bytes - len(before), 0)
+    with path.open("rb") as handle:
+        handle.seek(start)
+        data = handle.read()
+    if data[: offset_bytes - start] != before or (offset_bytes and not before.endswith(b"\n")):
+        raise SchemaError(f"{path} changed since it was read (the bytes before {offset_bytes} differ)")
+    tail = data[offset_bytes - start:]
+    try:
+        text = tail.decode("utf-8")
+    except UnicodeDecodeError as error:
+        where = offset_bytes + error.start
+        raise SchemaError(f"{path} is not a text CSV file (byte {where} is not UTF-8)") from None
+    if text and not text.endswith(("\n", "\r")):
+        raise SchemaError(f"{path}: the file ends mid-row (no end of line after its last row)")
+    reader = csv.DictReader(io.StringIO(text), fieldnames=list(header))
+    records = []
+    try:
+        for record in reader:
+            _check_cells(path, reader.line_num, record, len(header))
+            records.append((reader.line_num, record))
+    except csv.Error as error:
+        raise SchemaError(f"{path}: not a CSV file past byte {offset_bytes} ({error})") from None
+    return records
 
 
 def _check_cells(path: Path, line: int, record: dict, expected: int) -> None:
@@ -134,6 +181,34 @@ def _write_and_replace(real: Path, temp: Path, mode: int | None, header: Sequenc
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def append_records(path: str | os.PathLike[str], header: Sequence[str], records: Sequence[Record]) -> int:
+    """Append `records` (cells in `header`'s order, the rewrite's dialect) to the existing CSV at `path`
+    (through symlinks; the caller holds `locked` and has checked the header); returns the file's new size
+    in bytes. Whatever interrupts it, the file is left at its old size (module doc)."""
+    buffer = io.StringIO()
+    csv.DictWriter(buffer, fieldnames=list(header)).writerows(records)
+    payload = buffer.getvalue().encode("utf-8")
+    real = real_path(path)
+    try:
+        descriptor = os.open(real, os.O_WRONLY | os.O_APPEND)
+    except PermissionError:
+        raise ConfigError(f"cannot write {path}: {real} is read-only") from None
+    try:
+        with _sigterm_raises():
+            size_bytes = os.fstat(descriptor).st_size
+            try:
+                written = 0
+                while written < len(payload):  # one write for a point's rows; a short write goes on
+                    written += os.write(descriptor, payload[written:])
+                os.fsync(descriptor)
+            except BaseException:
+                os.ftruncate(descriptor, size_bytes)
+                raise
+    finally:
+        os.close(descriptor)
+    return size_bytes + len(payload)
 
 
 def check_writable(path: str | os.PathLike[str]) -> None:

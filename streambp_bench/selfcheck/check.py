@@ -1,33 +1,36 @@
-"""The GPU self-check: bf16 exactness, measured vs simulated peak memory, and step time, as result rows.
+"""The GPU self-check's original steps: bf16 exactness, measured vs simulated peak memory, step time,
+a kernel profile and the kernel workspace, as result rows (the plan that runs them with the owed rows
+is `selfcheck.items`).
 
-Steps, each writing rows to one results CSV:
 1. verify in bfloat16 on the verify model for every objective and attention kernel (flash-attn only when
    importable; streambp with the fused LM head for sft and grpo): a method passes when its gradient
    error against an fp32 plain reference is at most 2x plain bf16's error against the same reference.
-2. memory: the allocator's peak of one step of every method at three lengths on the memory model, next to
-   the simulator's prediction for the same settings; on CUDA with the reserved peak, and the allocator's
-   alloc retries and OOM count over the step.
+2. memory: the measured peak of one step of every method at three lengths on the memory model, next to
+   the simulator's prediction for the same settings (`measured_peak`: on CUDA the caching allocator's
+   peak over an untracked step, with the reserved peak, alloc retries and OOM count; on a CPU the
+   live-tensor tracker's).
 3. time: median step time of checkpoint and streambp at the plan's timed lengths (CUDA events; warm-up
    first), with the layer partition T/3 of the paper's timing runs (Table 1), streambp at each of the
    plan's timed LM-head partitions (the paper's 100, and a wider one: a 100-token head chunk re-reads
    the vocab x hidden weight and its gradient once per 100 tokens), and streambp with both partitions
-   chosen automatically (the largest whose simulated peak fits the device); on CUDA with the
-   allocator's retries and OOM count over the timed steps.
+   chosen automatically (the largest whose simulated peak fits the device, found once per length); on
+   CUDA with the allocator's retries and OOM count over the timed steps.
 4. profile: at the longest timed length, one profiled step of each timed variant, kernel time by class
    (attention forward/backward, GEMM, copy, other; metric `kernel_ms_<class>`): where the time goes.
 5. kernel workspace: streambp on the memory model at the plan's workspace lengths, for each attention
    kernel, with its attention backward blocked over keys and without (metrics peak_memory_blocked and
-   peak_memory_unblocked): the allocator's peak next to the simulator's, which counts the kernels' own
+   peak_memory_unblocked): the measured peak next to the simulator's, which counts the kernels' own
    buffers (`streambp_core.engine.kernel_workspace`); a simulated row off the allocator's peak by more
    than 3% is an error. attn sdpa runs torch's FlashAttention-2 on the chunks that attend to a prefix and
    cuDNN on each layer's first, square chunk (SDPA's dispatch on Hopper); flash runs flash-attn.
-Without CUDA the same code runs as a dry run on CPU with a tiny preset and tiny lengths.
+Without CUDA the same code runs on CPU with a tiny preset and tiny lengths.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
@@ -39,6 +42,7 @@ from streambp_bench.results import (
     row_head_mode,
     spec_fields,
 )
+from streambp_bench.selfcheck.owed import measured_step
 from streambp_core.config import StepSpec
 from streambp_core.measure.cuda import cuda_available, device_info
 from streambp_core.measure.kernels import profile_kernel_time
@@ -82,6 +86,19 @@ class CheckPlan:
     """Memory the AUTO partitions may fill; None: the CUDA device's total memory."""
     workspace_lengths: tuple[int, ...] = ()
     """Lengths of the kernel-workspace rows (step 5); none: no such rows."""
+    offload_lengths: tuple[int, ...] = ()
+    """Lengths of the checkpoint-offload rows (streambp on the memory model, with and without)."""
+    fsdp_length: int = 16384
+    """Length of the one-rank FSDP2 step (nccl on CUDA)."""
+    small_model: str = "Qwen/Qwen3-0.6B"
+    """The model of the `max-len --device cuda` search and of the host-tier steps."""
+    max_len_budget_gib: float = 6.0
+    max_len_partition_size: int = 4096
+    """The search's layer partition (few chunks: each measured probe runs the live-tensor tracker)."""
+    tier_length: int = 4096
+    """Length of the host-tier steps (optimizer, then optimizer and parameters in pinned host memory)."""
+    gpu_tests: str = "tests/gpu"
+    """The pytest folder the plan runs last (in a subprocess)."""
 
     @property
     def timed_lengths(self) -> tuple[int, ...]:
@@ -90,8 +107,9 @@ class CheckPlan:
 
 GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype="bfloat16",
                      verify_seq_len=1024, memory_model="Qwen/Qwen3-1.7B", dtype="bfloat16",
-                     lengths=(4096, 8192, 16384), time_lengths=(16384, 32768),
-                     workspace_lengths=(65536, 131072))
+                     lengths=(4096, 8192, 16384), time_lengths=(16384,),
+                     workspace_lengths=(65536, 131072), offload_lengths=(65536, 262144),
+                     max_len_partition_size=8192)
 CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=32,
                      memory_model="tiny/qwen3", dtype="float32", lengths=(48, 96, 144),
                      partition_size=32, head_partition_size=16, timed_head_partitions=(16, AUTO),
@@ -149,9 +167,18 @@ def memory_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
     for method in METHODS:
         for seq_len in plan.lengths:
             spec = memory_spec(plan, method, seq_len)
-            measured = measure_setup(build_setup(spec, model.config, plan.device, model=model), plan.device)
+            measured = measured_peak(plan, build_setup(spec, model.config, plan.device, model=model))
             yield _memory_row(spec, measured, where)
             yield _memory_row(spec, _simulated(spec, resolved), where)
+
+
+def measured_peak(plan: CheckPlan, setup) -> ProbeResult:
+    """One step's measured peak: on CUDA the caching allocator's, over an untracked step
+    (`owed.measured_step`: the live-tensor tracker costs seconds per layer chunk, the allocator nothing);
+    elsewhere the tracker's (`measure_setup`), the only peak a CPU step has."""
+    if plan.device == "cuda":
+        return measured_step(setup, plan.device).probe
+    return measure_setup(setup, plan.device)
 
 
 def _simulated(spec: StepSpec, resolved: ResolvedModel) -> ProbeResult:
@@ -169,7 +196,7 @@ def workspace_rows(plan: CheckPlan, model, where: str) -> Iterator[ResultRow]:
             metric = "peak_memory_blocked" if blocking else "peak_memory_unblocked"
             for seq_len in plan.workspace_lengths:
                 spec = memory_spec(plan, "streambp", seq_len).replaced(attn=attn, attn_blocking=blocking)
-                measured = measure_setup(build_setup(spec, config, plan.device, model=model), plan.device)
+                measured = measured_peak(plan, build_setup(spec, config, plan.device, model=model))
                 yield _memory_row(spec, measured, where, metric)
                 yield _judged(_memory_row(spec, _simulated(spec, config), where, metric), measured)
 
@@ -210,9 +237,16 @@ def _partitions(plan: CheckPlan, seq_len: int, head_partition: int | str) -> tup
         return -(-seq_len // 3), head_partition
     budget = (plan.budget_gib * GIB if plan.budget_gib is not None
               else torch.cuda.get_device_properties(plan.device).total_memory)
+    return _auto_partitions(plan, seq_len, int(budget))
+
+
+@cache
+def _auto_partitions(plan: CheckPlan, seq_len: int, budget_bytes: int) -> tuple[int, int]:
+    """The AUTO partitions of a length (`fitting_partitions`: a search of simulations), found once for the
+    time and the profile rows."""
     spec = StepSpec.of(model=plan.memory_model, method="streambp", seq_len_tokens=seq_len, dtype=plan.dtype,
                        head_mode="auto")
-    chosen = fitting_partitions(spec, int(budget))  # the model resolved there
+    chosen = fitting_partitions(spec, budget_bytes)  # the model resolved there
     return chosen.stream.partition_size, chosen.stream.head_partition_size
 
 

@@ -25,8 +25,8 @@ def print_summary(console: Console, frame: pd.DataFrame | None, where: str) -> b
             table.add_row(row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
         failed = bool((grads.status != "ok").any())
         console.print(table)
-    tables = (_memory_table(frame, where), _time_table(frame, where), _profile_table(frame, where),
-              _workspace_table(frame, where))
+    tables = (_memory_table(frame, where), _owed_table(frame, where), _max_len_table(frame, where),
+              _time_table(frame, where), _profile_table(frame, where), _workspace_table(frame, where))
     for table in tables:
         if table.row_count:  # a skipped step (--skip-*) has no rows: no empty table
             console.print(table)
@@ -37,7 +37,7 @@ def _memory_table(frame: pd.DataFrame, where: str) -> Table:
     """Measured vs simulated peak per method and length; with the CUDA allocator's reserved peak, alloc
     retries and OOMs when the measured rows have them (a CUDA run)."""
     table = Table(title=f"peak GiB: simulated vs measured ({where})", title_justify="left")
-    memory = frame[frame.metric == "peak_memory"]
+    memory = frame[(frame.metric == "peak_memory") & ~_owed(frame)]
     measured = memory[memory.source != "simulated"].set_index(["method", "seq_len_tokens"])
     simulated = memory[memory.source == "simulated"].set_index(["method", "seq_len_tokens"])
     allocator = bool(measured.alloc_retries.notna().any())
@@ -49,6 +49,55 @@ def _memory_table(frame: pd.DataFrame, where: str) -> Table:
         ratio = f"{sim / row.value:.3f}" if sim is not None and row.value else "-"
         counts = (_gib(row.peak_reserved_gib), _count(row.alloc_retries), _count(row.num_ooms))
         table.add_row(key[0], str(key[1]), _gib(row.value), _gib(sim), ratio, *counts[: len(extra)])
+    return table
+
+
+def _owed(frame: pd.DataFrame) -> pd.Series:
+    """The peak rows of the items beyond the memory step: offloaded, sharded or with an optimizer, or
+    with the 1024-token head those items run (the memory step's head partition is the plan's, 100)."""
+    wide_head = frame.head_partition_size.eq(1024).fillna(False).astype(bool)  # empty for plain, checkpoint
+    return (frame.offload != "none") | (frame.shard != "none") | (frame.optimizer != "none") | wide_head
+
+
+OWED_KEY = ["model", "method", "seq_len_tokens", "offload", "shard", "optimizer"]
+
+
+def _owed_table(frame: pd.DataFrame, where: str) -> Table:
+    """The owed peak rows (offload, FSDP2, host tiers): measured and simulated device peak, pinned host
+    peak and the simulated host pool, the step time and, offloaded, its ratio to the resident step."""
+    rows = frame[(frame.metric == "peak_memory") & _owed(frame)]
+    table = Table(title=f"offload, FSDP2 and host tiers: device and host GiB ({where})", title_justify="left")
+    for column in ("model", "method", "tokens", "offload", "shard", "measured", "simulated", "sim/measured",
+                   "pinned host", "sim host pool", "step ms", "vs resident", "status"):
+        table.add_column(column, justify="left" if column in ("model", "method", "offload", "shard",
+                                                             "status") else "right")
+    simulated = rows[rows.source == "simulated"].set_index(OWED_KEY)
+    measured = rows[rows.source != "simulated"]
+    resident = measured[measured.offload == "none"].set_index([k for k in OWED_KEY if k != "offload"])
+    for _, row in measured.iterrows():
+        key = tuple(row[OWED_KEY])
+        sim = simulated.loc[key] if key in simulated.index else None
+        base = tuple(row[[k for k in OWED_KEY if k != "offload"]])
+        slower = (f"{row.step_time_ms / resident.loc[base, 'step_time_ms']:.3f}"
+                  if row.offload != "none" and base in resident.index and row.step_time_ms else "-")
+        value = None if sim is None else sim.value
+        table.add_row(row.model, row.method, str(row.seq_len_tokens), row.offload, row.shard, _gib(row.value),
+                      _gib(value), f"{value / row.value:.3f}" if value and row.value else "-",
+                      _gib(row.host_peak_gib), _gib(None if sim is None else sim.host_peak_gib),
+                      _ms(row.step_time_ms), slower, row.status)
+    return table
+
+
+def _max_len_table(frame: pd.DataFrame, where: str) -> Table:
+    """max-len's answers: the measured search and the simulated one, per model, method and budget."""
+    rows = frame[frame.metric == "max_len"]
+    table = Table(title=f"max length, tokens ({where})", title_justify="left")
+    for column in ("model", "method", "budget GiB", "source", "max length", "status"):
+        table.add_column(column)
+    for _, row in rows.iterrows():
+        tokens = "-" if pd.isna(row.value) else f"{int(row.value):,}"
+        table.add_row(row.model, row.method, f"{row.budget_gib:g}", row.source, tokens,
+                      row.status if row.status == "ok" else f"{row.status}: {row.error}")
     return table
 
 
@@ -147,3 +196,31 @@ def _gib(value) -> str:
 
 def _count(value) -> str:
     return "-" if value is None or pd.isna(value) else str(int(value))
+
+
+def plan_table(listed: list[dict], total_minutes: float, budget_minutes: float) -> Table:
+    """The plan's items (name, estimated minutes on an H200, what), then the total against the budget."""
+    table = Table(title="selfcheck plan: estimated minutes on an H200", title_justify="left")
+    for column in ("item", "minutes", "what"):
+        table.add_column(column, justify="right" if column == "minutes" else "left")
+    for entry in listed:
+        table.add_row(entry["item"], f"{entry['estimated_minutes']:.2f}", entry["what"])
+    table.add_row("total", f"{total_minutes:.2f}", f"budget {budget_minutes:g} min: "
+                  f"{'within' if total_minutes <= budget_minutes else 'OVER'}")
+    return table
+
+
+def print_items(console: Console, outcomes, where: str) -> None:
+    """One line per item run: its rows, its minutes (measured, wall clock) next to its H200 estimate, and
+    its status with the reason it failed."""
+    if not outcomes:
+        return
+    table = Table(title=f"items: wall-clock minutes, measured ({where}), vs estimated on an H200",
+                  title_justify="left")
+    for column in ("item", "rows", "minutes", "estimated", "status"):
+        table.add_column(column, justify="left" if column in ("item", "status") else "right")
+    for outcome in outcomes:
+        status = f"failed: {outcome.error}" if outcome.error else "ok"
+        table.add_row(outcome.name, str(outcome.rows), f"{outcome.seconds / 60:.2f}",
+                      f"{outcome.estimated_s / 60:.2f}", status)
+    console.print(table)

@@ -11,7 +11,8 @@ into result rows:
 - with a GPU model (`gpu`): a row more, metric step_time, source "estimated", device the GPU's name:
   the roofline estimate of the step (`step.estimate.estimate_step`); empty with the peak row's status
   when the point does not fit.
-`run_points` writes each point's rows as soon as it finishes (atomic upsert), so Ctrl-C or a kill
+`run_points` writes each point's rows as soon as it finishes (appended: a point costs its own bytes, not
+the file's; a re-run point rewrites the file atomically), so Ctrl-C or a kill
 loses no finished point, and skips points already in the file unless `force` (resume). Its `resolve`
 turns a point into the one to run (automatic partition sizes), before the resume check: rows record
 the sizes that ran.

@@ -19,44 +19,15 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
-
-
-@dataclass(frozen=True)
-class Family:
-    """One decoder family the engine runs."""
-
-    model_type: str
-    """transformers' `config.model_type`."""
-    tiny: str
-    """Its test model, the preset `tiny/<tiny>` (2 layers, hidden 64, vocab 512)."""
-    gated_mlp: str | None
-    """Class name of its MLP when that is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (the engine
-    then takes the down projection's backward by hand); None for a mixture-of-experts MLP."""
-
-    @property
-    def experts(self) -> bool:
-        """Whether its MLP routes each token to experts (mixture of experts)."""
-        return self.gated_mlp is None
-
-
-FAMILIES = (
-    Family("llama", "llama", "LlamaMLP"),
-    Family("mistral", "mistral", "MistralMLP"),
-    Family("qwen2", "qwen2", "Qwen2MLP"),
-    Family("qwen3", "qwen3", "Qwen3MLP"),
-    Family("gemma3_text", "gemma3", "Gemma3MLP"),
-    Family("qwen3_moe", "qwen3-moe", None),
-    Family("mixtral", "mixtral", None),
+from streambp_core.models.families import (  # noqa: F401  (re-exported: the adapters' public names)
+    FAMILIES,
+    GATED_MLP_CLASSES,
+    MOE_FAMILIES,
+    SUPPORTED_FAMILIES,
+    TINY_FAMILIES,
+    Family,
 )
-"""The one table of decoder families: every other list of families derives from it."""
-SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)
-"""`model_type`s of the decoder families the engine supports."""
-TINY_FAMILIES = tuple(family.tiny for family in FAMILIES)
-"""Names of the tiny test presets, one per family (`tiny/<name>`)."""
-MOE_FAMILIES = tuple(family.model_type for family in FAMILIES if family.experts)
-"""`model_type`s whose MLP is a mixture of experts."""
-GATED_MLP_CLASSES = tuple(family.gated_mlp for family in FAMILIES if family.gated_mlp is not None)
-"""MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+
 SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
 

@@ -12,7 +12,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from streambp_core.config import ConfigError, check_model
+from streambp_core.config import PRESET_DIR, ConfigError, check_model, preset_names
+from streambp_core.models.families import SUPPORTED_FAMILIES
+from streambp_core.models.known_names import ACTIVATIONS, ROPE_TYPES, rope_types, transformers_names
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -75,20 +77,24 @@ def config_from_values(values: dict, source: str) -> PretrainedConfig:
 
 
 def precheck_model(name: str) -> str:
-    """`check_model(name)`, then, for a local config.json, the checks that need no transformers (JSON,
-    geometry): a broken one is refused in well under a second, before torch is imported; the rest is
+    """`check_model(name)`, then, on the preset's or the local directory's config.json, the checks that
+    need no transformers (a config.json there, JSON, a family the engine runs, geometry, activation and
+    RoPE names): a broken one is refused in well under a second, before torch is imported; the rest is
     checked when the config is loaded."""
     check_model(name)
-    path = Path(name).expanduser()
+    preset = next((p for p in preset_names() if p.lower() == name.strip().lower()), None)
+    path = PRESET_DIR / f"{preset.replace('/', '--')}.json" if preset else Path(name).expanduser()
     file = path if path.is_file() else path / "config.json"
-    if path.exists() and file.is_file():
-        precheck_values(read_config_file(file), str(file))
+    if not file.is_file():
+        raise ConfigError(f"{path} has no config.json")
+    precheck_values(read_config_file(file), preset or str(file))
     return name
 
 
 def precheck_values(values: dict, source: str) -> None:
     """The geometry checks that need no transformers (so bad input is refused in well under a second),
     on config.json's raw values: `check_geometry` runs in full once the config is built."""
+    _check_model_type(values.get("model_type"), source)
     raw = SimpleNamespace(**values)
     for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
         value = getattr(raw, name, None)
@@ -98,7 +104,19 @@ def precheck_values(values: dict, source: str) -> None:
             getattr(raw, "hidden_size", None)):
         _check_heads(raw, source)
     _check_experts(raw, source)
+    _check_pad_token(raw, source)
+    _check_activation(raw, source)
+    _check_rope_types(raw, source)
     _check_layer_types(raw, source)
+
+
+def _check_model_type(model_type: object, source: str) -> None:
+    """ConfigError unless config.json names (`model_type`) a family the engine runs."""
+    if model_type is None:
+        raise ConfigError(f"{source}: no model_type (config.json must name its architecture)")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ConfigError(f"{source}: architecture {model_type!r} is not supported; "
+                          f"supported model_type: {', '.join(SUPPORTED_FAMILIES)}")
 
 
 def check_geometry(config: PretrainedConfig, source: str) -> None:
@@ -112,8 +130,10 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
     _check_heads(config, source)
     _check_experts(config, source)
+    _check_pad_token(config, source)
     _check_activation(config, source)
     _check_rope(config, source)
+    _check_rope_types(config, source)
     _check_layer_types(config, source)
 
 
@@ -156,13 +176,40 @@ def _check_experts(config: PretrainedConfig, source: str) -> None:
         )
 
 
-def _check_activation(config: PretrainedConfig, source: str) -> None:
-    from transformers.activations import ACT2FN
+def _check_pad_token(config: PretrainedConfig | SimpleNamespace, source: str) -> None:
+    """ConfigError unless `pad_token_id` (the embedding's padding row) is a row of the vocabulary (torch
+    asserts it when the embedding is built)."""
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if pad is None or not _is_positive_int(vocab):
+        return
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
+        raise ConfigError(f"{source}: pad_token_id must be a token id below vocab_size {vocab}, got {pad!r}")
 
+
+def _check_activation(config: PretrainedConfig | SimpleNamespace, source: str) -> None:
+    known = transformers_names(ACTIVATIONS)
+    if known is None:  # a transformers that spells the table otherwise: ask it
+        from transformers.activations import ACT2FN
+
+        known = frozenset(ACT2FN)
     for name in ("hidden_act", "hidden_activation"):
         value = getattr(config, name, None)
-        if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+        if value is not None and (not isinstance(value, str) or value not in known):
             raise ConfigError(f"{source}: {name} {value!r} is not an activation transformers knows")
+
+
+def _check_rope_types(config: PretrainedConfig | SimpleNamespace, source: str) -> None:
+    """ConfigError unless every RoPE table's `rope_type` is one transformers has (an unknown one is a
+    KeyError inside transformers when the model is built)."""
+    known = transformers_names(ROPE_TYPES)
+    if known is None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        known = frozenset(ROPE_INIT_FUNCTIONS)
+    for rope_type in rope_types(vars(config) if isinstance(config, SimpleNamespace) else config):
+        if not isinstance(rope_type, str) or rope_type not in {"default", *known}:
+            raise ConfigError(f"{source}: rope_type {rope_type!r} is not one transformers knows "
+                              f"(default, {', '.join(sorted(known))})")
 
 
 def _check_rope(config: PretrainedConfig, source: str) -> None:

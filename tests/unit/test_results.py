@@ -232,12 +232,12 @@ def test_a_crash_mid_write_leaves_the_old_file_intact(
 
     def replace_then_crash(source: str, target: object) -> None:
         temp_files.append(source)
-        assert Path(source).parent == tmp_path and len(Path(source).read_text().splitlines()) == 4
+        assert Path(source).parent == tmp_path and len(Path(source).read_text().splitlines()) == 3
         raise crash
 
     monkeypatch.setattr(csv_io.os, "replace", replace_then_crash)
     with pytest.raises(type(crash)):
-        file.upsert(make_row(16384))
+        file.upsert(make_row(8192, value=9.5))  # a re-run point: the rewrite path
     assert temp_files and _state(tmp_path) == before  # same bytes, and the temp file is gone
     monkeypatch.undo()
     assert len(ResultsFile(tmp_path / "r.csv").rows()) == 2
