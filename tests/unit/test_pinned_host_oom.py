@@ -16,6 +16,7 @@ import torch
 
 from streambp_core.config import StepSpec
 from streambp_core.engine import offload as offload_module
+from streambp_core.engine.host_params import HostParams
 from streambp_core.measure.cuda import PinnedHostOutOfMemory, is_oom, oom_pool, pinned_host_allocation
 from streambp_core.models import load_config
 from streambp_core.search import HOST_PINNED_POOL, OK, OOM, ProbeResult, max_trainable_length
@@ -25,8 +26,9 @@ from streambp_core.step.setup import build_setup
 GIB = 2**30
 PINNED_OOM = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at another API"
 """What torch raises when its pinned-host allocator's cudaHostAlloc fails."""
-SPEC = StepSpec.of(model="tiny/llama", method="streambp", seq_len_tokens=48, dtype="float32", partition_size=32,
-                   head_partition_size=16, optimizer="adamw", offload="checkpoints,optimizer,params")
+SPEC = StepSpec.of(model="tiny/llama", method="streambp", seq_len_tokens=48, dtype="float32",
+                   partition_size=32, head_partition_size=16, optimizer="adamw",
+                   offload="checkpoints,optimizer,params")
 
 
 def _pinned_allocations(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> list[int]:
@@ -46,6 +48,10 @@ def _pinned_allocations(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) ->
     return sizes
 
 
+def _device_full(*args: object) -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
 def test_the_pinned_pool_is_named_only_where_pinning_failed() -> None:
     with pytest.raises(PinnedHostOutOfMemory) as caught, pinned_host_allocation(3 * GIB, "a layer's input"):
         raise RuntimeError(PINNED_OOM)
@@ -62,7 +68,8 @@ def test_the_pinned_pool_is_named_only_where_pinning_failed() -> None:
 def test_a_step_out_of_pinned_host_memory_is_an_oom_naming_the_pool(monkeypatch, capsys, where: str) -> None:
     """The real step with every tier; the pinned allocation that fails is the first made while the step
     is set up (the host optimizer's masters: a CUDA probe's child process reports it), while it is
-    prepared (the params tier's weights) or the last (a gradient sent to the host in backward)."""
+    prepared (the params tier's weights) or the last (a gradient sent to the host in backward; closing
+    the failed run then runs out of device memory too, which must not hide the first failure)."""
     config = load_config(SPEC.model)
     counted = _pinned_allocations(monkeypatch, fail_at=None)
     setup = build_setup(SPEC, config, "cpu")
@@ -74,6 +81,8 @@ def test_a_step_out_of_pinned_host_memory_is_an_oom_naming_the_pool(monkeypatch,
     monkeypatch.undo()
     fail_at = {"setup": 1, "prepare": in_setup + 1, "backward": total}[where]
     sizes = _pinned_allocations(monkeypatch, fail_at=fail_at)
+    if where == "backward":  # closing the failed run, putting the weights back on a full device, fails too
+        monkeypatch.setattr(HostParams, "close", _device_full)
     if where == "setup":
         assert probe._child_main(["--spec", json.dumps(SPEC.to_dict()), "--device", "cpu"]) == 0
         result = probe.parse_child_output(SPEC.seq_len_tokens, 0, capsys.readouterr().out, "")
