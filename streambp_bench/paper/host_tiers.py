@@ -100,7 +100,7 @@ def section(frame: pd.DataFrame) -> list[str]:
     """The README section: max length per model, GPU, method and tier set (in the grid's order), host GiB
     needed, the ratio to ALST's published length; the cells refused by name; the targets."""
     data = frame[frame["metric"] == "max_len"].assign(gpu=lambda f: f["budget_gib"].map(_gpu))
-    gpus = " and ".join(sorted(set(data["gpu"])))
+    gpus = " or one ".join(sorted(set(data["gpu"])))
     lines = [f"## Host tiers — full fine-tuning with AdamW on one {gpus} (simulated)", "",
              prose("host-tiers-protocol"), "",
              "| model | GPU | method | tiers | max length | device GiB | host GiB | "
