@@ -24,7 +24,13 @@ least this many tokens (capped), never as a maximum."""
 OK, OOM, REFUSED = "ok", "oom", "refused"
 
 OomPool = Callable[[BaseException], str | None]
-"""Which memory an exception ran out of ('device' or 'host'); None when it is no out-of-memory error."""
+"""Which memory an exception ran out of (`OOM_POOLS`); None when it is no out-of-memory error."""
+HOST_PINNED_POOL = "host pinned"
+"""The pool of an offload tier's page-locked host copies (`measure.cuda.PinnedHostOutOfMemory`)."""
+OOM_POOLS = ("device", "host", HOST_PINNED_POOL)
+"""The memories a step can run out of: the GPU's, host RAM, pinned host memory."""
+HOST_POOLS = ("host", HOST_PINNED_POOL)
+"""The pools of host memory: a probe out of either is over any host budget."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +60,8 @@ class ProbeResult:
     to_device_bytes: int | None = None
     """Bytes the step copied host -> device; None where not taken."""
     oom_pool: str | None = None
-    """On status 'oom': the memory that ran out, 'device' or 'host' (pinned host memory, or RAM)."""
+    """On status 'oom': the memory that ran out, one of `OOM_POOLS`: 'device', 'host' (RAM) or 'host
+    pinned' (page-locked host memory)."""
 
     def fits(self, budget_bytes: int, host_budget_bytes: int | None = None) -> bool:
         """Whether the step ran, its peak is within `budget_bytes` and (given a host budget) its host
@@ -65,7 +72,7 @@ class ProbeResult:
 
     def over_host_budget(self, host_budget_bytes: int | None) -> bool:
         """Whether the step ran out of host memory or its host peak is over `host_budget_bytes`."""
-        if self.oom_pool == "host":
+        if self.oom_pool in HOST_POOLS:
             return True
         return host_budget_bytes is not None and (self.host_peak_bytes or 0) > host_budget_bytes
 

@@ -34,7 +34,9 @@ HELP = (
     "(fp32 vs fp64, bf16 vs fp32). "
     "offload: max length of every method with and without checkpoints in host memory (Qwen3-8B, 14B, "
     "32B LoRA r32; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
-    "offload) and device and host memory vs tokens up to 2M (simulated). "
+    "offload) and device and host memory vs tokens up to 2M; and the host tiers: full fine-tuning with "
+    "AdamW of Llama-3.1-8B and Qwen3-8B on one H100 80GB and one H200 141GB, each method with each tier "
+    "set it can run, beside ALST's published single-GPU lengths, with the host GiB each needs (simulated). "
     "all: every item. Memory items are simulated everywhere; time items measure. An item's max-length "
     "searches run side by side, one worker process per core ([bold]--jobs[/] or STREAMBP_BENCH_JOBS)."
 )

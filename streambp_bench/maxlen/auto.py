@@ -45,15 +45,30 @@ class StepAt:
     estimated_ms: float | None = None
     label: str = ""
     """The method's row label ('streambp + offload'); the method's name when empty."""
+    pcie: dict | None = None
+    """With offload: the copies' bytes each way, the PCIe bandwidth assumed, their whole time and the part
+    compute does not hide (`copies_of`)."""
 
     def to_dict(self) -> dict:
         spec = self.spec
         sizes = {} if spec is None or not spec.partitioned else {
             "partition_size": spec.stream.partition_size,
             "head_partition_size": spec.stream.head_partition_size}
+        pcie = {} if self.pcie is None else {"estimated_pcie": self.pcie}
         return {"method": self.method, "label": self.label or self.method,
                 "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
-                **sizes, "estimated_step_time_ms": self.estimated_ms}
+                **sizes, "estimated_step_time_ms": self.estimated_ms, **pcie}
+
+
+def copies_of(estimate) -> dict | None:
+    """The offload copies of a `step.estimate.StepEstimate` (None without any): bytes each way, the PCIe
+    bandwidth assumed (one direction, the GPU's), their whole time (both directions' bytes over it) and
+    the part the step's compute does not hide (in the step time)."""
+    if not estimate.pcie_bytes_per_s:
+        return None
+    return {"to_host_bytes": estimate.to_host_bytes, "to_device_bytes": estimate.to_device_bytes,
+            "pcie_gb_per_s": estimate.pcie_bytes_per_s / 1e9, "copy_ms": 1e3 * estimate.copy_s,
+            "not_hidden_ms": 1e3 * estimate.transfer_s}
 
 
 def finish(plan: Plan, results: list[MethodResult],
@@ -85,8 +100,11 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt
     full = simulate(run, plan.resolved, depth="full") if not automatic else None
     if full is not None and full.peak_bytes > plan.budget_bytes:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
-    estimated = None if extras.gpu is None else estimate_step(run, extras.gpu, plan.resolved).step_time_ms
-    return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimated)
+    if extras.gpu is None:
+        return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run)
+    estimate = estimate_step(run, extras.gpu, plan.resolved)
+    return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimate.step_time_ms,
+                  pcie=copies_of(estimate))
 
 
 def to_dict(steps: list[StepAt], extras: Extras) -> dict:
@@ -102,8 +120,13 @@ def render_table(steps: list[StepAt], extras: Extras) -> Table:
     gpu = "" if extras.gpu is None else f"; step time estimated for {extras.gpu.name}"
     searched = " (the search ran with 64-token partitions, which reach furthest)" if (
         extras.auto_layer or extras.auto_head) else ""
+    copies = [step.pcie for step in steps if step.pcie is not None]
+    if copies:
+        gpu += (f"; offload copies over PCIe at {copies[0]['pcie_gb_per_s']:g} GB/s one way (both "
+                "directions' bytes counted on it; in the step time, only what compute does not hide)")
     table = Table(title=f"partitions that fit (largest = fastest){searched}{gpu}", title_justify="left")
-    for column in ("method", "length", "partition", "head partition", "est. step s"):
+    pcie_columns = ("GiB to host / to device", "PCIe s", "not hidden s") if copies else ()
+    for column in ("method", "length", "partition", "head partition", "est. step s", *pcie_columns):
         table.add_column(column, justify="left" if column == "method" else "right")
     for step in steps:
         spec = step.spec
@@ -111,8 +134,17 @@ def render_table(steps: list[StepAt], extras: Extras) -> Table:
             f"{spec.stream.partition_size:,}", f"{spec.stream.head_partition_size:,}")
         estimate = "-" if step.estimated_ms is None else f"{step.estimated_ms / 1e3:.2f}"
         fits = "" if spec is not None else " (does not fit)"
-        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate)
+        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate,
+                      *(_pcie_cells(step.pcie) if copies else ()))
     return table
+
+
+def _pcie_cells(pcie: dict | None) -> tuple[str, str, str]:
+    if pcie is None:
+        return ("-", "-", "-")
+    gib = 2**30
+    return (f"{pcie['to_host_bytes'] / gib:.1f} / {pcie['to_device_bytes'] / gib:.1f}",
+            f"{pcie['copy_ms'] / 1e3:.2f}", f"{pcie['not_hidden_ms'] / 1e3:.2f}")
 
 
 def estimated_rows(steps: list[StepAt], extras: Extras) -> list:

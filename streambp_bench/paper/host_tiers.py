@@ -17,14 +17,16 @@ when quick): a row's key holds no budget, so two GPUs' rows of one step would re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 
 from streambp_bench.paper.prose import prose
-from streambp_bench.paper.shared import Settings, max_len_row
+from streambp_bench.paper.shared import Settings, frame_of, max_len_row
 from streambp_bench.specs import spec_label
 from streambp_core.config import METHODS, StepSpec
 from streambp_core.step.resolved import ResolvedModel
-from streambp_core.tiers import ALL_TIERS, tier_problem
+from streambp_core.tiers import ALL_TIERS, OFFLOAD_MODES, tier_problem
 
 GPUS_GIB = {"H100 80GB": 81_559 / 1024, "H200 141GB": 143_771 / 1024}
 """Each GPU's whole memory in GiB (nvidia-smi's MiB totals: 81,559 and 143,771)."""
@@ -75,23 +77,57 @@ def _gpu(budget_gib: float) -> str:
     return min(names, key=lambda name: abs(names[name] - budget_gib))
 
 
+def readme_lines(out_dir: Path) -> list[str]:
+    """The README section of every GPU's CSV in `out_dir` together (none when there is none)."""
+    frames = [frame for name in CSV_NAMES.values()
+              if (frame := frame_of(out_dir / f"{name}.csv")) is not None and len(frame)]
+    return section(pd.concat(frames, ignore_index=True)) if frames else []
+
+
+def refused(methods: tuple[str, ...] = METHODS) -> list[tuple[tuple[str, ...], str, str]]:
+    """(methods, tier set, why) of every tier set some of `methods` cannot run with AdamW, as
+    `tiers.tier_problem` refuses it (so does `max-len`): the grid's cells not run, the methods sharing
+    one reason together."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for tiers in OFFLOAD_MODES:
+        for method in methods:
+            if (problem := tier_problem(method, tiers, "adamw")) is not None:
+                grouped.setdefault((tiers, problem), []).append(method)
+    return [(tuple(names), tiers, why) for (tiers, why), names in grouped.items()]
+
+
 def section(frame: pd.DataFrame) -> list[str]:
-    """The README section: max length per model, GPU, method and tier set, host GiB needed, ALST's."""
+    """The README section: max length per model, GPU, method and tier set (in the grid's order), host GiB
+    needed, the ratio to ALST's published length; the cells refused by name; the targets."""
     data = frame[frame["metric"] == "max_len"].assign(gpu=lambda f: f["budget_gib"].map(_gpu))
-    gpus = " and ".join(sorted(set(data["gpu"])))
+    gpus = " or one ".join(sorted(set(data["gpu"])))
     lines = [f"## Host tiers — full fine-tuning with AdamW on one {gpus} (simulated)", "",
              prose("host-tiers-protocol"), "",
              "| model | GPU | method | tiers | max length | device GiB | host GiB | "
-             "copied GiB to host / to device | ALST |", "|---|---|---|---|---|---|---|---|---|"]
-    for _, row in data.sort_values(["model", "budget_gib", "method", "offload"]).iterrows():
+             "copied GiB to host / to device | x ALST |", "|---|---|---|---|---|---|---|---|---|"]
+    for _, row in sorted(data.iterrows(), key=lambda item: _grid_order(item[1])):
         alst = ALST_TOKENS.get((row["model"], row["gpu"]))
+        ratio = "–" if alst is None else f"{row['value'] / alst:.2f}"
         lines.append(f"| {row['model']} | {row['gpu']} | {row['method']} | {row['offload']} | "
                      f"{row['value']:,.0f} | {_gib(row['peak_allocated_gib'])} | "
                      f"{_gib(row['host_peak_gib'])} | "
                      f"{_gib(row['to_host_gib'])} / {_gib(row['to_device_gib'])} | "
-                     f"{'' if alst is None else f'{alst:,}'} |")
+                     f"{ratio} |")
+    refusals = [f"- {', '.join(names)} + offload {tiers}: {why}"
+                for names, tiers, why in refused(tuple(m for m in METHODS if m in set(data["method"])))]
+    if refusals:
+        lines += ["", "Not run (refused by name, as `max-len --offload` refuses them):", "", *refusals]
     targets = _target_lines(data)
     return [*lines, "", *targets, *([""] if targets else [])]
+
+
+def _grid_order(row: pd.Series) -> tuple:
+    """A row's place: model, GPU budget, method and tier set in the grid's order."""
+    models = [*MODELS, row["model"]]
+    tiers = [*TIER_SETS, *QUICK_TIER_SETS, row["offload"]]
+    methods = [*METHODS, row["method"]]
+    return (models.index(row["model"]), row["budget_gib"], methods.index(row["method"]),
+            tiers.index(row["offload"]))
 
 
 def _target_lines(data: pd.DataFrame) -> list[str]:

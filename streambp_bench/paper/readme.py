@@ -24,9 +24,6 @@ def render(out_dir: Path) -> str:
         frame = frame_of(out_dir / f"{name}.csv")
         if frame is not None and len(frame):
             lines += item.section(frame)
-    for name in host_tiers.CSV_NAMES.values():  # the offload item's tier grid, one CSV per GPU
-        frame = frame_of(out_dir / f"{name}.csv")
-        if frame is not None and len(frame):
-            lines += host_tiers.section(frame)
+    lines += host_tiers.readme_lines(out_dir)  # the offload item's tier grid, one CSV per GPU, one section
     lines += step_sections(out_dir)
     return "\n".join([*lines, prose("models"), "", prose("changes"), ""])

@@ -22,21 +22,33 @@ OBJECTIVES = ("sft", "grpo", "dpo")
 
 def run(settings: Settings) -> list[Path]:
     """Search every cell; write CSV + one PNG per objective."""
-    cells = (
-        {"tiny full": ("tiny/llama", 0), "tiny LoRA": ("tiny/llama", 4)}
-        if settings.quick
-        else published.TABLE3_CELLS
-    )
-    sizes = {"partition_size": 32, "head_partition_size": 16} if settings.quick else {}
-    group = 2 if settings.quick else published.TABLE3_GROUP_SIZE
     results = settings.csv("table3")
-    specs = [StepSpec.of(model=model, method=method, objective=objective, lora_rank=rank, optimizer="adamw",
-                      batch_size=batch, protocol="trl", **sizes)
-             for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1))
-             for model, rank in cells.values()
-             for method in METHODS]
-    results.append_many(max_len_rows(specs, settings))
-    frame = results.load()
+    results.append_many(max_len_rows(specs(settings.quick), settings))
+    return figures(settings)
+
+
+def cells_of(quick: bool) -> dict[str, tuple[str, int]]:
+    """The table's cells, name -> (model, LoRA rank or 0): the paper's, or tiny ones when `quick`."""
+    if quick:
+        return {"tiny full": ("tiny/llama", 0), "tiny LoRA": ("tiny/llama", 4)}
+    return published.TABLE3_CELLS
+
+
+def specs(quick: bool, methods: tuple[str, ...] = METHODS) -> list[StepSpec]:
+    """Every (objective, cell, method) step of the table, searched under the trl protocol with AdamW."""
+    sizes = {"partition_size": 32, "head_partition_size": 16} if quick else {}
+    group = 2 if quick else published.TABLE3_GROUP_SIZE
+    return [StepSpec.of(model=model, method=method, objective=objective, lora_rank=rank, optimizer="adamw",
+                        batch_size=batch, protocol="trl", **sizes)
+            for objective, batch in (("sft", 1), ("grpo", group), ("dpo", 1))
+            for model, rank in cells_of(quick).values()
+            for method in methods]
+
+
+def figures(settings: Settings) -> list[Path]:
+    """One PNG per objective from `table3.csv`, ours beside the paper's."""
+    cells = cells_of(settings.quick)
+    frame = settings.csv("table3").load()
     paper_frame = pd.DataFrame(
         [
             {

@@ -128,8 +128,7 @@ class HostAdamW(torch.optim.Optimizer):
 
 
 def _master_of(param: nn.Parameter) -> Tensor:
-    """A host copy of `param` in its dtype promoted to at least float32 (filed as offloaded)."""
+    """A host copy of `param` in its dtype promoted to at least float32 (filed as offloaded; pinned for a
+    CUDA parameter, so running out of pinned memory is `PinnedHostOutOfMemory`)."""
     dtype = torch.promote_types(param.dtype, torch.float32)
-    device = "meta" if param.device.type == "meta" else "cpu"
-    master = torch.empty(param.shape, dtype=dtype, device=device, pin_memory=param.is_cuda)
-    return master.copy_(param.detach())
+    return host_copy(param.detach(), dtype).copy_(param.detach())

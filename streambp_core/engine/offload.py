@@ -28,15 +28,27 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from streambp_core.measure.cuda import pinned_host_allocation
 from streambp_core.measure.tags import CHECKPOINTS, OFFLOADED, memory_category
 
 
-def host_copy(tensor: Tensor) -> Tensor:
-    """An empty host tensor laid out like `tensor`, filed as offloaded: pinned CPU memory for a CUDA
-    tensor, CPU memory for a CPU tensor, and meta for a meta tensor."""
+def pins_host_copies(tensor: Tensor) -> bool:
+    """Whether `host_copy` pins the host copy of `tensor`: on CUDA only, where pinning exists."""
+    return tensor.is_cuda
+
+
+def host_copy(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty host tensor laid out like `tensor` (in `dtype` when given), filed as offloaded: pinned CPU
+    memory for a CUDA tensor, CPU memory for a CPU tensor, and meta for a meta tensor. Pinned memory that
+    runs out raises `PinnedHostOutOfMemory` (an out-of-memory data point, pool 'host pinned')."""
     device = "meta" if tensor.device.type == "meta" else "cpu"
-    with memory_category(OFFLOADED):
-        return torch.empty_like(tensor, device=device, pin_memory=tensor.is_cuda)
+    pin = pins_host_copies(tensor)
+    if not pin:
+        with memory_category(OFFLOADED):
+            return torch.empty_like(tensor, dtype=dtype, device=device)
+    nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+    with memory_category(OFFLOADED), pinned_host_allocation(nbytes):
+        return torch.empty_like(tensor, dtype=dtype, device=device, pin_memory=True)
 
 
 class save_on_host(torch.autograd.graph.saved_tensors_hooks):  # lower case like torch's save_on_cpu

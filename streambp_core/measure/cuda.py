@@ -7,12 +7,15 @@ imported only inside `device_info` and its absence falls back to torch with a no
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from streambp_core.measure.units import bytes_to_gib, gib_of
+from streambp_core.search import HOST_PINNED_POOL
 
 NVML_MISSING_NOTE = (
     "pynvml not installed (pip install 'streambp-bench[cuda]'): name and total memory from torch, "
@@ -186,6 +189,27 @@ class HostMemoryFailure(RuntimeError):
     error of the machine running it, never an out-of-memory data point (`is_oom` is False for it)."""
 
 
+class PinnedHostOutOfMemory(MemoryError):
+    """Page-locked (pinned) host memory ran out: torch's pinned-host allocator could not `cudaHostAlloc`
+    a host copy of an offload tier. An out-of-memory data point whose pool is `HOST_PINNED_POOL`."""
+
+
+@contextmanager
+def pinned_host_allocation(nbytes: int, what: str = "a host copy") -> Iterator[None]:
+    """Around a pinned host allocation of `nbytes`: an out-of-memory failure inside (which torch raises as
+    a CUDA error, not as the device allocator's OutOfMemoryError) becomes `PinnedHostOutOfMemory`, its
+    one-line message naming the pool, `what` was allocated and its size."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or not is_oom(exc):
+            raise
+        first = str(exc).split("\n")[0]
+        raise PinnedHostOutOfMemory(f"out of memory in pool '{HOST_PINNED_POOL}' (page-locked host memory): "
+                                    f"{what} of {nbytes:,} B ({nbytes / 2**30:.2f} GiB) could not be pinned "
+                                    f"({first})") from exc
+
+
 def is_oom(exc: BaseException) -> bool:
     """True when `exc` is an out-of-memory failure.
 
@@ -200,10 +224,14 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def oom_pool(exc: BaseException) -> str | None:
-    """Which memory an out-of-memory `exc` ran out of: 'device' (the CUDA allocator, cuBLAS), 'host'
-    (pinned host memory, RAM); None when `exc` is no OOM."""
+    """Which memory an out-of-memory `exc` ran out of: 'device' (the CUDA allocator, cuBLAS), 'host pinned'
+    (`PinnedHostOutOfMemory`: an offload tier's page-locked host copy), 'host' (RAM, or pinned memory that
+    failed where the project did not allocate it, e.g. inside torch's `save_on_cpu`); None when `exc` is
+    no OOM."""
     if not is_oom(exc):
         return None
+    if isinstance(exc, PinnedHostOutOfMemory):
+        return HOST_PINNED_POOL
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "device"
     host = isinstance(exc, MemoryError) or any(m in str(exc) for m in _HOST_OOM_MESSAGES)

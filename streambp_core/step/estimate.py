@@ -16,12 +16,13 @@ what tuned kernels reach on them, not fitted to this project's measurements:
   others are the datasheets' and the kernels' published figures.
 
 Offload transfers (PCIe) are not in the op record of a meta step: `estimate_step` takes the bytes each
-way from the simulation and adds the part of their PCIe time that the step's compute cannot hide,
-max(0, transfer - compute), as if every copy overlapped compute (it runs on a side stream): a lower bound.
-With the optimizer and params offload tiers those bytes include each gradient sent to the host, the
-updated weights returned and every weight gathered for forward and backward (PCIe per direction: 64 GB/s
-on H100 and H200, Gen5 x16; 32 GB/s on A100 and A800, Gen4 x16); the host optimizer step's CPU time is
-not estimated.
+way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes to host + bytes
+to device) / bandwidth: the two directions are not assumed to overlap each other) and adds the part that
+the step's compute cannot hide, max(0, transfer - compute), as if every copy overlapped compute (it runs
+on a side stream). With the optimizer and params offload tiers those bytes include each gradient sent to
+the host, the updated weights returned and every weight gathered for forward and backward. PCIe assumed
+per direction: 64 GB/s on H100 and H200 (Gen5 x16), 32 GB/s on A100 and A800 (Gen4 x16), the links'
+nominal rates; the host optimizer step's CPU time is not estimated.
 Depth: the ops of a 1-layer and a 2-layer model are recorded and the difference is scaled to the full
 depth (every decoder layer dispatches the same ops), so a 36-layer model costs two short meta steps.
 """
@@ -82,6 +83,20 @@ class StepEstimate:
     source: str = "estimated"
     transfer_s: float = 0.0
     """Host-device copies (offload) not hidden by compute."""
+    to_host_bytes: int = 0
+    """Bytes the step copies device -> host (offload tiers; `simulate`'s)."""
+    to_device_bytes: int = 0
+    """Bytes the step copies host -> device."""
+    pcie_bytes_per_s: float = 0.0
+    """The PCIe bandwidth the copies were timed at (the GPU's, one direction); 0 without offload."""
+
+    @property
+    def copy_s(self) -> float:
+        """The offload copies' whole PCIe time, both directions' bytes over one direction's bandwidth
+        (hidden by compute or not; `transfer_s` is the part that is not)."""
+        if not self.pcie_bytes_per_s:
+            return 0.0
+        return (self.to_host_bytes + self.to_device_bytes) / self.pcie_bytes_per_s
 
     @property
     def step_time_ms(self) -> float:
@@ -150,6 +165,7 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     from streambp_core.step.simulate import simulate
 
     sim = simulate(spec, model)
-    transfer_s = (sim.to_host_bytes + sim.to_device_bytes) / gpu.pcie_bytes_per_s
+    copies = replace(estimate, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
+                     pcie_bytes_per_s=gpu.pcie_bytes_per_s)
     compute_s = estimate.step_time_ms / 1e3
-    return replace(estimate, transfer_s=max(0.0, transfer_s - compute_s))
+    return replace(copies, transfer_s=max(0.0, copies.copy_s - compute_s))

@@ -26,7 +26,15 @@ from transformers import PretrainedConfig
 from streambp_core.config import SOURCES, ConfigError, StepSpec
 from streambp_core.measure import host_ram
 from streambp_core.measure.cuda import is_oom, oom_pool
-from streambp_core.search import OK, OOM, REFUSED, ProbeResult, SearchResult, guided_max_len
+from streambp_core.search import (
+    HOST_PINNED_POOL,
+    OK,
+    OOM,
+    REFUSED,
+    ProbeResult,
+    SearchResult,
+    guided_max_len,
+)
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import StepOutOfMemory, tracked_step
 from streambp_core.step.setup import Setup, build_setup, build_training_model
@@ -52,8 +60,9 @@ def simulated_probe(spec: StepSpec, model: ResolvedModel, *, depth: str = "extra
 
 
 def measure_setup(setup: Setup, device: str) -> ProbeResult:
-    """One tracked step of `setup` on real tensors; an OOM becomes status 'oom' (with the allocator's
-    figures on CUDA), any other failure propagates."""
+    """One tracked step of `setup` on real tensors; an OOM becomes status 'oom' naming its pool (with the
+    allocator's figures on CUDA when the step had begun; before it, e.g. pinning the params tier's weights
+    while preparing, without), any other failure propagates."""
     source = SOURCES[device]
     try:
         record = tracked_step(setup, device)
@@ -61,6 +70,11 @@ def measure_setup(setup: Setup, device: str) -> ProbeResult:
         return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status=OOM, source=source,
                            message=str(exc), oom_pool=oom_pool(exc.__cause__ or exc),
                            **exc.record.cuda_figures())
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return ProbeResult(seq_len_tokens=setup.spec.seq_len_tokens, status=OOM, source=source,
+                           message=str(exc).split("\n")[0], oom_pool=oom_pool(exc))
     finally:
         for param in setup.model.parameters():
             param.grad = None
@@ -142,17 +156,26 @@ def max_len(
 
 
 def parse_child_output(seq_len: int, returncode: int, stdout: str, stderr: str) -> ProbeResult:
-    """The child's JSON line as a ProbeResult; a child killed by OOM is 'oom' (killed by the kernel: out of
-    host memory); other failures raise."""
+    """The child's JSON line as a ProbeResult; a child that died out of memory is 'oom': killed by the
+    kernel (out of host memory), out of pinned host memory ('host pinned', `PinnedHostOutOfMemory`'s
+    message), out of device memory; other failures raise."""
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if lines:
         return ProbeResult(**json.loads(lines[-1]))
     tail = " ".join(stderr.split())[-300:]
     if "out of memory" in stderr.lower() or returncode in (-9, 137):
-        pool = "device" if "CUDA out of memory" in stderr and returncode not in (-9, 137) else "host"
         return ProbeResult(seq_len_tokens=seq_len, status=OOM, source="measured-cuda", message=tail,
-                           oom_pool=pool)
+                           oom_pool=_child_oom_pool(returncode, stderr))
     raise RuntimeError(f"probe at {seq_len} tokens failed (exit {returncode}): {tail}")
+
+
+def _child_oom_pool(returncode: int, stderr: str) -> str:
+    """The pool a child that died out of memory ran out of, from how it died and what it wrote."""
+    if returncode in (-9, 137):  # killed by the kernel's OOM killer
+        return "host"
+    if f"pool '{HOST_PINNED_POOL}'" in stderr:
+        return HOST_PINNED_POOL
+    return "device" if "CUDA out of memory" in stderr else "host"
 
 
 def cpu_attention_workspace_bytes(spec: StepSpec, config: PretrainedConfig) -> int:

@@ -167,9 +167,22 @@ def tracked_step(
                     phases.cut("oom")
                     message = str(exc).split("\n")[0]
                     raise StepOutOfMemory(message, StepRecord(phases=tuple(phases.phases))) from exc
-    finally:
-        run.close()
+    except BaseException:
+        _close_failed(run)
+        raise
+    run.close()
     return StepRecord(phases=tuple(phases.phases))
+
+
+def _close_failed(run) -> None:
+    """Close the run of a step that failed: running out of memory while closing (the params tier putting
+    every weight back on a device the failed step left full) must not hide why the step failed (e.g. pinned
+    host memory), so such an error is dropped; any other propagates."""
+    try:
+        run.close()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
 
 
 def _step(run, setup: Setup, forward, phases: _Phases, embedding_cut: list[bool]) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
+from streambp_bench.maxlen import auto
 from streambp_bench.results import ResultsFile
+from streambp_core.step.estimate import gpu_model
 
 STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--budget-gib", "0.00466",
         "--ps", "auto", "--ps-head", "auto", "--gpu-model", "h100", "--device", "sim"]
@@ -65,3 +68,19 @@ def test_the_step_line_names_the_partitions_of_the_rows_not_the_search_s() -> No
     assert "ps 64 " not in line
     for method, (layer, head) in sizes.items():
         assert f"{method} ps {layer} ps-head {head}" in line
+
+
+def test_max_len_with_offload_shows_the_copies_pcie_time_at_the_gpus_bandwidth() -> None:
+    """--gpu-model with offload: bytes each way, their time at 64 GB/s one way (H100) and the part
+    compute does not hide, in the JSON and the table."""
+    args = ["max-len", *STEP, "--offload", "checkpoints", "--at", "1024"]
+    document = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    pcie = document["steps"][1]["estimated_pcie"]
+    assert pcie["pcie_gb_per_s"] == 64 and pcie["to_host_bytes"] > 0 and pcie["to_device_bytes"] > 0
+    assert pcie["copy_ms"] == pytest.approx(1e3 * (pcie["to_host_bytes"] + pcie["to_device_bytes"]) / 64e9)
+    assert 0 <= pcie["not_hidden_ms"] <= pcie["copy_ms"]
+    steps = [auto.StepAt(method="streambp", seq_len_tokens=1024, spec=None, pcie=pcie)]
+    table = auto.render_table(steps, auto.Extras(gpu=gpu_model("h100")))
+    assert "PCIe at 64 GB/s one way" in table.title
+    assert [column.header for column in table.columns][-3:] == [
+        "GiB to host / to device", "PCIe s", "not hidden s"]

@@ -108,3 +108,20 @@ def test_the_section_compares_the_alst_recipe_and_the_targets():
     assert "streambp on one H200 141GB: 3,000,000 tokens (target >= 4,000,000: not met)" in text
     assert "0.90x ALST's 500,000 (within ±25%: yes)" in text
     assert "1.67x ALST's 1,200,000 (within ±25%: no)" in text
+
+
+def test_the_section_orders_the_grid_gives_the_ratio_to_alst_and_names_the_cells_not_run():
+    model = host_tiers.MODELS[0]
+    rows = [{"metric": "max_len", "model": model, "budget_gib": 79.65, "method": method, "offload": tiers,
+             "value": value, "peak_allocated_gib": 70.0, "host_peak_gib": 500.0, "to_host_gib": 1.0,
+             "to_device_gib": 2.0}
+            for method, tiers, value in [("streambp", "checkpoints,optimizer,params", 2_000_000),
+                                         ("plain", "optimizer", 8_000), ("mst", "none", 20_000)]]
+    lines = host_tiers.section(pd.DataFrame(rows))
+    table = [line for line in lines if line.startswith(f"| {model} |")]
+    assert [line.split(" | ")[2] for line in table] == ["plain", "mst", "streambp"]
+    assert table[-1].endswith("| 2,000,000 | 70.0 | 500.0 | 1.0 / 2.0 | 4.00 |")
+    refusals = [line for line in lines if line.startswith("- ")]
+    assert "- plain + offload checkpoints: offload does not apply to plain" in "\n".join(refusals)
+    assert any(line.startswith("- mst, streambp + offload params: offload params with an optimizer needs "
+                               "optimizer too") for line in refusals)
