@@ -263,6 +263,10 @@ class StepSpec:
     shard: str = "none"
     """How each rank holds the model state (`SHARD_MODES`); more than one GPU needs a stage, and a stage
     on one GPU is one FSDP rank (what a single-GPU sharded run holds)."""
+    sp: int = 1
+    """Ranks sharing each sequence under Ulysses sequence parallelism (1: none). Divides `gpus`; the same
+    ranks shard the model state (`shard`), as Arctic Long Sequence Training runs them. Simulated only:
+    the figures are one rank's, holding `seq_len_tokens / sp` tokens (`step.sequence_layout`)."""
     stream: StreamConfig = StreamConfig()
     """What `prepare` gets: objective, partitions (streambp's partition and mst's MLP chunk are
     `partition_size`), attention kernel, streambp's LM head (the other methods have no such head and read
@@ -280,8 +284,11 @@ class StepSpec:
                               ("grads", ("auto", *GRADS_MODES)), ("shard", SHARD_MODES)):
             require_choice(name, getattr(self, name), choices)
         check_offload(self.method, self.stream.offload, self.optimizer)
-        for name in ("batch_size", "gpus"):
+        for name in ("batch_size", "gpus", "sp"):
             require_positive(name, getattr(self, name))
+        if self.gpus % self.sp:
+            raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: every sequence-parallel group "
+                              "is a whole number of the ranks")
         if self.gpus > 1 and self.shard == "none":
             raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3 or deepspeed-zero2): "
                               "replicated data parallelism holds on each GPU what one GPU holds")

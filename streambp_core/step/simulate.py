@@ -51,6 +51,7 @@ from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
+from streambp_core.step.sequence_layout import sharded_host
 from streambp_core.step.setup import build_setup, build_training_model
 from streambp_core.step.shards import ShardLayout, rank_breakdown
 
@@ -81,6 +82,8 @@ class SimResult:
     """Bytes copied device -> host over the step."""
     to_device_bytes: int = 0
     """Bytes copied host -> device over the step."""
+    note: str = ""
+    """How the figures go beyond the simulated step, in words (one sequence-parallel rank's account)."""
 
     host_gib = gib_of("host_peak_bytes")
     peak_gib = gib_of("peak_bytes")
@@ -94,6 +97,7 @@ class SimResult:
     def how(self) -> str:
         """How the figures were obtained, in words."""
         rank = "" if self.spec.shard == "none" else f"; one rank of {self.spec.gpus}, {self.spec.shard}"
+        rank += f"; {self.note}" if self.note else ""
         if self.full_depth:
             return f"simulated on meta tensors, all {self.num_layers} layers{rank}"
         a, b = self.layers_simulated
@@ -117,6 +121,10 @@ def simulate(
     if depth not in DEPTHS:
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
     model = resolved(spec.model, model)
+    if spec.sp > 1:  # one sequence-parallel rank: the step of its shard, and what Ulysses adds to it
+        from streambp_core.step.sequence_layout import simulate_rank
+
+        return simulate_rank(spec, model, depth=depth, keep_chunks=keep_chunks)
     config = model.config
     if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":
         raise ConfigError(
@@ -135,6 +143,9 @@ def simulate(
     peak, by_category = (_largest(phases) if spec.shard == "none"
                          else _rank_peak(spec, config, phases, model.memo))
     host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
+    if spec.shard != "none":  # the rank's share of the optimizer's host state and copies
+        fraction = shard_layout(spec, config, model.memo).trainable_fraction
+        host = sharded_host(tuple(host), spec, config, fraction)
     return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
                      breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
                      to_device_bytes=host[2])
