@@ -45,6 +45,10 @@ class StepAt:
     estimated_ms: float | None = None
     label: str = ""
     """The method's row label ('streambp + offload'); the method's name when empty."""
+    all_to_all_gib: float | None = None
+    """A sequence-parallel rank's all-to-all bytes per step (GiB sent), estimated; None without --sp."""
+    interconnect: str = ""
+    """The links the collectives' time assumes, in words (empty without --sp)."""
 
     def to_dict(self) -> dict:
         spec = self.spec
@@ -53,7 +57,9 @@ class StepAt:
             "head_partition_size": spec.stream.head_partition_size}
         return {"method": self.method, "label": self.label or self.method,
                 "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
-                **sizes, "estimated_step_time_ms": self.estimated_ms}
+                **sizes, "estimated_step_time_ms": self.estimated_ms,
+                **({} if self.all_to_all_gib is None else {"estimated_all_to_all_gib": self.all_to_all_gib,
+                                                           "interconnect": self.interconnect})}
 
 
 def finish(plan: Plan, results: list[MethodResult],
@@ -85,8 +91,13 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt
     full = simulate(run, plan.resolved, depth="full") if not automatic else None
     if full is not None and full.peak_bytes > plan.budget_bytes:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
-    estimated = None if extras.gpu is None else estimate_step(run, extras.gpu, plan.resolved).step_time_ms
-    return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimated)
+    if extras.gpu is None:
+        return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run)
+    estimate = estimate_step(run, extras.gpu, plan.resolved)
+    sent = getattr(estimate, "all_to_all_bytes", None)
+    return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimate.step_time_ms,
+                  all_to_all_gib=None if sent is None else sent / 2**30,
+                  interconnect=getattr(estimate, "interconnect", ""))
 
 
 def to_dict(steps: list[StepAt], extras: Extras) -> dict:
@@ -102,17 +113,31 @@ def render_table(steps: list[StepAt], extras: Extras) -> Table:
     gpu = "" if extras.gpu is None else f"; step time estimated for {extras.gpu.name}"
     searched = " (the search ran with 64-token partitions, which reach furthest)" if (
         extras.auto_layer or extras.auto_head) else ""
-    table = Table(title=f"partitions that fit (largest = fastest){searched}{gpu}", title_justify="left")
-    for column in ("method", "length", "partition", "head partition", "est. step s"):
+    links = next((step.interconnect for step in steps if step.interconnect), "")
+    links = f"; all-to-alls at {links}, not overlapped" if links else ""
+    title = f"partitions that fit (largest = fastest){searched}{gpu}{links}"
+    table = Table(title=title, title_justify="left")
+    sequence = any(step.all_to_all_gib is not None for step in steps)
+    for column in ("method", "length", "partition", "head partition", "est. step s",
+                   *(("all-to-all GiB sent",) if sequence else ())):
         table.add_column(column, justify="left" if column == "method" else "right")
     for step in steps:
         spec = step.spec
         sizes = ("-", "-") if spec is None or not spec.partitioned else (
             f"{spec.stream.partition_size:,}", f"{spec.stream.head_partition_size:,}")
-        estimate = "-" if step.estimated_ms is None else f"{step.estimated_ms / 1e3:.2f}"
         fits = "" if spec is not None else " (does not fit)"
-        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate)
+        sent = ("-" if step.all_to_all_gib is None else f"{step.all_to_all_gib:,.0f}",) if sequence else ()
+        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes,
+                      step_seconds(step.estimated_ms), *sent)
     return table
+
+
+def step_seconds(step_ms: float | None) -> str:
+    """An estimated step time as the table shows it: seconds, and hours too past one hour."""
+    if step_ms is None:
+        return "-"
+    hours = f" ({step_ms / 3.6e6:.1f} h)" if step_ms >= 3.6e6 else ""
+    return f"{step_ms / 1e3:,.2f}{hours}"
 
 
 def estimated_rows(steps: list[StepAt], extras: Extras) -> list:
