@@ -66,6 +66,9 @@ class LayerPlan:
     """This step's packed rows: each chunk attends within its queries' documents (`engine.packing`)."""
     attn_blocking: bool = True
     """Long prefixes attend through the blocked backward on CUDA (`StreamConfig.attn_blocking`)."""
+    attention: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None
+    """The chunk's attention (q, k, v, key mask) -> (B, H, c, hd) in place of `prefix_attention`: sequence
+    parallelism's, over every rank's chunk (`engine.sequence_layer`); None: the chunk's own prefix."""
 
     def routing(self, grad: Tensor | None = None) -> ChunkRouting | None:
         """A fresh `ChunkRouting` for one pass of a routed layer under the loss, else None."""
@@ -89,8 +92,11 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
     """The chunk's hidden states after attention and its residual (B, c, d), given its K/V prefix (or, in
     a sliding-window layer, at least the keys its band reaches)."""
     parts = plan.parts
-    attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn, parts.sliding_window,  # (B, H, c, hd)
-                            blocking=plan.attn_blocking)
+    if plan.attention is not None:
+        attn = plan.attention(q, k, v, valid)
+    else:
+        attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn,  # (B, H, c, hd)
+                                parts.sliding_window, blocking=plan.attn_blocking)
     attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
     return h + (attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
 

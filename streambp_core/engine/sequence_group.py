@@ -80,13 +80,35 @@ class SequenceGroup:
 
 
 def seq_to_heads(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
-    """(B, T_r, H, hd) of this rank's tokens -> (B, T, H / size, hd) of this rank's heads. H % size == 0."""
+    """(B, T_r, H, hd) of this rank's tokens -> (B, T, H / size, hd) of this rank's heads. H % size == 0.
+
+    The ranks' token counts are `shard_sizes(total_tokens)`: any counts that differ by at most one, the
+    larger on the lower ranks (e.g. every rank's i-th chunk of its shard), are those of their sum."""
     return _SeqToHeads.apply(x, group, total_tokens)
 
 
 def heads_to_seq(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
     """(B, T, H / size, hd) of this rank's heads -> (B, T_r, H, hd) of this rank's tokens."""
     return _HeadsToSeq.apply(x, group, total_tokens)
+
+
+def group_sum(value: Tensor, group: SequenceGroup) -> Tensor:
+    """The sum of `value` over the group, differentiable: every rank goes on to compute the same function
+    of the sum, so the gradient of each rank's share is the sum's own gradient (identity backward).
+    Simulated: `value` times the group size (`all_reduce_sum`)."""
+    return _GroupSum.apply(value, group)
+
+
+def sum_gradients(parameters, group: SequenceGroup) -> None:
+    """Sum every parameter's `.grad` over the group, in place (nothing on a simulated group): each rank's
+    backward leaves the share of its own tokens, and their sum is the whole sequence's gradient."""
+    if group.is_simulated:
+        return
+    import torch.distributed as dist
+
+    for param in parameters:
+        if param.grad is not None:
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group.process_group)
 
 
 def _check_heads(heads: int, group: SequenceGroup) -> None:
@@ -151,3 +173,13 @@ class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _seq_to_heads(grad.contiguous(), ctx.group, ctx.total_tokens), None, None
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, group):
+        return group.all_reduce_sum(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

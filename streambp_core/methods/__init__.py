@@ -7,6 +7,7 @@ from dataclasses import replace
 from torch import nn
 
 from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload
+from streambp_core.engine.sequence_group import SequenceGroup
 from streambp_core.methods.base import Run
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.mst import MstRun
@@ -21,12 +22,15 @@ RUN_CLASSES: dict[str, type[Run]] = {
 }
 
 
-def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, **options) -> Run:
+def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *,
+            sequence_group: SequenceGroup | None = None, **options) -> Run:
     """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
 
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the
     config's. Preparing never copies the weights; `run.close()` (or leaving a `with` block) undoes it.
+    `sequence_group` (`engine.sequence_group.SequenceGroup`, real or simulated): Ulysses sequence
+    parallelism over its ranks, each computing its shard of every sequence (`methods.sequence`).
     """
     check_method(method)
     try:
@@ -36,7 +40,7 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     check_offload(method, config.offload)
     if config.keep_chunks is not None and any(p.device.type != "meta" for p in model.parameters()):
         raise ConfigError("keep_chunks thins the chunk loops for simulation: only on the meta device")
-    return RUN_CLASSES[method](model, config)
+    return RUN_CLASSES[method](model, config, sequence_group)
 
 
 __all__ = ["RUN_CLASSES", "Run", "prepare"]

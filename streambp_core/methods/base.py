@@ -14,8 +14,10 @@ from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
 from streambp_core.engine.reduction import one_reduction_for
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
-from streambp_core.methods import guards
+from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.methods import guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
+from streambp_core.methods.sequence import StepShard
 from streambp_core.models.adapters import DecoderParts
 from streambp_core.tiers import offload_tiers
 
@@ -31,10 +33,15 @@ class Run:
     """Whether the method calls the decoder's modules itself rather than the model's forward (so a peft
     wrapper's own forward, e.g. prompt tuning's virtual tokens, does not run)."""
 
-    def __init__(self, model: nn.Module, config: StreamConfig) -> None:
-        """`config` is validated (`prepare` checks it against the method)."""
+    def __init__(self, model: nn.Module, config: StreamConfig, sequence_group: SequenceGroup | None = None
+                 ) -> None:
+        """`config` is validated (`prepare` checks it against the method); `sequence_group`: the ranks that
+        share each sequence (`methods.sequence`), None for none."""
         self.model = model
         self.config = config
+        self.sequence_group = sequence_group
+        self._step_shard: StepShard | None = None
+        """This step's shard under sequence parallelism (set by `loss`), else None."""
         self.objective_name = config.objective
         self.parts: DecoderParts = guards.parts_of(model)
         if self.drives_modules:
@@ -49,6 +56,10 @@ class Run:
         self._reduction = one_reduction_for(model, self.method, self.drives_modules)
         """Under DeepSpeed ZeRO, one reduction per parameter per backward (`parallel.deepspeed`)."""
         try:
+            self._kv_copies = 1
+            """Copies of each KV head so they split over the sequence group (`methods.sequence`)."""
+            if sequence_group is not None:
+                self._kv_copies = sequence.check_sequence_run(self, sequence_group)
             self._setup()
             if "params" in offload_tiers(config.offload):
                 self.host_params = self._host_params(next(model.parameters()).device)
@@ -74,6 +85,8 @@ class Run:
         input_ids (B, T); attention_mask (B, T) with 1 for real tokens (None: all real); labels (B, T)
         with -100 for ignored positions (None: the inputs, padding ignored); position_ids (B, T) or (1, T)
         that restart at 0 for each document of a packed row (None: 0..T-1; see `engine.packing`).
+        Under sequence parallelism every rank passes the whole batch and gets the whole sequence's loss;
+        its backward leaves its own shard's share of the gradients (`methods.sequence`).
         """
         if self._closed:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
@@ -81,6 +94,9 @@ class Run:
         guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
         if labels is not None:
             guards.check_labels(labels, self.parts.lm_head.weight.shape[0])
+        if self.sequence_group is not None:
+            self._step_shard = sequence.step_shard(self.sequence_group, self._kv_copies, input_ids,
+                                                   key_padding(attention_mask), position_ids)
         packed = self.packed_rows(input_ids, attention_mask, position_ids)
         if labels is None and packed is not None:
             labels = document_labels(input_ids, packed)
@@ -89,6 +105,9 @@ class Run:
         if self.objective_name == "sft":
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
+        if self._step_shard is not None:
+            start, end = self._step_shard.bounds
+            input_ids = input_ids[:, start:end]
         loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
         loss = guards.watch_versions(loss, self.model)
         return loss if self._reduction is None else self._reduction.arm(loss)
@@ -105,8 +124,12 @@ class Run:
         return packed
 
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
-        """The streamed objective for this batch (see `streambp_core.engine.objectives`)."""
-        return build_objective(self.objective_name, self._input_ids, labels, **objective_inputs)
+        """The streamed objective for this batch (see `streambp_core.engine.objectives`); under sequence
+        parallelism the whole batch's, as this rank's shard computes it (`sequence.ShardObjective`)."""
+        objective = build_objective(self.objective_name, self._input_ids, labels, **objective_inputs)
+        if self._step_shard is None:
+            return objective
+        return sequence.ShardObjective(objective, self._step_shard.bounds[0], self.sequence_group)
 
     def router_loss(self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None) -> Tensor | float:
         """`router_aux_loss_coef` times the load-balancing loss of every routed layer's router logits

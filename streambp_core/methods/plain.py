@@ -13,8 +13,10 @@ import torch
 from streambp_core.engine.hf_attention import engine_attention, engine_mask_argument
 from streambp_core.engine.objectives import IGNORE_INDEX
 from streambp_core.engine.packing import PackedRows
+from streambp_core.engine.sequence_hf import sequence_attention, sequence_mask_argument
 from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
+from streambp_core.models.adapters import layer_parts
 
 
 class PlainRun(Run):
@@ -23,14 +25,19 @@ class PlainRun(Run):
     method = "plain"
 
     def _check_dropout(self) -> None:
-        if self.uses_engine_attention:
+        if self.uses_engine_attention or self.sequence_group is not None:
             attention = (layer.self_attn for layer in self.parts.layers)
             guards.refuse_dropout(self.method, guards.attention_dropout(attention),
                                   "the engine's attention kernel has no dropout")
 
     def _setup(self) -> None:
         self._attention = ExitStack()
-        if self.uses_engine_attention:
+        if self.sequence_group is not None:
+            parts = layer_parts(self.parts.layers[0])
+            self._attention.enter_context(sequence_attention(
+                self.model, [layer.self_attn for layer in self.parts.layers], self.sequence_group,
+                parts.num_heads, parts.num_kv_heads, self.config.attn))
+        elif self.uses_engine_attention:
             self._attention.enter_context(engine_attention(self.model, self.config.attn))
 
     def _teardown(self) -> None:
@@ -59,7 +66,13 @@ class PlainRun(Run):
     def model_inputs(self, attention_mask, packed: PackedRows | None) -> dict:
         """The attention mask and position_ids arguments of the model's forward. Packed rows go through
         transformers' own packed path (position_ids that restart, no mask), or under the engine attention
-        a per-document mask (`engine.packing`)."""
+        a per-document mask (`engine.packing`). Under sequence parallelism: the whole sequence's key mask
+        and this shard's global positions (`engine.sequence_hf`)."""
+        shard = self._step_shard
+        if shard is not None:
+            mask = sequence_mask_argument(shard.key_valid, self._input_ids.shape[0], shard.shard.total_tokens,
+                                          self._input_ids.device)
+            return {"attention_mask": mask, "position_ids": shard.positions}
         if packed is None:
             return {"attention_mask": self.mask_argument(attention_mask)}
         if self.uses_engine_attention:
@@ -70,7 +83,9 @@ class PlainRun(Run):
         inputs = self.model_inputs(attention_mask, packed)
         mask = inputs["attention_mask"]
         unpadded = packed is None or not packed.padded  # else transformers' router loss would count padding
-        if self.objective_name == "sft" and not objective_inputs and not self._float64_head and unpadded:
+        whole = self._step_shard is None  # a shard's loss needs the whole sequence's (`methods.sequence`)
+        if self.objective_name == "sft" and not objective_inputs and not self._float64_head and unpadded \
+                and whole:
             return self.model(input_ids=input_ids, **inputs, labels=labels, use_cache=False).loss
         if self.config.baseline_loss == "trl" and self.objective_name != "sft":
             return self._trl_loss(input_ids, mask, attention_mask, labels, objective_inputs)

@@ -16,11 +16,13 @@ from functools import partial
 
 import torch
 
+from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.engine.layer import LayerPlan, StreamedLayer
 from streambp_core.engine.offload import HostChain
 from streambp_core.engine.router import aux_loss
+from streambp_core.engine.sequence_layer import SequenceShard, SequenceStreamedLayer
 from streambp_core.engine.sharded import sharded_forward
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
@@ -80,6 +82,9 @@ class StreamBPRun(Run):
         On a sharded model, call it inside the model's FSDP forward (`sharded_forward`), as `loss` does.
         `position_ids` that restart per document make packed rows (`engine.packing`).
         """
+        if self.sequence_group is not None:
+            raise ConfigError("hidden_states under sequence parallelism: use loss (each rank computes its "
+                              "shard of the whole batch)")
         packed = self.packed_rows(input_ids, attention_mask, position_ids)
         return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids), packed)[0]
 
@@ -95,12 +100,16 @@ class StreamBPRun(Run):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         if packed is not None:
             positions = packed.positions
-        rope = self.parts.rope_tables(hidden, positions)
         valid = key_padding(attention_mask)
+        shard = self._step_shard
+        if shard is not None:  # this rank's shard at its global positions; attention over every position
+            positions, valid = shard.positions, shard.key_valid
+        rope = self.parts.rope_tables(hidden, positions)
         routing = []
         for unit, (layer, plan) in enumerate(self._layers, start=1):
             plan = plan if packed is None else replace(plan, packed=packed)
-            layer_step = partial(_streamed_layer, layer, _offloaded(plan, chain))
+            layer_step = partial(_streamed_layer, layer, _offloaded(plan, chain),
+                                 None if shard is None else shard.shard)
             hidden = self._enter(unit, hidden)
             hidden = sharded_forward(layer, layer_step, hidden, *rope[plan.parts.rope_key], valid)
             if isinstance(hidden, tuple):
@@ -124,10 +133,13 @@ class StreamBPRun(Run):
         return output if self.host_params is None else self.host_params.leave(unit, output)
 
 
-def _streamed_layer(layer, plan: LayerPlan, hidden, cos, sin, valid):
-    """One decoder layer through `StreamedLayer`, with the parameters the layer holds now (gathered ones
-    when it is a sharded unit)."""
-    return StreamedLayer.apply(hidden, cos, sin, valid, plan, *trainable_parameters([layer]))
+def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden, cos, sin, valid):
+    """One decoder layer through `StreamedLayer` (`SequenceStreamedLayer` on a sequence-parallel shard),
+    with the parameters the layer holds now (gathered ones when it is a sharded unit)."""
+    params = trainable_parameters([layer])
+    if shard is not None:
+        return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, *params)
+    return StreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
 
 
 def _offloaded(plan, chain: HostChain | None):

@@ -2,7 +2,8 @@
 
 `CollectiveLog` is a torch dispatch mode that sees every c10d collective the process issues while it is
 active (forward and backward), as torch's own `CommDebugMode` does, and also records sizes.
-Bytes are those of the full (unsharded) tensor: an all-gather's output, a reduce-scatter's input.
+Bytes are those of the full (unsharded) tensor: an all-gather's output, a reduce-scatter's input; an
+all-to-all's (sequence parallelism's layout swaps) and an all-reduce's are those of its output.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_GATHER_OPS = ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_")
 REDUCE_SCATTER_OPS = ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_")
-KINDS = {**dict.fromkeys(ALL_GATHER_OPS, "all_gather"), **dict.fromkeys(REDUCE_SCATTER_OPS, "reduce_scatter")}
+ALL_TO_ALL_OPS = ("alltoall_base_", "alltoall_")
+ALL_REDUCE_OPS = ("allreduce_", "allreduce_coalesced_")
+KINDS = {**dict.fromkeys(ALL_GATHER_OPS, "all_gather"), **dict.fromkeys(REDUCE_SCATTER_OPS, "reduce_scatter"),
+         **dict.fromkeys(ALL_TO_ALL_OPS, "all_to_all"), **dict.fromkeys(ALL_REDUCE_OPS, "all_reduce")}
 
 
 @dataclass
@@ -46,7 +50,8 @@ class CollectiveLog(TorchDispatchMode):
         count.bytes += _nbytes(full)
 
     def calls(self, kind: str) -> int:
-        """Calls of `kind` ('all_gather', 'reduce_scatter', or a c10d op name) while active."""
+        """Calls of `kind` ('all_gather', 'reduce_scatter', 'all_to_all', 'all_reduce', or a c10d op name)
+        while active."""
         return self.counts.get(kind, CollectiveCount()).calls
 
     def summary(self) -> dict[str, dict[str, int]]:

@@ -1,0 +1,134 @@
+"""Causal attention of a sequence whose tokens are sharded over a `SequenceGroup` (Ulysses).
+
+Rank r holds the contiguous positions start_r..end_r of every sequence (`SequenceGroup.shard_bounds`). Keys
+and values are gathered once (per layer) into head layout: this rank's KV heads over every position
+(`gather_kv`, one all-to-all for K and V together). Queries travel per block: every rank's block of queries
+(its whole shard, or its i-th chunk in streambp's lockstep backward) goes `seq_to_heads`, so this rank holds
+its query heads of every rank's block; each rank's sub-block attends to the keys 0..its last global
+position (views of the gathered keys, lower-right causal as `prefix_attention` aligns), and the outputs go
+back with `heads_to_seq` (`gathered_attention`).
+
+GQA: the KV heads must split over the ranks as the query heads do. When they do not (fewer KV heads than
+ranks, e.g. 8 KV heads on 16 ranks), each KV head is repeated `kv_replication` times first, as DeepSpeed's
+Ulysses does: query head h still meets the keys of its own KV head, and the gradient of the copies sums
+back into it (`scatter_kv_grads`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from streambp_core.config import ConfigError
+from streambp_core.engine.attention import prefix_attention
+from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, group_size: int) -> int:
+    """How many copies of each KV head make the KV heads split over `group_size` ranks with the query
+    heads (1: none needed); ConfigError when the query heads themselves do not split."""
+    if num_heads % group_size:
+        raise ConfigError(f"{num_heads} attention heads do not split over {group_size} sequence-parallel "
+                          f"ranks (Ulysses gives each rank whole heads)")
+    copies = group_size // math.gcd(num_kv_heads, group_size)
+    if num_heads % (num_kv_heads * copies):
+        raise ConfigError(f"{num_kv_heads} KV heads cannot be replicated to split over {group_size} "
+                          f"sequence-parallel ranks with {num_heads} query heads")
+    return copies
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """Each rank's block of query positions, in rank order: (start, end) local to the rank's shard."""
+
+    group: SequenceGroup
+    shard_starts: tuple[int, ...]
+    """Global position of each rank's first token."""
+    bounds: tuple[tuple[int, int], ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [end - start for start, end in self.bounds]
+
+    @property
+    def mine(self) -> tuple[int, int]:
+        """This rank's block (local positions)."""
+        return self.bounds[self.group.rank]
+
+
+def shard_starts(group: SequenceGroup, total_tokens: int) -> tuple[int, ...]:
+    """Global position of each rank's first token."""
+    sizes = group.shard_sizes(total_tokens)
+    return tuple(sum(sizes[:rank]) for rank in range(group.size))
+
+
+def whole_shards(group: SequenceGroup, total_tokens: int) -> SequenceBlocks:
+    """Every rank's whole shard as its block (the transformers-driven methods' attention)."""
+    sizes = group.shard_sizes(total_tokens)
+    return SequenceBlocks(group, shard_starts(group, total_tokens), tuple((0, size) for size in sizes))
+
+
+def lockstep_chunks(group: SequenceGroup, total_tokens: int, partition_size: int,
+                    keep_chunks: int | None = None) -> list[SequenceBlocks]:
+    """Chunk i of every rank's shard, for each i, as many chunks on every rank (a shorter shard's last
+    ones empty), so every rank runs the same collectives. `keep_chunks` thins the chunk indices (the
+    first and last that many) on every rank alike (simulation only, `StreamConfig.keep_chunks`)."""
+    sizes = group.shard_sizes(total_tokens)
+    starts = shard_starts(group, total_tokens)
+    count = -(-max(sizes) // partition_size)
+    indices = list(range(count))
+    if keep_chunks is not None and count > 2 * keep_chunks:
+        indices = indices[:keep_chunks] + indices[-keep_chunks:]
+    return [SequenceBlocks(group, starts, tuple((min(i * partition_size, size),
+                                                 min((i + 1) * partition_size, size)) for size in sizes))
+            for i in indices]
+
+
+def gather_kv(keys: Tensor, values: Tensor, group: SequenceGroup, total_tokens: int,
+              copies: int) -> tuple[Tensor, Tensor]:
+    """This rank's K, V (B, Hkv, T_r, hd) -> this rank's KV heads over every position (B, Hkv', T, hd),
+    Hkv' = Hkv x copies / size; one all-to-all for both. Differentiable."""
+    hd = keys.shape[-1]
+    kv = torch.cat([keys, values], dim=-1).transpose(1, 2)  # (B, T_r, Hkv, 2 hd)
+    if copies > 1:
+        kv = kv.repeat_interleave(copies, dim=2)
+    kv = seq_to_heads(kv, group, total_tokens).transpose(1, 2)  # (B, Hkv', T, 2 hd)
+    return kv[..., :hd], kv[..., hd:]
+
+
+def scatter_kv_grads(d_keys: Tensor, d_values: Tensor, group: SequenceGroup, total_tokens: int,
+                     copies: int) -> tuple[Tensor, Tensor]:
+    """The transpose of `gather_kv` for accumulated gradients (B, Hkv', T, hd) -> this rank's dK, dV
+    (B, Hkv, T_r, hd); one all-to-all."""
+    hd = d_keys.shape[-1]
+    grads = torch.cat([d_keys, d_values], dim=-1).transpose(1, 2)  # (B, T, Hkv', 2 hd)
+    grads = heads_to_seq(grads, group, total_tokens)  # (B, T_r, Hkv x copies, 2 hd)
+    if copies > 1:
+        b, t, heads, width = grads.shape
+        grads = grads.view(b, t, heads // copies, copies, width).sum(dim=3)
+    grads = grads.transpose(1, 2)
+    return grads[..., :hd], grads[..., hd:]
+
+
+def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor | None,
+                       blocks: SequenceBlocks, scale: float, backend: str = "auto", window: int | None = None,
+                       blocking: bool = True) -> Tensor:
+    """Output (B, H, c, hd) of this rank's block of queries q (B, H, c, hd) against every position's keys
+    of this rank's heads, `keys`/`values` (B, Hkv', >= last key, hd) from `gather_kv`. `key_valid` (B, T)
+    marks real keys over the whole sequence (None: all). Two all-to-alls; differentiable."""
+    group, sizes = blocks.group, blocks.sizes
+    total = sum(sizes)
+    heads = seq_to_heads(q.transpose(1, 2), group, total).transpose(1, 2)  # (B, H / size, total, hd)
+    outputs, offset = [], 0
+    for rank, (start, end) in enumerate(blocks.bounds):
+        if end > start:  # a rank whose shard has run out of chunks sends an empty block
+            last = blocks.shard_starts[rank] + end
+            valid = None if key_valid is None else key_valid[:, :last]
+            outputs.append(prefix_attention(heads[:, :, offset:offset + end - start], keys[:, :, :last],
+                                            values[:, :, :last], valid, scale, backend, window, blocking))
+        offset += end - start
+    out = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, total, H / size, hd)
+    return heads_to_seq(out, group, total).transpose(1, 2)

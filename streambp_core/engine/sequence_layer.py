@@ -1,0 +1,188 @@
+"""One streamed decoder layer on this rank's shard of a sequence-parallel sequence (Ulysses).
+
+As `engine.layer`, but attention sees every rank's tokens (`engine.sequence_attention`):
+- forward (no grad): K/V of the shard, gathered once into this rank's KV heads over the whole sequence
+  (one all-to-all), then the chunks of the shard in lockstep with every rank's (`lockstep_chunks`): the
+  chunk's queries go to head layout and its outputs back (two all-to-alls per chunk);
+- backward: the same K/V gathered again (one all-to-all); then, last chunk first, each chunk recomputed
+  with grad and back-propagated (its queries' and outputs' all-to-alls forward and backward: four per
+  chunk), the K/V gradients of every rank's chunks accumulating in head layout over the whole sequence;
+  after the last chunk they go back to this rank's positions (one all-to-all) and through its K/V
+  projections and input norm, chunk by chunk.
+Per layer and step: 3 all-to-alls plus 6 per chunk, whatever the sequence's padding or the ranks' shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.layer import (
+    LayerPlan,
+    _chunk_outputs,
+    _kv_by_hand,
+    _kv_cache,
+    _output_grads,
+    _overwritable,
+    finish_chunk,
+    project_kv,
+    project_q,
+)
+from streambp_core.engine.linear_grads import kv_projection_backward
+from streambp_core.engine.rope import Rope
+from streambp_core.engine.sequence_attention import (
+    SequenceBlocks,
+    gather_kv,
+    gathered_attention,
+    lockstep_chunks,
+    scatter_kv_grads,
+)
+from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.measure.tags import memory_category
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's part of one step's sequence: the group, the whole sequence's length, KV head copies."""
+
+    group: SequenceGroup
+    total_tokens: int
+    kv_copies: int = 1
+    """Copies of each KV head so they split over the ranks (`sequence_attention.kv_replication`)."""
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(start, end) global positions of this rank's shard."""
+        return self.group.shard_bounds(self.total_tokens)
+
+
+def _chunk_plan(plan: LayerPlan, shard: SequenceShard, blocks: SequenceBlocks) -> LayerPlan:
+    """`plan` attending over every rank's chunk `blocks` (the whole sequence's key mask as `valid`)."""
+    parts = plan.parts
+    attention = partial(_blocks_attention, blocks=blocks, scale=parts.scaling, backend=plan.attn,
+                        window=parts.sliding_window, blocking=plan.attn_blocking)
+    return replace(plan, attention=attention)
+
+
+def _blocks_attention(q, k, v, valid, *, blocks, scale, backend, window, blocking):
+    return gathered_attention(q, k, v, valid, blocks, scale, backend, window, blocking)
+
+
+def _gathered_kv(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, rope: Rope):
+    """K, V of this rank's heads over the whole sequence (no grad), and the shard's keys before a k-norm."""
+    keys, values, raw_keys = _kv_cache(plan, h_in, rope)
+    with torch.no_grad(), memory_category("kv"):
+        keys, values = gather_kv(keys, values, shard.group, shard.total_tokens, shard.kv_copies)
+    return keys, values, raw_keys
+
+
+def sequence_forward(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, cos: Tensor, sin: Tensor,
+                     key_valid: Tensor | None) -> Tensor:
+    """Layer output of this rank's shard without grad, chunk by chunk in lockstep with every rank."""
+    parts, rope = plan.parts, Rope.of(cos, sin)
+    keys, values, _ = _gathered_kv(plan, shard, h_in, rope)
+    with memory_category("checkpoints"):
+        h_out = torch.empty_like(h_in)
+    for blocks in lockstep_chunks(shard.group, shard.total_tokens, plan.partition_size, plan.keep_chunks):
+        start, end = blocks.mine
+        h = h_in[:, start:end]
+        q = project_q(parts, parts.input_norm(h), rope.chunk(start, end))
+        h_out[:, start:end] = finish_chunk(_chunk_plan(plan, shard, blocks), h, q, keys, values, key_valid)
+    return h_out
+
+
+def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key_valid, grad_out, params,
+                      chunk_done=None) -> Tensor:
+    """Accumulate the layer's weight gradients (this rank's tokens' share) and return dL/dH_in of the
+    shard (module docstring). `chunk_done(start, end)` as `layer.streamed_backward`'s."""
+    rope = Rope.of(cos, sin)
+    keys, values, raw_keys = _gathered_kv(plan, shard, h_in, rope)
+    with memory_category("kv"):
+        d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    with memory_category("temporaries"):
+        grad_normed = torch.empty_like(h_in)  # dL/d(input norm's output) through the queries, per position
+    for blocks in reversed(lockstep_chunks(shard.group, shard.total_tokens, plan.partition_size,
+                                           plan.keep_chunks)):
+        start, end = blocks.mine
+        grad_in[:, start:end], grad_normed[:, start:end] = _query_chunk_backward(
+            _chunk_plan(plan, shard, blocks), h_in[:, start:end], rope.chunk(start, end), key_valid,
+            (keys, values, d_keys, d_values), grad_out[:, start:end], params)
+    with memory_category("kv"):
+        d_keys, d_values = scatter_kv_grads(d_keys, d_values, shard.group, shard.total_tokens,
+                                            shard.kv_copies)
+    for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
+        kv_grads = (d_keys[:, :, start:end], d_values[:, :, start:end],
+                    None if raw_keys is None else raw_keys[:, start:end])
+        grad_in[:, start:end] += _kv_chunk_backward(plan, h_in[:, start:end], rope.chunk(start, end),
+                                                    kv_grads, grad_normed[:, start:end], params)
+        if chunk_done is not None:
+            chunk_done(start, end)
+    return grad_in
+
+
+def _query_chunk_backward(plan: LayerPlan, h_in_chunk, rope: Rope, key_valid, kv, grad_chunk, params):
+    """Back-propagate the chunk's queries, attention over every rank's chunk, o_proj and MLP: returns its
+    dL/dH_in through the residual, and dL/dx of its normed input x through the queries (the input norm's
+    backward waits for the K/V share, so it runs once on the sum, as plain's autograd does: a norm that
+    computes in float32 rounds its incoming gradient, so two partial backwards would not be exact)."""
+    keys, values, d_keys, d_values = kv
+    parts = plan.parts
+    h = leaf(h_in_chunk)
+    all_k, all_v = leaf(keys), leaf(values)
+    with torch.enable_grad():
+        x_leaf = leaf(parts.input_norm(h))
+        q = project_q(parts, x_leaf, rope)
+        outputs = _chunk_outputs(plan, h, q, all_k, all_v, key_valid)
+    grads = _output_grads(plan, outputs, grad_chunk)
+    backward_into(outputs, grads, [h, x_leaf, all_k, all_v], params)
+    del outputs, grads, q
+    d_keys.add_(grad_or_zeros(all_k))
+    d_values.add_(grad_or_zeros(all_v))
+    return grad_or_zeros(h), grad_or_zeros(x_leaf)
+
+
+def _kv_chunk_backward(plan: LayerPlan, h_in_chunk, rope: Rope, kv_grads, grad_normed, params) -> Tensor:
+    """dL/dH_in of a chunk through its K/V projections and input norm, from its complete dK, dV and the
+    queries' share of the normed input's gradient, `grad_normed`."""
+    d_k, d_v, raw_keys = kv_grads
+    parts = plan.parts
+    h = leaf(h_in_chunk)
+    with torch.enable_grad():
+        x = parts.input_norm(h)
+    x_leaf = leaf(x)
+    if _kv_by_hand(parts):
+        grad_x = kv_projection_backward(parts, x_leaf.detach(), raw_keys, d_k, d_v, rope, params)
+    else:
+        with torch.enable_grad():
+            k, v, _ = project_kv(parts, x_leaf, rope)
+        backward_into([k, v], [d_k, d_v], [x_leaf], params)
+        grad_x = grad_or_zeros(x_leaf)
+    backward_into([x], [grad_x.add_(grad_normed)], [h], params)
+    return grad_or_zeros(h)
+
+
+class SequenceStreamedLayer(torch.autograd.Function):
+    """`layer.StreamedLayer` on this rank's shard under sequence parallelism (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, shard: SequenceShard, *params):
+        ctx.plan, ctx.shard, ctx.params = plan, shard, params
+        ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
+        ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
+        with torch.no_grad():
+            return sequence_forward(plan, shard, h_in, cos, sin, key_valid)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h_in, cos, sin, key_valid = ctx.saved_tensors
+        host = ctx.host_input
+        if host is not None:
+            h_in = host.load()
+        grad_in = sequence_backward(ctx.plan, ctx.shard, h_in, cos, sin, key_valid, grad_out, ctx.params,
+                                    None if host is None else host.chunk_done)
+        return (grad_in, None, None, None, None, None, *([None] * len(ctx.params)))
