@@ -260,13 +260,13 @@ class StepSpec:
     """Seed of the random weights and tokens of a measured step."""
     gpus: int = 1
     """Ranks the step is data-parallel over (one sequence per rank); the figures are one rank's."""
+    sp: int = 1
+    """Ranks sharing each sequence (Ulysses sequence parallelism; divides `gpus`): each holds a shard of
+    `seq_len_tokens`, and the step runs through `prepare(..., sequence_group=SequenceGroup(...))` (on the
+    meta device `SequenceGroup.simulated(sp)`); 1: none."""
     shard: str = "none"
     """How each rank holds the model state (`SHARD_MODES`); more than one GPU needs a stage, and a stage
     on one GPU is one FSDP rank (what a single-GPU sharded run holds)."""
-    sp: int = 1
-    """Ranks sharing each sequence under Ulysses sequence parallelism (1: none). Divides `gpus`; the same
-    ranks shard the model state (`shard`), as Arctic Long Sequence Training runs them. Simulated only:
-    the figures are one rank's, holding `seq_len_tokens / sp` tokens (`step.sequence_layout`)."""
     stream: StreamConfig = StreamConfig()
     """What `prepare` gets: objective, partitions (streambp's partition and mst's MLP chunk are
     `partition_size`), attention kernel, streambp's LM head (the other methods have no such head and read
@@ -287,14 +287,17 @@ class StepSpec:
         for name in ("batch_size", "gpus", "sp"):
             require_positive(name, getattr(self, name))
         if self.gpus % self.sp:
-            raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: every sequence-parallel group "
-                              "is a whole number of the ranks")
-        if self.gpus > 1 and self.shard == "none":
+            raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: the GPUs form groups of sp "
+                              "ranks, each group sharing its sequences")
+        if self.gpus > 1 and self.shard == "none" and self.sp == 1:
             raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3 or deepspeed-zero2): "
                               "replicated data parallelism holds on each GPU what one GPU holds")
         if not isinstance(self.seq_len_tokens, int) or isinstance(self.seq_len_tokens, bool) \
                 or self.seq_len_tokens < 2:
             raise ConfigError(f"seq_len must be an integer >= 2, got {self.seq_len_tokens!r}")
+        if self.seq_len_tokens < self.sp:
+            raise ConfigError(f"seq_len {self.seq_len_tokens} is less than the {self.sp} sequence-parallel "
+                              "ranks sharing it")
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise ConfigError(f"lora rank must be 0 (off) or a positive integer, got {self.lora_rank!r}")
         self._check_training_step()

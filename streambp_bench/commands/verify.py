@@ -52,7 +52,10 @@ HELP = (
     "all-gathered gradient with single-process plain over the ranks' batches (each rank its own; the "
     "reference averages them), and counts each step's all-gathers and reduce-scatters (calls and bytes of "
     "the full tensors, per step and per FSDP unit: one per decoder layer plus the root). Full-parameter "
-    "training in float64 or float32. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
+    "training in float64 or float32. [bold]--sp S[/] (with --nproc) runs sequence parallelism instead: "
+    "groups of S ranks share each sequence (Ulysses), each computing its shard, and every method's "
+    "gradients summed over the group are compared with single-process plain over the whole sequence, "
+    "with each step's all-to-alls. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
     "zero1, zero2; CPU ranks): the user's DeepSpeed loop, the applied update after one optimizer step "
     "against single-process plain, and how many times ZeRO reduced each parameter.\n\n"
     "[bold]--trainer trainer|sft|dpo|grpo[/] checks training instead of one gradient: builds the model as a "
@@ -81,6 +84,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective grpo -b 2 --head-mode fused[/]
 
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3 --method all[/]
+
+[cyan]streambp-bench verify -m tiny/llama --dtype float64 --nproc 2 --sp 2 --method all --padding right[/]
 
 [cyan]streambp-bench verify -m ./my-model-dir --dtype float64 --trainer sft --set weight_decay=0.1[/]
 [cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
@@ -223,6 +228,11 @@ def verify(
         str, typer.Option("--engine", help="Sharding engine of a sharded verify (needs --nproc): fsdp2 "
                           "(torch FSDP2) or deepspeed (DeepSpeed ZeRO; the applied update of one step).")
     ] = "fsdp2",
+    sp: Annotated[
+        int | None, typer.Option("--sp", help="Sequence parallelism (needs --nproc): ranks sharing each "
+                                 "sequence (Ulysses); every method's gradients, summed over them, against "
+                                 "single-process plain over the whole sequence.")
+    ] = None,
     as_json: opt.Json = False,
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
@@ -244,13 +254,17 @@ def verify(
     where = device.value
     if where == "sim":
         raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
+    if sp is not None:
+        from streambp_bench.verify.sequence import check_sequence_options
+
+        check_sequence_options(sp, nproc, engine, shard)
     if shard is not None and nproc is None:
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     stages = sharded_stages(engine, shard, nproc)
     if nproc is not None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
     head = StreamConfig(objective=objective.value, head_mode=head_mode.value).head_mode  # before torch
-    if nproc is not None and "streambp" in methods and head != "recompute":
+    if nproc is not None and sp is None and "streambp" in methods and head != "recompute":
         raise ConfigError(f"--head-mode {head_mode.value} with --nproc: the sharded verify runs streambp's "
                           "recomputing head (--head-mode recompute)")
     if nproc is not None and packing:
@@ -274,7 +288,11 @@ def verify(
         from streambp_core.models.load import load_config
 
         load_config(model)  # a model that cannot run is refused before any rank starts
-    if nproc is not None and engine == "deepspeed":
+    if sp is not None:
+        from streambp_bench.verify.sequence import run_sequence
+
+        ok = run_sequence(spec, nproc, sp, as_json=as_json)
+    elif nproc is not None and engine == "deepspeed":
         from streambp_bench.verify.deepspeed import run_deepspeed
 
         ok = run_deepspeed(spec, nproc, stages, as_json=as_json)

@@ -1,0 +1,82 @@
+"""`streambp-bench verify --nproc N --sp S`: sequence parallelism (Ulysses) across N ranks, as a table.
+
+The work is `streambp_core.parallel.sequence_verify.verify_sequence`; this module refuses bad input
+before any rank starts (S not dividing N, more ranks than the cores or GPUs, heads that cannot split over
+S ranks) and prints each method's error against single-process plain over the whole sequence and the
+all-to-alls of its step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+from rich.table import Table
+
+from streambp_bench.errors import print_error
+from streambp_bench.output import emit, stderr_console
+from streambp_core.config import ConfigError
+from streambp_core.measure.units import format_size
+
+if TYPE_CHECKING:
+    from streambp_core.verify.methods import VerifySpec
+
+
+def check_sequence_options(sp: int, nproc: int | None, engine: str, shard: str | None) -> None:
+    """ConfigError for --sp with options it does not combine with (before torch is needed)."""
+    if nproc is None:
+        raise ConfigError("--sp needs --nproc N: the ranks that share each sequence in groups of sp")
+    if sp < 1:
+        raise ConfigError(f"--sp must be at least 1, got {sp}")
+    if nproc % sp:
+        raise ConfigError(f"--sp {sp} does not divide --nproc {nproc}: the ranks form groups of sp")
+    if engine != "fsdp2" or shard is not None:
+        raise ConfigError("--sp with --engine/--shard: the sequence-parallel verify runs unsharded weights")
+
+
+def run_sequence(spec: VerifySpec, nproc: int, sp: int, *, as_json: bool) -> bool:
+    """Verify `spec` with `sp` ranks per sequence across `nproc` ranks; print; whether every method passed."""
+    from streambp_core.parallel.launch import RankError, backend_for
+    from streambp_core.parallel.sequence_verify import check_sequence_spec, verify_sequence
+
+    backend = backend_for(spec.device)
+    check_sequence_spec(spec, nproc, sp)
+    try:
+        with stderr_console().status(f"verifying sequence parallelism on {nproc} ranks ({backend}) ..."):
+            report = verify_sequence((spec,), nproc=nproc, sp=sp)
+    except RankError as error:  # one line naming the rank, exit 1 (a failure, not bad input)
+        print_error(error)
+        raise typer.Exit(code=1) from None
+    emit(report.to_dict(), as_json, lambda console: _print(console, report, spec, backend))
+    return report.ok
+
+
+def render_table(report) -> Table:
+    """One row per method: the error against plain and the step's collectives on one rank."""
+    table = Table(title=f"gradients summed over {report.sp} sequence ranks vs single-process plain, "
+                        f"{report.nproc} ranks", title_justify="left")
+    for column in ("method", "max rel err", "tolerance", "loss abs err", "all-to-alls", "per layer",
+                   "all-reduces", "ok"):
+        table.add_column(column, justify="left" if column in ("method", "ok") else "right")
+    for r in report.results:
+        table.add_row(
+            r.method, f"{r.max_rel_err:.2e}", f"{r.tolerance:.0e}", f"{r.loss_abs_err:.2e}",
+            f"{r.all_to_alls} ({format_size(r.all_to_all_bytes)})", f"{r.all_to_alls / r.layers:g}",
+            str(r.all_reduces), "[green]pass[/]" if r.ok else "[bold red]FAIL[/]",
+        )
+    return table
+
+
+def _print(console, report, spec: VerifySpec, backend: str) -> None:
+    console.print(render_table(report))
+    step = spec.step
+    chunks = report.results[0].chunks if report.results else 0
+    console.print(
+        f"{report.source}: {step.model}, {step.dtype}, {report.nproc} ranks ({backend}) in groups of "
+        f"{report.sp} sharing each sequence, seq_len {step.seq_len_tokens}, batch {step.batch_size}, ps "
+        f"{step.stream.partition_size} ({chunks} lockstep chunks per layer), ps-head "
+        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, seed "
+        f"{step.seed}; collectives of one step on rank 0 (bytes received), gradient sums excluded",
+        soft_wrap=True)
+    console.print("[green]all methods match plain[/]" if report.ok
+                  else "[bold red]some methods do not match plain[/]")
