@@ -142,11 +142,12 @@ def check_host_budget(plan: Plan) -> None:
             )
 
     for spec in (spec for spec in plan.specs if spec.offload != "none"):
-        need = simulate(spec.at(SHORTEST_PROBE_TOKENS), plan.resolved).host_peak_bytes
+        shortest = max(SHORTEST_PROBE_TOKENS, spec.sp)  # a token per sequence-parallel rank at least
+        need = simulate(spec.at(shortest), plan.resolved).host_peak_bytes
         if need > plan.host_budget_bytes:
             raise ConfigError(
                 f"host budget {plan.host_budget_words} is below what {spec_label(spec)} holds in "
-                f"host memory at {SHORTEST_PROBE_TOKENS} tokens ({format_size(need)}, simulated): no "
+                f"host memory at {shortest} tokens ({format_size(need)}, simulated): no "
                 "sequence length fits"
             )
 

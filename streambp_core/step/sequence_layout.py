@@ -1,33 +1,23 @@
-"""One rank of a Ulysses sequence-parallel step, simulated: the rank's memory from a step of its shard.
+"""One rank of a Ulysses sequence-parallel step: what the simulation adds to the engine's code path.
 
-Under Ulysses (`engine.sequence_group`) each of `sp` ranks holds T/sp tokens of every sequence; attention
-swaps to this rank's H/sp heads over all T tokens by an all-to-all and back. Every tensor of a rank then
-has the bytes of the same tensor in a one-GPU step of its T/sp tokens: the embedding, the MLP, the norms,
-the checkpoints, the streamed head and loss scale with the tokens held; the head-sharded whole-sequence
-queries, keys, values and outputs, (T, H/sp, hd), hold what (T/sp, H, hd) holds. So a rank is simulated
-as the step of its shard (`simulate` at ceil(T/sp) tokens, the longest shard, its model state laid out
-over `gpus` ranks as `spec.shard` holds it, the sp ranks being the shard ranks as ALST runs them), and
-what a rank holds beyond that step is added at the peak, explicitly (`SequenceLayout.extra_bytes`):
+A sequence-parallel step is simulated through the engine itself (`step.run.sequence_group`:
+`prepare(..., sequence_group=SequenceGroup.simulated(sp))` on meta tensors): the rank embeds and runs
+its shard of the whole batch (ceil(T/sp) tokens on rank 0, the longest), swaps to its H/sp heads over all
+T tokens for attention, holds the head-sharded whole-sequence K/V (each KV head replicated when there
+are fewer than sp, `engine.sequence_attention.kv_replication`), and its state is sharded over the `gpus`
+ranks by `spec.shard` (the sp ranks are shard ranks too, as Arctic Long Sequence Training runs them).
 
-- the all-to-all's transients: the sequence-layout copy of each tensor swapped to heads (the caller still
-  holds it while the head-layout one is attended), and a send and a receive buffer of the largest one
-  (q, or its gradient): for plain, checkpoint and mst, whose attention runs over the whole shard at
-  once, q + k + v + 2 q of the shard; for streambp, whose layer backward swaps the whole-sequence K/V
-  once per layer and then each chunk's queries and outputs, 3 (k + v) of the shard plus 3 q of a chunk;
-- KV heads replicated when there are fewer than `sp` (each rank needs the KV head of its query heads, as
-  DeepSpeed's Ulysses does): the rank's head-sharded K/V is `replication` times T/sp tokens' KV heads.
-  streambp's per-layer K/V and their gradients (category kv) scale by it; the baselines hold a layer's
-  replicated K/V for its attention's backward (every layer's for plain) in addition.
-All are added at the step's peak as if it fell inside the largest all-to-all: an upper bound, stated.
+What a simulated all-to-all cannot show is added here, explicitly (`with_all_to_all_buffers`): a real
+one (`engine.sequence_group`) copies its input into a contiguous send buffer and receives into a buffer
+of the output's size before assembling the output, which the simulated one allocates alone. Two buffers
+of the largest tensor a rank swaps are added at the step's peak, as if the peak fell inside that
+all-to-all (an upper bound): the shard's queries (or outputs, or their gradients) for plain, checkpoint
+and mst, whose attention runs over the whole shard at once; for streambp, whose layer swaps its K/V
+once (keys and values side by side) and then each lockstep chunk's queries and outputs, the larger of
+the shard's K/V and a chunk's queries of all ranks.
 
-This is an explicit account around a one-GPU step, not the engine's sequence-parallel code path on meta
-tensors: `SimResult.how` says so. The host pool is one rank's too: its shard of the optimizer's host
-state (`sharded_host`), its tokens' offloaded checkpoints.
-
-The step time (`estimate_sequence_step`): the estimate of the shard's step with its attention scaled by
-sp (H/sp heads over T queries and T keys: sp times the FLOPs of H heads over T/sp), plus the all-to-all
-time (not overlapped: attention waits for it) and ZeRO's collectives beyond what compute hides, over the
-interconnect of `INTERCONNECTS`.
+Also here: the rank's share of the optimizer's host state (`sharded_host`), and the bytes a rank sends
+in a step's all-to-alls (`SequenceLayout.all_to_all_bytes`) for the step-time estimate.
 """
 
 from __future__ import annotations
@@ -45,25 +35,30 @@ recomputed forward and backward (checkpoint, mst; streambp's backward recomputes
 chunk's queries from its checkpoint)."""
 
 
+def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of `config`."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def check_sequence_parallel(spec: StepSpec, config: PretrainedConfig) -> None:
-    """ConfigError (one line) unless `spec.sp` ranks can split `config`'s attention: the query heads
-    divide over them, and the KV heads either divide over them or are replicated (sp a multiple)."""
-    sp = spec.sp
-    if sp == 1:
+    """ConfigError (one line) unless `spec.sp` ranks can split `config`'s attention as the engine does: the
+    query heads divide over them and the KV heads divide or are replicated to (`kv_replication`)."""
+    if spec.sp == 1:
         return
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or \
-        config.num_attention_heads
-    if heads % sp:
-        raise ConfigError(f"sp {sp} does not divide {spec.model}'s {heads} query heads: Ulysses gives each "
-                          "rank whole heads")
-    if kv % sp and sp % kv:
-        raise ConfigError(f"sp {sp} ranks cannot share {spec.model}'s {kv} KV heads: neither divides the "
-                          "other, so they can be neither split nor replicated evenly")
+    from streambp_core.engine.sequence_attention import kv_replication
+
+    heads, kv, _ = _heads(config)
+    try:
+        kv_replication(heads, kv, spec.sp)
+    except ConfigError as error:
+        raise ConfigError(f"{spec.model}: {error}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class SequenceLayout:
-    """What one rank of `sp` holds of a sequence of `total_tokens` on a model (bytes in `element_bytes`)."""
+    """What one rank of `sp` holds of `sequences` rows of `total_tokens` on a model (in `element_bytes`)."""
 
     sp: int
     total_tokens: int
@@ -77,12 +72,10 @@ class SequenceLayout:
     @classmethod
     def of(cls, spec: StepSpec, config: PretrainedConfig) -> SequenceLayout:
         """The layout of `spec` (its `sp`, length, rows, dtype) on `config`."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv, head_dim = _heads(config)
+        element = {"float32": 4, "float64": 8}.get(spec.dtype, 2)
         return cls(sp=spec.sp, total_tokens=spec.seq_len_tokens, sequences=spec.sequences, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                   element_bytes={"float32": 4, "float64": 8}.get(spec.dtype, 2),
-                   layers=config.num_hidden_layers)
+                   kv_heads=kv, head_dim=head_dim, element_bytes=element, layers=config.num_hidden_layers)
 
     @property
     def shard_tokens(self) -> int:
@@ -90,85 +83,66 @@ class SequenceLayout:
         return math.ceil(self.total_tokens / self.sp)
 
     @property
-    def replication(self) -> int:
-        """How many times each KV head is held across the ranks (1 when they divide over them)."""
-        return max(1, self.sp // self.kv_heads)
-
-    def _bytes(self, tokens: int, heads: float) -> int:
-        return round(self.sequences * tokens * heads * self.head_dim * self.element_bytes)
+    def kv_copies(self) -> int:
+        """Copies of each KV head so that they split over the ranks (`kv_replication`; 1: none needed)."""
+        return self.sp // math.gcd(self.kv_heads, self.sp)
 
     def q_bytes(self, tokens: int | None = None) -> int:
-        """Queries (or attention outputs, or their gradients) of `tokens` (default: the rank's shard)."""
-        return self._bytes(self.shard_tokens if tokens is None else tokens, self.heads)
+        """Queries (or outputs, or their gradients) of `tokens` of one rank (default: its shard)."""
+        tokens = self.shard_tokens if tokens is None else tokens
+        return self.sequences * tokens * self.heads * self.head_dim * self.element_bytes
 
     def kv_bytes(self) -> int:
-        """Keys and values the rank swaps per layer (its shard's, KV heads replicated as needed)."""
-        return 2 * self._bytes(self.shard_tokens, self.kv_heads * self.replication)
+        """Keys and values of the rank's shard as it swaps them (KV heads replicated as needed)."""
+        return 2 * self.sequences * self.shard_tokens * self.kv_heads * self.kv_copies * self.head_dim \
+            * self.element_bytes
 
-    def extra_bytes(self, method: str, chunk_tokens: int, kv_category_bytes: int) -> dict[str, int]:
-        """Bytes a rank holds beyond the one-GPU step of its shard at the peak (module docstring), by
-        category: temporaries (all-to-all transients), kv (streambp's replicated K/V)."""
-        replicated = self.kv_bytes() * (self.replication - 1) // self.replication
-        if method == "streambp":
-            chunk = min(chunk_tokens, self.shard_tokens)
-            return {"temporaries": 3 * self.kv_bytes() + 3 * self.q_bytes(chunk),
-                    "kv": kv_category_bytes * (self.replication - 1)}
-        held = replicated * (self.layers if method == "plain" else 1)
-        return {"temporaries": 3 * self.q_bytes() + self.kv_bytes() + held, "kv": 0}
+    def buffer_bytes(self, method: str, chunk_tokens: int) -> int:
+        """The send and receive buffers of the largest all-to-all of the rank's step (module docstring)."""
+        if method == "streambp":  # a lockstep chunk's queries: the rank's chunk, as many bytes as heads
+            return 2 * max(self.kv_bytes(), self.q_bytes(min(chunk_tokens, self.shard_tokens)))
+        return 2 * self.q_bytes()
 
     def all_to_all_bytes(self, method: str) -> int:
-        """Bytes one rank sends in the step's all-to-alls: every pass over a layer's q, k, v and output,
-        all but its own 1/sp share."""
+        """Bytes one rank sends in a step's all-to-alls: each pass over a layer's q, k, v and output, all but
+        its own 1/sp share."""
         per_pass = 2 * self.q_bytes() + self.kv_bytes()
         return ATTENTION_PASSES[method] * self.layers * per_pass * (self.sp - 1) // self.sp
 
     def how(self) -> str:
-        """The simulation's method in words."""
-        kv = f"; KV heads replicated x{self.replication}" if self.replication > 1 else ""
-        return (f"one rank of {self.sp} under Ulysses sequence parallelism: the step of its "
-                f"{self.shard_tokens:,}-token shard plus the all-to-all buffers and head-sharded K/V "
-                f"counted explicitly (step.sequence_layout){kv}")
+        """The simulation of a rank, in words."""
+        kv = f", each KV head replicated x{self.kv_copies}" if self.kv_copies > 1 else ""
+        return (f"one rank of {self.sp} under Ulysses sequence parallelism: the engine's sequence-parallel "
+                f"step on its {self.shard_tokens:,}-token shard, all-to-alls simulated{kv}; their send and "
+                "receive buffers added at the peak")
 
 
-def simulate_rank(spec: StepSpec, model, *, depth: str, keep_chunks: int | None):
-    """One rank of `spec` (sp > 1) as a `simulate.SimResult`: the step of its shard (`shard_spec`), its
-    breakdown with `with_extras` at the peak; the host figures the shard step's (one rank's already)."""
-    from streambp_core.step.simulate import simulate
-
-    config = model.config
-    check_sequence_parallel(spec, config)
-    shard = simulate(shard_spec(spec), model, depth=depth, keep_chunks=keep_chunks)
-    breakdown = with_extras(shard.breakdown_bytes, spec, config)
-    return replace(shard, spec=spec, peak_bytes=sum(breakdown.values()), breakdown_bytes=breakdown,
-                   note=SequenceLayout.of(spec, config).how())
-
-
-def shard_spec(spec: StepSpec) -> StepSpec:
-    """The one-GPU-shaped step whose memory a rank of `spec` holds: its shard's tokens, no sp."""
-    return replace(spec, sp=1, seq_len_tokens=max(2, math.ceil(spec.seq_len_tokens / spec.sp)))
-
-
-def with_extras(breakdown_bytes: dict[str, int], spec: StepSpec, config: PretrainedConfig
-                ) -> dict[str, int]:
-    """A rank's breakdown: the shard step's at its peak plus `SequenceLayout.extra_bytes`."""
+def with_all_to_all_buffers(result, config: PretrainedConfig):
+    """A simulated rank's `SimResult` with the all-to-all buffers added at its peak (as temporaries) and
+    the account in its `note`."""
+    spec = result.spec
     layout = SequenceLayout.of(spec, config)
-    extra = layout.extra_bytes(spec.method, spec.stream.partition_size, breakdown_bytes.get("kv", 0))
-    return {name: value + extra.get(name, 0) for name, value in breakdown_bytes.items()}
+    buffers = layout.buffer_bytes(spec.method, spec.stream.partition_size)
+    breakdown = dict(result.breakdown_bytes)
+    breakdown["temporaries"] = breakdown.get("temporaries", 0) + buffers
+    return replace(result, peak_bytes=result.peak_bytes + buffers, breakdown_bytes=breakdown,
+                   note=layout.how())
 
 
 def sharded_host(host_bytes: tuple[int, int, int], spec: StepSpec, config: PretrainedConfig,
                  fraction: float) -> tuple[int, int, int]:
     """(host peak, bytes to host, bytes to device) of one rank of a sharded step with the optimizer tier:
-    the rank's `fraction` of the optimizer's host state (masters and moments), of the gradients sent and
-    of the updated weights returned, where the one-GPU step counts all of them. Without it, unchanged."""
+    its `fraction` of the optimizer's host state (masters and moments), of the gradients it sends and of
+    the updated weights it gets back, where the simulated one-GPU layout counts all of them. Without
+    that tier, unchanged."""
     from streambp_core.step.host_pool import host_resident_bytes
     from streambp_core.tiers import offload_tiers
 
     if "optimizer" not in offload_tiers(spec.offload) or spec.optimizer == "none":
         return host_bytes
-    state = host_resident_bytes(spec, config)["optimizer"]
-    trainable = state // 6 if spec.dtype in ("bfloat16", "float16") else state // 3  # one copy of the weights
+    state = host_resident_bytes(spec, config)["optimizer"]  # 3 float32 copies of the trainable weights
+    weights = state // 6 if spec.dtype in ("bfloat16", "float16") else state // 3
     other = 1 - fraction
     peak, to_host, to_device = host_bytes
-    return (peak - round(other * state), max(0, to_host - round(other * trainable)),
-            max(0, to_device - round(other * trainable)))
+    return (peak - round(other * state), max(0, to_host - round(other * weights)),
+            max(0, to_device - round(other * weights)))

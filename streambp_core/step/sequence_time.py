@@ -1,16 +1,15 @@
 """Estimated time of one rank's step under Ulysses sequence parallelism (`StepSpec.sp`), and of any step
 too long to record op by op. Every figure is labelled `estimated`.
 
-1. Compute: the roofline estimate (`estimate.estimate_by_depth`) of the shard's one-GPU step
-   (`sequence_layout.shard_spec`, gpus 1) at two reference lengths, `REFERENCE_TOKENS`, fitted in the
-   length: attention as a T + b T^2 (causal attention's FLOPs), every other part as c + d T (matmuls,
-   elementwise, launches: a fixed count per chunk or layer), then evaluated at the rank's shard length.
-   Recording a long step op by op costs minutes per 100k tokens; the fit is exact for what is affine
-   and quadratic, which the tests check against a direct estimate.
-2. Sequence parallelism: the rank attends H/sp heads over all T queries and T keys, sp times the FLOPs
-   of H heads over its T/sp tokens: the attention time is multiplied by sp. The all-to-alls
-   (`SequenceLayout.all_to_all_bytes`) wait for nothing else and nothing waits less: their time is added
-   whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
+1. Compute: the roofline estimate (`estimate.estimate_by_depth`) of the rank's step, its ops recorded
+   on meta tensors through the engine's sequence-parallel code path (`ops.spec_step_ops`: H/sp heads
+   over all T queries and keys) at two reference lengths, sp x `REFERENCE_TOKENS` (the same shard
+   lengths whatever sp), fitted in the length: attention as a T + b T^2 (causal attention's FLOPs),
+   every other part as c + d T (matmuls, elementwise, launches: a fixed count per chunk or layer), then
+   evaluated at the step's length. Recording a long step op by op costs minutes per 100k tokens; the fit
+   is exact for what is affine and quadratic, which the tests check against a direct estimate.
+2. The all-to-alls (`SequenceLayout.all_to_all_bytes`): attention waits for them, so their time is
+   added whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
    InfiniBand NIC of each GPU to the other nodes; a group of more than `GPUS_PER_NODE` ranks sends
    (sp - 8) / (sp - 1) of its bytes off the node, and the slower link sets the time.
 3. ZeRO (`shard` zero2/zero3 over `gpus`): all-gather of the weights in forward and backward and the
@@ -59,7 +58,7 @@ class SequenceStepEstimate:
     """A rank's estimated step: the compute estimate and the collectives on top (seconds, bytes)."""
 
     compute: StepEstimate
-    """The shard's step fitted to its length, attention scaled by sp, offload copies included."""
+    """The rank's step fitted to its length, offload copies included."""
     all_to_all_bytes: int
     all_to_all_s: float
     zero_s: float
@@ -77,7 +76,7 @@ class SequenceStepEstimate:
 
 
 def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
-    """The compute estimate of one-GPU `spec` (gpus 1, sp 1) at its length from `REFERENCE_TOKENS`
+    """The compute estimate of one rank of `spec` at its length, fitted through sp x `REFERENCE_TOKENS`
     (module docstring, 1), or recorded directly when it is no longer than the longer of them."""
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.setup import build_setup
@@ -91,7 +90,7 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
         return model.memo[key]
 
     length = spec.seq_len_tokens
-    low, high = REFERENCE_TOKENS
+    low, high = (spec.sp * tokens for tokens in REFERENCE_TOKENS)
     if length <= high:
         return at(length)
     one, two = at(low), at(high)
@@ -110,13 +109,10 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
 def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> SequenceStepEstimate:
     """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring)."""
     from streambp_core.step.resolved import resolved
-    from streambp_core.step.sequence_layout import shard_spec
     from streambp_core.step.simulate import simulate
 
     model = resolved(spec.model, model)
-    shard = replace(shard_spec(spec), gpus=1, shard="none")
-    compute = fitted_estimate(shard, gpu, model)
-    compute = replace(compute, attention_s=compute.attention_s * spec.sp)
+    compute = fitted_estimate(spec, gpu, model)
     compute_s = compute.step_time_ms / 1e3
     if spec.offload != "none":
         sim = simulate(spec, model)

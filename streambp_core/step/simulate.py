@@ -35,7 +35,14 @@ as the shard stage holds the model state (`streambp_core.step.shards`): weights,
 optimizer state become the rank's shards plus what the stage keeps gathered or in flight, activations
 stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
 is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
-is a point too, so a peak that moves earlier when gradients shrink is still seen.
+is a point too, so a peak that moves earlier when gradients shrink is still seen. With its host pool:
+the rank's share of the optimizer's host state (`sequence_layout.sharded_host`).
+
+One rank of a sequence-parallel step (`spec.sp` > 1; the sp ranks among the `gpus` shard ranks, as ALST
+runs them): the step runs through the engine's Ulysses code path with a simulated group
+(`SequenceGroup.simulated`: its all-to-alls allocate their outputs on meta), on the rank's shard of the
+whole batch; the send and receive buffers a real all-to-all holds are added
+(`sequence_layout.with_all_to_all_buffers`).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
-from streambp_core.step.sequence_layout import sharded_host
+from streambp_core.step.sequence_layout import check_sequence_parallel, sharded_host, with_all_to_all_buffers
 from streambp_core.step.setup import build_setup, build_training_model
 from streambp_core.step.shards import ShardLayout, rank_breakdown
 
@@ -121,10 +128,6 @@ def simulate(
     if depth not in DEPTHS:
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
     model = resolved(spec.model, model)
-    if spec.sp > 1:  # one sequence-parallel rank: the step of its shard, and what Ulysses adds to it
-        from streambp_core.step.sequence_layout import simulate_rank
-
-        return simulate_rank(spec, model, depth=depth, keep_chunks=keep_chunks)
     config = model.config
     if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":
         raise ConfigError(
@@ -132,6 +135,7 @@ def simulate(
             "experts' grouped matmul has a bfloat16 meta kernel only, and their per-expert loop picks tokens "
             "by value, which meta tensors have none of; measure it on cpu or cuda"
         )
+    check_sequence_parallel(spec, config)
     total = config.num_hidden_layers
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)
     hosts: list[tuple[int, int, int]] = []
@@ -146,9 +150,10 @@ def simulate(
     if spec.shard != "none":  # the rank's share of the optimizer's host state and copies
         fraction = shard_layout(spec, config, model.memo).trainable_fraction
         host = sharded_host(tuple(host), spec, config, fraction)
-    return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
-                     breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
-                     to_device_bytes=host[2])
+    result = SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
+                       breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
+                       to_device_bytes=host[2])
+    return result if spec.sp == 1 else with_all_to_all_buffers(result, config)
 
 
 def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict,
@@ -220,8 +225,9 @@ def shard_layout(spec: StepSpec, config: PretrainedConfig, cache: dict | None = 
     key = ("shard_layout", spec.model, spec.dtype, spec.lora_rank, spec.gpus, config.num_hidden_layers)
     if cache is not None and key in cache:
         return cache[key]
-    model, _ = build_training_model(spec.at(2), config, "meta")
+    model, _ = build_training_model(spec.at(max(2, spec.sp)), config, "meta")
     layout = ShardLayout.from_model(model, spec.gpus)
     if cache is not None:
         cache[key] = layout
     return layout
+
