@@ -44,7 +44,7 @@ class Plan:
         if self.ranks_per_node == 1:
             return f"{share:g} GiB"
         node = share * self.ranks_per_node
-        return f"{node:g} GiB per node ({share:.1f} GiB per rank, 1/{self.ranks_per_node} of it)"
+        return f"{node:g} GiB per node ({share:.4g} GiB per rank, 1/{self.ranks_per_node} of it)"
 
     @property
     def model(self) -> str:

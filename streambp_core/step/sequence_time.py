@@ -3,11 +3,12 @@ too long to record op by op. Every figure is labelled `estimated`.
 
 1. Compute: the roofline estimate (`estimate.estimate_by_depth`) of the rank's step, its ops recorded
    on meta tensors through the engine's sequence-parallel code path (`ops.spec_step_ops`: H/sp heads
-   over all T queries and keys) at two reference lengths, sp x `REFERENCE_TOKENS` (the same shard
-   lengths whatever sp), fitted in the length: attention as a T + b T^2 (causal attention's FLOPs),
-   every other part as c + d T (matmuls, elementwise, launches: a fixed count per chunk or layer), then
-   evaluated at the step's length. Recording a long step op by op costs minutes per 100k tokens; the fit
-   is exact for what is affine and quadratic, which the tests check against a direct estimate.
+   over all T queries and keys) at three reference lengths, sp x `REFERENCE_TOKENS` (the same shard
+   lengths whatever sp), each part (matmuls, attention, other ops, launches) fitted in the length as
+   a + b T + c T^2 through them and evaluated at the step's length: causal attention's FLOPs are
+   quadratic, and so are the bytes of ops over a chunk's prefix; matmuls and launches are affine (a fixed
+   count per chunk or layer). Recording a long step op by op costs minutes per 100k tokens; the fit is
+   exact for what is at most quadratic, which the tests check against a direct estimate.
 2. The all-to-alls (`SequenceLayout.all_to_all_bytes`): attention waits for them, so their time is
    added whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
    InfiniBand NIC of each GPU to the other nodes; a group of more than `GPUS_PER_NODE` ranks sends
@@ -20,13 +21,14 @@ too long to record op by op. Every figure is labelled `estimated`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from streambp_core.config import StepSpec
 from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
 from streambp_core.step.sequence_layout import SequenceLayout
 
-REFERENCE_TOKENS = (8_192, 16_384)
+REFERENCE_TOKENS = (2_048, 4_096, 8_192)
 """The shard lengths whose op-by-op estimates the length fit goes through."""
 GPUS_PER_NODE = 8
 """GPUs of one node (HGX boards): a larger group's collectives leave the node."""
@@ -77,7 +79,7 @@ class SequenceStepEstimate:
 
 def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     """The compute estimate of one rank of `spec` at its length, fitted through sp x `REFERENCE_TOKENS`
-    (module docstring, 1), or recorded directly when it is no longer than the longer of them."""
+    (module docstring, 1), or recorded directly when it is no longer than the longest of them."""
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.setup import build_setup
 
@@ -90,20 +92,20 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
         return model.memo[key]
 
     length = spec.seq_len_tokens
-    low, high = (spec.sp * tokens for tokens in REFERENCE_TOKENS)
-    if length <= high:
+    lengths = [spec.sp * tokens for tokens in REFERENCE_TOKENS]
+    if length <= lengths[-1]:
         return at(length)
-    one, two = at(low), at(high)
+    points = [at(tokens) for tokens in lengths]
 
-    def line(field: str) -> float:
-        a, b = getattr(one, field), getattr(two, field)
-        return a + (length - low) * (b - a) / (high - low)
+    def fit(field: str) -> float:  # the parabola through the three points, at `length` (Lagrange)
+        total = 0.0
+        for i, (x_i, point) in enumerate(zip(lengths, points, strict=True)):
+            weight = math.prod((length - x_j) / (x_i - x_j) for j, x_j in enumerate(lengths) if j != i)
+            total += weight * getattr(point, field)
+        return total
 
-    quadratic = (two.attention_s / high - one.attention_s / low) / (high - low)
-    linear = one.attention_s / low - quadratic * low
-    attention = linear * length + quadratic * length**2
-    return replace(one, matmul_s=line("matmul_s"), attention_s=attention, other_s=line("other_s"),
-                   launch_s=line("launch_s"), launches=round(line("launches")))
+    fields = ("matmul_s", "attention_s", "other_s", "launch_s")
+    return replace(points[0], **{field: fit(field) for field in fields}, launches=round(fit("launches")))
 
 
 def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> SequenceStepEstimate:
