@@ -74,10 +74,16 @@ def cells(quick: bool) -> list[tuple[StepSpec, float, float]]:
             for gpu, gpus in CELLS for method in METHODS]
 
 
-def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, gpu: str | None = None,
+def simulated_device(gpu: str) -> str:
+    """The device_name of a cell's simulated row: the meta device, at `gpu`'s budget (a row's key holds no
+    budget, so one H100's and one H200's rows of the same step would otherwise replace each other)."""
+    return f"meta ({gpu} budget)"
+
+
+def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, estimate: bool = True,
               note=print_nothing) -> list:
-    """The max_len row of one cell (simulated search bounded by both pools) and, given a GPU model name,
-    the step_time row estimated at that length."""
+    """The max_len row of one cell (simulated search bounded by both pools) and, with `estimate`, the
+    step_time row estimated at that length on the cell's GPU."""
     from streambp_bench.maxlen.report import max_len_row
     from streambp_bench.results import ResultRow, provenance, spec_fields
     from streambp_core.step.estimate import gpu_model
@@ -86,13 +92,14 @@ def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, gp
 
     note(f"max length: {spec.method} on {spec.gpus} GPU(s)")
     search = max_len(spec, int(budget_gib * GIB), "sim", model, host_budget_bytes=int(host_gib * GIB))
-    rows = [max_len_row(spec, search, provenance("simulated", "meta"))]
-    if gpu is not None and search.max_len_tokens >= 2:
+    gpu = _gpu(budget_gib)
+    rows = [max_len_row(spec, search, provenance("simulated", simulated_device(gpu)))]
+    if estimate and search.max_len_tokens >= 2:
         note(f"step time: {spec.method} on {spec.gpus} GPU(s)")
-        at = spec.at(search.max_len_tokens)
-        estimate = estimate_sequence_step(at, gpu_model(gpu), model)  # fitted in length: any sp, 1 too
-        rows.append(ResultRow(**spec_fields(at), **provenance("estimated", gpu_model(gpu).name),
-                              metric="step_time", value=estimate.step_time_ms, budget_gib=budget_gib))
+        at, device = spec.at(search.max_len_tokens), gpu_model(gpu.split()[0].lower())
+        step = estimate_sequence_step(at, device, model)  # fitted in length: any sp, 1 too
+        rows.append(ResultRow(**spec_fields(at), **provenance("estimated", device.name),
+                              metric="step_time", value=step.step_time_ms, budget_gib=budget_gib))
     return rows
 
 
@@ -104,8 +111,7 @@ def run(settings: Settings) -> list[Path]:
 
     grid = cells(settings.quick)
     model = ResolvedModel(grid[0][0].model)
-    tasks = [Task(f"{spec.method} x{spec.gpus}", cell_rows,
-                  (spec, budget, host, model, None if settings.quick else _gpu(budget).split()[0].lower()),
+    tasks = [Task(f"{spec.method} x{spec.gpus}", cell_rows, (spec, budget, host, model, not settings.quick),
                   SEARCH_COST.get(spec.method, 0) + spec.gpus) for spec, budget, host in grid]
     found = run_tasks(tasks, settings.jobs, settings.context, settings.note)
     results = settings.csv("alst")

@@ -63,7 +63,8 @@ def test_columns_hold_the_contract_in_order() -> None:
                 "source", "status", "metric", "value", "peak_allocated_gib", "peak_reserved_gib",
                 "step_time_ms", "step_time_p20_ms", "step_time_p80_ms", "alloc_retries", "num_ooms",
                 "weights_gib", "confirmed_layers", "offload", "host_peak_gib", "to_host_gib", "to_device_gib",
-                "gpus", "sp", "shard", "head_mode", "offload_checkpoints", "offload_optimizer", "offload_params",
+                "gpus", "sp", "shard", "head_mode", "offload_checkpoints", "offload_optimizer",
+                "offload_params",
                 "grads_gib", "optimizer_gib", "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib",
                 "kernel_workspace_gib", "budget_gib", "error", "device_name", "torch_version",
                 "transformers_version", "package_version", "git_sha", "timestamp"}  # fmt: skip
