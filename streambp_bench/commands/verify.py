@@ -55,7 +55,8 @@ HELP = (
     "training in float64 or float32. [bold]--sp S[/] (with --nproc) runs sequence parallelism instead: "
     "groups of S ranks share each sequence (Ulysses), each computing its shard, and every method's "
     "gradients summed over the group are compared with single-process plain over the whole sequence, "
-    "with each step's all-to-alls. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
+    "with each step's all-to-alls; with --shard zero2|zero3 the weights are sharded with FSDP2 over every "
+    "rank too. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
     "zero1, zero2; CPU ranks): the user's DeepSpeed loop, the applied update after one optimizer step "
     "against single-process plain, and how many times ZeRO reduced each parameter.\n\n"
     "[bold]--trainer trainer|sft|dpo|grpo[/] checks training instead of one gradient: builds the model as a "
@@ -261,7 +262,7 @@ def verify(
     if shard is not None and nproc is None:
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     stages = sharded_stages(engine, shard, nproc)
-    if nproc is not None and offload.value != "none":
+    if nproc is not None and sp is None and offload.value != "none":
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
     head = StreamConfig(objective=objective.value, head_mode=head_mode.value).head_mode  # before torch
     if nproc is not None and sp is None and "streambp" in methods and head != "recompute":
@@ -291,7 +292,7 @@ def verify(
     if sp is not None:
         from streambp_bench.verify.sequence import run_sequence
 
-        ok = run_sequence(spec, nproc, sp, as_json=as_json)
+        ok = run_sequence(spec, nproc, sp, shard, as_json=as_json)
     elif nproc is not None and engine == "deepspeed":
         from streambp_bench.verify.deepspeed import run_deepspeed
 

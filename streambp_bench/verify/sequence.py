@@ -2,8 +2,8 @@
 
 The work is `streambp_core.parallel.sequence_verify.verify_sequence`; this module refuses bad input
 before any rank starts (S not dividing N, more ranks than the cores or GPUs, heads that cannot split over
-S ranks) and prints each method's error against single-process plain over the whole sequence and the
-all-to-alls of its step.
+S ranks, DeepSpeed) and prints each method's error against single-process plain over the whole sequence
+and the all-to-alls of its step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.table import Table
 
 from streambp_bench.errors import print_error
 from streambp_bench.output import emit, stderr_console
-from streambp_core.config import ConfigError
+from streambp_core.config import FSDP_STAGES, ConfigError
 from streambp_core.measure.units import format_size
 
 if TYPE_CHECKING:
@@ -30,25 +30,33 @@ def check_sequence_options(sp: int, nproc: int | None, engine: str, shard: str |
         raise ConfigError(f"--sp must be at least 1, got {sp}")
     if nproc % sp:
         raise ConfigError(f"--sp {sp} does not divide --nproc {nproc}: the ranks form groups of sp")
-    if engine != "fsdp2" or shard is not None:
-        raise ConfigError("--sp with --engine/--shard: the sequence-parallel verify runs unsharded weights")
+    if engine != "fsdp2":
+        raise ConfigError(f"--sp with --engine {engine}: sequence parallelism does not run under DeepSpeed "
+                          "ZeRO; its weights are whole on each rank or sharded with FSDP2 (--shard)")
+    if shard is not None and shard not in FSDP_STAGES:
+        raise ConfigError(f"--shard with --sp must be one of {', '.join(FSDP_STAGES)}, got {shard!r}")
 
 
-def run_sequence(spec: VerifySpec, nproc: int, sp: int, *, as_json: bool) -> bool:
-    """Verify `spec` with `sp` ranks per sequence across `nproc` ranks; print; whether every method passed."""
+def run_sequence(spec: VerifySpec, nproc: int, sp: int, shard: str | None, *, as_json: bool) -> bool:
+    """Verify `spec` with `sp` ranks per sequence across `nproc` ranks (weights sharded with FSDP2 stage
+    `shard` over every rank when given); print; whether every method passed."""
     from streambp_core.parallel.launch import RankError, backend_for
     from streambp_core.parallel.sequence_verify import check_sequence_spec, verify_sequence
 
     backend = backend_for(spec.device)
-    check_sequence_spec(spec, nproc, sp)
+    check_sequence_spec(spec, nproc, sp, shard)
     try:
         with stderr_console().status(f"verifying sequence parallelism on {nproc} ranks ({backend}) ..."):
-            report = verify_sequence((spec,), nproc=nproc, sp=sp)
+            report = verify_sequence((spec,), nproc=nproc, sp=sp, shard=shard)
     except RankError as error:  # one line naming the rank, exit 1 (a failure, not bad input)
         print_error(error)
         raise typer.Exit(code=1) from None
     emit(report.to_dict(), as_json, lambda console: _print(console, report, spec, backend))
     return report.ok
+
+
+def _weights(shard: str) -> str:
+    return "whole on each rank" if shard == "none" else f"sharded over every rank (FSDP2 {shard})"
 
 
 def render_table(report) -> Table:
@@ -73,10 +81,13 @@ def _print(console, report, spec: VerifySpec, backend: str) -> None:
     chunks = report.results[0].chunks if report.results else 0
     console.print(
         f"{report.source}: {step.model}, {step.dtype}, {report.nproc} ranks ({backend}) in groups of "
-        f"{report.sp} sharing each sequence, seq_len {step.seq_len_tokens}, batch {step.batch_size}, ps "
+        f"{report.sp} sharing each sequence, weights {_weights(report.shard)}, seq_len "
+        f"{step.seq_len_tokens}, batch {step.batch_size}, ps "
         f"{step.stream.partition_size} ({chunks} lockstep chunks per layer), ps-head "
-        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, seed "
-        f"{step.seed}; collectives of one step on rank 0 (bytes received), gradient sums excluded",
+        f"{step.stream.head_partition_size}, padding {spec.padding}, objective {step.objective}, lora rank "
+        f"{step.lora_rank}, streambp "
+        f"head {step.stream.head_mode}, offload {step.stream.offload}, seed {step.seed}; collectives of "
+        "one step on rank 0 (bytes received), gradient sums excluded",
         soft_wrap=True)
     console.print("[green]all methods match plain[/]" if report.ok
                   else "[bold red]some methods do not match plain[/]")

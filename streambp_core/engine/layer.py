@@ -97,7 +97,8 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
     else:
         attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn,  # (B, H, c, hd)
                                 parts.sliding_window, blocking=plan.attn_blocking)
-    attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+    b, heads, c, hd = attn.shape
+    attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(b, c, heads * hd))
     return h + (attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
 
 

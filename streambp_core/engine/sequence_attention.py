@@ -51,6 +51,7 @@ class SequenceBlocks:
 
     @property
     def sizes(self) -> list[int]:
+        """Each rank's block length (0 for a shard whose chunks have run out)."""
         return [end - start for start, end in self.bounds]
 
     @property

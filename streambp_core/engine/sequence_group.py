@@ -142,7 +142,8 @@ def _heads_to_seq(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
     recv = x.new_empty(group.size * b * t_rank * local * hd)
     per = b * local * hd
     _all_to_all(recv, send, [per * t_rank] * group.size, [per * s for s in sizes], group)
-    return recv.view(group.size, b, t_rank, local, hd).permute(1, 2, 0, 3, 4).reshape(b, t_rank, -1, hd)
+    return recv.view(group.size, b, t_rank, local, hd).permute(1, 2, 0, 3, 4).reshape(
+        b, t_rank, local * group.size, hd)  # explicit heads: a rank's chunk may be empty (t_rank 0)
 
 
 def _all_to_all(recv: Tensor, send: Tensor, recv_sizes: list[int], send_sizes: list[int],

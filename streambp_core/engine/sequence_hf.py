@@ -18,7 +18,6 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.hf_attention import _key_valid
 from streambp_core.engine.sequence_attention import (
     gather_kv,
     gathered_attention,
@@ -43,7 +42,7 @@ def sequence_attention_forward(module: nn.Module, query: Tensor, key: Tensor, va
         raise ValueError("sequence-parallel attention has no dropout; build the model with "
                          "attention_dropout=0")
     group, copies, backend = getattr(module, GROUP_ATTRIBUTE)
-    key_valid = _key_valid(attention_mask)
+    key_valid = attention_mask[:, 0, 0]  # (B, T): the whole sequence's keys (`sequence_mask_argument`)
     total = key_valid.shape[-1]
     keys, values = gather_kv(key, value, group, total, copies)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -60,7 +60,7 @@ class SequenceShard:
         return self.group.shard_bounds(self.total_tokens)
 
 
-def _chunk_plan(plan: LayerPlan, shard: SequenceShard, blocks: SequenceBlocks) -> LayerPlan:
+def _chunk_plan(plan: LayerPlan, blocks: SequenceBlocks) -> LayerPlan:
     """`plan` attending over every rank's chunk `blocks` (the whole sequence's key mask as `valid`)."""
     parts = plan.parts
     attention = partial(_blocks_attention, blocks=blocks, scale=parts.scaling, backend=plan.attn,
@@ -91,7 +91,7 @@ def sequence_forward(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, cos: T
         start, end = blocks.mine
         h = h_in[:, start:end]
         q = project_q(parts, parts.input_norm(h), rope.chunk(start, end))
-        h_out[:, start:end] = finish_chunk(_chunk_plan(plan, shard, blocks), h, q, keys, values, key_valid)
+        h_out[:, start:end] = finish_chunk(_chunk_plan(plan, blocks), h, q, keys, values, key_valid)
     return h_out
 
 
@@ -110,7 +110,7 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
                                            plan.keep_chunks)):
         start, end = blocks.mine
         grad_in[:, start:end], grad_normed[:, start:end] = _query_chunk_backward(
-            _chunk_plan(plan, shard, blocks), h_in[:, start:end], rope.chunk(start, end), key_valid,
+            _chunk_plan(plan, blocks), h_in[:, start:end], rope.chunk(start, end), key_valid,
             (keys, values, d_keys, d_values), grad_out[:, start:end], params)
     with memory_category("kv"):
         d_keys, d_values = scatter_kv_grads(d_keys, d_values, shard.group, shard.total_tokens,

@@ -64,6 +64,7 @@ class StepShard:
 
     @property
     def bounds(self) -> tuple[int, int]:
+        """(start, end) global positions of this rank's shard."""
         return self.shard.bounds
 
 
@@ -93,10 +94,12 @@ class ShardObjective:
 
     @property
     def name(self) -> str:
+        """The inner objective's name."""
         return self.inner.name
 
     @property
     def linear_reduce(self) -> bool:
+        """Whether the inner reduction is linear (a sum over the group keeps it so)."""
         return self.inner.linear_reduce
 
     def logits_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -1,5 +1,6 @@
 """Sharded training on existing engines: torch FSDP2 (`fsdp.py`), ranks on one machine (`launch.py`),
-collective counts (`comms.py`), exactness across ranks (`verify.py`) and one rank of N measured on CPU
+collective counts (`comms.py`), exactness across ranks (`verify.py`; under sequence parallelism
+`sequence_verify.py`) and one rank of N measured on CPU
 ranks (`memory.py`); one rank of N in the simulator is `streambp_core.step.shards`, and a unit's work
 runs as its forward through `streambp_core.engine.sharded`. Public names load on first use, so importing
 one submodule stays light."""

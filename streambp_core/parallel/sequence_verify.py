@@ -11,6 +11,10 @@ Steps of `verify_sequence` (in `nproc` spawned ranks, see `run_ranks`):
    `CollectiveLog` (each rank computes its shard), the gradients are summed over the sequence group
    (`sum_gradients`) and averaged over the groups, and rank 0 compares them with the reference by the
    criterion single-process `verify` uses (`compare.max_grad_err`).
+   With a shard stage (zero2, zero3) the copy is sharded with FSDP2 over every rank instead, as ALST
+   shards with ZeRO-3 across the ranks that share the sequence: FSDP2 averages the ranks' gradients, so
+   the loss is multiplied by `sp` (the sum over a group, averaged over the groups), and the gradients are
+   all-gathered to full tensors.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import torch
 import torch.distributed as dist
 
 import streambp_core
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, require_choice
 from streambp_core.engine.sequence_attention import kv_replication, lockstep_chunks
 from streambp_core.engine.sequence_group import SequenceGroup, sum_gradients
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import decoder_parts
+from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.comms import CollectiveLog
+from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.verify.compare import max_grad_err
@@ -58,6 +64,8 @@ class SequenceReport:
 
     nproc: int
     sp: int
+    shard: str
+    """The FSDP2 stage the weights were sharded with over every rank, or none."""
     device: str
     results: tuple[SequenceResult, ...]
 
@@ -71,11 +79,12 @@ class SequenceReport:
 
     def to_dict(self) -> dict:
         """JSON-ready summary."""
-        return {"nproc": self.nproc, "sp": self.sp, "device": self.device, "source": self.source,
+        return {"nproc": self.nproc, "sp": self.sp, "shard": self.shard, "device": self.device,
+                "source": self.source,
                 "ok": self.ok, "results": [asdict(result) for result in self.results]}
 
 
-def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int) -> None:
+def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int, shard: str | None = None) -> None:
     """ConfigError, before any rank starts, for what a sequence-parallel verify cannot check."""
     check_nproc(nproc, spec.device)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
@@ -85,8 +94,9 @@ def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int) -> None:
     if spec.step.dtype not in TOLERANCE:
         raise ConfigError(f"sequence-parallel verify compares exact dtypes ({', '.join(TOLERANCE)}), "
                           f"got {spec.step.dtype}")
-    if spec.step.lora_rank:
-        raise ConfigError("sequence-parallel verify checks full-parameter training; lora_rank must be 0")
+    if spec.step.lora_rank and shard is not None:
+        raise ConfigError("sequence-parallel verify with a shard stage checks full-parameter training; "
+                          "lora_rank must be 0")
     if spec.packing:
         raise ConfigError("sequence parallelism does not run packed rows")
     if spec.step.seq_len_tokens < sp:
@@ -96,19 +106,23 @@ def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int) -> None:
     kv_replication(heads, getattr(config, "num_key_value_heads", None) or heads, sp)
 
 
-def verify_sequence(specs: tuple[VerifySpec, ...], *, nproc: int, sp: int,
+def verify_sequence(specs: tuple[VerifySpec, ...], *, nproc: int, sp: int, shard: str | None = None,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> SequenceReport:
-    """Verify every spec's methods with `sp` ranks per sequence across `nproc` ranks (module docstring)."""
+    """Verify every spec's methods with `sp` ranks per sequence across `nproc` ranks, their weights
+    sharded with FSDP2 stage `shard` over every rank when given (module docstring)."""
+    if shard is not None:
+        require_choice("shard", shard, SHARD_STAGES)
     if not specs:
         raise ConfigError("give at least one spec")
     devices = {spec.device for spec in specs}
     if len(devices) != 1:
         raise ConfigError(f"all specs must use one device, got {', '.join(sorted(devices))}")
     for spec in specs:
-        check_sequence_spec(spec, nproc, sp)
+        check_sequence_spec(spec, nproc, sp, shard)
     device = devices.pop()
-    per_rank = run_ranks(_rank_verify, nproc, device=device, args=(specs, sp), timeout_s=timeout_s)
-    return SequenceReport(nproc=nproc, sp=sp, device=device, results=tuple(per_rank[0]))
+    per_rank = run_ranks(_rank_verify, nproc, device=device, args=(specs, sp, shard), timeout_s=timeout_s)
+    return SequenceReport(nproc=nproc, sp=sp, shard=shard or "none", device=device,
+                          results=tuple(per_rank[0]))
 
 
 def _groups(rank: int, world: int, sp: int) -> tuple[SequenceGroup, int]:
@@ -123,17 +137,20 @@ def _groups(rank: int, world: int, sp: int) -> tuple[SequenceGroup, int]:
     return mine
 
 
-def _rank_verify(rank: int, world: int, specs, sp: int) -> list[SequenceResult]:
+def _rank_verify(rank: int, world: int, specs, sp: int, shard: str | None) -> list[SequenceResult]:
     """Body of each rank: results on rank 0, an empty list elsewhere."""
     group, index = _groups(rank, world, sp)
     results = []
     for spec in specs:
         model = build_model(load_config(spec.step.model), dtype=DTYPES[spec.step.dtype], device=spec.device,
                             seed=spec.step.seed)
+        if spec.step.lora_rank:
+            model = apply_lora(model, spec.step.lora_rank)
         batches = [_group_batch(spec, model, g) for g in range(world // sp)]
         reference = _reference(model, spec, batches) if rank == 0 else None
         for method in spec.methods:
-            results.append(_sequence_step(model, method, spec, group, index, batches[index], reference))
+            results.append(_sequence_step(model, method, spec, (group, index, shard), batches[index],
+                                          reference))
     return results if rank == 0 else []
 
 
@@ -166,32 +183,40 @@ def _reference(model, spec: VerifySpec, batches) -> _Reference:
     return _Reference(loss=loss, loss_tolerance=TOLERANCE[spec.step.dtype] * max(1.0, abs(loss)), grads=grads)
 
 
-def _sequence_step(model, method, spec: VerifySpec, group: SequenceGroup, index: int, batch,
-                   reference) -> SequenceResult | None:
-    """One step of `method` on this rank's shard; gradients summed over the group, averaged over groups."""
-    copied = copy.deepcopy(model)
+def _sequence_step(model, method, spec: VerifySpec, where, batch, reference) -> SequenceResult | None:
+    """One step of `method` on this rank's shard; gradients summed over the group, averaged over groups.
+    `where`: (this rank's group, its index, the FSDP2 stage or None)."""
+    group, index, shard = where
+    copied = copy.deepcopy(model) if shard is None else shard_model(copy.deepcopy(model), shard)
     step = _group_spec(spec, index).step_of(method)
     labels, inputs = objective_inputs(step.objective, batch, step.seed)
     with streambp_core.prepare(copied, method, step.stream, sequence_group=group) as run, \
             CollectiveLog() as log:
         loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **inputs)
-        loss.backward()
-    params = [p for p in copied.parameters() if p.requires_grad]
-    sum_gradients(params, group)
+        (loss if shard is None else loss * group.size).backward()  # FSDP2 averages over every rank
     world = dist.get_world_size()
-    groups = world // group.size
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     mean_loss = float(mean_loss) / world  # every rank of a group holds its group's whole loss
+    if shard is None:
+        grads = _summed_gradients(copied, group, world // group.size)
+    else:
+        grads = full_gradients(copied)
+    if reference is None:
+        return None
+    return _result(method, spec, step, group, grads, mean_loss, log, reference, decoder_parts(copied))
+
+
+def _summed_gradients(model, group: SequenceGroup, groups: int) -> dict:
+    """Every gradient summed over the sequence group (`sum_gradients`), then averaged over the groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sum_gradients(params, group)
     if groups > 1:
         for param in params:
             if param.grad is not None:
                 dist.all_reduce(param.grad)
-                param.grad /= world
-    if reference is None:
-        return None
-    grads = {name: p.grad for name, p in copied.named_parameters() if p.requires_grad}
-    return _result(method, spec, step, group, grads, mean_loss, log, reference, decoder_parts(copied))
+                param.grad /= dist.get_world_size()
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _result(method, spec, step, group, grads, mean_loss, log, reference, parts) -> SequenceResult:

@@ -1,8 +1,8 @@
 """Sequence parallelism (Ulysses) on two real ranks (gloo): every method's gradients, summed over the ranks
 sharing the sequence, equal single-process plain's over the whole sequence in float64 (sft everywhere,
 grpo and dpo, padding in one rank's shard only, a length that neither the chunk nor the ranks divide, tied
-and untied heads, KV heads replicated); each step's all-to-alls are a constant per layer plus a constant
-per lockstep chunk."""
+and untied heads, KV heads replicated, checkpoints in host memory); each step's all-to-alls are a
+constant per layer plus a constant per lockstep chunk."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from streambp_core.verify.methods import VerifySpec
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")]
 
-SEQ_LEN = 37  # shards of 19 and 18 tokens: neither the chunk (8, 5) nor the ranks divide it
+SEQ_LEN = 37  # shards of 19 and 18 tokens: neither the chunk (8, 6) nor the ranks divide it
 LAYERS = load_config("tiny/llama").num_hidden_layers
 PER_LAYER = {"plain": 6, "checkpoint": 9, "mst": 9}
 """All-to-alls per layer and step of the transformers-driven methods: K/V, queries and outputs forward and
@@ -44,12 +44,13 @@ def report(tmp_path_factory):
     qwen = replace(base, step=replace(base.step, model="tiny/qwen3"), padding="left")
     specs = (
         base,
-        replace(base, methods=("streambp",), step=base.step.replaced(partition_size=5)),
+        replace(base, methods=("streambp",), step=base.step.replaced(partition_size=6)),  # rank 1: 6,6,6,0
         replace(qwen, methods=("plain", "streambp"), step=qwen.step.replaced(objective="grpo",
                                                                             head_mode="fused")),
         replace(qwen, methods=("mst", "streambp"), step=qwen.step.replaced(objective="dpo")),
         replace(base, methods=("checkpoint", "streambp"), padding="none",
                 step=replace(base.step, model=_mqa_model(tmp_path_factory.mktemp("mqa")))),
+        replace(base, methods=("mst", "streambp"), step=base.step.replaced(offload="checkpoints")),
     )
     return specs, verify_sequence(specs, nproc=2, sp=2)
 
@@ -73,7 +74,7 @@ def test_every_method_matches_single_process_plain_over_the_whole_sequence(repor
 def test_all_to_alls_are_a_constant_per_layer_plus_a_constant_per_chunk(report):
     _, result = report
     streamed = [r for r in result.results if r.method == "streambp"]
-    assert {r.chunks for r in streamed} == {3, 4}  # ps 8 and 5 over the 19-token shard
+    assert {r.chunks for r in streamed} == {3, 4}  # ps 8 and 6 over the 19-token shard
     for r in streamed:
         assert r.all_to_alls == r.layers * (3 + 6 * r.chunks), (r.objective, r.chunks, r.all_to_alls)
     for r in result.results:
