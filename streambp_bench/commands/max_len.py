@@ -11,6 +11,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from streambp_bench import options as opt
 from streambp_bench.errors import print_error, user_errors
 from streambp_bench.maxlen import packing as packing_note
+from streambp_bench.maxlen import sequence
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import sharding, step_specs, writable_results
 from streambp_bench.tokens import UNITS, parse_partition
@@ -45,7 +46,12 @@ HELP = (
     "[bold]--gpus N --shard STAGE[/] simulates one rank of N data-parallel GPUs (one sequence each): its "
     "shards of the weights, gradients and optimizer state, the layers it holds gathered, the gradients in "
     "flight and the buckets (zero2/zero3: torch FSDP2, what the engine runs; deepspeed-zero2: DeepSpeed "
-    "ZeRO-2's allocations with bf16); the budget is per GPU.\n\n"
+    "ZeRO-2's allocations with bf16); the budget is per GPU, [bold]--host-budget-gib[/] per node "
+    "([bold]--gpus-per-node[/], default 8: a rank's share is 1/min(8, N) of it).\n\n"
+    "[bold]--sp N[/]: Ulysses sequence parallelism over N of those ranks (ALST's multi-GPU protocol: "
+    "--gpus N --sp N --shard zero3 --optimizer adamw --offload checkpoints,optimizer): one rank is simulated "
+    "as the step of its T/N tokens plus the all-to-all buffers and its head-sharded K/V (replicated when "
+    "there are fewer KV heads than ranks), counted explicitly; --gpu-model adds the all-to-all time.\n\n"
     "[bold]--ps auto[/] / [bold]--ps-head auto[/]: the search runs with the smallest partitions the "
     "automatic choice considers (64 tokens; they reach furthest), then reports the largest partitions that "
     "still fit at each maximum (the fastest: fewer, larger chunks); rows record those. [bold]--at[/] "
@@ -76,6 +82,10 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench max-len -m tiny/qwen3 --device cpu --budget-gib 0.01 --ps 64 --ps-head 32[/]
 
 [cyan]streambp-bench max-len --optimizer adamw --gpus 8 --shard zero3 --method checkpoint,streambp[/]
+
+[cyan]streambp-bench max-len -m meta-llama/Llama-3.1-8B --method mst,streambp --optimizer adamw[/]
+[cyan]    --gpus 8 --sp 8 --shard zero3 --offload checkpoints,optimizer[/]
+[cyan]    --budget-gib 79.65 --host-budget-gib 1769[/]
 
 [cyan]streambp-bench max-len --method streambp --ps auto --ps-head auto --at 32k,128k --gpu-model h100[/]
 
@@ -121,6 +131,8 @@ def max_len(
     ] = None,
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,
+    sp: sequence.SpOption = None,
+    gpus_per_node: sequence.GpusPerNodeOption = sequence.DEFAULT_GPUS_PER_NODE,
     jobs: opt.Jobs = None,
     packing: packing_note.PackingOption = None,
     as_json: opt.Json = False,
@@ -130,9 +142,12 @@ def max_len(
     ] = None,
 ) -> None:
     """Search every method's maximum length and print it (help text: `HELP`)."""
-    ranks, where = sharding(gpus, shard, device.value)
-    if gpu_model is not None and (gpus or 1) > 1:
-        raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
+    ranks = sequence.sequence_fields(sp, gpus, device.value)
+    shards, where = sharding(gpus, shard, device.value)
+    ranks.update(shards)
+    if gpu_model is not None and (gpus or 1) > 1 and (sp or 1) == 1:
+        raise ConfigError("--gpu-model estimates a step on one GPU or one sequence-parallel rank (--sp); "
+                          "it does not apply with --gpus alone")
     layer_size, head_size = parse_partition(ps, "--ps"), parse_partition(ps_head, "--ps-head")
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value,
@@ -154,7 +169,9 @@ def max_len(
     extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
                          gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
     try:
-        plan = make_plan(specs, where, budget_gib, host_budget_gib)
+        per_node = sequence.ranks_per_node(gpus, gpus_per_node)
+        plan = make_plan(specs, where, budget_gib, host_budget_gib, per_node)
+        sequence.check_heads(specs, plan.resolved)
     except BaseException:
         stop_server(context)
         raise

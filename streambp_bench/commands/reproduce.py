@@ -37,6 +37,9 @@ HELP = (
     "offload) and device and host memory vs tokens up to 2M; and the host tiers: full fine-tuning with "
     "AdamW of Llama-3.1-8B and Qwen3-8B on one H100 80GB and one H200 141GB, each method with each tier "
     "set it can run, beside ALST's published single-GPU lengths, with the host GiB each needs (simulated). "
+    "alst: Arctic Long Sequence Training's Llama-3.1-8B ladder, one H100 and one H200 to 32 H100s with "
+    "Ulysses sequence parallelism, its recipe and streambp beside its published lengths (simulated; "
+    "step times estimated). "
     "all: every item. Memory items are simulated everywhere; time items measure. An item's max-length "
     "searches run side by side, one worker process per core ([bold]--jobs[/] or STREAMBP_BENCH_JOBS)."
 )
@@ -63,6 +66,7 @@ class Item(str, Enum):
     table4 = "table4"
     table6 = "table6"
     offload = "offload"
+    alst = "alst"
     all = "all"
 
 
@@ -72,7 +76,8 @@ ITEM_NAMES = tuple(item.value for item in Item if item is not Item.all)
 
 @user_errors
 def reproduce(
-    item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6, offload or all.")],
+    item: Annotated[Item, typer.Argument(help="fig3, fig5, table1, table3, table4, table6, offload, alst "
+                                                 "or all.")],
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Directory for CSVs, PNGs and README.md (default results/; --quick needs one).")
     ] = None,

@@ -48,6 +48,10 @@ class StepAt:
     pcie: dict | None = None
     """With offload: the copies' bytes each way, the PCIe bandwidth assumed, their whole time and the part
     compute does not hide (`copies_of`)."""
+    all_to_all_gib: float | None = None
+    """A sequence-parallel rank's all-to-all bytes per step (GiB sent), estimated; None without --sp."""
+    interconnect: str = ""
+    """The links the collectives' time assumes, in words (empty without --sp)."""
 
     def to_dict(self) -> dict:
         spec = self.spec
@@ -57,7 +61,9 @@ class StepAt:
         pcie = {} if self.pcie is None else {"estimated_pcie": self.pcie}
         return {"method": self.method, "label": self.label or self.method,
                 "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
-                **sizes, "estimated_step_time_ms": self.estimated_ms, **pcie}
+                **sizes, "estimated_step_time_ms": self.estimated_ms, **pcie,
+                **({} if self.all_to_all_gib is None else {"estimated_all_to_all_gib": self.all_to_all_gib,
+                                                           "interconnect": self.interconnect})}
 
 
 def copies_of(estimate) -> dict | None:
@@ -103,8 +109,10 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt
     if extras.gpu is None:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run)
     estimate = estimate_step(run, extras.gpu, plan.resolved)
+    sent = getattr(estimate, "all_to_all_bytes", None)
     return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimate.step_time_ms,
-                  pcie=copies_of(estimate))
+                  pcie=copies_of(estimate), all_to_all_gib=None if sent is None else sent / 2**30,
+                  interconnect=getattr(estimate, "interconnect", ""))
 
 
 def to_dict(steps: list[StepAt], extras: Extras) -> dict:
@@ -124,18 +132,23 @@ def render_table(steps: list[StepAt], extras: Extras) -> Table:
     if copies:
         gpu += (f"; offload copies over PCIe at {copies[0]['pcie_gb_per_s']:g} GB/s one way (both "
                 "directions' bytes counted on it; in the step time, only what compute does not hide)")
-    table = Table(title=f"partitions that fit (largest = fastest){searched}{gpu}", title_justify="left")
+    links = next((step.interconnect for step in steps if step.interconnect), "")
+    links = f"; all-to-alls at {links}, not overlapped" if links else ""
+    title = f"partitions that fit (largest = fastest){searched}{gpu}{links}"
+    table = Table(title=title, title_justify="left")
     pcie_columns = ("GiB to host / to device", "PCIe s", "not hidden s") if copies else ()
-    for column in ("method", "length", "partition", "head partition", "est. step s", *pcie_columns):
+    sequence = any(step.all_to_all_gib is not None for step in steps)
+    for column in ("method", "length", "partition", "head partition", "est. step s", *pcie_columns,
+                   *(("all-to-all GiB sent",) if sequence else ())):
         table.add_column(column, justify="left" if column == "method" else "right")
     for step in steps:
         spec = step.spec
         sizes = ("-", "-") if spec is None or not spec.partitioned else (
             f"{spec.stream.partition_size:,}", f"{spec.stream.head_partition_size:,}")
-        estimate = "-" if step.estimated_ms is None else f"{step.estimated_ms / 1e3:.2f}"
         fits = "" if spec is not None else " (does not fit)"
-        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes, estimate,
-                      *(_pcie_cells(step.pcie) if copies else ()))
+        sent = ("-" if step.all_to_all_gib is None else f"{step.all_to_all_gib:,.0f}",) if sequence else ()
+        table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes,
+                      step_seconds(step.estimated_ms), *(_pcie_cells(step.pcie) if copies else ()), *sent)
     return table
 
 
@@ -145,6 +158,14 @@ def _pcie_cells(pcie: dict | None) -> tuple[str, str, str]:
     gib = 2**30
     return (f"{pcie['to_host_bytes'] / gib:.1f} / {pcie['to_device_bytes'] / gib:.1f}",
             f"{pcie['copy_ms'] / 1e3:.2f}", f"{pcie['not_hidden_ms'] / 1e3:.2f}")
+
+
+def step_seconds(step_ms: float | None) -> str:
+    """An estimated step time as the table shows it: seconds, and hours too past one hour."""
+    if step_ms is None:
+        return "-"
+    hours = f" ({step_ms / 3.6e6:.1f} h)" if step_ms >= 3.6e6 else ""
+    return f"{step_ms / 1e3:,.2f}{hours}"
 
 
 def estimated_rows(steps: list[StepAt], extras: Extras) -> list:

@@ -30,7 +30,21 @@ class Plan:
     resolved: ResolvedModel
     resident_bytes: int
     host_budget_bytes: int | None = None
-    """Host memory every search is also bounded by (offloaded checkpoints); None: reported, not bounded."""
+    """Host memory every search is also bounded by (offloaded checkpoints); None: reported, not bounded.
+    One rank's share when the node's budget is shared (`ranks_per_node`)."""
+    ranks_per_node: int = 1
+    """Ranks sharing one node's host memory (`--gpus` runs: the node's budget / this is a rank's share)."""
+
+    @property
+    def host_budget_words(self) -> str:
+        """The host budget as given and, when shared, each rank's share: for messages."""
+        if self.host_budget_bytes is None:
+            return "none"
+        share = self.host_budget_bytes / GIB
+        if self.ranks_per_node == 1:
+            return f"{share:g} GiB"
+        node = share * self.ranks_per_node
+        return f"{node:g} GiB per node ({share:.4g} GiB per rank, 1/{self.ranks_per_node} of it)"
 
     @property
     def model(self) -> str:
@@ -74,10 +88,12 @@ class MethodResult:
 
 
 def make_plan(
-    specs: tuple[StepSpec, ...], device: str, budget_gib: float | None, host_budget_gib: float | None = None
+    specs: tuple[StepSpec, ...], device: str, budget_gib: float | None, host_budget_gib: float | None = None,
+    ranks_per_node: int = 1,
 ) -> Plan:
     """Resolve the device, the budget and the model's config once; refuse a budget below what every step
-    holds, and a host budget below what the shortest probe offloads (ConfigError, one line)."""
+    holds, and a host budget below what the shortest probe offloads (ConfigError, one line).
+    `host_budget_gib` is one node's, shared by `ranks_per_node` ranks: the search bounds a rank's share."""
     if not specs:
         raise ConfigError("give at least one method, or 'all'")
     check_budget_gib(host_budget_gib, "--host-budget-gib")
@@ -93,9 +109,9 @@ def make_plan(
             f"budget {target.budget_gib:g} GiB is below what every step of {specs[0].model} holds (weights, "
             f"grads, optimizer state: {format_size(needed)} in {specs[0].dtype}): no sequence length fits"
         )
-    host_budget = None if host_budget_gib is None else int(host_budget_gib * GIB)
+    host_budget = None if host_budget_gib is None else int(host_budget_gib * GIB / ranks_per_node)
     plan = Plan(specs=specs, target=target, resolved=resolved, resident_bytes=needed,
-                host_budget_bytes=host_budget)
+                host_budget_bytes=host_budget, ranks_per_node=ranks_per_node)
     check_host_budget(plan)
     if target.device == "cpu":
         check_cpu_ram(plan)
@@ -115,22 +131,32 @@ def check_host_budget(plan: Plan) -> None:
     from streambp_core.step.simulate import simulate
 
     for spec in (spec for spec in plan.specs if "optimizer" in spec.offload):
-        held = host_resident_bytes(spec, plan.resolved.config)
-        if held["optimizer"] > plan.host_budget_bytes:
+        held = host_resident_bytes(spec, plan.resolved.config)["optimizer"]
+        rank = "" if spec.shard == "none" else f", one rank's shard of {spec.gpus}"
+        held = held if spec.shard == "none" else round(held * _trainable_fraction(plan, spec))
+        if held > plan.host_budget_bytes:
             raise ConfigError(
-                f"host budget {plan.host_budget_bytes / GIB:g} GiB is below the optimizer's states "
-                f"{spec_label(spec)} keeps in host memory (fp32 masters + AdamW moments: "
-                f"{format_size(held['optimizer'])}): no sequence length fits"
+                f"host budget {plan.host_budget_words} is below the optimizer's states "
+                f"{spec_label(spec)} keeps in host memory (fp32 masters + AdamW moments{rank}: "
+                f"{format_size(held)}): no sequence length fits"
             )
 
     for spec in (spec for spec in plan.specs if spec.offload != "none"):
-        need = simulate(spec.at(SHORTEST_PROBE_TOKENS), plan.resolved).host_peak_bytes
+        shortest = max(SHORTEST_PROBE_TOKENS, spec.sp)  # a token per sequence-parallel rank at least
+        need = simulate(spec.at(shortest), plan.resolved).host_peak_bytes
         if need > plan.host_budget_bytes:
             raise ConfigError(
-                f"host budget {plan.host_budget_bytes / GIB:g} GiB is below what {spec_label(spec)} holds in "
-                f"host memory at {SHORTEST_PROBE_TOKENS} tokens ({format_size(need)}, simulated): no "
+                f"host budget {plan.host_budget_words} is below what {spec_label(spec)} holds in "
+                f"host memory at {shortest} tokens ({format_size(need)}, simulated): no "
                 "sequence length fits"
             )
+
+
+def _trainable_fraction(plan: Plan, spec: StepSpec) -> float:
+    """A rank's share of the trainable parameters under `spec`'s sharding (`simulate.shard_layout`)."""
+    from streambp_core.step.simulate import shard_layout
+
+    return shard_layout(spec, plan.resolved.config, plan.resolved.memo).trainable_fraction
 
 
 def check_cpu_ram(plan: Plan) -> None:

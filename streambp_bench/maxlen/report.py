@@ -73,6 +73,9 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
         "settings": settings,
         "resident_gib": plan.resident_bytes / GIB,
         "host_budget_gib": host_budget,
+        "host_budget_per_node_gib": None if host_budget is None else host_budget * plan.ranks_per_node,
+        "ranks_per_node": plan.ranks_per_node,
+        "gpus": first.gpus, "sp": first.sp, "shard": first.shard,
         "results": [
             {
                 "method": r.method,
@@ -187,7 +190,7 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
 def _offload_line(plan: Plan) -> str:
     """What '+ offload' rows are and how the host pool was judged."""
     bound = ("reported, not bounded (--host-budget-gib bounds it)" if plan.host_budget_bytes is None
-             else f"bounded by --host-budget-gib {plan.host_budget_bytes / GIB:g}")
+             else f"bounded by --host-budget-gib {plan.host_budget_words}")
     return ("+ offload: checkpoints in host memory (checkpoint: transformers' own checkpoint offload; "
             "mst + offload: the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; "
             "streambp: each layer's input in pinned host memory, prefetched a layer ahead); peak GiB is "
@@ -210,6 +213,11 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     if best.spec.shard == "deepspeed-zero2":
         return ["deepspeed-zero2 sizes what DeepSpeed allocates; DeepSpeed itself refuses a chunked "
                 "backward's gradient accumulation, so train with --shard zero2 or zero3 (torch FSDP2)."]
+    if best.spec.sp > 1:
+        return [f"Train at {best.search.max_len_tokens:,} tokens per sequence over {best.spec.sp} ranks "
+                f"({best.label}, {best.search.max_len_tokens // best.spec.sp:,} per rank): prepare the model "
+                "in each rank with its SequenceGroup (streambp_core.engine.sequence_group) and its shard "
+                "of the sequence."]
     if best.spec.shard != "none":  # the trainer integration runs one process
         return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}): shard the model "
                 "with streambp_core.parallel.shard_model in each rank's process group, then prepare it as on "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from streambp_bench.paper import fig3, fig5, offload, table1, table3, table4, table6
+from streambp_bench.paper import alst, fig3, fig5, offload, table1, table3, table4, table6
 from streambp_bench.paper.shared import Settings
 
 
@@ -26,6 +26,7 @@ class Item:
 ITEMS: dict[str, Item] = {
     name: Item(module.run, module.section)
     for name, module in (("fig3", fig3), ("fig5", fig5), ("table1", table1), ("table3", table3),
-                         ("table4", table4), ("table6", table6), ("offload", offload))
+                         ("table4", table4), ("table6", table6), ("offload", offload),
+                         ("alst", alst))
 }
 """Every item."""

@@ -80,6 +80,9 @@ class ResultRow:
     """1 when the weights were in host memory, gathered a layer at a time (from `offload`)."""
     gpus: int = 1
     """Ranks of a data-parallel step; the row's memory is one rank's."""
+    sp: int = 1
+    """Ranks sharing each sequence (Ulysses sequence parallelism; 1: none, what a file without the column
+    reads)."""
     shard: str = "none"
     """How each rank holds the model state: none, zero2, zero3 or deepspeed-zero2 (`SHARD_MODES`)."""
     head_mode: str | None = None
@@ -181,7 +184,7 @@ COLUMNS: tuple[str, ...] = tuple(field.name for field in fields(ResultRow))
 KEY_COLUMNS: tuple[str, ...] = (
     "method", "model", "objective", "seq_len_tokens", "batch_size", "partition_size",
     "head_partition_size", "dtype", "lora_rank", "optimizer", "attn", "protocol", "grads", "offload",
-    "gpus", "shard", "head_mode", "source", "metric", "device_name",
+    "gpus", "sp", "shard", "head_mode", "source", "metric", "device_name",
 )  # fmt: skip
 _CHOICES = {
     "source": SOURCES, "status": STATUSES, "attn": ATTN_BACKENDS, "protocol": PROTOCOLS, "grads": GRADS_MODES,
@@ -260,7 +263,7 @@ def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, 
         "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
         "attn": spec.stream.attn, "protocol": spec.protocol, "grads": spec.grads,
         "offload": spec.stream.offload,
-        "gpus": spec.gpus, "shard": spec.shard, "head_mode": row_head_mode(spec),
+        "gpus": spec.gpus, "sp": spec.sp, "shard": spec.shard, "head_mode": row_head_mode(spec),
     }  # fmt: skip
 
 

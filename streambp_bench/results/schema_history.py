@@ -12,9 +12,10 @@ Rewriting such a file (any upsert) writes the current header.
 Schema 2 (the header before `ADDED_COLUMNS`) reads each missing added column as the cell
 `ADDED_COLUMNS` gives it: empty for an optional column, and for a key column the value every older row
 stood for (offload "none": nothing was offloaded before the column existed; gpus 1 and shard "none":
-one unsharded GPU). head_mode reads empty, which a row takes as its method's default head
-(`ResultRow.head_mode`): recompute on a streambp row, the only head streambp ran before the column
-existed, and empty on any other method's, as new rows have it, so a re-run upserts onto the old row.
+one unsharded GPU; sp 1: no sequence parallelism). head_mode reads empty, which a row takes as its
+method's default head (`ResultRow.head_mode`): recompute on a streambp row, the only head streambp ran
+before the column existed, and empty on any other method's, as new rows have it, so a re-run upserts
+onto the old row.
 The per-tier columns (offload_checkpoints, offload_optimizer, offload_params) read 0 and are then set
 from the row's `offload` (a file with offload "checkpoints" and no tier columns reads
 offload_checkpoints 1).
@@ -38,7 +39,7 @@ ADDED_COLUMNS: dict[str, str] = {
     "step_time_p20_ms": "", "step_time_p80_ms": "", "confirmed_layers": "",
     "offload": "none", "host_peak_gib": "", "to_host_gib": "", "to_device_gib": "",
     "gpus": "1", "shard": "none", "head_mode": "", "kernel_workspace_gib": "",
-    "offload_checkpoints": "0", "offload_optimizer": "0", "offload_params": "0",
+    "offload_checkpoints": "0", "offload_optimizer": "0", "offload_params": "0", "sp": "1",
 }  # fmt: skip
 """Columns added since schema 2 -> the cell a file without the column reads (module docstring)."""
 

@@ -141,18 +141,23 @@ def estimate_by_depth(record_step: Callable[[int], Sequence[OpRecord]], num_laye
                         extend("launch_s"), round(extend("launches")))
 
 
-def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
+def estimate_step(spec, gpu: GpuModel, model=None):
     """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
     at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
     compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `model`: the spec's
     model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
-    resolved here)."""
+    resolved here). A sequence-parallel step (`spec.sp` > 1) is one rank's:
+    `sequence_time.SequenceStepEstimate`, with its collectives."""
     from dataclasses import replace
 
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.resolved import resolved
     from streambp_core.step.setup import build_setup
 
+    if spec.sp > 1:  # one sequence-parallel rank: its shard's step fitted in length, plus the collectives
+        from streambp_core.step.sequence_time import estimate_sequence_step
+
+        return estimate_sequence_step(spec, gpu, model)
     if spec.gpus > 1:
         raise ConfigError("the step-time estimate covers a step on one GPU; it does not model the "
                           "collectives of a sharded step (--gpus)")

@@ -142,14 +142,17 @@ def meta_step_ops(config, method: str, seq_len_tokens: int, *, batch_size: int =
 
 def spec_step_ops(setup, cache: dict | None = None) -> list[OpRecord]:
     """The ops of one step of a meta `step.setup.Setup`: the spec's method, protocol and options, its loss
-    and backward, then its optimizer's step when it has one. Meta kernels are memoised
+    and backward, then its optimizer's step when it has one (one rank's, simulated, under sequence
+    parallelism: `run.sequence_group`). Meta kernels are memoised
     (`simulation_mode.SimulationMode`, `cache` shared between calls), which changes no op or shape."""
     from streambp_core.methods import prepare
     from streambp_core.step.protocol import step_protocol
+    from streambp_core.step.run import sequence_group
     from streambp_core.step.simulation_mode import SimulationMode
 
     spec = setup.spec
-    with prepare(setup.model, spec.method, spec.stream) as run, \
+    group = sequence_group(spec, "meta")  # one simulated rank of a sequence-parallel step
+    with prepare(setup.model, spec.method, spec.stream, sequence_group=group) as run, \
             step_protocol(run, spec.protocol), SimulationMode(None, cache), OpRecorder() as recorder:
         run.loss(**setup.inputs).backward()
         if setup.optimizer is not None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from streambp_core.config import ConfigError
+from streambp_core.engine.sequence_group import SequenceGroup
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.result import TrackerResult
 from streambp_core.measure.tags import OFFLOADED, WEIGHTS
@@ -145,7 +147,8 @@ def tracked_step(
     (`parallel.fsdp.gathered_parameters`), counted as weights while FSDP2 holds them allocated.
     """
     spec, model, optimizer = setup.spec, setup.model, setup.optimizer
-    run = prepare(model, spec.method, spec.stream, keep_chunks=keep_chunks)
+    run = prepare(model, spec.method, spec.stream, keep_chunks=keep_chunks,
+                  sequence_group=sequence_group(spec, device))
     try:
         with step_protocol(run, spec.protocol), MemoryTracker(model, optimizer, device=device) as tracker:
             tracker.track_resizable(gathered, WEIGHTS)
@@ -183,6 +186,17 @@ def _close_failed(run) -> None:
     except Exception as exc:
         if not is_oom(exc):
             raise
+
+
+def sequence_group(spec, device: str) -> SequenceGroup | None:
+    """The step's sequence group: rank 0 of `spec.sp`, simulated (its all-to-alls allocate on meta what a
+    real one returns and move nothing); None without sequence parallelism. Real ranks are `verify`'s."""
+    if spec.sp == 1:
+        return None
+    if device != "meta":
+        raise ConfigError(f"a sequence-parallel step (sp {spec.sp}) is simulated here: one rank on meta "
+                          "tensors; real ranks run under verify --sp")
+    return SequenceGroup.simulated(spec.sp)
 
 
 def _step(run, setup: Setup, forward, phases: _Phases, embedding_cut: list[bool]) -> None:

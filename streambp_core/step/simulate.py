@@ -35,7 +35,14 @@ as the shard stage holds the model state (`streambp_core.step.shards`): weights,
 optimizer state become the rank's shards plus what the stage keeps gathered or in flight, activations
 stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
 is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
-is a point too, so a peak that moves earlier when gradients shrink is still seen.
+is a point too, so a peak that moves earlier when gradients shrink is still seen. With its host pool:
+the rank's share of the optimizer's host state (`sequence_layout.sharded_host`).
+
+One rank of a sequence-parallel step (`spec.sp` > 1; the sp ranks among the `gpus` shard ranks, as ALST
+runs them): the step runs through the engine's Ulysses code path with a simulated group
+(`SequenceGroup.simulated`: its all-to-alls allocate their outputs on meta), on the rank's shard of the
+whole batch; the send and receive buffers a real all-to-all holds are added
+(`sequence_layout.with_all_to_all_buffers`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
+from streambp_core.step.sequence_layout import check_sequence_parallel, sharded_host, with_all_to_all_buffers
 from streambp_core.step.setup import build_setup, build_training_model
 from streambp_core.step.shards import ShardLayout, rank_breakdown
 
@@ -81,6 +89,8 @@ class SimResult:
     """Bytes copied device -> host over the step."""
     to_device_bytes: int = 0
     """Bytes copied host -> device over the step."""
+    note: str = ""
+    """How the figures go beyond the simulated step, in words (one sequence-parallel rank's account)."""
 
     host_gib = gib_of("host_peak_bytes")
     peak_gib = gib_of("peak_bytes")
@@ -94,6 +104,7 @@ class SimResult:
     def how(self) -> str:
         """How the figures were obtained, in words."""
         rank = "" if self.spec.shard == "none" else f"; one rank of {self.spec.gpus}, {self.spec.shard}"
+        rank += f"; {self.note}" if self.note else ""
         if self.full_depth:
             return f"simulated on meta tensors, all {self.num_layers} layers{rank}"
         a, b = self.layers_simulated
@@ -124,6 +135,7 @@ def simulate(
             "experts' grouped matmul has a bfloat16 meta kernel only, and their per-expert loop picks tokens "
             "by value, which meta tensors have none of; measure it on cpu or cuda"
         )
+    check_sequence_parallel(spec, config)
     total = config.num_hidden_layers
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)
     hosts: list[tuple[int, int, int]] = []
@@ -135,9 +147,13 @@ def simulate(
     peak, by_category = (_largest(phases) if spec.shard == "none"
                          else _rank_peak(spec, config, phases, model.memo))
     host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
-    return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
-                     breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
-                     to_device_bytes=host[2])
+    if spec.shard != "none":  # the rank's share of the optimizer's host state and copies
+        fraction = shard_layout(spec, config, model.memo).trainable_fraction
+        host = sharded_host(tuple(host), spec, config, fraction)
+    result = SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
+                       breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
+                       to_device_bytes=host[2])
+    return result if spec.sp == 1 else with_all_to_all_buffers(result, config)
 
 
 def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict,
@@ -209,8 +225,9 @@ def shard_layout(spec: StepSpec, config: PretrainedConfig, cache: dict | None = 
     key = ("shard_layout", spec.model, spec.dtype, spec.lora_rank, spec.gpus, config.num_hidden_layers)
     if cache is not None and key in cache:
         return cache[key]
-    model, _ = build_training_model(spec.at(2), config, "meta")
+    model, _ = build_training_model(spec.at(max(2, spec.sp)), config, "meta")
     layout = ShardLayout.from_model(model, spec.gpus)
     if cache is not None:
         cache[key] = layout
     return layout
+

@@ -63,14 +63,15 @@ def test_columns_hold_the_contract_in_order() -> None:
                 "source", "status", "metric", "value", "peak_allocated_gib", "peak_reserved_gib",
                 "step_time_ms", "step_time_p20_ms", "step_time_p80_ms", "alloc_retries", "num_ooms",
                 "weights_gib", "confirmed_layers", "offload", "host_peak_gib", "to_host_gib", "to_device_gib",
-                "gpus", "shard", "head_mode", "offload_checkpoints", "offload_optimizer", "offload_params",
+                "gpus", "sp", "shard", "head_mode", "offload_checkpoints", "offload_optimizer",
+                "offload_params",
                 "grads_gib", "optimizer_gib", "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib",
                 "kernel_workspace_gib", "budget_gib", "error", "device_name", "torch_version",
                 "transformers_version", "package_version", "git_sha", "timestamp"}  # fmt: skip
     assert set(COLUMNS) == required
     assert COLUMNS[0] == "method" and COLUMNS[-1] == "timestamp"
     assert set(KEY_COLUMNS) <= set(COLUMNS) and "value" not in KEY_COLUMNS and "timestamp" not in KEY_COLUMNS
-    assert {"attn", "protocol", "grads", "offload", "gpus", "shard", "head_mode"} <= set(KEY_COLUMNS)
+    assert {"attn", "protocol", "grads", "offload", "gpus", "sp", "shard", "head_mode"} <= set(KEY_COLUMNS)
     assert "alloc_retries" not in KEY_COLUMNS
     assert "host_peak_gib" not in KEY_COLUMNS
     later = {"attn", "protocol", "grads", "alloc_retries", "num_ooms", *ADDED_COLUMNS}

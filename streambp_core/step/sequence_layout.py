@@ -1,0 +1,148 @@
+"""One rank of a Ulysses sequence-parallel step: what the simulation adds to the engine's code path.
+
+A sequence-parallel step is simulated through the engine itself (`step.run.sequence_group`:
+`prepare(..., sequence_group=SequenceGroup.simulated(sp))` on meta tensors): the rank embeds and runs
+its shard of the whole batch (ceil(T/sp) tokens on rank 0, the longest), swaps to its H/sp heads over all
+T tokens for attention, holds the head-sharded whole-sequence K/V (each KV head replicated when there
+are fewer than sp, `engine.sequence_attention.kv_replication`), and its state is sharded over the `gpus`
+ranks by `spec.shard` (the sp ranks are shard ranks too, as Arctic Long Sequence Training runs them).
+
+What a simulated all-to-all cannot show is added here, explicitly (`with_all_to_all_buffers`): a real
+one (`engine.sequence_group`) copies its input into a contiguous send buffer and receives into a buffer
+of the output's size before assembling the output, which the simulated one allocates alone. Two buffers
+of the largest tensor a rank swaps are added at the step's peak, as if the peak fell inside that
+all-to-all (an upper bound): the shard's queries (or outputs, or their gradients) for plain, checkpoint
+and mst, whose attention runs over the whole shard at once; for streambp, whose layer swaps its K/V
+once (keys and values side by side) and then each lockstep chunk's queries and outputs, the larger of
+the shard's K/V and a chunk's queries of all ranks.
+
+Also here: the rank's share of the optimizer's host state (`sharded_host`), and the bytes a rank sends
+in a step's all-to-alls (`SequenceLayout.all_to_all_bytes`) for the step-time estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from transformers import PretrainedConfig
+
+from streambp_core.config import ConfigError, StepSpec
+
+ATTENTION_PASSES = {"plain": 2, "checkpoint": 3, "mst": 3, "streambp": 3}
+"""All-to-all passes over a layer's attention tensors per step: forward and backward (plain); forward,
+recomputed forward and backward (checkpoint, mst; streambp's backward recomputes the layer's K/V and each
+chunk's queries from its checkpoint)."""
+
+
+def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of `config`."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def check_sequence_parallel(spec: StepSpec, config: PretrainedConfig) -> None:
+    """ConfigError (one line) unless `spec.sp` ranks can split `config`'s attention as the engine does: the
+    query heads divide over them and the KV heads divide or are replicated to (`kv_replication`)."""
+    if spec.sp == 1:
+        return
+    from streambp_core.engine.sequence_attention import kv_replication
+
+    heads, kv, _ = _heads(config)
+    try:
+        kv_replication(heads, kv, spec.sp)
+    except ConfigError as error:
+        raise ConfigError(f"{spec.model}: {error}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceLayout:
+    """What one rank of `sp` holds of `sequences` rows of `total_tokens` on a model (in `element_bytes`)."""
+
+    sp: int
+    total_tokens: int
+    sequences: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    element_bytes: int
+    layers: int
+
+    @classmethod
+    def of(cls, spec: StepSpec, config: PretrainedConfig) -> SequenceLayout:
+        """The layout of `spec` (its `sp`, length, rows, dtype) on `config`."""
+        heads, kv, head_dim = _heads(config)
+        element = {"float32": 4, "float64": 8}.get(spec.dtype, 2)
+        return cls(sp=spec.sp, total_tokens=spec.seq_len_tokens, sequences=spec.sequences, heads=heads,
+                   kv_heads=kv, head_dim=head_dim, element_bytes=element, layers=config.num_hidden_layers)
+
+    @property
+    def shard_tokens(self) -> int:
+        """Tokens of the longest shard (rank 0's: the first T mod sp ranks hold one more)."""
+        return math.ceil(self.total_tokens / self.sp)
+
+    @property
+    def kv_copies(self) -> int:
+        """Copies of each KV head so that they split over the ranks (`kv_replication`; 1: none needed)."""
+        return self.sp // math.gcd(self.kv_heads, self.sp)
+
+    def q_bytes(self, tokens: int | None = None) -> int:
+        """Queries (or outputs, or their gradients) of `tokens` of one rank (default: its shard)."""
+        tokens = self.shard_tokens if tokens is None else tokens
+        return self.sequences * tokens * self.heads * self.head_dim * self.element_bytes
+
+    def kv_bytes(self) -> int:
+        """Keys and values of the rank's shard as it swaps them (KV heads replicated as needed)."""
+        return 2 * self.sequences * self.shard_tokens * self.kv_heads * self.kv_copies * self.head_dim \
+            * self.element_bytes
+
+    def buffer_bytes(self, method: str, chunk_tokens: int) -> int:
+        """The send and receive buffers of the largest all-to-all of the rank's step (module docstring)."""
+        if method == "streambp":  # a lockstep chunk's queries: the rank's chunk, as many bytes as heads
+            return 2 * max(self.kv_bytes(), self.q_bytes(min(chunk_tokens, self.shard_tokens)))
+        return 2 * self.q_bytes()
+
+    def all_to_all_bytes(self, method: str) -> int:
+        """Bytes one rank sends in a step's all-to-alls: each pass over a layer's q, k, v and output, all but
+        its own 1/sp share."""
+        per_pass = 2 * self.q_bytes() + self.kv_bytes()
+        return ATTENTION_PASSES[method] * self.layers * per_pass * (self.sp - 1) // self.sp
+
+    def how(self) -> str:
+        """The simulation of a rank, in words."""
+        kv = f", each KV head replicated x{self.kv_copies}" if self.kv_copies > 1 else ""
+        return (f"one rank of {self.sp} under Ulysses sequence parallelism: the engine's sequence-parallel "
+                f"step on its {self.shard_tokens:,}-token shard, all-to-alls simulated{kv}; their send and "
+                "receive buffers added at the peak")
+
+
+def with_all_to_all_buffers(result, config: PretrainedConfig):
+    """A simulated rank's `SimResult` with the all-to-all buffers added at its peak (as temporaries) and
+    the account in its `note`."""
+    spec = result.spec
+    layout = SequenceLayout.of(spec, config)
+    buffers = layout.buffer_bytes(spec.method, spec.stream.partition_size)
+    breakdown = dict(result.breakdown_bytes)
+    breakdown["temporaries"] = breakdown.get("temporaries", 0) + buffers
+    return replace(result, peak_bytes=result.peak_bytes + buffers, breakdown_bytes=breakdown,
+                   note=layout.how())
+
+
+def sharded_host(host_bytes: tuple[int, int, int], spec: StepSpec, config: PretrainedConfig,
+                 fraction: float) -> tuple[int, int, int]:
+    """(host peak, bytes to host, bytes to device) of one rank of a sharded step with the optimizer tier:
+    its `fraction` of the optimizer's host state (masters and moments), of the gradients it sends and of
+    the updated weights it gets back, where the simulated one-GPU layout counts all of them. Without
+    that tier, unchanged."""
+    from streambp_core.step.host_pool import host_resident_bytes
+    from streambp_core.tiers import offload_tiers
+
+    if "optimizer" not in offload_tiers(spec.offload) or spec.optimizer == "none":
+        return host_bytes
+    state = host_resident_bytes(spec, config)["optimizer"]  # 3 float32 copies of the trainable weights
+    weights = state // 6 if spec.dtype in ("bfloat16", "float16") else state // 3
+    other = 1 - fraction
+    peak, to_host, to_device = host_bytes
+    return (peak - round(other * state), max(0, to_host - round(other * weights)),
+            max(0, to_device - round(other * weights)))

@@ -1,0 +1,147 @@
+"""Estimated time of one rank's step under Ulysses sequence parallelism (`StepSpec.sp`), and of any step
+too long to record op by op. Every figure is labelled `estimated`.
+
+1. Compute: the roofline estimate (`estimate.estimate_by_depth`) of the rank's step, its ops recorded
+   on meta tensors through the engine's sequence-parallel code path (`ops.spec_step_ops`: H/sp heads
+   over all T queries and keys) at three reference lengths, sp x `REFERENCE_TOKENS` (the same shard
+   lengths whatever sp), each part (matmuls, attention, other ops, launches) fitted in the length as
+   a + b T + c T^2 through them and evaluated at the step's length: causal attention's FLOPs are
+   quadratic, and so are the bytes of ops over a chunk's prefix; matmuls and launches are affine (a fixed
+   count per chunk or layer). Recording a long step op by op costs minutes per 100k tokens; the fit is
+   exact for what is at most quadratic, which the tests check against a direct estimate.
+2. The all-to-alls (`SequenceLayout.all_to_all_bytes`): attention waits for them, so their time is
+   added whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
+   InfiniBand NIC of each GPU to the other nodes; a group of more than `GPUS_PER_NODE` ranks sends
+   (sp - 8) / (sp - 1) of its bytes off the node, and the slower link sets the time.
+3. ZeRO (`shard` zero2/zero3 over `gpus`): all-gather of the weights in forward and backward and the
+   reduce-scatter of the gradients, 3 x the trainable bytes x (gpus - 1) / gpus per rank, over the same
+   links; FSDP prefetches them, so only what compute cannot hide is added. Offload copies (PCIe) as
+   `estimate.estimate_step` adds them, from the rank's simulation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from streambp_core.config import StepSpec
+from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
+from streambp_core.step.sequence_layout import SequenceLayout
+
+REFERENCE_TOKENS = (2_048, 4_096, 8_192)
+"""The shard lengths whose op-by-op estimates the length fit goes through."""
+GPUS_PER_NODE = 8
+"""GPUs of one node (HGX boards): a larger group's collectives leave the node."""
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """Bytes per second one GPU sends in one direction: to a GPU of its node, and off the node."""
+
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    words: str
+
+
+_NDR = "one 400 Gb/s InfiniBand NDR NIC per GPU (50 GB/s) off the node"
+_HDR = "one 200 Gb/s InfiniBand HDR NIC per GPU (25 GB/s) off the node"
+INTERCONNECTS = {
+    "NVIDIA H100 SXM5 80GB": Interconnect(450e9, 50e9, f"NVLink 4, 450 GB/s per direction; {_NDR}"),
+    "NVIDIA H200 SXM 141GB": Interconnect(450e9, 50e9, f"NVLink 4, 450 GB/s per direction; {_NDR}"),
+    "NVIDIA A100 SXM4 80GB": Interconnect(300e9, 25e9, f"NVLink 3, 300 GB/s per direction; {_HDR}"),
+    "NVIDIA A800 SXM4 80GB": Interconnect(200e9, 25e9, f"NVLink (A800), 200 GB/s per direction; {_HDR}"),
+}
+"""Per GPU model (`estimate.GpuModel.name`): datasheet bandwidths, no efficiency factor (a lower bound on
+the time)."""
+
+
+@dataclass(frozen=True)
+class SequenceStepEstimate:
+    """A rank's estimated step: the compute estimate and the collectives on top (seconds, bytes)."""
+
+    compute: StepEstimate
+    """The rank's step fitted to its length, offload copies included."""
+    all_to_all_bytes: int
+    all_to_all_s: float
+    zero_s: float
+    """ZeRO's collectives not hidden by compute."""
+    interconnect: str
+    source: str = "estimated"
+
+    @property
+    def step_time_ms(self) -> float:
+        return self.compute.step_time_ms + 1e3 * (self.all_to_all_s + self.zero_s)
+
+    @property
+    def attention_s(self) -> float:
+        return self.compute.attention_s
+
+
+def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
+    """The compute estimate of one rank of `spec` at its length, fitted through sp x `REFERENCE_TOKENS`
+    (module docstring, 1), or recorded directly when it is no longer than the longest of them."""
+    from streambp_core.step.ops import spec_step_ops
+    from streambp_core.step.setup import build_setup
+
+    def at(tokens: int) -> StepEstimate:
+        key = ("fitted_estimate", replace(spec, seq_len_tokens=tokens), gpu.name)
+        if key not in model.memo:
+            model.memo[key] = estimate_by_depth(
+                lambda depth: spec_step_ops(build_setup(key[1], model.at_depth(depth), "meta"), model.memo),
+                model.num_layers, gpu)
+        return model.memo[key]
+
+    length = spec.seq_len_tokens
+    lengths = [spec.sp * tokens for tokens in REFERENCE_TOKENS]
+    if length <= lengths[-1]:
+        return at(length)
+    points = [at(tokens) for tokens in lengths]
+
+    def fit(field: str) -> float:  # the parabola through the three points, at `length` (Lagrange)
+        total = 0.0
+        for i, (x_i, point) in enumerate(zip(lengths, points, strict=True)):
+            weight = math.prod((length - x_j) / (x_i - x_j) for j, x_j in enumerate(lengths) if j != i)
+            total += weight * getattr(point, field)
+        return total
+
+    fields = ("matmul_s", "attention_s", "other_s", "launch_s")
+    return replace(points[0], **{field: fit(field) for field in fields}, launches=round(fit("launches")))
+
+
+def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> SequenceStepEstimate:
+    """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring)."""
+    from streambp_core.step.resolved import resolved
+    from streambp_core.step.simulate import simulate
+
+    model = resolved(spec.model, model)
+    compute = fitted_estimate(spec, gpu, model)
+    compute_s = compute.step_time_ms / 1e3
+    if spec.offload != "none":
+        sim = simulate(spec, model)
+        transfer_s = (sim.to_host_bytes + sim.to_device_bytes) / gpu.pcie_bytes_per_s
+        compute = replace(compute, transfer_s=max(0.0, transfer_s - compute_s))
+    link = INTERCONNECTS[gpu.name]
+    layout = SequenceLayout.of(spec, model.config)
+    sent = layout.all_to_all_bytes(spec.method) if spec.sp > 1 else 0
+    zero = 0.0
+    if spec.shard != "none" and spec.gpus > 1:
+        from streambp_core.step.simulate import shard_layout
+
+        trainable = shard_layout(spec, model.config, model.memo).total("trainable_full")
+        zero = max(0.0, collective_s(3 * trainable * (spec.gpus - 1) // spec.gpus, spec.gpus, link)
+                   - compute_s)
+    return SequenceStepEstimate(compute=compute, all_to_all_bytes=sent,
+                                all_to_all_s=collective_s(sent, spec.sp, link), zero_s=zero,
+                                interconnect=link.words)
+
+
+def collective_s(sent_bytes: int, ranks: int, link: Interconnect) -> float:
+    """Seconds for one rank to send `sent_bytes` spread evenly over the other `ranks - 1`: the slower of
+    its NVLink share (peers on its node) and its NIC share (peers off it)."""
+    if ranks <= 1 or sent_bytes <= 0:
+        return 0.0
+    on_node = min(ranks, GPUS_PER_NODE) - 1
+    off_node = ranks - 1 - on_node
+    intra = sent_bytes * on_node / (ranks - 1) / link.intra_node_bytes_per_s
+    inter = sent_bytes * off_node / (ranks - 1) / link.inter_node_bytes_per_s
+    return max(intra, inter)

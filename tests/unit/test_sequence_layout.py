@@ -1,0 +1,92 @@
+"""One simulated rank of a Ulysses sequence-parallel step (`step.sequence_layout`) and its estimated time
+(`step.sequence_time`), on tiny presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.step import sequence_time
+from streambp_core.step.estimate import GPU_MODELS, estimate_by_depth
+from streambp_core.step.ops import spec_step_ops
+from streambp_core.step.resolved import ResolvedModel
+from streambp_core.step.sequence_layout import SequenceLayout, check_sequence_parallel
+from streambp_core.step.setup import build_setup
+from streambp_core.step.simulate import simulate
+
+SIZES = {"partition_size": 32, "head_partition_size": 16}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ResolvedModel:
+    return ResolvedModel("tiny/llama")  # 4 query heads, 2 KV heads, 2 layers
+
+
+def _spec(method: str, tokens: int, sp: int = 1, **fields) -> StepSpec:
+    ranks = {"gpus": sp, "sp": sp, "shard": "zero3"} if sp > 1 else {}
+    return StepSpec.of(model="tiny/llama", method=method, seq_len_tokens=tokens, **ranks, **SIZES, **fields)
+
+
+@pytest.mark.parametrize("method", ["checkpoint", "streambp"])
+def test_a_rank_holds_less_than_one_gpu_and_more_than_its_shard_alone(tiny, method):
+    """The rank runs the engine's SP path: its shard, plus every token's K/V of its heads and the
+    all-to-alls (outputs simulated, send and receive buffers added)."""
+    tokens = 4096
+    rank = simulate(_spec(method, tokens, sp=2), tiny)
+    whole, shard = simulate(_spec(method, tokens), tiny), simulate(_spec(method, tokens // 2), tiny)
+    activations = {name for name in rank.breakdown_bytes if name not in ("weights", "grads", "optimizer")}
+
+    def held(result):
+        return sum(result.breakdown_bytes[name] for name in activations)
+
+    assert held(shard) < held(rank) < held(whole)
+    assert "Ulysses" in rank.how and "send and receive buffers" in rank.how
+
+
+def test_the_all_to_all_buffers_are_those_of_the_largest_swap(tiny):
+    layout = SequenceLayout.of(_spec("streambp", 1000, sp=4), tiny.config)
+    assert layout.shard_tokens == 250 and layout.kv_copies == 2  # 2 KV heads over 4 ranks: each twice
+    head_dim = tiny.config.hidden_size // 4
+    q, kv = 250 * 4 * head_dim * 2, 2 * 250 * 2 * 2 * head_dim * 2
+    assert layout.q_bytes() == q and layout.kv_bytes() == kv
+    assert layout.buffer_bytes("mst", 32) == 2 * q
+    assert layout.buffer_bytes("streambp", 32) == 2 * max(kv, 32 * 4 * head_dim * 2)
+    assert layout.all_to_all_bytes("plain") == 2 * 2 * (2 * q + kv) * 3 // 4
+
+
+def test_heads_that_do_not_split_are_refused_by_name(tiny):
+    with pytest.raises(ConfigError, match="4 attention heads"):
+        check_sequence_parallel(_spec("streambp", 1000, sp=8), tiny.config)
+    with pytest.raises(ConfigError, match="4 attention heads"):
+        simulate(_spec("streambp", 1000, sp=8), tiny)
+
+
+def test_a_rank_holds_its_share_of_the_optimizers_host_state(tiny):
+    tiers = {"optimizer": "adamw", "offload": "checkpoints,optimizer"}
+    one = simulate(_spec("streambp", 512, **tiers), tiny)
+    rank = simulate(_spec("streambp", 1024, 2, **tiers), tiny)
+    from streambp_core.step.host_pool import host_resident_bytes
+
+    state = host_resident_bytes(_spec("streambp", 512, **tiers), tiny.config)["optimizer"]
+    assert state > 0 and rank.host_peak_bytes < one.host_peak_bytes - state // 3
+
+
+def test_the_length_fit_matches_recording_every_op(tiny, monkeypatch):
+    """Every part at most quadratic in the length: the fit through three shorter lengths gives the
+    directly recorded estimate of a longer step."""
+    monkeypatch.setattr(sequence_time, "REFERENCE_TOKENS", (256, 512, 1024))
+    gpu = GPU_MODELS["h100"]
+    spec = _spec("streambp", 4096, sp=2)
+    fitted = sequence_time.fitted_estimate(spec, gpu, tiny)
+    direct = estimate_by_depth(lambda depth: spec_step_ops(build_setup(spec, tiny.at_depth(depth), "meta")),
+                               tiny.num_layers, gpu)
+    for field in ("matmul_s", "attention_s", "other_s", "launch_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(direct, field), rel=0.02), field
+
+
+def test_the_all_to_alls_leave_the_node_past_eight_ranks():
+    link = sequence_time.INTERCONNECTS["NVIDIA H100 SXM5 80GB"]
+    sent = 70 * 10**9
+    assert sequence_time.collective_s(sent, 8, link) == pytest.approx(sent / 450e9)
+    assert sequence_time.collective_s(sent, 32, link) == pytest.approx(sent * 24 / 31 / 50e9)
+    assert sequence_time.collective_s(sent, 1, link) == 0.0
