@@ -6,7 +6,7 @@
   (`step.partitions.fitting_partitions`). Rows and the trainer call carry those sizes.
 - `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
   paper's advice: fewer and larger chunks), or that nothing fits.
-- `--gpu-model`: the estimated step time (`step.estimate.estimate_step`, labelled estimated) at each
+- `--gpu-model`: the estimated step time (`step.step_estimate.estimate_step`, labelled estimated) at each
   method's maximum and at each `--at` length.
 """
 
@@ -91,9 +91,9 @@ def finish(plan: Plan, results: list[MethodResult],
 
 
 def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt:
-    from streambp_core.step.estimate import estimate_step
     from streambp_core.step.partitions import fitting_partitions
     from streambp_core.step.simulate import simulate
+    from streambp_core.step.step_estimate import estimate_step
 
     if seq_len < 2:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)

@@ -9,7 +9,7 @@ into result rows:
   with the reserved peak, alloc retries and OOM count), then timed steps (`step.timing.time_step`): a
   second row, metric step_time, with the median and the p20/p80 of the repeats.
 - with a GPU model (`gpu`): a row more, metric step_time, source "estimated", device the GPU's name:
-  the roofline estimate of the step (`step.estimate.estimate_step`); empty with the peak row's status
+  the roofline estimate of the step (`step.step_estimate.estimate_step`); empty with the peak row's status
   when the point does not fit.
 `run_points` writes each point's rows as soon as it finishes (appended: a point costs its own bytes, not
 the file's; a re-run point rewrites the file atomically), so Ctrl-C or a kill
@@ -69,7 +69,7 @@ def estimate_key(spec: StepSpec, gpu) -> tuple[str, ...]:
 def estimated_row(spec: StepSpec, gpu, peak_row: ResultRow, model=None) -> ResultRow:
     """The estimated step_time row of `spec` on `gpu` (ms in `value`), given the point's peak row; `model`:
     the spec's model resolved once (`step.resolved.ResolvedModel`; None: resolved here)."""
-    from streambp_core.step.estimate import estimate_step
+    from streambp_core.step.step_estimate import estimate_step
 
     fields = {**spec_fields(spec), **provenance("estimated", gpu.name), "metric": "step_time"}
     if peak_row.status != "ok":

@@ -15,8 +15,8 @@ what tuned kernels reach on them, not fitted to this project's measurements:
   committed H200 step times in view (5, 10, 15, 20 us were tried; 10 us puts all six within 15 %); the
   others are the datasheets' and the kernels' published figures.
 
-Offload transfers (PCIe) are not in the op record of a meta step: `estimate_step` takes the bytes each
-way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes to host + bytes
+Offload transfers (PCIe) are not in the op record of a meta step: `step_estimate.estimate_step` takes
+the bytes each way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes to host + bytes
 to device) / bandwidth: the two directions are not assumed to overlap each other) and adds the part that
 the step's compute cannot hide, max(0, transfer - compute), as if every copy overlapped compute (it runs
 on a side stream). With the optimizer and params offload tiers those bytes include each gradient sent to
@@ -139,38 +139,3 @@ def estimate_by_depth(record_step: Callable[[int], Sequence[OpRecord]], num_laye
 
     return StepEstimate(gpu.name, extend("matmul_s"), extend("attention_s"), extend("other_s"),
                         extend("launch_s"), round(extend("launches")))
-
-
-def estimate_step(spec, gpu: GpuModel, model=None):
-    """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
-    at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
-    compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `model`: the spec's
-    model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
-    resolved here). A sequence-parallel step (`spec.sp` > 1) is one rank's:
-    `sequence_time.SequenceStepEstimate`, with its collectives."""
-    from dataclasses import replace
-
-    from streambp_core.step.ops import spec_step_ops
-    from streambp_core.step.resolved import resolved
-    from streambp_core.step.setup import build_setup
-
-    if spec.sp > 1:  # one sequence-parallel rank: its shard's step fitted in length, plus the collectives
-        from streambp_core.step.sequence_time import estimate_sequence_step
-
-        return estimate_sequence_step(spec, gpu, model)
-    if spec.gpus > 1:
-        raise ConfigError("the step-time estimate covers a step on one GPU; it does not model the "
-                          "collectives of a sharded step (--gpus)")
-    model = resolved(spec.model, model)
-    estimate = estimate_by_depth(
-        lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
-        model.num_layers, gpu)
-    if spec.stream.offload == "none":
-        return estimate
-    from streambp_core.step.simulate import simulate
-
-    sim = simulate(spec, model)
-    copies = replace(estimate, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
-                     pcie_bytes_per_s=gpu.pcie_bytes_per_s)
-    compute_s = estimate.step_time_ms / 1e3
-    return replace(copies, transfer_s=max(0.0, copies.copy_s - compute_s))

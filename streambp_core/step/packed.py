@@ -48,7 +48,7 @@ def packed_attention(spec, documents: list[list[int]], gpu=None, model=None) -> 
     fraction = attention_flops_fraction(documents, spec.seq_len_tokens)
     attention_ms = None
     if gpu is not None:
-        from streambp_core.step.estimate import estimate_step
+        from streambp_core.step.step_estimate import estimate_step
 
         attention_ms = 1e3 * estimate_step(spec, gpu, model).attention_s
     return PackedAttention(spec.seq_len_tokens, tuple(map(tuple, documents)), fraction, attention_ms)

@@ -16,7 +16,7 @@ too long to record op by op. Every figure is labelled `estimated`.
 3. ZeRO (`shard` zero2/zero3 over `gpus`): all-gather of the weights in forward and backward and the
    reduce-scatter of the gradients, 3 x the trainable bytes x (gpus - 1) / gpus per rank, over the same
    links; FSDP prefetches them, so only what compute cannot hide is added. Offload copies (PCIe) as
-   `estimate.estimate_step` adds them, from the rank's simulation.
+   `step_estimate.estimate_step` adds them, from the rank's simulation.
 """
 
 from __future__ import annotations

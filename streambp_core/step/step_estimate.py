@@ -1,0 +1,41 @@
+"""Estimated time of one step of a `StepSpec` on a GPU model: one GPU's step (`estimate.estimate_by_depth`
+plus the offload copies compute does not hide) or one sequence-parallel rank's (`sequence_time`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from streambp_core.config import ConfigError
+from streambp_core.step.estimate import GpuModel, estimate_by_depth
+from streambp_core.step.sequence_time import estimate_sequence_step
+
+
+def estimate_step(spec, gpu: GpuModel, model=None):
+    """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
+    at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
+    compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `model`: the spec's
+    model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
+    resolved here). A sequence-parallel step (`spec.sp` > 1) is one rank's:
+    `sequence_time.SequenceStepEstimate`, with its collectives."""
+    from streambp_core.step.ops import spec_step_ops
+    from streambp_core.step.resolved import resolved
+    from streambp_core.step.setup import build_setup
+
+    if spec.sp > 1:  # one sequence-parallel rank: its shard's step fitted in length, plus the collectives
+        return estimate_sequence_step(spec, gpu, model)
+    if spec.gpus > 1:
+        raise ConfigError("the step-time estimate covers a step on one GPU; it does not model the "
+                          "collectives of a sharded step (--gpus)")
+    model = resolved(spec.model, model)
+    estimate = estimate_by_depth(
+        lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
+        model.num_layers, gpu)
+    if spec.stream.offload == "none":
+        return estimate
+    from streambp_core.step.simulate import simulate
+
+    sim = simulate(spec, model)
+    copies = replace(estimate, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
+                     pcie_bytes_per_s=gpu.pcie_bytes_per_s)
+    compute_s = estimate.step_time_ms / 1e3
+    return replace(copies, transfer_s=max(0.0, copies.copy_s - compute_s))
