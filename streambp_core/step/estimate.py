@@ -16,8 +16,8 @@ what tuned kernels reach on them, not fitted to this project's measurements:
   others are the datasheets' and the kernels' published figures.
 
 Offload transfers (PCIe) are not in the op record of a meta step: `step_estimate.estimate_step` takes
-the bytes each way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes to host + bytes
-to device) / bandwidth: the two directions are not assumed to overlap each other) and adds the part that
+the bytes each way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes
+to host + bytes to device) / bandwidth: the two directions are not assumed to overlap each other) and adds the part that
 the step's compute cannot hide, max(0, transfer - compute), as if every copy overlapped compute (it runs
 on a side stream). With the optimizer and params offload tiers those bytes include each gradient sent to
 the host, the updated weights returned and every weight gathered for forward and backward. PCIe assumed
