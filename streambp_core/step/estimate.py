@@ -15,17 +15,16 @@ what tuned kernels reach on them, not fitted to this project's measurements:
   committed H200 step times in view (5, 10, 15, 20 us were tried; 10 us puts all six within 15 %); the
   others are the datasheets' and the kernels' published figures.
 
-Offload transfers (PCIe) are not in the op record of a meta step: `step_estimate.estimate_step` takes
-the bytes each way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes
-to host + bytes to device) / bandwidth: the two directions are not assumed to overlap each other) and adds the part that
-the step's compute cannot hide, max(0, transfer - compute), as if every copy overlapped compute (it runs
-on a side stream). With the optimizer and params offload tiers those bytes include each gradient sent to
-the host, the updated weights returned and every weight gathered for forward and backward. PCIe assumed
-per direction: 64 GB/s on H100 and H200 (Gen5 x16), 32 GB/s on A100 and A800 (Gen4 x16), the links'
-nominal rates; the host optimizer step's CPU time is not estimated.
-Depth: the ops of a 1-layer and a 2-layer model are recorded and the difference is scaled to the full
-depth (every decoder layer dispatches the same ops), so a 36-layer model costs two short meta steps.
-"""
+Offload transfers (PCIe) are not in the op record of a meta step: `step_estimate.estimate_step` takes the
+bytes each way from the simulation, times them at one direction's PCIe bandwidth (transfer = (bytes to
+host + bytes to device) / bandwidth: the two directions are not assumed to overlap each other) and adds
+the part that the step's compute cannot hide, max(0, transfer - compute), as if every copy overlapped
+compute (it runs on a side stream). With the optimizer and params offload tiers those bytes include each
+gradient sent to the host, the updated weights returned and every weight gathered for forward and
+backward. PCIe assumed per direction: 64 GB/s on H100 and H200 (Gen5 x16), 32 GB/s on A100 and A800 (Gen4
+x16), the links' nominal rates; the host optimizer step's CPU time is not estimated. Depth: the ops of a
+1-layer and a 2-layer model are recorded and the difference is scaled to the full depth (every decoder
+layer dispatches the same ops), so a 36-layer model costs two short meta steps. """
 
 from __future__ import annotations
 
