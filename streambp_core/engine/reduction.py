@@ -56,20 +56,17 @@ def zero_stage_of(model: nn.Module) -> int | None:
     return None
 
 
-def one_reduction_for(model: nn.Module, method: str, drives_modules: bool = False) -> OneReduction | None:
-    """The deferral a method's run arms on every loss under DeepSpeed ZeRO; None elsewhere and for
-    plain (the model untouched: autograd fires each hook once). ConfigError for what cannot be exact:
-    ZeRO-3 runs plain only; a method that `drives_modules` (`Run.drives_modules`: it calls a layer's
-    pieces itself) would read the parameters ZeRO-3 partitions."""
+def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
+    """The deferral a method's run arms on every loss under DeepSpeed ZeRO-1/2; None elsewhere, for
+    plain (the model untouched: autograd fires each hook once) and under ZeRO-3, where a method that
+    drives the modules (`Run.drives_modules`) hands each gradient to ZeRO once from its units
+    (`engine.zero3`) and the others fire each parameter's hook once through transformers' modules."""
     stage = zero_stage_of(model)
     if stage is None or method == "plain":
         return None
     check_version(installed_version())
     if stage == 3:
-        why = ("its streamed layers read parameters ZeRO-3 partitions" if drives_modules
-               else "one reduction per parameter is not checked on ZeRO-3's partitioned gradients yet")
-        raise ConfigError(f"{method} under deepspeed zero3 is not supported: {why}; use zero1 or zero2, "
-                          "or the fsdp2 engine's zero3")
+        return None
     return OneReduction(model.parameters())
 
 

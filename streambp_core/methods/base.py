@@ -14,6 +14,7 @@ from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
 from streambp_core.engine.reduction import one_reduction_for
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
+from streambp_core.engine.zero3 import Zero3Units, full_shape, is_zero3, through_engine
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.models.adapters import DecoderParts
@@ -31,9 +32,15 @@ class Run:
     """Whether the method calls the decoder's modules itself rather than the model's forward (so a peft
     wrapper's own forward, e.g. prompt tuning's virtual tokens, does not run)."""
 
-    def __init__(self, model: nn.Module, config: StreamConfig) -> None:
-        """`config` is validated (`prepare` checks it against the method)."""
+    def __init__(self, model: nn.Module, config: StreamConfig, engine: nn.Module | None = None) -> None:
+        """`config` is validated (`prepare` checks it against the method); `engine`: the DeepSpeed engine
+        wrapping `model`, whose forward each loss then runs as (`engine.zero3.through_engine`)."""
+        if engine is None and is_zero3(model):
+            raise ConfigError("under deepspeed zero3, prepare the engine itself (prepare(engine, ...)), not "
+                              "engine.module: ZeRO-3 counts micro-steps in the engine's forward, and a loss "
+                              "computed outside it would overwrite the accumulated gradients")
         self.model = model
+        self.engine = engine
         self.config = config
         self.objective_name = config.objective
         self.parts: DecoderParts = guards.parts_of(model)
@@ -46,12 +53,19 @@ class Run:
         self._closed = False
         self.host_params: HostParams | None = None
         """The params tier's weights in host memory (None without it)."""
-        self._reduction = one_reduction_for(model, self.method, self.drives_modules)
-        """Under DeepSpeed ZeRO, one reduction per parameter per backward (`parallel.deepspeed`)."""
+        self._reduction = one_reduction_for(model, self.method)
+        """Under DeepSpeed ZeRO-1/2, one reduction per parameter per backward (`parallel.deepspeed`)."""
+        self.zero3: Zero3Units | None = None
+        """Under DeepSpeed ZeRO-3, the units a method that drives the modules gathers (`engine.zero3`)."""
         try:
             self._setup()
             if "params" in offload_tiers(config.offload):
                 self.host_params = self._host_params(next(model.parameters()).device)
+            if self.drives_modules and is_zero3(model):
+                if self.host_params is not None:
+                    raise ConfigError(f"{self.method}: the params offload tier under deepspeed zero3 is not "
+                                      "supported; use deepspeed's offload_param instead")
+                self.zero3 = self._zero3_units()
         except BaseException:
             guards.release(self.parts, self)
             raise
@@ -78,9 +92,9 @@ class Run:
         if self._closed:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
         _check_batch(input_ids, attention_mask, labels)
-        guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
+        guards.check_tokens(input_ids, full_shape(self.parts.embed.weight)[0])
         if labels is not None:
-            guards.check_labels(labels, self.parts.lm_head.weight.shape[0])
+            guards.check_labels(labels, full_shape(self.parts.lm_head.weight)[0])
         packed = self.packed_rows(input_ids, attention_mask, position_ids)
         if labels is None and packed is not None:
             labels = document_labels(input_ids, packed)
@@ -89,7 +103,11 @@ class Run:
         if self.objective_name == "sft":
             guards.check_sft_targets(labels)
         self._input_ids = input_ids
-        loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+        if self.engine is None:
+            loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+        else:
+            loss = through_engine(self.engine, lambda: self._loss(input_ids, attention_mask, labels,
+                                                                  packed=packed, **objective_inputs))
         loss = guards.watch_versions(loss, self.model)
         return loss if self._reduction is None else self._reduction.arm(loss)
 
@@ -124,6 +142,8 @@ class Run:
             try:
                 if self.host_params is not None:
                     self.host_params.close()
+                if self.zero3 is not None:
+                    self.zero3.close()
                 self._teardown()
                 if self._reduction is not None:
                     self._reduction.disarm()
@@ -149,6 +169,10 @@ class Run:
         from streambp_core.methods.host_tier import hooked_params
 
         return hooked_params(self.parts, device)
+
+    def _zero3_units(self) -> Zero3Units:
+        """The units this method gathers under DeepSpeed ZeRO-3 (methods that drive the modules)."""
+        raise ConfigError(f"{self.method} under deepspeed zero3 is not supported")
 
     def _check_dropout(self) -> None:
         """ConfigError when dropout is on where this method cannot replay it (see `guards`)."""

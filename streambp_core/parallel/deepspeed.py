@@ -103,7 +103,12 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
     """A DeepSpeed config for ZeRO `stage` in the parameters' own dtype (no fp16/bf16 section: float32
     or float64 master weights), torch's Adam (no compiled op) without weight decay (DeepSpeed's Adam is
     AdamW, whose torch default decays by 0.01) and without clipping (DeepSpeed clips at norm 1.0 unless
-    told). ZeRO-1/2 keep float32 master weights whatever the parameters' dtype."""
+    told). ZeRO keeps float32 master weights whatever the parameters' dtype. ZeRO-3 partitions every
+    parameter (`stage3_param_persistence_threshold` 0: by default it keeps those under 1e5 elements whole
+    on every rank, which would be all of a tiny model's)."""
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
             "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 1 << 30}
+            "zero_optimization": zero, "gradient_clipping": 0.0, "steps_per_print": 1 << 30}

@@ -25,7 +25,6 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.methods import RUN_CLASSES
 from streambp_core.models import build_model, load_config
 from streambp_core.parallel.deepspeed import STAGES, check_engine, check_installed, check_stage, zero_config
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
@@ -83,17 +82,13 @@ def verify_deepspeed(
 
 def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
     """ConfigError for what a DeepSpeed verify cannot run (before any rank starts)."""
-    stages = [check_stage(shard) for shard in shards]
+    for shard in shards:
+        check_stage(shard)
     if spec.step.dtype not in TOLERANCE:
         exact = ", ".join(TOLERANCE)
         raise ConfigError(f"deepspeed verify compares exact dtypes ({exact}), got {spec.step.dtype}")
     if spec.device != "cpu" or spec.step.lora_rank:
         raise ConfigError("deepspeed verify runs on cpu ranks, full-parameter training (lora_rank 0)")
-    if 3 in stages:
-        driven = [m for m in spec.methods if RUN_CLASSES[m].drives_modules] or list(spec.methods)
-        raise ConfigError(f"{', '.join(driven)} under deepspeed zero3 is not supported (the streamed layers "
-                          "read parameters ZeRO-3 partitions; one reduction per parameter is checked on "
-                          "ZeRO-1 and ZeRO-2 only); use --shard zero1 or zero2")
 
 
 def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[DeepSpeedResult]:
@@ -138,7 +133,7 @@ def _plain_update(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]:
             for batch in rank_batches:
                 (_loss(run, *batch) / count).backward()
     names = [name for name, p in model.named_parameters()]
-    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     for master, param in zip(masters, model.parameters(), strict=True):
         master.grad = param.grad.float()
     torch.optim.Adam(masters, lr=LR).step()
@@ -160,7 +155,7 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
     check_engine(engine)
     counts = count_reductions(engine.optimizer)
     tallies: Counter = Counter()
-    with streambp_core.prepare(engine.module, method, spec.step_of(method).stream) as run:
+    with streambp_core.prepare(engine, method, spec.step_of(method).stream) as run:
         for batch in batches:
             if shard != "zero1":
                 counts.clear()
@@ -170,7 +165,8 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
             engine.step()
     if shard == "zero1":
         tallies.update(_tally(counts, engine.module))
-    update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: whole again
+        update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()}
     return update, tallies
 
 
@@ -185,12 +181,23 @@ def _result(method, shard, spec, world, micro_steps, update, tallies, reference,
 
 
 def count_reductions(optimizer) -> Counter:
-    """A Counter of param ids that fills as `optimizer` (ZeRO stage 1 or 2) reduces each bucket.
+    """A Counter of param ids that fills as `optimizer` puts each gradient into a reduction bucket.
 
-    `reduce_ipg_grads` is where stages 1 and 2 reduce a bucket of gradients (both from the hooks and at
-    the epilogue); it is wrapped on this instance only.
+    Stages 1 and 2 reduce a bucket in `reduce_ipg_grads` (from the hooks and at the epilogue); stage 3
+    adds a gradient to its bucket in its private `__add_grad_to_ipg_bucket`, reached only when the
+    gradient is ready. Either is wrapped on this instance only.
     """
     counts: Counter = Counter()
+    stage3_add = "_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket"
+    if hasattr(optimizer, stage3_add):
+        add = getattr(optimizer, stage3_add)
+
+        def added(param):
+            counts[param.ds_id] += 1
+            return add(param)
+
+        setattr(optimizer, stage3_add, added)
+        return counts
     reduce = optimizer.reduce_ipg_grads
 
     def counted(comm_dtype=None, *args, **kwargs):
