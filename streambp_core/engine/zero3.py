@@ -99,8 +99,14 @@ class Zero3Units:
         self._hooks = _DeepSpeedHooks([module for modules in units for module in modules])
         self._finished: list[int] = []
         """Units whose backward is done, released once their gradients are accumulated."""
+        self._handles: list = []
         self.gathers = 0
-        """How many unit gathers ran (forward and backward), for tests: 2 per unit per step."""
+        """How many all-gathers the units issued (tests count them: one per unit in forward and one in
+        backward, whatever the chunk count)."""
+
+    @property
+    def num_units(self) -> int:
+        return len(self._params)
 
     def enter(self, index: int, hidden: Tensor) -> Tensor:
         """Gather unit `index` for its forward; `hidden` (its input) comes back bracketed so that the
@@ -116,19 +122,43 @@ class Zero3Units:
     def leave(self, index: int, output):
         """Release unit `index` after its forward; `output` comes back bracketed so that the unit is
         gathered again before its backward."""
-        if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute inside backward
+        if not _in_backward():  # a checkpoint's recompute inside backward keeps the unit gathered
             self.release(index)
         if not isinstance(output, Tensor) or not output.requires_grad:
             return output
         return _UnitOutput.apply(output, self, index)
+
+    def hook(self, index: int, module: nn.Module) -> None:
+        """Bracket unit `index` by `module`'s own forward hooks (a module transformers calls, e.g. an MLP
+        block inside a checkpointed layer): its first tensor argument and its output. A checkpoint's
+        recompute inside backward only gathers (the output's bracket already did; the input's releases)."""
+        self._handles.append(module.register_forward_pre_hook(
+            lambda _m, args, kwargs: self._pre_hook(index, args, kwargs), with_kwargs=True))
+        self._handles.append(module.register_forward_hook(lambda _m, _a, out: self._post_hook(index, out)))
+
+    def _pre_hook(self, index: int, args: tuple, kwargs: dict):
+        if _in_backward():
+            self.gather(index)
+            return None
+        if args and isinstance(args[0], Tensor):
+            return (self.enter(index, args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), Tensor):
+            return args, {**kwargs, "hidden_states": self.enter(index, kwargs["hidden_states"])}
+        self.gather(index)
+        return None
+
+    def _post_hook(self, index: int, output):
+        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+            return (self.leave(index, output[0]), *output[1:])
+        return self.leave(index, output)
 
     def gather(self, index: int) -> None:
         """All-gather unit `index`'s partitioned parameters (a collective; none when all are there),
         after releasing the units whose backward is done."""
         self.release_finished()
         missing = [p for p in self._params[index] if _status(p) == "NOT_AVAILABLE"]
-        self.gathers += 1
         if missing:
+            self.gathers += 1
             missing[0].all_gather(param_list=missing)
 
     def release(self, index: int) -> None:
@@ -159,6 +189,9 @@ class Zero3Units:
 
     def close(self) -> None:
         """Give DeepSpeed its module hooks back; every parameter ready and partitioned."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         self._hooks.restore()
         self._finished.clear()
         for index, params in enumerate(self._params):
@@ -234,6 +267,11 @@ class _DeepSpeedHooks:
 def _from_deepspeed(hook) -> bool:
     module = getattr(getattr(hook, "__wrapped__", hook), "__module__", "") or ""
     return module.startswith("deepspeed.")
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpoint's recompute runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _status(param: Tensor) -> str:
