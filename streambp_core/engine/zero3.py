@@ -39,6 +39,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
+from streambp_core.config import ConfigError
+
 R = TypeVar("R")
 
 
@@ -85,6 +87,21 @@ def full_shape(param: Tensor) -> torch.Size:
     return torch.Size(getattr(param, "ds_shape", param.shape))
 
 
+def check_experts(layers: Sequence[nn.Module], method: str, drives_modules: bool) -> None:
+    """ConfigError for a mixture-of-experts model under ZeRO-3 whose experts would not all be reduced
+    once on every rank: a method that calls transformers' modules (plain, checkpoint) needs its MoE
+    blocks marked as ZeRO-3 leaf modules (DeepSpeed marks the known ones by default): an expert a rank's
+    tokens never reach fires no gradient hook of its own on that rank. (A method that drives the modules
+    hands every expert over itself, marked or not.)"""
+    if drives_modules:
+        return
+    marks = [bool(getattr(layer.mlp, "_z3_leaf", False)) for layer in layers if hasattr(layer.mlp, "experts")]
+    if marks and not all(marks):
+        raise ConfigError(f"{method} under deepspeed zero3 on a mixture-of-experts model needs its MoE "
+                          "blocks marked as leaf modules (deepspeed.utils.set_z3_leaf_modules, before "
+                          "deepspeed.initialize): ranks would otherwise reduce different experts")
+
+
 class Zero3Units:
     """The units of a streamed method under ZeRO-3 (module docstring); `close()` gives every module its
     DeepSpeed hooks back and leaves every parameter ready (`ds_grad_is_ready`) and partitioned."""
@@ -97,6 +114,13 @@ class Zero3Units:
         self._shared = [[p for p in params if p.requires_grad and id(p) in shared_ids]
                         for params in self._params]
         self._hooks = _DeepSpeedHooks([module for modules in units for module in modules])
+        self._leaves = [[m for module in modules for m in module.modules() if getattr(m, "_z3_leaf", False)]
+                        for modules in units]
+        """ZeRO-3 leaf modules in each unit (DeepSpeed marks MoE blocks so by default): their parameters
+        have no gradient hook of their own; DeepSpeed reduces them from the block's backward hook."""
+        leaf_ids = [{id(p) for leaf in leaves for p in leaf.parameters()} for leaves in self._leaves]
+        self._owned = [[p for p in owned if id(p) not in ids] for owned, ids in zip(self._owned, leaf_ids,
+                                                                                     strict=True)]
         self._finished: list[int] = []
         """Units whose backward is done, released once their gradients are accumulated."""
         self._handles: list = []
@@ -113,9 +137,10 @@ class Zero3Units:
         unit's gradients are handed to ZeRO, and the unit released, after its backward."""
         self.gather(index)
         owned = self._owned[index]
-        if not torch.is_grad_enabled() or not (owned or self._shared[index] or hidden.requires_grad):
+        if not torch.is_grad_enabled() or not (owned or self._params[index] and hidden.requires_grad
+                                               or self._leaf_params(index) or self._shared[index]):
             return hidden
-        for param in (*owned, *self._shared[index]):
+        for param in (*owned, *self._shared[index], *self._leaf_params(index)):
             param.ds_grad_is_ready = False
         return _UnitInput.apply(hidden, self, index, *owned)
 
@@ -127,6 +152,9 @@ class Zero3Units:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return output
         return _UnitOutput.apply(output, self, index)
+
+    def _leaf_params(self, index: int) -> list[nn.Parameter]:
+        return [p for leaf in self._leaves[index] for p in leaf.parameters() if p.requires_grad]
 
     def hook(self, index: int, module: nn.Module) -> None:
         """Bracket unit `index` by `module`'s own forward hooks (a module transformers calls, e.g. an MLP
@@ -177,10 +205,23 @@ class Zero3Units:
             param.ds_grad_is_ready = True
             grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
             param.grad = None
+        self._reduce_leaves(index)
         if not self._finished:
             torch.autograd.Variable._execution_engine.queue_callback(self.release_finished)
         self._finished.append(index)
         return grads
+
+    def _reduce_leaves(self, index: int) -> None:
+        """Hand the leaf modules' summed gradients (zeros where none arrived) to ZeRO once: their
+        flags set, then DeepSpeed's backward hook of each leaf, taken off it, called once here."""
+        for leaf in self._leaves[index]:
+            for param in leaf.parameters():
+                if param.requires_grad:
+                    param.ds_grad_is_ready = True
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+            for hook in self._hooks.backward.get(id(leaf), []):
+                hook(leaf, (), ())
 
     def release_finished(self) -> None:
         """Release every unit whose backward is done (its gradients accumulated by now)."""
@@ -229,13 +270,16 @@ class _UnitOutput(torch.autograd.Function):
 
 
 class _DeepSpeedHooks:
-    """DeepSpeed's forward hooks (its parameter fetch and release, and their backward counterparts) taken
-    off `modules` and every module inside them; `restore()` puts them back in their places."""
+    """DeepSpeed's module hooks (its parameter fetch and release, their backward counterparts, and a leaf
+    module's gradient reduction) taken off `modules` and every module inside them; `restore()` puts
+    them back in their places."""
 
-    KINDS = ("_forward_pre_hooks", "_forward_hooks")
+    KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks")
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self._taken: list[tuple[dict, list, dict]] = []
+        self.backward: dict[int, list] = {}
+        """DeepSpeed's backward hooks taken off each module (by id): a leaf module's gradient reduction."""
         seen: set[int] = set()
         for top in modules:
             for module in top.modules():
@@ -247,6 +291,8 @@ class _DeepSpeedHooks:
                     taken = {key: hook for key, hook in hooks.items() if _from_deepspeed(hook)}
                     if taken:
                         self._taken.append((hooks, list(hooks), taken))
+                        if kind == "_backward_hooks":
+                            self.backward[id(module)] = list(taken.values())
                         for key in taken:
                             del hooks[key]
 
@@ -262,6 +308,7 @@ class _DeepSpeedHooks:
                     hooks[key] = current.pop(key)
             hooks.update(current)
         self._taken.clear()
+        self.backward.clear()
 
 
 def _from_deepspeed(hook) -> bool:

@@ -14,7 +14,7 @@ from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
 from streambp_core.engine.reduction import one_reduction_for
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
-from streambp_core.engine.zero3 import Zero3Units, full_shape, is_zero3, through_engine
+from streambp_core.engine.zero3 import Zero3Units, check_experts, full_shape, is_zero3, through_engine
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.models.adapters import DecoderParts
@@ -41,6 +41,7 @@ class Run:
                               "computed outside it would overwrite the accumulated gradients")
         self.model = model
         self.engine = engine
+        """The DeepSpeed engine wrapping `model` (None without one)."""
         self.config = config
         self.objective_name = config.objective
         self.parts: DecoderParts = guards.parts_of(model)
@@ -61,6 +62,8 @@ class Run:
             self._setup()
             if "params" in offload_tiers(config.offload):
                 self.host_params = self._host_params(next(model.parameters()).device)
+            if is_zero3(model):
+                check_experts(self.parts.layers, self.method, self.drives_modules)
             if self.drives_modules and is_zero3(model):
                 if self.host_params is not None:
                     raise ConfigError(f"{self.method}: the params offload tier under deepspeed zero3 is not "

@@ -26,6 +26,7 @@ import torch
 import streambp_core
 from streambp_core.config import ConfigError
 from streambp_core.models import build_model, load_config
+from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.deepspeed import STAGES, check_engine, check_installed, check_stage, zero_config
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
@@ -87,8 +88,8 @@ def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
     if spec.step.dtype not in TOLERANCE:
         exact = ", ".join(TOLERANCE)
         raise ConfigError(f"deepspeed verify compares exact dtypes ({exact}), got {spec.step.dtype}")
-    if spec.device != "cpu" or spec.step.lora_rank:
-        raise ConfigError("deepspeed verify runs on cpu ranks, full-parameter training (lora_rank 0)")
+    if spec.device != "cpu":
+        raise ConfigError("deepspeed verify runs on cpu ranks")
 
 
 def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[DeepSpeedResult]:
@@ -100,6 +101,8 @@ def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[
     for spec in specs:
         step = spec.step
         model = build_model(load_config(step.model), dtype=DTYPES[step.dtype], device="cpu", seed=step.seed)
+        if step.lora_rank:
+            model = apply_lora(model, step.lora_rank)
         batches = [[_batch(spec, model, r, m) for m in range(micro_steps)] for r in range(world)]
         reference = _plain_update(model, spec, batches)
         for shard in shards:
@@ -132,13 +135,13 @@ def _plain_update(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]:
         for rank_batches in batches:
             for batch in rank_batches:
                 (_loss(run, *batch) / count).backward()
-    names = [name for name, p in model.named_parameters()]
-    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    for master, param in zip(masters, model.parameters(), strict=True):
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_() for _, p in named]
+    for master, (_, param) in zip(masters, named, strict=True):
         master.grad = param.grad.float()
     torch.optim.Adam(masters, lr=LR).step()
     return {name: master.detach().to(param.dtype) - param.detach()
-            for name, master, param in zip(names, masters, model.parameters(), strict=True)}
+            for master, (name, param) in zip(masters, named, strict=True)}
 
 
 def _engine_update(model, method, shard, spec: VerifySpec, batches):
@@ -148,10 +151,11 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
     import deepspeed
 
     model = copy.deepcopy(model)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     config = zero_config(STAGES[shard], micro_batch=spec.step.batch_size, accumulation=len(batches),
                          lr=LR)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     check_engine(engine)
     counts = count_reductions(engine.optimizer)
     tallies: Counter = Counter()
@@ -166,7 +170,8 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
     if shard == "zero1":
         tallies.update(_tally(counts, engine.module))
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: whole again
-        update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()}
+        update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()
+                  if name in before}
     return update, tallies
 
 
