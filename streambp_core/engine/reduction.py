@@ -57,10 +57,11 @@ def zero_stage_of(model: nn.Module) -> int | None:
 
 
 def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
-    """The deferral a method's run arms on every loss under DeepSpeed ZeRO-1/2; None elsewhere, for
-    plain (the model untouched: autograd fires each hook once) and under ZeRO-3, where a method that
-    drives the modules (`Run.drives_modules`) hands each gradient to ZeRO once from its units
-    (`engine.zero3`) and the others fire each parameter's hook once through transformers' modules."""
+    """The deferral the run of a method that calls transformers' modules (checkpoint; not plain, whose
+    model is untouched) arms on every loss under DeepSpeed ZeRO-1/2; None elsewhere, and under ZeRO-3,
+    where such a method fires each parameter's hook once through the modules, as plain does. (A method
+    that drives the modules, `Run.drives_modules`, hands each gradient over from its units instead,
+    `engine.zero3`.)"""
     stage = zero_stage_of(model)
     if stage is None or method == "plain":
         return None

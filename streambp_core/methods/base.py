@@ -12,7 +12,7 @@ from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
-from streambp_core.engine.reduction import one_reduction_for
+from streambp_core.engine.reduction import one_reduction_for, zero_stage_of
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.engine.zero3 import Zero3Units, check_experts, full_shape, is_zero3, through_engine
 from streambp_core.methods import guards
@@ -54,19 +54,21 @@ class Run:
         self._closed = False
         self.host_params: HostParams | None = None
         """The params tier's weights in host memory (None without it)."""
-        self._reduction = one_reduction_for(model, self.method)
-        """Under DeepSpeed ZeRO-1/2, one reduction per parameter per backward (`parallel.deepspeed`)."""
+        self._reduction = None if self.drives_modules else one_reduction_for(model, self.method)
+        """Under DeepSpeed ZeRO-1/2, one reduction per parameter per backward for a method that calls
+        transformers' modules (`parallel.deepspeed`)."""
         self.zero3: Zero3Units | None = None
-        """Under DeepSpeed ZeRO-3, the units a method that drives the modules gathers (`engine.zero3`)."""
+        """Under DeepSpeed ZeRO, the units of a method that drives the modules: gathered once each way
+        (ZeRO-3), each parameter handed to ZeRO once as its unit's backward ends (`engine.zero3`)."""
         try:
             self._setup()
             if "params" in offload_tiers(config.offload):
                 self.host_params = self._host_params(next(model.parameters()).device)
             if is_zero3(model):
                 check_experts(self.parts.layers, self.method, self.drives_modules)
-            if self.drives_modules and is_zero3(model):
+            if self.drives_modules and zero_stage_of(model) is not None:
                 if self.host_params is not None:
-                    raise ConfigError(f"{self.method}: the params offload tier under deepspeed zero3 is not "
+                    raise ConfigError(f"{self.method}: the params offload tier under deepspeed is not "
                                       "supported; use deepspeed's offload_param instead")
                 self.zero3 = self._zero3_units()
         except BaseException:
