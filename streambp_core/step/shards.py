@@ -25,8 +25,8 @@ settings) instead, the paper's Table 4 engine:
   and of AdamW's two fp32 moments: 12 bytes per partition element;
 - grads: the bf16 gradient partition (`grads_in_partition`, allocated at the first reduction and kept
   from step to step); in backward also one reduce bucket (`ipg_buffer`: `reduce_bucket_size` = 5e8
-  elements, bf16; one buffer since `overlap_comm` is off by default for stage 2) and the unsharded
-  gradients in flight as above;
+  elements, bf16, allocated whole whatever the model's size; one buffer since `overlap_comm` is off by
+  default for stage 2) and the unsharded gradients in flight as above;
 - the optimizer phase: the bf16 partition, its flattened copy and the fp32 gradient partition the
   optimizer steps on (4 bytes per element); the bucket is gone.
 
@@ -196,7 +196,7 @@ def deepspeed_breakdown(
     elif phase == "forward":
         rank["grads"] = partition
     else:
-        bucket = layout.grad_element_bytes * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, layout.trainable_numel)
+        bucket = layout.grad_element_bytes * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
         rank["grads"] = partition + bucket + (layout.inflight_grad_bytes() if grads else 0)
     return rank
 
@@ -217,7 +217,7 @@ def deepspeed_zero3_breakdown(
     rank["weights"] = buffers + layout.total("shard") + layout.persistent_bytes + gathered
     master = 0 if element == FP32_BYTES else FP32_BYTES
     rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state else 0
-    bucket = element * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, layout.trainable_numel)
+    bucket = element * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
     grads = breakdown_bytes.get("grads", 0)
     rank["grads"] = element * part + bucket
     if phase == "optimizer":
