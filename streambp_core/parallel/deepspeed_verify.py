@@ -7,10 +7,11 @@ Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
    float32 master weights, as ZeRO keeps them whatever the parameters' dtype (the update is their
    change, cast back).
 2. For each ZeRO stage and method: a fresh copy of the model goes through `deepspeed.initialize`; the
-   user's loop runs unchanged (`prepare(engine.module, ...)`, `engine.backward(run.loss(...))`,
+   user's loop runs unchanged (`prepare(engine, ...)`, `engine.backward(run.loss(...))`,
    `engine.step()`) over the rank's micro-steps, while every parameter id ZeRO puts into a reduction
-   bucket is counted (`reduce_ipg_grads`, the one place stages 1 and 2 reduce).
-3. Each rank compares the applied update (parameters after minus before) with the reference's, and
+   bucket is counted (`count_reductions`). LoRA (`lora_rank`) trains the adapters only.
+3. Each rank compares the applied update (trainable parameters after minus before; ZeRO-3's gathered
+   whole) with the reference's, and
    with plain's on the same engine (`engine_plain_err`: the mechanism alone, float32 masters on both
    sides): max relative error over parameters; rank 0 returns the results.
 """
