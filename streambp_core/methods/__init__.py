@@ -7,7 +7,7 @@ from dataclasses import replace
 from torch import nn
 
 from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload
-from streambp_core.engine.zero3 import engine_and_module
+from streambp_core.engine.reduction import engine_and_module
 from streambp_core.methods.base import Run
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.mst import MstRun
@@ -26,7 +26,7 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
 
     `model` may be a DeepSpeed engine wrapping one: the run prepares `engine.module` and computes each
-    loss through the engine's forward (which DeepSpeed ZeRO-3 needs, `engine.zero3`).
+    loss through the engine's forward (which DeepSpeed ZeRO-3 needs, `engine.reduction.through_engine`).
 
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the

@@ -12,9 +12,16 @@ from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
-from streambp_core.engine.reduction import one_reduction_for, zero_stage_of
+from streambp_core.engine.reduction import (
+    check_experts,
+    full_shape,
+    is_zero3,
+    one_reduction_for,
+    through_engine,
+    zero_stage_of,
+)
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
-from streambp_core.engine.zero3 import Zero3Units, check_experts, full_shape, is_zero3, through_engine
+from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.methods import guards
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.models.adapters import DecoderParts
@@ -34,7 +41,7 @@ class Run:
 
     def __init__(self, model: nn.Module, config: StreamConfig, engine: nn.Module | None = None) -> None:
         """`config` is validated (`prepare` checks it against the method); `engine`: the DeepSpeed engine
-        wrapping `model`, whose forward each loss then runs as (`engine.zero3.through_engine`)."""
+        wrapping `model`, whose forward each loss then runs as (`engine.reduction.through_engine`)."""
         if engine is None and is_zero3(model):
             raise ConfigError("under deepspeed zero3, prepare the engine itself (prepare(engine, ...)), not "
                               "engine.module: ZeRO-3 counts micro-steps in the engine's forward, and a loss "

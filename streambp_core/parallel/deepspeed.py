@@ -7,7 +7,7 @@ The user's script keeps its shape, with the engine itself prepared::
     engine.backward(run.loss(input_ids, labels=labels))
     engine.step()
 
-`run.loss` runs as the engine's forward (`engine.zero3.through_engine`): ZeRO-3 counts micro-steps there
+`run.loss` runs as the engine's forward (`engine.reduction.through_engine`): ZeRO-3 counts micro-steps there
 and, without it, overwrites rather than accumulates the micro-steps' gradients; `prepare(engine.module)`
 is refused by name under ZeRO-3 (ZeRO-1/2 accept it).
 
