@@ -51,10 +51,11 @@ class Zero3Units:
         self._shared = [[p for p in params if p.requires_grad and id(p) in shared_ids]
                         for params in self._params]
         self._hooks = _DeepSpeedHooks([module for modules in units for module in modules])
-        self._leaves = [[m for module in modules for m in module.modules() if getattr(m, "_z3_leaf", False)]
+        self._leaves = [[m for module in modules for m in module.modules()
+                         if getattr(m, "_z3_leaf", False) and id(m) in self._hooks.backward]
                         for modules in units]
-        """ZeRO-3 leaf modules in each unit (DeepSpeed marks MoE blocks so by default): their parameters
-        have no gradient hook of their own; DeepSpeed reduces them from the block's backward hook."""
+        """ZeRO-3 leaf modules in each unit (DeepSpeed marks MoE blocks so by default) with DeepSpeed's
+        backward hook: their parameters have no gradient hook of their own; it reduces them."""
         leaf_ids = [{id(p) for leaf in leaves for p in leaf.parameters()} for leaves in self._leaves]
         self._owned = [[p for p in owned if id(p) not in ids] for owned, ids in zip(self._owned, leaf_ids,
                                                                                      strict=True)]
