@@ -1,9 +1,11 @@
-"""Training under DeepSpeed ZeRO-1/2 with StreamBP: the user's own DeepSpeed loop, unchanged in shape.
+"""Training under DeepSpeed ZeRO-1/2/3 with StreamBP: the user's own DeepSpeed loop, unchanged in shape.
 
     deepspeed --num_gpus 8 examples/train_deepspeed.py --model ./Qwen3-8B --stage 2 --seq-len 32768
 
-`streambp_core.prepare(engine.module, "streambp", ...)` recognises ZeRO's parameters and reduces each
-one's gradient exactly once per backward (see `streambp_core.parallel.deepspeed`). Random tokens stand
+`streambp_core.prepare(engine, "streambp", ...)` prepares the engine's module, computes each loss through
+the engine's forward and reduces each parameter's gradient exactly once per backward, as its layer's
+backward ends; under ZeRO-3 each layer is gathered once for its forward and once for its backward (see
+`streambp_core.parallel.deepspeed`). Random tokens stand
 in for data; swap in your own batches. On CPU, `--device cpu` runs on gloo ranks.
 """
 
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny/qwen3", help="preset name or local config directory")
-    parser.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--partition-size", type=int, default=64, help="tokens per chunk")
     parser.add_argument("--steps", type=int, default=3)
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     check_engine(engine)
-    run = streambp_core.prepare(engine.module, "streambp", partition_size=args.partition_size,
+    run = streambp_core.prepare(engine, "streambp", partition_size=args.partition_size,
                                 head_partition_size=args.partition_size)
     for step in range(args.steps):
         batch = random_batch(vocab_size=model.config.vocab_size, seq_len=args.seq_len, batch_size=1,

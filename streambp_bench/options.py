@@ -198,6 +198,6 @@ Gpus = Annotated[
 ShardOption = Annotated[
     Shard | None,
     typer.Option("--shard", help="How each rank holds the model state: zero2, zero3 (torch FSDP2, what the "
-                 "engine runs) or deepspeed-zero2 (DeepSpeed ZeRO-2's allocations, the paper's Table 4 "
-                 "engine). Needs --gpus."),
+                 "engine runs), deepspeed-zero2 (DeepSpeed ZeRO-2's allocations, the paper's Table 4 "
+                 "engine) or deepspeed-zero3. Needs --gpus."),
 ]

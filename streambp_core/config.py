@@ -31,13 +31,17 @@ FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
 OFFLOAD_MODES = TIER_SETS
 """Which parts of a step live in host memory: "none", or a canonical comma list of tiers (checkpoints,
 optimizer, params; see `streambp_core.tiers`)."""
-SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2")
+SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2", "deepspeed-zero3")
 """How one rank of `gpus` holds the model state. none: all of it (one GPU). zero2 and zero3: torch FSDP2,
 what `streambp_core.parallel.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
 gathered from forward to backward; zero3: parameters sharded too). deepspeed-zero2: what DeepSpeed ZeRO-2
 allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp32 master weights and AdamW
-moments and a bf16 gradient partition per rank, gradient buckets); simulated only (see
-`streambp_core.step.shards`), since DeepSpeed refuses a chunked backward's gradient accumulation."""
+moments and a bf16 gradient partition per rank, gradient buckets); deepspeed-zero3: what DeepSpeed
+ZeRO-3 allocates with bf16 (partitioned bf16 parameters, one unit gathered at a time plus its prefetch,
+the same fp32 partitions). Both simulated (see `streambp_core.step.shards`); `streambp_core.parallel.
+deepspeed` runs the methods on DeepSpeed itself."""
+DEEPSPEED_SHARDS = ("deepspeed-zero2", "deepspeed-zero3")
+"""The shard modes laid out as DeepSpeed allocates (`step.shards.deepspeed_breakdown`)."""
 FSDP_STAGES = ("zero2", "zero3")
 """The shard stages the engine runs (torch FSDP2; `streambp_core.parallel.fsdp`)."""
 GRADS_MODES = ("resident", "fresh")
@@ -290,7 +294,7 @@ class StepSpec:
             raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: the GPUs form groups of sp "
                               "ranks, each group sharing its sequences")
         if self.gpus > 1 and self.shard == "none" and self.sp == 1:
-            raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3 or deepspeed-zero2): "
+            raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3, deepspeed-zero2/3): "
                               "replicated data parallelism holds on each GPU what one GPU holds")
         if not isinstance(self.seq_len_tokens, int) or isinstance(self.seq_len_tokens, bool) \
                 or self.seq_len_tokens < 2:

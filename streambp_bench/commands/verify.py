@@ -57,7 +57,7 @@ HELP = (
     "gradients summed over the group are compared with single-process plain over the whole sequence, "
     "with each step's all-to-alls; with --shard zero2|zero3 the weights are sharded with FSDP2 over every "
     "rank too. [bold]--engine deepspeed[/] runs DeepSpeed ZeRO instead (--shard "
-    "zero1, zero2; CPU ranks): the user's DeepSpeed loop, the applied update after one optimizer step "
+    "zero1, zero2, zero3; CPU ranks): the user's DeepSpeed loop, the applied update after one optimizer step "
     "against single-process plain, and how many times ZeRO reduced each parameter.\n\n"
     "[bold]--trainer trainer|sft|dpo|grpo[/] checks training instead of one gradient: builds the model as a "
     "user does (from_pretrained for a directory with weights, else from_config with random weights), "
@@ -210,8 +210,8 @@ def verify(
     ] = None,
     shard: Annotated[
         str | None, typer.Option("--shard", help="Stage of a sharded verify (needs --nproc): fsdp2: zero2 or "
-                                 "zero3, both when not given; deepspeed: zero1, zero2 or zero3, zero1 and "
-                                 "zero2 when not given.")
+                                 "zero3, both when not given; deepspeed: zero1, zero2 or zero3, all three "
+                                 "when not given.")
     ] = None,
     trainer: Annotated[
         TrainerKind | None, typer.Option("--trainer", help="Check a trainer instead: its parameters after "

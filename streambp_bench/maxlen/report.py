@@ -210,14 +210,15 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     if best.search.capped:
         return [f"No maximum found: {best.label} fits the longest length searched ({SEARCH_CAP_TOKENS:,} "
                 "tokens), so the budget bounds nothing below it (≥ marks a capped answer, not a max length)."]
-    if best.spec.shard == "deepspeed-zero2":
-        return ["deepspeed-zero2 sizes what DeepSpeed allocates; DeepSpeed itself refuses a chunked "
-                "backward's gradient accumulation, so train with --shard zero2 or zero3 (torch FSDP2)."]
     if best.spec.sp > 1:
         return [f"Train at {best.search.max_len_tokens:,} tokens per sequence over {best.spec.sp} ranks "
                 f"({best.label}, {best.search.max_len_tokens // best.spec.sp:,} per rank): prepare the model "
                 "in each rank with its SequenceGroup (streambp_core.engine.sequence_group) and its shard "
                 "of the sequence."]
+    if best.spec.shard.startswith("deepspeed-"):
+        return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}) under DeepSpeed: "
+                "prepare the engine deepspeed.initialize returns (streambp_core.prepare(engine, ...)), "
+                "then engine.backward(run.loss(...)) and engine.step() (streambp_core.parallel.deepspeed)."]
     if best.spec.shard != "none":  # the trainer integration runs one process
         return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}): shard the model "
                 "with streambp_core.parallel.shard_model in each rank's process group, then prepare it as on "

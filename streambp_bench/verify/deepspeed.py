@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from streambp_core.verify.methods import VerifySpec
 
 ENGINES = ("fsdp2", "deepspeed")
-DEEPSPEED_DEFAULT = ("zero1", "zero2")
+DEEPSPEED_DEFAULT = ("zero1", "zero2", "zero3")
 
 
 def sharded_stages(engine: str, shard: str | None, nproc: int | None) -> tuple[str, ...]:
@@ -74,6 +74,7 @@ def _print(console, results, spec: VerifySpec, nproc: int) -> None:
                   f"torch's Adam, seq_len {step.seq_len_tokens} and batch {step.batch_size} per rank, ps "
                   f"{stream.partition_size}, ps-head {stream.head_partition_size}, objective "
                   f"{step.objective}, seed {step.seed}; "
-                  "reductions counted in ZeRO's reduce_ipg_grads, per micro-step (zero2) or per step "
-                  "(zero1); ZeRO steps float32 master weights whatever the dtype, hence float32's bound",
+                  "reductions counted as ZeRO buckets each gradient, per micro-step (zero2, zero3) or per "
+                  "step (zero1); ZeRO steps float32 master weights whatever the dtype, hence float32's "
+                  "bound",
                   soft_wrap=True)

@@ -7,12 +7,15 @@ the marks ZeRO leaves on its parameters (`ds_id`: stage 3; `_hp_mapping`: stages
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
+
+R = TypeVar("R")
 
 MIN_VERSION = (0, 17, 0)
 """`ds_grad_is_ready` appears in DeepSpeed 0.17.0."""
@@ -56,20 +59,76 @@ def zero_stage_of(model: nn.Module) -> int | None:
     return None
 
 
-def one_reduction_for(model: nn.Module, method: str, drives_modules: bool = False) -> OneReduction | None:
-    """The deferral a method's run arms on every loss under DeepSpeed ZeRO; None elsewhere and for
-    plain (the model untouched: autograd fires each hook once). ConfigError for what cannot be exact:
-    ZeRO-3 runs plain only; a method that `drives_modules` (`Run.drives_modules`: it calls a layer's
-    pieces itself) would read the parameters ZeRO-3 partitions."""
+def is_zero3(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions `model`'s parameters (the `ds_id` mark)."""
+    return any(hasattr(param, "ds_id") for param in model.parameters())
+
+
+def engine_and_module(model: nn.Module) -> tuple[nn.Module | None, nn.Module]:
+    """(a DeepSpeed engine, the model it wraps) for a `DeepSpeedEngine`; (None, `model`) for any other."""
+    names = {cls.__name__ for cls in type(model).__mro__}
+    if "DeepSpeedEngine" in names and isinstance(getattr(model, "module", None), nn.Module):
+        return model, model.module
+    return None, model
+
+
+def through_engine(engine: nn.Module, fn: Callable[[], R]) -> R:
+    """`fn()` run as `engine`'s forward: its module's `forward` is `fn` for this one call (restored as
+    it starts, so a method that calls the model itself reaches the model's own forward). The engine's
+    forward starts a micro-step for ZeRO (stage 3 counts micro-steps there, to accumulate rather than
+    overwrite their gradients) and the module's DeepSpeed hooks run around it, as for any forward."""
+    module = engine.module
+    own = vars(module).get("forward")
+
+    def restore() -> None:
+        if own is None:
+            vars(module).pop("forward", None)
+        else:
+            module.forward = own
+
+    def forward(*_args, **_kwargs):
+        restore()
+        return fn()
+
+    module.forward = forward
+    try:
+        return engine()
+    finally:
+        restore()
+
+
+def full_shape(param: Tensor) -> torch.Size:
+    """A parameter's shape, also while ZeRO-3 holds it partitioned (empty data, `ds_shape`)."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
+def check_experts(layers: Sequence[nn.Module], method: str, drives_modules: bool) -> None:
+    """ConfigError for a mixture-of-experts model under ZeRO-3 whose experts would not all be reduced
+    once on every rank: a method that calls transformers' modules (plain, checkpoint) needs its MoE
+    blocks marked as ZeRO-3 leaf modules (DeepSpeed marks the known ones by default): an expert a rank's
+    tokens never reach fires no gradient hook of its own on that rank. (A method that drives the modules
+    hands every expert over itself, marked or not.)"""
+    if drives_modules:
+        return
+    marks = [bool(getattr(layer.mlp, "_z3_leaf", False)) for layer in layers if hasattr(layer.mlp, "experts")]
+    if marks and not all(marks):
+        raise ConfigError(f"{method} under deepspeed zero3 on a mixture-of-experts model needs its MoE "
+                          "blocks marked as leaf modules (deepspeed.utils.set_z3_leaf_modules, before "
+                          "deepspeed.initialize): ranks would otherwise reduce different experts")
+
+
+def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
+    """The deferral the run of a method that calls transformers' modules (checkpoint; not plain, whose
+    model is untouched) arms on every loss under DeepSpeed ZeRO-1/2; None elsewhere, and under ZeRO-3,
+    where such a method fires each parameter's hook once through the modules, as plain does. (A method
+    that drives the modules, `Run.drives_modules`, hands each gradient over from its units instead,
+    `engine.zero3`.)"""
     stage = zero_stage_of(model)
     if stage is None or method == "plain":
         return None
     check_version(installed_version())
     if stage == 3:
-        why = ("its streamed layers read parameters ZeRO-3 partitions" if drives_modules
-               else "one reduction per parameter is not checked on ZeRO-3's partitioned gradients yet")
-        raise ConfigError(f"{method} under deepspeed zero3 is not supported: {why}; use zero1 or zero2, "
-                          "or the fsdp2 engine's zero3")
+        return None
     return OneReduction(model.parameters())
 
 

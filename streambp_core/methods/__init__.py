@@ -8,6 +8,7 @@ from torch import nn
 
 from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload
 from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.reduction import engine_and_module
 from streambp_core.methods.base import Run
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.mst import MstRun
@@ -26,6 +27,9 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
             sequence_group: SequenceGroup | None = None, **options) -> Run:
     """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
 
+    `model` may be a DeepSpeed engine wrapping one: the run prepares `engine.module` and computes each
+    loss through the engine's forward (which DeepSpeed ZeRO-3 needs, `engine.reduction.through_engine`).
+
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the
     config's. Preparing never copies the weights; `run.close()` (or leaving a `with` block) undoes it.
@@ -40,7 +44,8 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     check_offload(method, config.offload)
     if config.keep_chunks is not None and any(p.device.type != "meta" for p in model.parameters()):
         raise ConfigError("keep_chunks thins the chunk loops for simulation: only on the meta device")
-    return RUN_CLASSES[method](model, config, sequence_group)
+    engine, module = engine_and_module(model)
+    return RUN_CLASSES[method](module, config, sequence_group, engine=engine)
 
 
 __all__ = ["RUN_CLASSES", "Run", "prepare"]

@@ -12,9 +12,17 @@ from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
-from streambp_core.engine.reduction import one_reduction_for
+from streambp_core.engine.reduction import (
+    check_experts,
+    full_shape,
+    is_zero3,
+    one_reduction_for,
+    through_engine,
+    zero_stage_of,
+)
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.methods import guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
@@ -33,11 +41,18 @@ class Run:
     """Whether the method calls the decoder's modules itself rather than the model's forward (so a peft
     wrapper's own forward, e.g. prompt tuning's virtual tokens, does not run)."""
 
-    def __init__(self, model: nn.Module, config: StreamConfig, sequence_group: SequenceGroup | None = None
-                 ) -> None:
+    def __init__(self, model: nn.Module, config: StreamConfig, sequence_group: SequenceGroup | None = None,
+                 engine: nn.Module | None = None) -> None:
         """`config` is validated (`prepare` checks it against the method); `sequence_group`: the ranks that
-        share each sequence (`methods.sequence`), None for none."""
+        share each sequence (`methods.sequence`), None for none; `engine`: the DeepSpeed engine wrapping
+        `model`, whose forward each loss then runs as (`engine.reduction.through_engine`)."""
+        if engine is None and is_zero3(model):
+            raise ConfigError("under deepspeed zero3, prepare the engine itself (prepare(engine, ...)), not "
+                              "engine.module: ZeRO-3 counts micro-steps in the engine's forward, and a loss "
+                              "computed outside it would overwrite the accumulated gradients")
         self.model = model
+        self.engine = engine
+        """The DeepSpeed engine wrapping `model` (None without one)."""
         self.config = config
         self.sequence_group = sequence_group
         self._step_shard: StepShard | None = None
@@ -53,8 +68,12 @@ class Run:
         self._closed = False
         self.host_params: HostParams | None = None
         """The params tier's weights in host memory (None without it)."""
-        self._reduction = one_reduction_for(model, self.method, self.drives_modules)
-        """Under DeepSpeed ZeRO, one reduction per parameter per backward (`parallel.deepspeed`)."""
+        self._reduction = None if self.drives_modules else one_reduction_for(model, self.method)
+        """Under DeepSpeed ZeRO-1/2, one reduction per parameter per backward for a method that calls
+        transformers' modules (`parallel.deepspeed`)."""
+        self.zero3: Zero3Units | None = None
+        """Under DeepSpeed ZeRO, the units of a method that drives the modules: gathered once each way
+        (ZeRO-3), each parameter handed to ZeRO once as its unit's backward ends (`engine.zero3`)."""
         try:
             self._kv_copies = 1
             """Copies of each KV head so they split over the sequence group (`methods.sequence`)."""
@@ -63,6 +82,13 @@ class Run:
             self._setup()
             if "params" in offload_tiers(config.offload):
                 self.host_params = self._host_params(next(model.parameters()).device)
+            if is_zero3(model):
+                check_experts(self.parts.layers, self.method, self.drives_modules)
+            if self.drives_modules and zero_stage_of(model) is not None:
+                if self.host_params is not None:
+                    raise ConfigError(f"{self.method}: the params offload tier under deepspeed is not "
+                                      "supported; use deepspeed's offload_param instead")
+                self.zero3 = self._zero3_units()
         except BaseException:
             guards.release(self.parts, self)
             raise
@@ -91,9 +117,9 @@ class Run:
         if self._closed:
             raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
         _check_batch(input_ids, attention_mask, labels)
-        guards.check_tokens(input_ids, self.parts.embed.weight.shape[0])
+        guards.check_tokens(input_ids, full_shape(self.parts.embed.weight)[0])
         if labels is not None:
-            guards.check_labels(labels, self.parts.lm_head.weight.shape[0])
+            guards.check_labels(labels, full_shape(self.parts.lm_head.weight)[0])
         if self.sequence_group is not None:
             self._step_shard = sequence.step_shard(self.sequence_group, self._kv_copies, input_ids,
                                                    key_padding(attention_mask), position_ids)
@@ -108,7 +134,11 @@ class Run:
         if self._step_shard is not None:
             start, end = self._step_shard.bounds
             input_ids = input_ids[:, start:end]
-        loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+        if self.engine is None:
+            loss = self._loss(input_ids, attention_mask, labels, packed=packed, **objective_inputs)
+        else:
+            loss = through_engine(self.engine, lambda: self._loss(input_ids, attention_mask, labels,
+                                                                  packed=packed, **objective_inputs))
         loss = guards.watch_versions(loss, self.model)
         return loss if self._reduction is None else self._reduction.arm(loss)
 
@@ -147,6 +177,8 @@ class Run:
             try:
                 if self.host_params is not None:
                     self.host_params.close()
+                if self.zero3 is not None:
+                    self.zero3.close()
                 self._teardown()
                 if self._reduction is not None:
                     self._reduction.disarm()
@@ -172,6 +204,10 @@ class Run:
         from streambp_core.methods.host_tier import hooked_params
 
         return hooked_params(self.parts, device)
+
+    def _zero3_units(self) -> Zero3Units:
+        """The units this method gathers under DeepSpeed ZeRO-3 (methods that drive the modules)."""
+        raise ConfigError(f"{self.method} under deepspeed zero3 is not supported")
 
     def _check_dropout(self) -> None:
         """ConfigError when dropout is on where this method cannot replay it (see `guards`)."""

@@ -10,6 +10,7 @@ from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import HeadPlan, StreamedHead
 from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
 from streambp_core.engine.sharded import sharded_forward
+from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
 
@@ -52,11 +53,22 @@ class MstRun(CheckpointRun):
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
                         keep_chunks=self.config.keep_chunks)
         params = trainable_parameters([self.parts.lm_head])
-        if self.host_params is None:
+        bracket = self.host_params or self.zero3
+        if bracket is None:
             return StreamedHead.apply(hidden, objective, plan, *params)
-        head = self.host_params.num_units - 1  # lm_head: bracketed here, its chunks run inside the head
-        hidden = self.host_params.enter(head, hidden)
-        return self.host_params.leave(head, StreamedHead.apply(hidden, objective, plan, *params))
+        head = bracket.num_units - 1  # lm_head: bracketed here, its chunks run inside the head
+        hidden = bracket.enter(head, hidden)
+        return bracket.leave(head, StreamedHead.apply(hidden, objective, plan, *params))
+
+    def _zero3_units(self) -> Zero3Units:
+        """Units under DeepSpeed ZeRO-3: each layer's chunked MLP (bracketed by its module hooks; the rest
+        of the layer runs under DeepSpeed's own), then lm_head (bracketed here; a tied one is shared)."""
+        mlps = [layer.mlp for layer in self.parts.layers]
+        shared = self.parts.embed.parameters()
+        units = Zero3Units([*([mlp] for mlp in mlps), [self.parts.lm_head]], shared=shared)
+        for index, mlp in enumerate(mlps):
+            units.hook(index, mlp)
+        return units
 
     def _host_params(self, device):
         """The params tier: lm_head bracketed around the chunked head, the rest by module hooks."""

@@ -24,6 +24,7 @@ from streambp_core.engine.offload import HostChain
 from streambp_core.engine.router import aux_loss
 from streambp_core.engine.sequence_layer import SequenceShard, SequenceStreamedLayer
 from streambp_core.engine.sharded import sharded_forward
+from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
@@ -124,13 +125,21 @@ class StreamBPRun(Run):
 
         return streamed_params(self.parts, device)
 
+    def _zero3_units(self) -> Zero3Units:
+        """Units under DeepSpeed ZeRO-3, numbered as the params tier's: [none (the embedding runs under
+        DeepSpeed's own hooks), each layer, head (final norm + lm_head)]; a tied head's weight is shared."""
+        units = [[], *([layer] for layer in self.parts.layers), [self.parts.norm, self.parts.lm_head]]
+        return Zero3Units(units, shared=self.parts.embed.parameters())
+
     def _enter(self, unit: int, hidden):
-        """`hidden` entering params-tier unit `unit` (gathered; unchanged without the tier)."""
-        return hidden if self.host_params is None else self.host_params.enter(unit, hidden)
+        """`hidden` entering unit `unit` of the params tier or of ZeRO-3 (gathered; unchanged without)."""
+        bracket = self.host_params or self.zero3
+        return hidden if bracket is None else bracket.enter(unit, hidden)
 
     def _leave(self, unit: int, output):
-        """`output` leaving params-tier unit `unit` (released; unchanged without the tier)."""
-        return output if self.host_params is None else self.host_params.leave(unit, output)
+        """`output` leaving unit `unit` of the params tier or of ZeRO-3 (released; unchanged without)."""
+        bracket = self.host_params or self.zero3
+        return output if bracket is None else bracket.leave(unit, output)
 
 
 def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden, cos, sin, valid):

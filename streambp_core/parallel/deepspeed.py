@@ -1,51 +1,50 @@
 """DeepSpeed ZeRO as an engine: one gradient reduction per parameter per backward, whatever the chunks.
 
-The user's script keeps its shape::
+The user's script keeps its shape, with the engine itself prepared::
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, ...)
-    run = streambp_core.prepare(engine.module, "streambp", ...)
+    run = streambp_core.prepare(engine, "streambp", ...)      # engine.module is what the run prepares
     engine.backward(run.loss(input_ids, labels=labels))
     engine.step()
+
+`run.loss` runs as the engine's forward (`engine.reduction.through_engine`): ZeRO-3 counts micro-steps there
+and, without it, overwrites rather than accumulates the micro-steps' gradients; `prepare(engine.module)`
+is refused by name under ZeRO-3 (ZeRO-1/2 accept it).
 
 Why anything is needed: ZeRO reduces a parameter's gradient from a hook that fires after each
 accumulation into its `.grad` (`register_post_accumulate_grad_hook`). A streamed backward accumulates a
 layer's weight gradients chunk by chunk, some through autograd (a hook firing per chunk: ZeRO-2 asserts
 "multiple gradient reduction", or reduces a partial sum), some by hand into `.grad` (no firing at all:
-never reduced). A tied embedding and head is fed from two places in one step.
+never reduced). A tied embedding and head is fed from two places in one step. ZeRO-3 also gathers a
+module's parameters around each call of it, which a chunk loop would turn into per-chunk collectives.
 
-Mechanism (`streambp_core.engine.reduction.OneReduction`, armed by every non-plain run's `loss`): a side
-buffer handed to autograd once, with `ds_grad_is_ready` silencing the firings before it.
-1. When `run.loss` builds the loss, every trainable parameter gets `ds_grad_is_ready = False`
-   (DeepSpeed >= 0.17.0: `reduce_independent_p_g_buckets_and_remove_grads` in `stage_1_and_2.py`
-   returns before reducing while it is False), so every firing during the streamed backward leaves the
-   gradient where it is, summing in `.grad`.
-2. A hook on the loss queues one callback at the end of the outer backward. There, with every chunk of
-   every layer and both uses of a tied weight done, each parameter's summed gradient is taken out of
-   `.grad` (the side buffer), the flag is set back to True, and one `torch.autograd.backward` through
-   `p.view_as(p)` with those gradients fires each parameter's hook exactly once, in reverse layer order
-   (the order of plain backprop, so DeepSpeed's buckets fill as usual).
+Mechanisms, chosen per method (both rely on `ds_grad_is_ready`, DeepSpeed >= 0.17.0: the stage-1/2 and
+stage-3 hooks leave the gradient in `.grad`, unreduced, while it is False):
+- streambp and mst (`Run.drives_modules`), every stage: units (`engine.zero3.Zero3Units`: streambp's
+  decoder layers and head, mst's chunked MLPs and head). While a unit's backward runs, its parameters'
+  flags are False; as it ends, a bracket on its input sets them, takes each summed gradient out of
+  `.grad` (zeros where none arrived) and returns it to autograd, whose accumulation fires each hook once:
+  the gradient is reduced as its layer completes, as ZeRO-2 and ZeRO-3 schedule it for plain backprop.
+  Under ZeRO-3 the unit is also gathered once for its forward and once for its backward, with
+  DeepSpeed's own hooks taken off the unit's modules while the run is open: no chunk issues a
+  collective, so ranks with different lengths (chunk counts) cannot deadlock (counted in the tests).
+  An MoE block DeepSpeed marks as a leaf module is reduced from its leaf hook, called once by the unit.
+- checkpoint, ZeRO-1/2 (`engine.reduction.OneReduction`, armed on every loss): every flag False for the
+  backward; at its end (a callback queued on autograd's engine) each summed gradient goes to autograd
+  once through `p.view_as(p)`, in reverse layer order. Full gradients are held until then (as
+  `engine.coalesce_grad_reduction()` does). Under ZeRO-3, checkpoint and plain need nothing: each
+  parameter's hook fires once through transformers' modules (an MoE model's blocks must be leaf
+  modules, DeepSpeed's default for the known ones; refused by name otherwise).
+- plain: the model untouched.
 
-Per stage:
-- ZeRO-2 reduces from the hook on every micro-step: without the deferral it asserts (a second firing)
-  or never reduces a hand-written gradient; with it, one reduction per parameter per micro-step.
-- ZeRO-1 without `overlap_comm` reduces at the accumulation boundary from `.grad` (`reduce_gradients`)
-  and would be exact without help; with `overlap_comm` it reduces from the hook as ZeRO-2 does. The same
-  deferral serves both (one reduction per parameter per step, counted in the tests).
-- ZeRO-3: refused for every method but plain. Its parameters are partitioned and gathered by module
-  hooks that streambp's and mst's layers (which read a layer's pieces directly) do not go through, and
-  its gradients are partitioned in a way this mechanism is not checked on. So no chunk ever issues a
-  collective under DeepSpeed: a chunk count differing between ranks cannot deadlock (FSDP2's zero3 is
-  the sharded-parameter engine here, gathering once per layer, not per chunk).
-
-Why not the flag alone, cleared at a parameter's last firing: the engine writes most linear weight
-gradients by hand into `.grad` (no hook), so the last firing of a parameter is not a point the flag can
-mark; the single firing through `view_as` is. The cost, against ZeRO-2's own schedule: full gradients
-are held until the end of the backward, as `engine.coalesce_grad_reduction()` does (no overlap of
-reduction with backward).
+Per stage: ZeRO-2 and ZeRO-3 reduce from the hooks on every micro-step; ZeRO-1 without `overlap_comm`
+reduces at the accumulation boundary from `.grad` and would be exact without help, with `overlap_comm`
+as ZeRO-2; the same mechanisms serve all three (one reduction per parameter per micro-step, per step on
+ZeRO-1, counted in the tests).
 
 Refused by name (`check_engine`, `prepare`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage
-other than 1, 2, 3, every method but plain under ZeRO-3, and `BF16_Optimizer` with
-`immediate_grad_update` on DeepSpeed before 0.19.8 (it over-counts).
+other than 1, 2, 3, the params offload tier under DeepSpeed (use its `offload_param`), and
+`BF16_Optimizer` with `immediate_grad_update` on DeepSpeed before 0.19.8 (it over-counts).
 """
 
 from __future__ import annotations
@@ -103,7 +102,12 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
     """A DeepSpeed config for ZeRO `stage` in the parameters' own dtype (no fp16/bf16 section: float32
     or float64 master weights), torch's Adam (no compiled op) without weight decay (DeepSpeed's Adam is
     AdamW, whose torch default decays by 0.01) and without clipping (DeepSpeed clips at norm 1.0 unless
-    told). ZeRO-1/2 keep float32 master weights whatever the parameters' dtype."""
+    told). ZeRO keeps float32 master weights whatever the parameters' dtype. ZeRO-3 partitions every
+    parameter (`stage3_param_persistence_threshold` 0: by default it keeps those under 1e5 elements whole
+    on every rank, which would be all of a tiny model's)."""
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
             "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 1 << 30}
+            "zero_optimization": zero, "gradient_clipping": 0.0, "steps_per_print": 1 << 30}

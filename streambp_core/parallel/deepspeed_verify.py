@@ -7,10 +7,11 @@ Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
    float32 master weights, as ZeRO keeps them whatever the parameters' dtype (the update is their
    change, cast back).
 2. For each ZeRO stage and method: a fresh copy of the model goes through `deepspeed.initialize`; the
-   user's loop runs unchanged (`prepare(engine.module, ...)`, `engine.backward(run.loss(...))`,
+   user's loop runs unchanged (`prepare(engine, ...)`, `engine.backward(run.loss(...))`,
    `engine.step()`) over the rank's micro-steps, while every parameter id ZeRO puts into a reduction
-   bucket is counted (`reduce_ipg_grads`, the one place stages 1 and 2 reduce).
-3. Each rank compares the applied update (parameters after minus before) with the reference's, and
+   bucket is counted (`count_reductions`). LoRA (`lora_rank`) trains the adapters only.
+3. Each rank compares the applied update (trainable parameters after minus before; ZeRO-3's gathered
+   whole) with the reference's, and
    with plain's on the same engine (`engine_plain_err`: the mechanism alone, float32 masters on both
    sides): max relative error over parameters; rank 0 returns the results.
 """
@@ -25,8 +26,8 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.methods import RUN_CLASSES
 from streambp_core.models import build_model, load_config
+from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.deepspeed import STAGES, check_engine, check_installed, check_stage, zero_config
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
@@ -83,17 +84,13 @@ def verify_deepspeed(
 
 def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
     """ConfigError for what a DeepSpeed verify cannot run (before any rank starts)."""
-    stages = [check_stage(shard) for shard in shards]
+    for shard in shards:
+        check_stage(shard)
     if spec.step.dtype not in TOLERANCE:
         exact = ", ".join(TOLERANCE)
         raise ConfigError(f"deepspeed verify compares exact dtypes ({exact}), got {spec.step.dtype}")
-    if spec.device != "cpu" or spec.step.lora_rank:
-        raise ConfigError("deepspeed verify runs on cpu ranks, full-parameter training (lora_rank 0)")
-    if 3 in stages:
-        driven = [m for m in spec.methods if RUN_CLASSES[m].drives_modules] or list(spec.methods)
-        raise ConfigError(f"{', '.join(driven)} under deepspeed zero3 is not supported (the streamed layers "
-                          "read parameters ZeRO-3 partitions; one reduction per parameter is checked on "
-                          "ZeRO-1 and ZeRO-2 only); use --shard zero1 or zero2")
+    if spec.device != "cpu":
+        raise ConfigError("deepspeed verify runs on cpu ranks")
 
 
 def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[DeepSpeedResult]:
@@ -105,6 +102,8 @@ def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[
     for spec in specs:
         step = spec.step
         model = build_model(load_config(step.model), dtype=DTYPES[step.dtype], device="cpu", seed=step.seed)
+        if step.lora_rank:
+            model = apply_lora(model, step.lora_rank)
         batches = [[_batch(spec, model, r, m) for m in range(micro_steps)] for r in range(world)]
         reference = _plain_update(model, spec, batches)
         for shard in shards:
@@ -137,13 +136,13 @@ def _plain_update(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]:
         for rank_batches in batches:
             for batch in rank_batches:
                 (_loss(run, *batch) / count).backward()
-    names = [name for name, p in model.named_parameters()]
-    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
-    for master, param in zip(masters, model.parameters(), strict=True):
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_() for _, p in named]
+    for master, (_, param) in zip(masters, named, strict=True):
         master.grad = param.grad.float()
     torch.optim.Adam(masters, lr=LR).step()
     return {name: master.detach().to(param.dtype) - param.detach()
-            for name, master, param in zip(names, masters, model.parameters(), strict=True)}
+            for master, (name, param) in zip(masters, named, strict=True)}
 
 
 def _engine_update(model, method, shard, spec: VerifySpec, batches):
@@ -153,14 +152,15 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
     import deepspeed
 
     model = copy.deepcopy(model)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     config = zero_config(STAGES[shard], micro_batch=spec.step.batch_size, accumulation=len(batches),
                          lr=LR)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     check_engine(engine)
     counts = count_reductions(engine.optimizer)
     tallies: Counter = Counter()
-    with streambp_core.prepare(engine.module, method, spec.step_of(method).stream) as run:
+    with streambp_core.prepare(engine, method, spec.step_of(method).stream) as run:
         for batch in batches:
             if shard != "zero1":
                 counts.clear()
@@ -170,7 +170,9 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
             engine.step()
     if shard == "zero1":
         tallies.update(_tally(counts, engine.module))
-    update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: whole again
+        update = {name: p.detach() - before[name] for name, p in engine.module.named_parameters()
+                  if name in before}
     return update, tallies
 
 
@@ -185,12 +187,23 @@ def _result(method, shard, spec, world, micro_steps, update, tallies, reference,
 
 
 def count_reductions(optimizer) -> Counter:
-    """A Counter of param ids that fills as `optimizer` (ZeRO stage 1 or 2) reduces each bucket.
+    """A Counter of param ids that fills as `optimizer` puts each gradient into a reduction bucket.
 
-    `reduce_ipg_grads` is where stages 1 and 2 reduce a bucket of gradients (both from the hooks and at
-    the epilogue); it is wrapped on this instance only.
+    Stages 1 and 2 reduce a bucket in `reduce_ipg_grads` (from the hooks and at the epilogue); stage 3
+    adds a gradient to its bucket in its private `__add_grad_to_ipg_bucket`, reached only when the
+    gradient is ready. Either is wrapped on this instance only.
     """
     counts: Counter = Counter()
+    stage3_add = "_DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket"
+    if hasattr(optimizer, stage3_add):
+        add = getattr(optimizer, stage3_add)
+
+        def added(param):
+            counts[param.ds_id] += 1
+            return add(param)
+
+        setattr(optimizer, stage3_add, added)
+        return counts
     reduce = optimizer.reduce_ipg_grads
 
     def counted(comm_dtype=None, *args, **kwargs):

@@ -134,6 +134,6 @@ def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
     if spec.shard != "none":  # one rank's: its shards (and what DeepSpeed ZeRO-2 keeps whole)
         from streambp_core.step.shards import ShardLayout, rank_breakdown
 
-        phase = "forward" if spec.shard == "deepspeed-zero2" else "optimizer"
+        phase = "forward" if spec.shard.startswith("deepspeed-") else "optimizer"
         held = rank_breakdown(spec, ShardLayout.from_model(model, spec.gpus), held, phase)
     return sum(device_resident(spec, held).values())

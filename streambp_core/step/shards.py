@@ -25,10 +25,23 @@ settings) instead, the paper's Table 4 engine:
   and of AdamW's two fp32 moments: 12 bytes per partition element;
 - grads: the bf16 gradient partition (`grads_in_partition`, allocated at the first reduction and kept
   from step to step); in backward also one reduce bucket (`ipg_buffer`: `reduce_bucket_size` = 5e8
-  elements, bf16; one buffer since `overlap_comm` is off by default for stage 2) and the unsharded
-  gradients in flight as above;
+  elements, bf16, allocated whole whatever the model's size; one buffer since `overlap_comm` is off by
+  default for stage 2) and the unsharded gradients in flight as above;
 - the optimizer phase: the bf16 partition, its flattened copy and the fp32 gradient partition the
   optimizer steps on (4 bytes per element); the bucket is gone.
+
+`deepspeed_zero3_breakdown` lays out one rank of DeepSpeed ZeRO-3 with bf16 (`stage3.py`, its defaults):
+- weights: every parameter's bf16 partition (`ds_tensor`, 1/N of it, padded), and in the step the
+  gathered ones: the root's (embedding, final norm, head: each gathered in full while it runs) and one
+  decoder layer, plus the prefetch (`stage3_prefetch_bucket_size` = 5e7 elements, at most a layer; a
+  streamed method's units gather one layer at a time and do not prefetch: an upper bound there);
+  parameters under `stage3_param_persistence_threshold` (1e5 elements: the norms) stay whole on every
+  rank: counted in full;
+- optimizer: as ZeRO-2 (fp32 master weights and AdamW's two fp32 moments of the rank's partition);
+- grads: the gradient partition (`grad_partitions_flat_buffer`, bf16 by default, from initialisation
+  on) and the reduce bucket (`ipg` buffer, `reduce_bucket_size` = 5e8 elements, allocated with the
+  optimizer, so in every phase); in backward also the unsharded gradients in flight (the root's and
+  two layers', as above); in the optimizer phase the fp32 gradient partition it steps on.
 """
 
 from __future__ import annotations
@@ -44,6 +57,10 @@ PREFETCHED_LAYERS = 2
 """zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed ZeRO's default `reduce_bucket_size` (elements of the gradient reduce buffer)."""
+DEEPSPEED_PREFETCH_ELEMENTS = 50_000_000
+"""DeepSpeed ZeRO-3's default `stage3_prefetch_bucket_size` (elements gathered ahead of their module)."""
+DEEPSPEED_PERSISTENCE_ELEMENTS = 100_000
+"""DeepSpeed ZeRO-3's default `stage3_param_persistence_threshold`: smaller parameters stay whole."""
 FP32_BYTES = 4
 
 
@@ -65,6 +82,9 @@ class ShardLayout:
     units: tuple[UnitBytes, ...]
     trainable_numel: int = 0
     """Elements of the trainable parameters (all units)."""
+    persistent_bytes: int = 0
+    """Bytes of the parameters DeepSpeed ZeRO-3 keeps whole (under its persistence threshold), beyond
+    their shards."""
     grad_element_bytes: int = 2
     """Bytes per element of a trainable parameter (and its gradient)."""
 
@@ -78,8 +98,10 @@ class ShardLayout:
         root = [p for p in model.parameters() if id(p) not in in_layers]
         units = [_unit(root, gpus)] + [_unit(list(layer.parameters()), gpus) for layer in layers]
         trainable = [p for p in model.parameters() if p.requires_grad]
+        small = [p for p in model.parameters() if p.numel() < DEEPSPEED_PERSISTENCE_ELEMENTS]
         return cls(gpus=gpus, units=tuple(units), trainable_numel=sum(p.numel() for p in trainable),
-                   grad_element_bytes=max((p.element_size() for p in trainable), default=2))
+                   grad_element_bytes=max((p.element_size() for p in trainable), default=2),
+                   persistent_bytes=sum(p.numel() * p.element_size() for p in small))
 
     @property
     def partition_numel(self) -> int:
@@ -174,15 +196,45 @@ def deepspeed_breakdown(
     elif phase == "forward":
         rank["grads"] = partition
     else:
-        bucket = layout.grad_element_bytes * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, layout.trainable_numel)
+        bucket = layout.grad_element_bytes * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
         rank["grads"] = partition + bucket + (layout.inflight_grad_bytes() if grads else 0)
+    return rank
+
+
+def deepspeed_zero3_breakdown(
+    breakdown_bytes: dict[str, int], layout: ShardLayout, phase: str = "backward", *,
+    optimizer_state: bool = True,
+) -> dict[str, int]:
+    """One rank's bytes by category under DeepSpeed ZeRO-3 with bf16 (module docstring), at the peak of a
+    step phase whose single-rank breakdown is given; `optimizer_state` False: a backprop-only step."""
+    part = layout.partition_numel
+    element = layout.grad_element_bytes
+    rank = dict(breakdown_bytes)
+    buffers = breakdown_bytes.get("weights", 0) - layout.total("full")  # buffers are not partitioned
+    layers = sorted((unit.full for unit in layout.units[1:]), reverse=True) or [0]
+    prefetch = min(DEEPSPEED_PREFETCH_ELEMENTS * element, layers[0])
+    gathered = layout.units[0].full + layers[0] + prefetch if phase != "optimizer" else 0
+    rank["weights"] = buffers + layout.total("shard") + layout.persistent_bytes + gathered
+    master = 0 if element == FP32_BYTES else FP32_BYTES
+    rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state else 0
+    bucket = element * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+    grads = breakdown_bytes.get("grads", 0)
+    rank["grads"] = element * part + bucket
+    if phase == "optimizer":
+        rank["grads"] += FP32_BYTES * part
+        rank["temporaries"] = round(breakdown_bytes.get("temporaries", 0) * layout.trainable_fraction)
+    elif phase != "forward":
+        rank["grads"] += min(grads, layout.inflight_grad_bytes())
     return rank
 
 
 def rank_breakdown(spec: StepSpec, layout: ShardLayout, breakdown_bytes: dict[str, int], phase: str
                    ) -> dict[str, int]:
     """One rank's bytes by category under `spec.shard` at a point of phase `phase` whose single-GPU
-    breakdown is given (`sharded_breakdown` or `deepspeed_breakdown`)."""
+    breakdown is given (`sharded_breakdown`, `deepspeed_breakdown` or `deepspeed_zero3_breakdown`)."""
+    optimizer_state = spec.optimizer != "none"
     if spec.shard == "deepspeed-zero2":
-        return deepspeed_breakdown(breakdown_bytes, layout, phase, optimizer_state=spec.optimizer != "none")
+        return deepspeed_breakdown(breakdown_bytes, layout, phase, optimizer_state=optimizer_state)
+    if spec.shard == "deepspeed-zero3":
+        return deepspeed_zero3_breakdown(breakdown_bytes, layout, phase, optimizer_state=optimizer_state)
     return sharded_breakdown(breakdown_bytes, layout, spec.shard, phase)

@@ -89,6 +89,8 @@ PROFILE = ["--model", "tiny/qwen3", "--device", "cpu"]
         ("fsdp_rank_memory", ["--methods", "nosuch"], ["unknown method 'nosuch'"]),
         ("fsdp_rank_memory", ["--gpus", "1"], ["--gpus must be at least 2"]),
         ("fsdp_rank_memory", ["--gpus", "4096"], ["more than the"]),
+        ("deepspeed_rank_memory", ["--shards", "zero2"], ["DeepSpeed rank is measured as the layouts"]),
+        ("deepspeed_rank_memory", ["--gpus", "1"], ["--gpus must be at least 2"]),
         ("step_flops", ["--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
         ("step_flops", ["--head-modes", "fast"], ["head modes are", "not fast"]),
         ("step_flops", ["--seq-len", "0"], ["--seq-len must be at least 1"]),

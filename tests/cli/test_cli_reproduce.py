@@ -37,11 +37,13 @@ def test_reproduce_table4_quick_writes_each_engine_and_the_zero3_rows(tmp_path: 
     result = CliRunner().invoke(app, ["reproduce", "table4", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     rows = {(r.method, r.shard, r.gpus, r.offload): r for r in ResultsFile(tmp_path / "table4.csv").rows()}
+    engines = ("deepspeed-zero2", "zero2", "zero3", "deepspeed-zero3")
     for method in ("checkpoint", "streambp"):
-        assert {(method, shard, 2, "none") for shard in ("deepspeed-zero2", "zero2", "zero3")} <= set(rows)
+        assert {(method, shard, 2, "none") for shard in engines} <= set(rows)
         assert rows[method, "zero3", 2, "checkpoints"].source == "simulated"
-        fsdp, ds = rows[method, "zero2", 2, "none"], rows[method, "deepspeed-zero2", 2, "none"]
-        assert fsdp.optimizer_gib < ds.optimizer_gib  # bf16 moments vs fp32 master weights and moments
+        assert rows[method, "zero2", 2, "none"].value > 0
+        for shard in ("deepspeed-zero2", "deepspeed-zero3"):  # DeepSpeed's 5e8-element bucket alone is 1 GB:
+            assert rows[method, shard, 2, "none"].value == 0  # over the quick 5 MiB budget at any length
     assert rows["streambp", "zero3", 2, "none"].value > rows["checkpoint", "zero3", 2, "none"].value
     readme = (tmp_path / "README.md").read_text()
     assert "## Table 4" in readme and "| tiny/llama |" in readme

@@ -50,3 +50,26 @@ def sequence_all_to_all(rank: int, world: int, total_tokens: int) -> dict[str, f
         "round_trip": float((back - mine).abs().max()),
         "grad": float((mine.grad - full_weights[:, start:end]).abs().max()),
     }
+
+
+def zero3_uneven_lengths(rank: int, world: int) -> dict[str, int]:
+    """streambp on DeepSpeed ZeRO-3 with a different sequence length (so chunk count) on each rank: one
+    micro-step and one optimizer step; returns the all-gathers its units issued, the units, the chunks."""
+    import deepspeed
+
+    import streambp_core
+    from streambp_core.models import build_model, load_config
+    from streambp_core.parallel.deepspeed import zero_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=zero_config(3, micro_batch=1))
+    seq_len = 8 + 16 * rank
+    generator = torch.Generator().manual_seed(rank)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator)
+    with streambp_core.prepare(engine, "streambp", partition_size=4, head_partition_size=4) as run:
+        engine.backward(run.loss(input_ids))
+        engine.step()
+        units = run.zero3.num_units - 1  # unit 0 (the embedding) runs under DeepSpeed's own hooks
+        return {"gathers": run.zero3.gathers, "units": units, "chunks": seq_len // 4}

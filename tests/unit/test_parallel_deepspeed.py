@@ -7,6 +7,8 @@ on ZeRO-1, which reduces at the accumulation boundary)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -37,16 +39,15 @@ def test_a_model_under_no_engine_is_left_alone():
         assert run._reduction is None
 
 
-def test_zero3_marks_refuse_every_method_but_plain():
+def test_zero3_marks_need_the_engine_itself():
     model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
     for param in model.parameters():
         param.ds_id = 0  # the mark ZeRO-3 leaves on a parameter it partitions
     assert zero_stage_of(model) == 3
-    with pytest.raises(ConfigError, match="streambp under deepspeed zero3 is not supported"):
-        one_reduction_for(model, "streambp", drives_modules=True)
-    with pytest.raises(ConfigError, match="checkpoint under deepspeed zero3 is not supported"):
-        one_reduction_for(model, "checkpoint")
-    assert one_reduction_for(model, "plain") is None  # plain is untouched: ZeRO-3's own hooks
+    assert one_reduction_for(model, "streambp") is None  # ZeRO-3: the units hand each gradient over once
+    for method in ("plain", "streambp"):
+        with pytest.raises(ConfigError, match="under deepspeed zero3, prepare the engine itself"):
+            streambp_core.prepare(model, method)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -54,7 +55,6 @@ def test_zero3_marks_refuse_every_method_but_plain():
     (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero4"], "deepspeed shard must be one of zero1"),
     (["--nproc", "2", "--shard", "zero1"], "--shard for fsdp2 must be one of zero2, zero3"),
     (["--engine", "deepspeed"], "--engine deepspeed needs --nproc N"),
-    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero3"], "streambp under deepspeed zero3"),
     (["--nproc", "99999", "--engine", "deepspeed", "--shard", "zero2"], "nproc 99999 is more than"),
 ])
 def test_verify_bad_input_is_one_error_line(args, message):
@@ -85,11 +85,12 @@ def test_a_missing_or_old_deepspeed_is_refused_before_ranks(monkeypatch):
         sharded_stages("deepspeed", "zero2", 2)
 
 
-def _verify(model, methods, shards, objective="sft", micro_steps=2):
+def _verify(model, methods, shards, objective="sft", micro_steps=2, **step):
     from streambp_core.parallel.deepspeed_verify import verify_deepspeed
 
-    spec = VerifySpec.of(model=model, methods=methods, seq_len_tokens=32, batch_size=2, partition_size=8,
-                         head_partition_size=8, dtype="float64", padding="right", objective=objective)
+    fields = {"seq_len_tokens": 32, "batch_size": 2, "partition_size": 8, "head_partition_size": 8, **step}
+    spec = VerifySpec.of(model=model, methods=methods, dtype="float64", padding="right", objective=objective,
+                         **fields)
     return verify_deepspeed((spec,), nproc=2, shards=shards, micro_steps=micro_steps, timeout_s=600)
 
 
@@ -108,11 +109,50 @@ def test_streambp_on_zero2_applies_plains_update_with_one_reduction_each(model):
     _check(_verify(model, ("streambp",), ("zero2",)), {("streambp", "zero2")})
 
 
+@two_cores
+@pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])  # untied and tied embedding and head
+def test_streambp_on_zero3_applies_plains_update_with_one_reduction_each(model):
+    _check(_verify(model, ("streambp",), ("zero3",)), {("streambp", "zero3")})
+
+
 @pytest.mark.slow
 @two_cores
 @pytest.mark.parametrize("objective", ["sft", "grpo", "dpo"])
 @pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])
-def test_every_method_on_zero1_and_zero2(model, objective):
+def test_every_method_on_every_stage(model, objective):
+    """Every method, ZeRO-1/2/3, both heads, every objective: behind STREAMBP_DEEPSPEED_MATRIX=full but
+    for one cell (tied head, grpo) that runs by default."""
+    if (model, objective) != ("tiny/qwen3", "grpo") and os.environ.get("STREAMBP_DEEPSPEED_MATRIX") != "full":
+        pytest.skip("the full DeepSpeed matrix runs with STREAMBP_DEEPSPEED_MATRIX=full")
     methods = ("plain", "checkpoint", "mst", "streambp")
-    results = _verify(model, methods, ("zero1", "zero2"), objective=objective)
-    _check(results, {(m, s) for m in methods for s in ("zero1", "zero2")})
+    shards = ("zero1", "zero2", "zero3")
+    results = _verify(model, methods, shards, objective=objective)
+    _check(results, {(m, s) for m in methods for s in shards})
+
+
+@two_cores
+def test_zero3_lora_and_moe_apply_plains_update_with_one_reduction_each(tmp_path):
+    """LoRA adapters (frozen base weights gathered, adapters reduced) and a mixture-of-experts model
+    (DeepSpeed marks its MoE blocks as leaf modules: plain and checkpoint reduce them from the block,
+    streambp and mst from their units), four tokens a rank over sixteen experts."""
+    from streambp_core.models.load import tiny_config
+
+    _check(_verify("tiny/qwen3", ("streambp",), ("zero3",), lora_rank=4), {("streambp", "zero3")})
+    tiny_config("qwen3-moe", num_experts=16).save_pretrained(tmp_path)
+    methods = ("checkpoint", "mst", "streambp")
+    results = _verify(str(tmp_path), methods, ("zero3",), seq_len_tokens=4, batch_size=1, partition_size=2,
+                      head_partition_size=2)
+    _check(results, {(m, "zero3") for m in methods})
+
+
+@two_cores
+def test_zero3_chunks_issue_no_collective_so_uneven_lengths_cannot_deadlock():
+    """Ranks with 2 and 6 chunks a layer: each unit (2 layers, the head) is all-gathered once for its
+    forward and once for its backward on both, the same count whatever the length."""
+    from streambp_core.parallel.launch import run_ranks
+    from tests.unit.parallel_ranks import zero3_uneven_lengths
+
+    per_rank = run_ranks(zero3_uneven_lengths, 2, timeout_s=300)
+    assert [r["chunks"] for r in per_rank] == [2, 6]
+    assert [r["units"] for r in per_rank] == [3, 3]
+    assert [r["gathers"] for r in per_rank] == [6, 6]

@@ -15,7 +15,11 @@ from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
 from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import build_training_model, resident_bytes
-from streambp_core.step.shards import DEEPSPEED_REDUCE_BUCKET_ELEMENTS, ShardLayout
+from streambp_core.step.shards import (
+    DEEPSPEED_PREFETCH_ELEMENTS,
+    DEEPSPEED_REDUCE_BUCKET_ELEMENTS,
+    ShardLayout,
+)
 from streambp_core.step.simulate import shard_layout, simulate
 
 MODEL = "tiny/qwen3"
@@ -68,7 +72,7 @@ def test_deepspeed_one_rank_holds_fp32_master_and_moments(sim):
     assert rank.breakdown_bytes["grads"] >= 2 * layout.trainable_numel + bucket
 
 
-@pytest.mark.parametrize("stage", ["zero3", "deepspeed-zero2"])
+@pytest.mark.parametrize("stage", ["zero3", "deepspeed-zero2", "deepspeed-zero3"])
 def test_sharded_state_shrinks_as_one_over_n_and_activations_stay(sim, stage):
     ranks = {n: sim(_spec(optimizer="adamw", gpus=n, shard=stage)) for n in (2, 4, 8)}
     for n, rank in ranks.items():
@@ -91,6 +95,28 @@ def test_zero3_holds_less_than_zero2_and_deepspeed_more_on_a_big_model(sim):
     moments = 2 * layout.total("trainable_shard")  # pure-bf16 AdamW: two bf16 moments per shard element
     assert peaks["zero2"].breakdown_bytes["optimizer"] == pytest.approx(moments, abs=8)
     assert peaks["deepspeed-zero2"].breakdown_bytes["optimizer"] == 12 * layout.partition_numel
+
+
+def test_deepspeed_zero3_partitions_the_weights_and_keeps_zero2s_fp32_state(sim):
+    """DeepSpeed ZeRO-3 on 8 GPUs: the bf16 weights partitioned (its shards, the root and one layer
+    gathered with the prefetch, the small persistent parameters whole), the same fp32 master weights and
+    moments as ZeRO-2, the gradient partition and bucket in every phase."""
+    config = load_config("Qwen/Qwen3-8B")
+    spec = StepSpec.of(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=1024, optimizer="adamw")
+    two, three = (sim(replace(spec, gpus=8, shard=stage), config) for stage in ("deepspeed-zero2",
+                                                                                "deepspeed-zero3"))
+    model, _ = build_training_model(spec, config, "meta")
+    layout = ShardLayout.from_model(model, 8)
+    layer = max(unit.full for unit in layout.units[1:])
+    gathered = layout.units[0].full + layer + min(2 * DEEPSPEED_PREFETCH_ELEMENTS, layer)
+    buffers = three.breakdown_bytes["weights"] - (layout.total("shard") + layout.persistent_bytes + gathered)
+    assert 0 <= buffers < 2**20  # the rotary tables: buffers are not partitioned
+    assert three.breakdown_bytes["weights"] < two.breakdown_bytes["weights"] / 2
+    state = 12 * layout.partition_numel
+    assert three.breakdown_bytes["optimizer"] == two.breakdown_bytes["optimizer"] == state
+    bucket = 2 * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, layout.trainable_numel)
+    assert three.breakdown_bytes["grads"] >= 2 * layout.partition_numel + bucket
+    assert three.peak_bytes < two.peak_bytes
 
 
 def test_resident_bytes_are_one_ranks():
