@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 
 from csv_out import emit_rows
-from fsdp_rank_memory import model_config
+from fsdp_rank_memory import add_step_arguments, model_config
 
-from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
 
@@ -32,15 +31,7 @@ COLUMNS = ("model", "vocab_size", "hidden_size", "num_layers", "seq_len_tokens",
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--model", default="tiny/qwen3", help="preset name or local config directory")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="0: the preset's")
-    parser.add_argument("--hidden-size", type=int, default=128, help="0: the preset's")
-    parser.add_argument("--intermediate-size", type=int, default=256, help="0: the preset's")
-    parser.add_argument("--seq-len", type=token_count("length"), default=256, help=f"tokens ({UNITS})")
-    parser.add_argument("--ps", type=token_count("partition size"), default=64,
-                        help=f"layer partition (streambp; {UNITS})")
-    parser.add_argument("--ps-head", type=token_count("head partition size"), default=64,
-                        help=f"LM-head partition (streambp; {UNITS})")
+    add_step_arguments(parser)
     parser.add_argument("--gpus", type=int, default=2, help="CPU ranks (at most the cores)")
     parser.add_argument("--shards", default="deepspeed-zero2", help="comma-separated DeepSpeed layouts")
     parser.add_argument("--methods", default="streambp,checkpoint", help="comma-separated methods")

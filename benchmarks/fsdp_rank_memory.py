@@ -29,9 +29,9 @@ COLUMNS = ("model", "vocab_size", "hidden_size", "num_layers", "seq_len_tokens",
            "simulated_minus_measured")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its shrunken sizes, the length and the partitions: the options a rank-memory benchmark
+    shares (this one and deepspeed_rank_memory.py)."""
     parser.add_argument("--model", default="tiny/qwen3", help="preset name or local config directory")
     parser.add_argument("--vocab-size", type=int, default=4096, help="0: the preset's")
     parser.add_argument("--hidden-size", type=int, default=128, help="0: the preset's")
@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"layer partition (streambp; {UNITS})")
     parser.add_argument("--ps-head", type=token_count("head partition size"), default=64,
                         help=f"LM-head partition (streambp; {UNITS})")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    add_step_arguments(parser)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gpus", type=int, default=2, help="CPU ranks (at most the cores)")
     parser.add_argument("--shards", default="zero2,zero3", help="comma-separated FSDP2 stages")
