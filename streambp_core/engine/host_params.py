@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.offload import host_copy
+from streambp_core.engine.unit_hooks import bracket_hooks, entered_inputs, in_backward, unique_params
 from streambp_core.measure.tags import WEIGHTS, memory_category
 
 
@@ -43,7 +44,7 @@ class HostParams:
                  forward_only: Sequence[int] = ()) -> None:
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._units: list[list[nn.Parameter]] = [_unique_params(modules) for modules in units]
+        self._units: list[list[nn.Parameter]] = [unique_params(modules) for modules in units]
         self._forward_only = frozenset(forward_only)
         self._host: dict[int, Tensor] = {}
         self._pending: dict[int, tuple[Tensor, torch.cuda.Event | None]] = {}
@@ -109,7 +110,7 @@ class HostParams:
     def leave(self, index: int, output: Tensor) -> Tensor:
         """Release unit `index` after its forward; `output` comes back bracketed so that the unit is
         gathered again before its backward."""
-        if not _in_backward():
+        if not in_backward():
             self.release(index)
         if not isinstance(output, Tensor) or not output.requires_grad or index in self._forward_only:
             return output
@@ -127,9 +128,8 @@ class HostParams:
     def hook(self, index: int, module: nn.Module) -> None:
         """Bracket unit `index` by `module`'s forward hooks (its first tensor argument and its output, or
         the output's first element)."""
-        self._hooks.append(module.register_forward_pre_hook(
-            lambda _m, args, kwargs: self._pre_hook(index, args, kwargs), with_kwargs=True))
-        self._hooks.append(module.register_forward_hook(lambda _m, _a, out: self._post_hook(index, out)))
+        self._hooks.extend(bracket_hooks(module, lambda args, kwargs: self._pre_hook(index, args, kwargs),
+                                          lambda out: self._post_hook(index, out)))
 
     def close(self) -> None:
         """Remove the hooks and put every weight back on the device."""
@@ -168,13 +168,12 @@ class HostParams:
         self._pending[id(param)] = (buffer, event)
 
     def _pre_hook(self, index: int, args: tuple, kwargs: dict):
-        if _in_backward():  # a checkpointed layer's recompute: gathered by its output's bracket
+        if in_backward():  # a checkpointed layer's recompute: gathered by its output's bracket
             self.gather(index)
             return None
-        if args and isinstance(args[0], Tensor):
-            return (self.enter(index, args[0]), *args[1:]), kwargs
-        if isinstance(kwargs.get("hidden_states"), Tensor):
-            return args, {**kwargs, "hidden_states": self.enter(index, kwargs["hidden_states"])}
+        entered = entered_inputs(args, kwargs, lambda hidden: self.enter(index, hidden))
+        if entered is not None:
+            return entered
         self.gather(index)
         self.prefetch(index + 1)
         return None
@@ -184,7 +183,7 @@ class HostParams:
             return (self.leave(index, output[0]), *output[1:])
         if isinstance(output, Tensor):
             return self.leave(index, output)
-        if not _in_backward():
+        if not in_backward():
             self.release(index)
         return None
 
@@ -204,20 +203,8 @@ class _OnBackward(torch.autograd.Function):
         return grad, None, None
 
 
-def _unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    params: dict[int, nn.Parameter] = {}
-    for module in modules:
-        params.update((id(p), p) for p in module.parameters())
-    return list(params.values())
-
-
 def _to_host(param: nn.Parameter) -> Tensor:
     host = host_copy(param.data)
     host.copy_(param.data)
     param.data = host
     return host
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpoint's recompute runs inside one)."""
-    return torch._C._current_graph_task_id() != -1

@@ -38,6 +38,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from streambp_core.engine.unit_hooks import bracket_hooks, entered_inputs, in_backward, unique_params
+
 
 class Zero3Units:
     """The units of a streamed method under ZeRO-3 (module docstring); `close()` gives every module its
@@ -45,7 +47,7 @@ class Zero3Units:
 
     def __init__(self, units: Sequence[Sequence[nn.Module]], shared: Iterable[nn.Parameter] = ()) -> None:
         shared_ids = {id(param) for param in shared}
-        self._params = [_unique_params(modules) for modules in units]
+        self._params = [unique_params(modules) for modules in units]
         self._owned = [[p for p in params if p.requires_grad and id(p) not in shared_ids]
                        for params in self._params]
         self._shared = [[p for p in params if p.requires_grad and id(p) in shared_ids]
@@ -85,7 +87,7 @@ class Zero3Units:
     def leave(self, index: int, output):
         """Release unit `index` after its forward; `output` comes back bracketed so that the unit is
         gathered again before its backward."""
-        if not _in_backward():  # a checkpoint's recompute inside backward keeps the unit gathered
+        if not in_backward():  # a checkpoint's recompute inside backward keeps the unit gathered
             self.release(index)
         if not isinstance(output, Tensor) or not output.requires_grad:
             return output
@@ -98,18 +100,16 @@ class Zero3Units:
         """Bracket unit `index` by `module`'s own forward hooks (a module transformers calls, e.g. an MLP
         block inside a checkpointed layer): its first tensor argument and its output. A checkpoint's
         recompute inside backward only gathers (the output's bracket already did; the input's releases)."""
-        self._handles.append(module.register_forward_pre_hook(
-            lambda _m, args, kwargs: self._pre_hook(index, args, kwargs), with_kwargs=True))
-        self._handles.append(module.register_forward_hook(lambda _m, _a, out: self._post_hook(index, out)))
+        self._handles.extend(bracket_hooks(module, lambda args, kwargs: self._pre_hook(index, args, kwargs),
+                                          lambda out: self._post_hook(index, out)))
 
     def _pre_hook(self, index: int, args: tuple, kwargs: dict):
-        if _in_backward():
+        if in_backward():
             self.gather(index)
             return None
-        if args and isinstance(args[0], Tensor):
-            return (self.enter(index, args[0]), *args[1:]), kwargs
-        if isinstance(kwargs.get("hidden_states"), Tensor):
-            return args, {**kwargs, "hidden_states": self.enter(index, kwargs["hidden_states"])}
+        entered = entered_inputs(args, kwargs, lambda hidden: self.enter(index, hidden))
+        if entered is not None:
+            return entered
         self.gather(index)
         return None
 
@@ -254,10 +254,6 @@ def _from_deepspeed(hook) -> bool:
     return module.startswith("deepspeed.")
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpoint's recompute runs inside one)."""
-    return torch._C._current_graph_task_id() != -1
-
 
 def _status(param: Tensor) -> str:
     status = getattr(param, "ds_status", None)
@@ -266,10 +262,3 @@ def _status(param: Tensor) -> str:
 
 def _persistent(param: Tensor) -> bool:
     return bool(getattr(param, "ds_persist", False))
-
-
-def _unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    params: dict[int, nn.Parameter] = {}
-    for module in modules:
-        params.update((id(p), p) for p in module.parameters())
-    return list(params.values())

@@ -1,0 +1,42 @@
+"""What the engines that bracket a unit of modules by its forward hooks share (`host_params`: weights
+in host memory; `zero3`: DeepSpeed ZeRO-3's partitioned weights): the unit's parameters, whether a call
+is a checkpoint's recompute inside backward, and the hooks that bracket the unit's input and output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+
+def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of `modules`, each once (a tied one shared by two modules too), in order."""
+    params: dict[int, nn.Parameter] = {}
+    for module in modules:
+        params.update((id(p), p) for p in module.parameters())
+    return list(params.values())
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a checkpoint's recompute runs inside one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def entered_inputs(args: tuple, kwargs: dict, enter: Callable[[Tensor], Tensor]) -> tuple[tuple, dict] | None:
+    """A forward pre-hook's replacement of a unit's input: its first positional tensor, else its
+    `hidden_states` keyword, passed through `enter`; None when the call has neither."""
+    if args and isinstance(args[0], Tensor):
+        return (enter(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
+    return None
+
+
+def bracket_hooks(module: nn.Module, pre: Callable[[tuple, dict], Any],
+                  post: Callable[[Any], Any]) -> list[RemovableHandle]:
+    """`module`'s forward pre-hook `pre(args, kwargs)` and forward hook `post(output)`; their handles."""
+    return [module.register_forward_pre_hook(lambda _m, args, kwargs: pre(args, kwargs), with_kwargs=True),
+            module.register_forward_hook(lambda _m, _a, out: post(out))]
