@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from csv_out import emit_rows
-from fsdp_rank_memory import add_step_arguments, model_config
+from fsdp_rank_memory import add_step_arguments, model_config, rank_rows
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
@@ -61,15 +61,8 @@ def rows(args: argparse.Namespace) -> list[dict]:
     out = []
     for spec, rank in zip(chosen, measure_deepspeed_ranks(chosen, config), strict=True):
         sim = simulate(spec, model)
-        common = {"model": args.model, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                  "num_layers": config.num_hidden_layers, "seq_len_tokens": spec.seq_len_tokens,
-                  "dtype": spec.dtype, "gpus": spec.gpus, "shard": spec.shard, "method": spec.method,
-                  "optimizer": spec.optimizer}
-        for source, peak, breakdown in (("measured-cpu", rank.peak_bytes, rank.breakdown_bytes),
-                                        ("simulated", sim.peak_bytes, sim.breakdown_bytes)):
-            out.append({**common, "source": source, "peak_bytes": peak,
-                        **{f"{c}_bytes": breakdown.get(c, 0) for c in CATEGORIES},
-                        "simulated_over_measured": round(sim.peak_bytes / rank.peak_bytes, 4)})
+        out.extend(rank_rows(args, config, spec, rank, sim,
+                             {"simulated_over_measured": round(sim.peak_bytes / rank.peak_bytes, 4)}))
     return out
 
 

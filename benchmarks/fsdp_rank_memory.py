@@ -43,6 +43,19 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"LM-head partition (streambp; {UNITS})")
 
 
+def rank_rows(args: argparse.Namespace, config, spec: StepSpec, rank, sim, compared: dict) -> list[dict]:
+    """The measured-cpu and the simulated row of one rank's `spec` (peak and its categories), each with
+    the `compared` column(s) that set the two side by side."""
+    common = {"model": args.model, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+              "num_layers": config.num_hidden_layers, "seq_len_tokens": spec.seq_len_tokens,
+              "dtype": spec.dtype, "gpus": spec.gpus, "shard": spec.shard, "method": spec.method,
+              "optimizer": spec.optimizer}
+    return [{**common, "source": source, "peak_bytes": peak,
+             **{f"{c}_bytes": breakdown.get(c, 0) for c in CATEGORIES}, **compared}
+            for source, peak, breakdown in (("measured-cpu", rank.peak_bytes, rank.breakdown_bytes),
+                                            ("simulated", sim.peak_bytes, sim.breakdown_bytes))]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -89,15 +102,8 @@ def rows(args: argparse.Namespace) -> list[dict]:
     out = []
     for spec, rank in zip(chosen, measure_ranks(chosen, model), strict=True):
         sim = simulate(spec, model)
-        common = {"model": args.model, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                  "num_layers": config.num_hidden_layers, "seq_len_tokens": spec.seq_len_tokens,
-                  "dtype": spec.dtype, "gpus": spec.gpus, "shard": spec.shard, "method": spec.method,
-                  "optimizer": spec.optimizer}
-        for source, peak, breakdown in (("measured-cpu", rank.peak_bytes, rank.breakdown_bytes),
-                                        ("simulated", sim.peak_bytes, sim.breakdown_bytes)):
-            out.append({**common, "source": source, "peak_bytes": peak,
-                        **{f"{c}_bytes": breakdown.get(c, 0) for c in CATEGORIES},
-                        "simulated_minus_measured": sim.peak_bytes - rank.peak_bytes})
+        out.extend(rank_rows(args, config, spec, rank, sim,
+                             {"simulated_minus_measured": sim.peak_bytes - rank.peak_bytes}))
     return out
 
 
