@@ -18,28 +18,15 @@ forward): under such a storage's weight the measured peak is low, never high.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
+from streambp_core.parallel.memory import RankMemory
 
-SOURCE = "measured-cpu"
 STAGES = {"deepspeed-zero2": 2, "deepspeed-zero3": 3}
 """The layouts measured, by ZeRO stage."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeepSpeedRankMemory:
-    """One rank's tracked peak over a DeepSpeed ZeRO step on CPU ranks, by category and by phase."""
-
-    spec: StepSpec
-    peak_bytes: int
-    breakdown_bytes: dict[str, int]
-    """Bytes per category at the peak; they sum to `peak_bytes`."""
-    phase_peaks_bytes: dict[str, int]
-    source: str = SOURCE
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -51,7 +38,7 @@ def deepspeed_config(stage: int) -> dict:
 
 
 def measure_deepspeed_ranks(specs: Sequence[StepSpec], config: PretrainedConfig, *,
-                            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[DeepSpeedRankMemory]:
+                            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RankMemory]:
     """Rank 0's tracked step of each spec (module docstring); the specs share a model and rank count,
     bf16, AdamW, a DeepSpeed layout. ConfigError for anything else or more ranks than cores."""
     if not specs:
@@ -67,7 +54,7 @@ def measure_deepspeed_ranks(specs: Sequence[StepSpec], config: PretrainedConfig,
     out = []
     for spec, phases in zip(specs, steps, strict=True):
         _, peak, breakdown = max(phases, key=lambda phase: phase[1])
-        out.append(DeepSpeedRankMemory(spec=spec, peak_bytes=peak, breakdown_bytes=breakdown,
+        out.append(RankMemory(spec=spec, peak_bytes=peak, breakdown_bytes=breakdown,
                                        phase_peaks_bytes={name: bytes_ for name, bytes_, _ in phases}))
     return out
 

@@ -36,7 +36,8 @@ SOURCE = "measured-cpu"
 
 @dataclass(frozen=True, kw_only=True)
 class RankMemory:
-    """One rank's tracked peak over a sharded step on CPU ranks, by category and by phase."""
+    """One rank's tracked peak over a sharded step on CPU ranks (FSDP2 or DeepSpeed ZeRO), by category and
+    by phase."""
 
     spec: StepSpec
     peak_bytes: int
@@ -49,8 +50,9 @@ class RankMemory:
     @property
     def how(self) -> str:
         """How the figures were obtained, in words."""
-        return (f"measured by the tracker on rank 0 of {self.spec.gpus} CPU ranks (gloo), torch FSDP2 "
-                f"{self.spec.shard}")
+        engine = (f"DeepSpeed ZeRO-{self.spec.shard[-1]}" if self.spec.shard.startswith("deepspeed-")
+                  else f"torch FSDP2 {self.spec.shard}")
+        return f"measured by the tracker on rank 0 of {self.spec.gpus} CPU ranks (gloo), {engine}"
 
 
 def measure_ranks(specs: Sequence[StepSpec], model: ResolvedModel | PretrainedConfig | None = None, *,
