@@ -42,14 +42,27 @@ reduces at the accumulation boundary from `.grad` and would be exact without hel
 as ZeRO-2; the same mechanisms serve all three (one reduction per parameter per micro-step, per step on
 ZeRO-1, counted in the tests).
 
+Offload (`engine.deepspeed_offload`): under DeepSpeed the project's optimizer and params tiers are
+DeepSpeed's own sections, `offload_optimizer` (fp32 masters, moments and gradient partitions in host
+memory, stepped there by its CPU Adam) and `offload_param` (ZeRO-3's partitions in host memory; the
+units gather them as any partition); `offload_sections` writes them for a tier set, and `prepare(engine,
+..., offload=...)` checks that the engine's config has them on and holds no host tier itself (the
+checkpoints tier stays the method's). Checked on two gloo CPU ranks (`deepspeed_verify`, `offload=`):
+every method under ZeRO-3 with both sections applies the same update as without them, bitwise with
+torch's Adam on the host partitions, within float32's rounding with DeepSpeed's CPU Adam (4.6e-7
+measured, tiny/llama), one reduction per parameter. `step.deepspeed_host` lays the rank out.
+
 Refused by name (`check_engine`, `prepare`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage
-other than 1, 2, 3, the params offload tier under DeepSpeed (use its `offload_param`), and
-`BF16_Optimizer` with `immediate_grad_update` on DeepSpeed before 0.19.8 (it over-counts).
+other than 1, 2, 3, the optimizer or params tier under an engine whose config does not offload it (or
+under `prepare(engine.module)`, whose config cannot be read), params below ZeRO-3 (DeepSpeed has no
+`offload_param` there), and `BF16_Optimizer` with `immediate_grad_update` on DeepSpeed before 0.19.8
+(it over-counts).
 """
 
 from __future__ import annotations
 
 from streambp_core.config import ConfigError
+from streambp_core.engine.deepspeed_offload import OFFLOAD_SECTIONS
 from streambp_core.engine.reduction import (
     MIN_VERSION,
     OneReduction,
@@ -123,10 +136,6 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
     if "offload_optimizer" in zero and not cpu_adam:
         config["zero_force_ds_cpu_optimizer"] = False
     return config
-
-
-OFFLOAD_SECTIONS = {"optimizer": "offload_optimizer", "params": "offload_param"}
-"""The project's offload tiers DeepSpeed has a section of its own for, by the section's name."""
 
 
 def offload_sections(offload: str, stage: int) -> dict:

@@ -148,6 +148,40 @@ def test_the_offload_tiers_map_onto_deepspeeds_sections():
         offload_sections("optimizer,params", 2)
 
 
+def test_a_tier_under_deepspeed_is_its_section_or_refused_by_name():
+    """The optimizer and params tiers under DeepSpeed are its offload sections: accepted when the
+    engine's config has them on (the run then holds no host tier of its own), refused by name otherwise,
+    and params below ZeRO-3 refused; checkpoints needs nothing of DeepSpeed."""
+    from types import SimpleNamespace
+
+    from streambp_core.engine.deepspeed_offload import check_deepspeed_tiers, engine_tiers
+
+    class Engine:  # the two accessors of a DeepSpeedEngine the check reads
+        def __init__(self, *tiers):
+            self.tiers = tiers
+
+        def zero_offload_optimizer(self):
+            return SimpleNamespace(device="cpu") if "optimizer" in self.tiers else None
+
+        def zero_offload_param(self):
+            return SimpleNamespace(device="cpu" if "params" in self.tiers else "none")
+
+    assert engine_tiers(Engine("optimizer", "params")) == ("optimizer", "params")
+    assert engine_tiers(Engine()) == ()
+    check_deepspeed_tiers("streambp", "checkpoints,optimizer,params", 3, Engine("optimizer", "params"))
+    check_deepspeed_tiers("streambp", "checkpoints", 3, None)
+    with pytest.raises(ConfigError, match=r"offload params under deepspeed is DeepSpeed's own: set "
+                                          r"zero_optimization.offload_param to \{device: cpu\}"):
+        check_deepspeed_tiers("mst", "optimizer,params", 3, Engine("optimizer"))
+    with pytest.raises(ConfigError, match="prepare the engine itself"):
+        check_deepspeed_tiers("checkpoint", "optimizer", 2, None)
+    model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
+    for param in model.parameters():
+        param._hp_mapping = None  # the mark ZeRO-1/2 leave on a parameter
+    with pytest.raises(ConfigError, match="DeepSpeed offloads parameters under ZeRO-3 only"):
+        streambp_core.prepare(model, "streambp", offload="optimizer,params")
+
+
 def _check_offload(results, expected, offload, *, bitwise=True):
     _check(results, expected)
     for r in results:  # torch's Adam on the host partitions: the same update to the bit
