@@ -46,15 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shards", default="deepspeed-zero2", help="comma-separated DeepSpeed layouts")
     parser.add_argument("--methods", default="streambp,checkpoint", help="comma-separated methods")
     parser.add_argument("--offloads", nargs="+", default=["none"],
-                        help="tier sets DeepSpeed offloads (deepspeed-zero3): none, optimizer, "
-                        "optimizer,params")
+                        help="tier sets DeepSpeed offloads: none, optimizer, optimizer,params "
+                        "(deepspeed-zero3 rows only)")
     parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")
     return parser.parse_args(argv)
 
 
 def specs(args: argparse.Namespace) -> list[StepSpec]:
-    """One spec per (layout, method, offload); bad values are ConfigError before anything runs."""
-    combos = itertools.product(args.shards.split(","), args.methods.split(","), args.offloads)
+    """One spec per (layout, method, offload), offload other than none under deepspeed-zero3 only (DeepSpeed
+    ZeRO-2's offload is not laid out); bad values are ConfigError before anything runs."""
+    combos = [(shard, method, offload)
+              for shard, method, offload in itertools.product(args.shards.split(","), args.methods.split(","),
+                                                              args.offloads)
+              if offload == "none" or shard != "deepspeed-zero2"]
     return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=args.ps,
                         head_partition_size=args.ps_head, dtype="bfloat16", optimizer="adamw",
                         gpus=args.gpus, shard=shard, offload=offload) for shard, method, offload in combos]
