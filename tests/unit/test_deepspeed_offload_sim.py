@@ -60,3 +60,25 @@ def test_the_checkpoints_tier_stays_the_methods_own(sim):
     assert with_checkpoints.host_peak_bytes > alone.host_peak_bytes
     assert with_checkpoints.to_host_bytes > alone.to_host_bytes  # the checkpoints copied out, and back
     assert with_checkpoints.to_device_bytes > alone.to_device_bytes
+
+
+@pytest.mark.slow
+def test_the_layout_holds_what_deepspeed_allocates_on_two_ranks():
+    """Real DeepSpeed ZeRO-3 with its offload sections and CPU Adam (compiled on first use) on two gloo
+    ranks under the tracker, beside the simulated rank: DeepSpeed's offloaded state is the simulated host
+    pool, and the simulated device side an upper bound within 5 %. Behind STREAMBP_DEEPSPEED_MATRIX=full."""
+    import os
+
+    from streambp_core.parallel.deepspeed_memory import measure_deepspeed_pools
+    from streambp_core.parallel.launch import available_cpus
+
+    if os.environ.get("STREAMBP_DEEPSPEED_MATRIX") != "full" or available_cpus() < 2:
+        pytest.skip("runs with STREAMBP_DEEPSPEED_MATRIX=full on two cores")
+    pytest.importorskip("deepspeed")
+    config = load_config(MODEL)
+    specs = [_spec(offload) for offload in ("optimizer", "optimizer,params")]
+    for spec, (rank, host) in zip(specs, measure_deepspeed_pools(specs, config), strict=True):
+        sim = simulate(spec, ResolvedModel(config))
+        assert host.peak_bytes > 0 and sim.host_peak_bytes == host.peak_bytes, spec.offload
+        assert rank.peak_bytes <= sim.peak_bytes <= 1.05 * rank.peak_bytes, spec.offload
+        assert sim.to_host_bytes == host.to_host_bytes, spec.offload
