@@ -40,8 +40,10 @@ def check_deepspeed_offload(spec: StepSpec) -> None:
     buffers, not simulated) and params below ZeRO-3 (DeepSpeed has no `offload_param` there)."""
     tiers = set(offload_tiers(spec.offload)) & set(DEEPSPEED_SECTIONS)
     if spec.shard == "deepspeed-zero2" and tiers:
-        raise ConfigError(f"offload {','.join(sorted(tiers))} with deepspeed-zero2 is not simulated "
-                          "(DeepSpeed offloads parameters under ZeRO-3 only); use --shard deepspeed-zero3")
+        why = ("DeepSpeed offloads parameters under ZeRO-3 only" if "params" in tiers
+               else "ZeRO-2's offload_optimizer buffers are not laid out")
+        raise ConfigError(f"offload {','.join(sorted(tiers))} with deepspeed-zero2 is not simulated ({why}); "
+                          "use --shard deepspeed-zero3")
 
 
 def engine_spec(spec: StepSpec) -> StepSpec:
