@@ -13,15 +13,17 @@ the same sequence; rank 0's figures come back.
 With DeepSpeed's offload (`deepspeed-zero3`, the spec's optimizer or params tier: `offload_optimizer` /
 `offload_param` on the CPU, `deepspeed.offload_sections`; `measure_deepspeed_pools`), the optimizer is
 DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, compiled on first use, as a user of `offload_optimizer` runs
-it), and the tracker files what DeepSpeed keeps as offloaded state in its host pool from the start: the
-parameters' partitions (`param_groups_fp16_flat_cpu_memory`), the fp32 master partitions and their fp32
-gradients, CPU Adam's moments and the gradient partition (`grad_partitions_flat_buffer`), and whatever
-the CPU Adam step allocates. On CPU ranks both pools are host memory, so the split is DeepSpeed's own
-bookkeeping (those buffers against everything else: gathered parameters, the reduce bucket, gradients in
-flight, activations), not two memories. Copies between the pools count as the tracker sees them (a
-gradient partition copied out; the updated partition copied back without offload_param); a gather
-reads a host partition on the CPU in place (`.to("cpu")` copies nothing), so the bytes a GPU rank
-copies to the device for its gathers are not seen here.
+it), the run is prepared with the spec's tiers (the engine's sections hold them,
+`engine.deepspeed_offload`), and the tracker files what DeepSpeed keeps as offloaded state in its host
+pool from the start: the parameters' partitions (`param_groups_fp16_flat_cpu_memory`), the fp32 master
+partitions and their fp32 gradients, CPU Adam's moments and the gradient partition
+(`grad_partitions_flat_buffer`), and whatever the CPU Adam step allocates. On CPU ranks both pools are
+host memory, so the split is DeepSpeed's own bookkeeping (those buffers against everything else:
+gathered parameters, the reduce bucket, gradients in flight, activations), not two memories. Copies
+into the host pool are what a GPU rank copies out (each gradient partition, and its fp32 cast). Copies
+out of it are not: a gather reads its host partition in place on the CPU (`.to("cpu")` copies nothing),
+while ops that read a host buffer into a new tensor (the fp32 cast of the gradient buffer, DeepSpeed's
+gradient norms), which on a GPU read device copies, count as copies here.
 
 Not seen by the tracker: what gloo allocates inside a collective, and a storage that exists but that no
 op reads during the step (DeepSpeed's fp32 partitions are read by the step; the bf16 weights by the
@@ -110,22 +112,20 @@ def _rank_steps(rank: int, world: int, specs: tuple[StepSpec, ...], config: Pret
 
 def _tracked_engine_step(spec: StepSpec, config: PretrainedConfig) -> list[tuple]:
     import deepspeed
-    import torch
 
     import streambp_core
     from streambp_core.measure.tracker import MemoryTracker
     from streambp_core.models import build_model
-    from streambp_core.step.deepspeed_host import engine_spec
     from streambp_core.step.setup import step_inputs
 
     model = build_model(config, dtype=torch.bfloat16, device="cpu", seed=spec.seed, checked=True)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=deepspeed_config(STAGES[spec.shard], spec.offload))
     inputs = step_inputs(spec, config.vocab_size, "cpu")
-    offloaded = engine_spec(spec) is not spec
+    offloaded = bool(offload_sections(spec.offload, STAGES[spec.shard]))
     inner = engine.optimizer.optimizer
     phases = []
-    with streambp_core.prepare(engine, spec.method, engine_spec(spec).stream) as run:
+    with streambp_core.prepare(engine, spec.method, spec.stream) as run:  # its tiers: DeepSpeed's sections
         engine.backward(run.loss(**inputs))
         engine.step()
         with MemoryTracker(engine.module, None if offloaded else inner, device="cpu",
@@ -148,13 +148,14 @@ def _file_offloaded(tracker, zero) -> list:
     optimizer's step allocates; the step hooks' handles."""
     from streambp_core.measure.tags import OFFLOADED, memory_category
 
-    masters = list(getattr(zero, "fp32_partitioned_groups_flat", []))
-    tensors = [*getattr(zero, "param_groups_fp16_flat_cpu_memory", []), *masters,
-               *(m.grad for m in masters if m.grad is not None),
-               *(t for state in zero.optimizer.state.values() for t in state.values()
-                 if isinstance(t, torch.Tensor) and t.dim()),
-               zero.grad_partitions_flat_buffer]
-    tracker.track([t for t in tensors if t is not None and t.device.type == "cpu"], OFFLOADED)
+    tensors = list(zero.param_groups_fp16_flat_cpu_memory) if zero.offload_param else []
+    if zero.offload_optimizer:
+        masters = list(zero.fp32_partitioned_groups_flat)
+        tensors += [*masters, *(m.grad for m in masters if m.grad is not None),
+                    *(t for state in zero.optimizer.state.values() for t in state.values()
+                      if isinstance(t, torch.Tensor) and t.dim()),
+                    zero.grad_partitions_flat_buffer]
+    tracker.track(tensors, OFFLOADED)
     category = memory_category(OFFLOADED)
 
     def enter(*_) -> None:

@@ -14,6 +14,11 @@ Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
    whole) with the reference's, and
    with plain's on the same engine (`engine_plain_err`: the mechanism alone, float32 masters on both
    sides): max relative error over parameters; rank 0 returns the results.
+4. With `offload` (ZeRO-3: the optimizer and params tiers as DeepSpeed's `offload_optimizer` and
+   `offload_param`, `deepspeed.offload_sections`), every engine of steps 2 and 3 runs with them, and each
+   method's update is also compared with its own on an engine without them (`offload_err`: 0 with
+   torch's Adam on the host partitions, DeepSpeed's CPU Adam with `cpu_adam` rounds in float32 its own
+   way).
 """
 
 from __future__ import annotations

@@ -47,11 +47,12 @@ def check_deepspeed_offload(spec: StepSpec) -> None:
 
 
 def engine_spec(spec: StepSpec) -> StepSpec:
-    """The step the methods run under DeepSpeed ZeRO-3: `spec` with its checkpoints tier only (DeepSpeed
-    holds the optimizer and the parameters itself); any other spec unchanged."""
-    if spec.shard != "deepspeed-zero3" or spec.offload == "none":
+    """The step the methods run under DeepSpeed ZeRO-3 with its offload: `spec` with its checkpoints tier
+    only (DeepSpeed holds the optimizer and the parameters itself); any other spec, `spec` itself."""
+    tiers = offload_tiers(spec.offload)
+    if spec.shard != "deepspeed-zero3" or not set(tiers) & set(DEEPSPEED_SECTIONS):
         return spec
-    own = "checkpoints" if "checkpoints" in offload_tiers(spec.offload) else "none"
+    own = "checkpoints" if "checkpoints" in tiers else "none"
     return spec.replaced(offload=own)
 
 
