@@ -38,8 +38,9 @@ gathered from forward to backward; zero3: parameters sharded too). deepspeed-zer
 allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp32 master weights and AdamW
 moments and a bf16 gradient partition per rank, gradient buckets); deepspeed-zero3: what DeepSpeed
 ZeRO-3 allocates with bf16 (partitioned bf16 parameters, one unit gathered at a time plus its prefetch,
-the same fp32 partitions). Both simulated (see `streambp_core.step.shards`); `streambp_core.parallel.
-deepspeed` runs the methods on DeepSpeed itself."""
+the same fp32 partitions; with the optimizer or params tier DeepSpeed's own `offload_optimizer` or
+`offload_param`, `step.deepspeed_host`). Both simulated (see `streambp_core.step.shards`);
+`streambp_core.parallel.deepspeed` runs the methods on DeepSpeed itself."""
 DEEPSPEED_SHARDS = ("deepspeed-zero2", "deepspeed-zero3")
 """The shard modes laid out as DeepSpeed allocates (`step.shards.deepspeed_breakdown`)."""
 FSDP_STAGES = ("zero2", "zero3")

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError, StreamConfig
+from streambp_core.engine.deepspeed_offload import check_deepspeed_tiers
 from streambp_core.engine.host_params import HostParams
 from streambp_core.engine.objectives import default_labels
 from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
@@ -80,14 +81,14 @@ class Run:
             if sequence_group is not None:
                 self._kv_copies = sequence.check_sequence_run(self, sequence_group)
             self._setup()
-            if "params" in offload_tiers(config.offload):
+            stage = zero_stage_of(model)
+            if stage is not None:  # DeepSpeed's offload sections hold the optimizer and params tiers
+                check_deepspeed_tiers(self.method, config.offload, stage, engine)
+            elif "params" in offload_tiers(config.offload):
                 self.host_params = self._host_params(next(model.parameters()).device)
             if is_zero3(model):
                 check_experts(self.parts.layers, self.method, self.drives_modules)
-            if self.drives_modules and zero_stage_of(model) is not None:
-                if self.host_params is not None:
-                    raise ConfigError(f"{self.method}: the params offload tier under deepspeed is not "
-                                      "supported; use deepspeed's offload_param instead")
+            if self.drives_modules and stage is not None:
                 self.zero3 = self._zero3_units()
         except BaseException:
             guards.release(self.parts, self)

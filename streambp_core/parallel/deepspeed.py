@@ -42,14 +42,27 @@ reduces at the accumulation boundary from `.grad` and would be exact without hel
 as ZeRO-2; the same mechanisms serve all three (one reduction per parameter per micro-step, per step on
 ZeRO-1, counted in the tests).
 
+Offload (`engine.deepspeed_offload`): under DeepSpeed the project's optimizer and params tiers are
+DeepSpeed's own sections, `offload_optimizer` (fp32 masters, moments and gradient partitions in host
+memory, stepped there by its CPU Adam) and `offload_param` (ZeRO-3's partitions in host memory; the
+units gather them as any partition); `offload_sections` writes them for a tier set, and `prepare(engine,
+..., offload=...)` checks that the engine's config has them on and holds no host tier itself (the
+checkpoints tier stays the method's). Checked on two gloo CPU ranks (`deepspeed_verify`, `offload=`):
+every method under ZeRO-3 with both sections applies the same update as without them, bitwise with
+torch's Adam on the host partitions, within float32's rounding with DeepSpeed's CPU Adam (4.6e-7
+measured, tiny/llama), one reduction per parameter. `step.deepspeed_host` lays the rank out.
+
 Refused by name (`check_engine`, `prepare`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage
-other than 1, 2, 3, the params offload tier under DeepSpeed (use its `offload_param`), and
-`BF16_Optimizer` with `immediate_grad_update` on DeepSpeed before 0.19.8 (it over-counts).
+other than 1, 2, 3, the optimizer or params tier under an engine whose config does not offload it (or
+under `prepare(engine.module)`, whose config cannot be read), params below ZeRO-3 (DeepSpeed has no
+`offload_param` there), and `BF16_Optimizer` with `immediate_grad_update` on DeepSpeed before 0.19.8
+(it over-counts).
 """
 
 from __future__ import annotations
 
 from streambp_core.config import ConfigError
+from streambp_core.engine.deepspeed_offload import OFFLOAD_SECTIONS
 from streambp_core.engine.reduction import (
     MIN_VERSION,
     OneReduction,
@@ -58,6 +71,7 @@ from streambp_core.engine.reduction import (
     version_tuple,
     zero_stage_of,
 )
+from streambp_core.tiers import offload_tiers
 
 __all__ = ["MIN_VERSION", "OneReduction", "STAGES", "check_engine", "check_installed", "check_stage",
            "version_tuple", "zero_config", "zero_stage_of"]
@@ -98,16 +112,38 @@ def check_engine(engine) -> int:
     return stage
 
 
-def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: float = 1e-3) -> dict:
+def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: float = 1e-3,
+                offload: str = "none", cpu_adam: bool = False) -> dict:
     """A DeepSpeed config for ZeRO `stage` in the parameters' own dtype (no fp16/bf16 section: float32
-    or float64 master weights), torch's Adam (no compiled op) without weight decay (DeepSpeed's Adam is
-    AdamW, whose torch default decays by 0.01) and without clipping (DeepSpeed clips at norm 1.0 unless
-    told). ZeRO keeps float32 master weights whatever the parameters' dtype. ZeRO-3 partitions every
-    parameter (`stage3_param_persistence_threshold` 0: by default it keeps those under 1e5 elements whole
-    on every rank, which would be all of a tiny model's)."""
-    zero = {"stage": stage}
+    or float64 master weights), Adam without weight decay (DeepSpeed's Adam is AdamW, whose torch default
+    decays by 0.01) and without clipping (DeepSpeed clips at norm 1.0 unless told). ZeRO keeps float32
+    master weights whatever the parameters' dtype. ZeRO-3 partitions every parameter
+    (`stage3_param_persistence_threshold` 0: by default it keeps those under 1e5 elements whole on every
+    rank, which would be all of a tiny model's).
+
+    `offload`: the project's tiers as DeepSpeed's sections (`offload_sections`). The optimizer is torch's
+    Adam (no compiled op; with `offload_optimizer` DeepSpeed is told to accept it,
+    `zero_force_ds_cpu_optimizer` false), or with `cpu_adam` and the optimizer tier DeepSpeed's own
+    `DeepSpeedCPUAdam` (compiled on first use), what a user of `offload_optimizer` runs."""
+    zero = {"stage": stage, **offload_sections(offload, stage)}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
-            "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
-            "zero_optimization": zero, "gradient_clipping": 0.0, "steps_per_print": 1 << 30}
+    cpu_adam = cpu_adam and "offload_optimizer" in zero
+    adam = {"lr": lr, "weight_decay": 0.0, "torch_adam": not cpu_adam}
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
+              "optimizer": {"type": "Adam", "params": adam}, "zero_optimization": zero,
+              "gradient_clipping": 0.0, "steps_per_print": 1 << 30}
+    if "offload_optimizer" in zero and not cpu_adam:
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def offload_sections(offload: str, stage: int) -> dict:
+    """DeepSpeed's `zero_optimization` sections for the project's tier set `offload` (canonical): the
+    optimizer tier is `offload_optimizer`, params is `offload_param` (ZeRO-3 only), both on the CPU; the
+    checkpoints tier has none (the methods offload their checkpoints themselves: `prepare(engine, ...,
+    offload="checkpoints")`). ConfigError for params below ZeRO-3."""
+    tiers = offload_tiers(offload)
+    if "params" in tiers and stage != 3:
+        raise ConfigError(f"deepspeed offloads parameters under zero3 only (offload_param), got zero{stage}")
+    return {OFFLOAD_SECTIONS[tier]: {"device": "cpu"} for tier in tiers if tier in OFFLOAD_SECTIONS}

@@ -14,13 +14,18 @@ Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
    whole) with the reference's, and
    with plain's on the same engine (`engine_plain_err`: the mechanism alone, float32 masters on both
    sides): max relative error over parameters; rank 0 returns the results.
+4. With `offload` (ZeRO-3: the optimizer and params tiers as DeepSpeed's `offload_optimizer` and
+   `offload_param`, `deepspeed.offload_sections`), every engine of steps 2 and 3 runs with them, and each
+   method's update is also compared with its own on an engine without them (`offload_err`: 0 with
+   torch's Adam on the host partitions, DeepSpeed's CPU Adam with `cpu_adam` rounds in float32 its own
+   way).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -28,7 +33,14 @@ import streambp_core
 from streambp_core.config import ConfigError
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
-from streambp_core.parallel.deepspeed import STAGES, check_engine, check_installed, check_stage, zero_config
+from streambp_core.parallel.deepspeed import (
+    STAGES,
+    check_engine,
+    check_installed,
+    check_stage,
+    offload_sections,
+    zero_config,
+)
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.verify.compare import max_rel_err
@@ -62,6 +74,11 @@ class DeepSpeedResult:
     engine_plain_err: float
     """The same against plain's update on the same DeepSpeed engine."""
     worst_param: str
+    offload: str = "none"
+    """The project's tiers DeepSpeed held on the host (`deepspeed.offload_sections`): optimizer is its
+    `offload_optimizer`, params its `offload_param`."""
+    offload_err: float | None = None
+    """With `offload`: the same against the same method's update on the same engine without it."""
     tolerance: float
     reductions: dict[str, int]
     """Per micro-step, how many parameters ZeRO reduced 0, 1 or more times ('0', '1', '2+')."""
@@ -70,15 +87,21 @@ class DeepSpeedResult:
 
 def verify_deepspeed(
     specs: tuple[VerifySpec, ...], *, nproc: int, shards: tuple[str, ...] = ("zero1", "zero2"),
-    micro_steps: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+    micro_steps: int = 1, offload: str = "none", cpu_adam: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[DeepSpeedResult]:
-    """Verify every spec's methods under every ZeRO stage across `nproc` ranks (module docstring)."""
+    """Verify every spec's methods under every ZeRO stage across `nproc` ranks (module docstring), with
+    DeepSpeed's offload sections for the tiers `offload` (canonical; "none": none) and, with `cpu_adam`,
+    DeepSpeed's CPU Adam stepping the offloaded optimizer (`deepspeed.zero_config`)."""
     check_installed()
     if not specs:
         raise ConfigError("give at least one spec")
     for spec in specs:
         check_spec(spec, shards)
-    per_rank = run_ranks(rank_verify, nproc, args=(specs, shards, micro_steps), timeout_s=timeout_s)
+    for shard in shards:
+        offload_sections(offload, STAGES[shard])
+    per_rank = run_ranks(rank_verify, nproc, args=(specs, shards, micro_steps, offload, cpu_adam),
+                         timeout_s=timeout_s)
     return per_rank[0]
 
 
@@ -93,7 +116,8 @@ def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
         raise ConfigError("deepspeed verify runs on cpu ranks")
 
 
-def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[DeepSpeedResult]:
+def rank_verify(rank: int, world: int, specs, shards, micro_steps: int, offload: str = "none",
+                cpu_adam: bool = False) -> list[DeepSpeedResult]:
     """Body of each rank (module docstring); every rank checks, rank 0's results are returned."""
     import deepspeed
 
@@ -107,11 +131,15 @@ def rank_verify(rank: int, world: int, specs, shards, micro_steps: int) -> list[
         batches = [[_batch(spec, model, r, m) for m in range(micro_steps)] for r in range(world)]
         reference = _plain_update(model, spec, batches)
         for shard in shards:
-            engine_plain = _engine_update(model, "plain", shard, spec, batches[rank])[0]
+            engine_plain = _engine_update(model, "plain", shard, spec, batches[rank], offload, cpu_adam)[0]
             for method in spec.methods:
-                update, tallies = _engine_update(model, method, shard, spec, batches[rank])
-                results.append(_result(method, shard, spec, world, len(batches[rank]), update, tallies,
-                                       reference, engine_plain))
+                update, tallies = _engine_update(model, method, shard, spec, batches[rank], offload, cpu_adam)
+                result = _result(method, shard, spec, world, len(batches[rank]), update, tallies, reference,
+                                 engine_plain)
+                if offload != "none":
+                    kept = _engine_update(model, method, shard, spec, batches[rank])[0]
+                    result = _with_offload(result, offload, max_rel_err(update, kept)[0])
+                results.append(result)
     return results
 
 
@@ -145,7 +173,8 @@ def _plain_update(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]:
             for master, (name, param) in zip(masters, named, strict=True)}
 
 
-def _engine_update(model, method, shard, spec: VerifySpec, batches):
+def _engine_update(model, method, shard, spec: VerifySpec, batches, offload: str = "none",
+                   cpu_adam: bool = False):
     """The user's DeepSpeed loop on a copy of `model` over this rank's micro-steps: the applied update, and
     how many parameters ZeRO reduced 0, 1, 2+ times (per micro-step on ZeRO-2/3, which reduce every
     micro-step; per step on ZeRO-1, which reduces at the accumulation boundary only)."""
@@ -154,7 +183,7 @@ def _engine_update(model, method, shard, spec: VerifySpec, batches):
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     config = zero_config(STAGES[shard], micro_batch=spec.step.batch_size, accumulation=len(batches),
-                         lr=LR)
+                         lr=LR, offload=offload, cpu_adam=cpu_adam)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     check_engine(engine)
@@ -184,6 +213,12 @@ def _result(method, shard, spec, world, micro_steps, update, tallies, reference,
                            micro_steps=micro_steps, max_rel_err=err, engine_plain_err=engine_err,
                            worst_param=worst, tolerance=tolerance, reductions=dict(tallies),
                            ok=err <= tolerance and engine_err <= ENGINE_TOLERANCE and set(tallies) == {"1"})
+
+
+def _with_offload(result: DeepSpeedResult, offload: str, offload_err: float) -> DeepSpeedResult:
+    """`result` with its offload figure, which must be within float32's rounding of the fp32 masters too."""
+    return replace(result, offload=offload, offload_err=offload_err,
+                   ok=result.ok and offload_err <= ENGINE_TOLERANCE)
 
 
 def count_reductions(optimizer) -> Counter:

@@ -136,4 +136,6 @@ def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
 
         phase = "forward" if spec.shard.startswith("deepspeed-") else "optimizer"
         held = rank_breakdown(spec, ShardLayout.from_model(model, spec.gpus), held, phase)
+        if spec.shard == "deepspeed-zero3":  # its layout knows DeepSpeed's offload sections
+            return sum(held.values())
     return sum(device_resident(spec, held).values())

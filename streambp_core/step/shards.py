@@ -42,6 +42,11 @@ settings) instead, the paper's Table 4 engine:
   on) and the reduce bucket (`ipg` buffer, `reduce_bucket_size` = 5e8 elements, allocated with the
   optimizer, so in every phase); in backward also the unsharded gradients in flight (the root's and
   two layers', as above); in the optimizer phase the fp32 gradient partition it steps on.
+  With DeepSpeed's own offload (`offload`: the optimizer tier is `offload_optimizer`, params is
+  `offload_param`; their host side in `step.deepspeed_host`): offload_optimizer takes the fp32 state,
+  the gradient partition, the fp32 gradient and the step's temporaries off the device (the reduce bucket
+  and the gradients in flight stay); offload_param takes the partitions off (the gathered units and the
+  persistent parameters stay).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from torch import nn
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec, require_choice
 from streambp_core.models.adapters import decoder_parts
+from streambp_core.tiers import offload_tiers
 
 PREFETCHED_LAYERS = 2
 """zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
@@ -203,10 +209,14 @@ def deepspeed_breakdown(
 
 def deepspeed_zero3_breakdown(
     breakdown_bytes: dict[str, int], layout: ShardLayout, phase: str = "backward", *,
-    optimizer_state: bool = True,
+    optimizer_state: bool = True, offload: str = "none",
 ) -> dict[str, int]:
     """One rank's bytes by category under DeepSpeed ZeRO-3 with bf16 (module docstring), at the peak of a
-    step phase whose single-rank breakdown is given; `optimizer_state` False: a backprop-only step."""
+    step phase whose single-rank breakdown is given; `optimizer_state` False: a backprop-only step;
+    `offload` the tiers DeepSpeed holds on the host (`offload_optimizer`, `offload_param`:
+    `deepspeed_host`)."""
+    tiers = offload_tiers(offload)
+    host_optimizer = optimizer_state and "optimizer" in tiers
     part = layout.partition_numel
     element = layout.grad_element_bytes
     rank = dict(breakdown_bytes)
@@ -214,15 +224,17 @@ def deepspeed_zero3_breakdown(
     layers = sorted((unit.full for unit in layout.units[1:]), reverse=True) or [0]
     prefetch = min(DEEPSPEED_PREFETCH_ELEMENTS * element, layers[0])
     gathered = layout.units[0].full + layers[0] + prefetch if phase != "optimizer" else 0
-    rank["weights"] = buffers + layout.total("shard") + layout.persistent_bytes + gathered
+    shards = 0 if "params" in tiers else layout.total("shard")
+    rank["weights"] = buffers + shards + layout.persistent_bytes + gathered
     master = 0 if element == FP32_BYTES else FP32_BYTES
-    rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state else 0
+    rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state and not host_optimizer else 0
     bucket = element * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
     grads = breakdown_bytes.get("grads", 0)
-    rank["grads"] = element * part + bucket
+    rank["grads"] = (0 if host_optimizer else element * part) + bucket
     if phase == "optimizer":
-        rank["grads"] += FP32_BYTES * part
-        rank["temporaries"] = round(breakdown_bytes.get("temporaries", 0) * layout.trainable_fraction)
+        rank["grads"] += 0 if host_optimizer else FP32_BYTES * part
+        scaled = round(breakdown_bytes.get("temporaries", 0) * layout.trainable_fraction)
+        rank["temporaries"] = 0 if host_optimizer else scaled
     elif phase != "forward":
         rank["grads"] += min(grads, layout.inflight_grad_bytes())
     return rank
@@ -236,5 +248,6 @@ def rank_breakdown(spec: StepSpec, layout: ShardLayout, breakdown_bytes: dict[st
     if spec.shard == "deepspeed-zero2":
         return deepspeed_breakdown(breakdown_bytes, layout, phase, optimizer_state=optimizer_state)
     if spec.shard == "deepspeed-zero3":
-        return deepspeed_zero3_breakdown(breakdown_bytes, layout, phase, optimizer_state=optimizer_state)
+        return deepspeed_zero3_breakdown(breakdown_bytes, layout, phase, optimizer_state=optimizer_state,
+                                         offload=spec.offload)
     return sharded_breakdown(breakdown_bytes, layout, spec.shard, phase)

@@ -36,7 +36,9 @@ optimizer state become the rank's shards plus what the stage keeps gathered or i
 stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
 is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
 is a point too, so a peak that moves earlier when gradients shrink is still seen. With its host pool:
-the rank's share of the optimizer's host state (`sequence_layout.sharded_host`).
+the rank's share of the optimizer's host state (`sequence_layout.sharded_host`). Under
+`deepspeed-zero3` with the optimizer or params tier, DeepSpeed's own offload holds them: the step runs
+with the checkpoints tier only and the rank is laid out as DeepSpeed holds it (`deepspeed_host`).
 
 One rank of a sequence-parallel step (`spec.sp` > 1; the sp ranks among the `gpus` shard ranks, as ALST
 runs them): the step runs through the engine's Ulysses code path with a simulated group
@@ -56,6 +58,7 @@ from streambp_core.measure.cuda import HostMemoryFailure, is_oom
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
+from streambp_core.step.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
 from streambp_core.step.sequence_layout import check_sequence_parallel, sharded_host, with_all_to_all_buffers
@@ -136,18 +139,22 @@ def simulate(
             "by value, which meta tensors have none of; measure it on cpu or cuda"
         )
     check_sequence_parallel(spec, config)
+    check_deepspeed_offload(spec)
     total = config.num_hidden_layers
     depths = (total,) if depth == "full" or total <= 3 else (2, 3)
     hosts: list[tuple[int, int, int]] = []
-    measured = [_phases(spec, model.at_depth(n), keep_chunks, model.memo, hosts) for n in depths]
+    stepped = engine_spec(spec)  # DeepSpeed's offload sections hold what they hold instead of the tiers
+    measured = [_phases(stepped, model.at_depth(n), keep_chunks, model.memo, hosts) for n in depths]
     phases = measured[0] if len(depths) == 1 else _extrapolate(*measured, total)
     if _negative(phases, sharded=spec.shard != "none"):
         depths, hosts = (total,), []  # the peak moved between sub-phases: simulate every layer
-        phases = _phases(spec, config, keep_chunks, model.memo, hosts)
+        phases = _phases(stepped, config, keep_chunks, model.memo, hosts)
     peak, by_category = (_largest(phases) if spec.shard == "none"
                          else _rank_peak(spec, config, phases, model.memo))
     host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
-    if spec.shard != "none":  # the rank's share of the optimizer's host state and copies
+    if stepped is not spec:  # DeepSpeed's host buffers and copies, on the checkpoints tier's
+        host = deepspeed_host(spec, shard_layout(spec, config, model.memo), tuple(host))
+    elif spec.shard != "none":  # the rank's share of the optimizer's host state and copies
         fraction = shard_layout(spec, config, model.memo).trainable_fraction
         host = sharded_host(tuple(host), spec, config, fraction)
     result = SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,

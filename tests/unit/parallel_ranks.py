@@ -52,9 +52,11 @@ def sequence_all_to_all(rank: int, world: int, total_tokens: int) -> dict[str, f
     }
 
 
-def zero3_uneven_lengths(rank: int, world: int) -> dict[str, int]:
+def zero3_uneven_lengths(rank: int, world: int, offload: str = "none") -> dict[str, int]:
     """streambp on DeepSpeed ZeRO-3 with a different sequence length (so chunk count) on each rank: one
-    micro-step and one optimizer step; returns the all-gathers its units issued, the units, the chunks."""
+    micro-step and one optimizer step; returns the all-gathers its units issued, the units, the chunks.
+    With DeepSpeed's offload sections for `offload` (`zero_config`), also how many parameters have their
+    partition (`ds_tensor`) in DeepSpeed's host buffer for offloaded partitions, of how many."""
     import deepspeed
 
     import streambp_core
@@ -64,7 +66,7 @@ def zero3_uneven_lengths(rank: int, world: int) -> dict[str, int]:
     deepspeed.init_distributed(dist_backend="gloo")
     model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=zero_config(3, micro_batch=1))
+                                           config=zero_config(3, micro_batch=1, offload=offload))
     seq_len = 8 + 16 * rank
     generator = torch.Generator().manual_seed(rank)
     input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator)
@@ -72,4 +74,10 @@ def zero3_uneven_lengths(rank: int, world: int) -> dict[str, int]:
         engine.backward(run.loss(input_ids))
         engine.step()
         units = run.zero3.num_units - 1  # unit 0 (the embedding) runs under DeepSpeed's own hooks
-        return {"gathers": run.zero3.gathers, "units": units, "chunks": seq_len // 4}
+        gathers = run.zero3.gathers
+    host = {buffer.untyped_storage().data_ptr()
+            for buffer in getattr(engine.optimizer, "param_groups_fp16_flat_cpu_memory", [])}
+    params = list(engine.module.parameters())
+    in_host = sum(p.ds_tensor.untyped_storage().data_ptr() in host for p in params)
+    return {"gathers": gathers, "units": units, "chunks": seq_len // 4, "in_host_buffer": in_host,
+            "params": len(params)}

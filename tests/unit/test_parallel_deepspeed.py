@@ -85,13 +85,14 @@ def test_a_missing_or_old_deepspeed_is_refused_before_ranks(monkeypatch):
         sharded_stages("deepspeed", "zero2", 2)
 
 
-def _verify(model, methods, shards, objective="sft", micro_steps=2, **step):
+def _verify(model, methods, shards, objective="sft", micro_steps=2, offload="none", cpu_adam=False, **step):
     from streambp_core.parallel.deepspeed_verify import verify_deepspeed
 
     fields = {"seq_len_tokens": 32, "batch_size": 2, "partition_size": 8, "head_partition_size": 8, **step}
     spec = VerifySpec.of(model=model, methods=methods, dtype="float64", padding="right", objective=objective,
                          **fields)
-    return verify_deepspeed((spec,), nproc=2, shards=shards, micro_steps=micro_steps, timeout_s=600)
+    return verify_deepspeed((spec,), nproc=2, shards=shards, micro_steps=micro_steps, offload=offload,
+                            cpu_adam=cpu_adam, timeout_s=600)
 
 
 def _check(results, expected):
@@ -130,6 +131,90 @@ def test_every_method_on_every_stage(model, objective):
     _check(results, {(m, s) for m in methods for s in shards})
 
 
+def test_the_offload_tiers_map_onto_deepspeeds_sections():
+    from streambp_core.parallel.deepspeed import offload_sections, zero_config
+
+    config = zero_config(3, micro_batch=1, offload="checkpoints,optimizer,params")
+    zero = config["zero_optimization"]
+    assert zero["offload_optimizer"] == zero["offload_param"] == {"device": "cpu"}
+    assert config["zero_force_ds_cpu_optimizer"] is False  # torch's Adam steps the host partitions
+    assert config["optimizer"]["params"]["torch_adam"] is True
+    cpu_adam = zero_config(3, micro_batch=1, offload="optimizer", cpu_adam=True)
+    assert "zero_force_ds_cpu_optimizer" not in cpu_adam and not cpu_adam["optimizer"]["params"]["torch_adam"]
+    assert "offload_param" not in cpu_adam["zero_optimization"]
+    assert offload_sections("checkpoints", 2) == {} and offload_sections("none", 3) == {}
+    assert "offload_optimizer" not in zero_config(3, micro_batch=1)["zero_optimization"]
+    with pytest.raises(ConfigError, match="offloads parameters under zero3 only"):
+        offload_sections("optimizer,params", 2)
+
+
+def test_a_tier_under_deepspeed_is_its_section_or_refused_by_name():
+    """The optimizer and params tiers under DeepSpeed are its offload sections: accepted when the
+    engine's config has them on (the run then holds no host tier of its own), refused by name otherwise,
+    and params below ZeRO-3 refused; checkpoints needs nothing of DeepSpeed."""
+    from types import SimpleNamespace
+
+    from streambp_core.engine.deepspeed_offload import check_deepspeed_tiers, engine_tiers
+
+    class Engine:  # the two accessors of a DeepSpeedEngine the check reads
+        def __init__(self, *tiers):
+            self.tiers = tiers
+
+        def zero_offload_optimizer(self):
+            return SimpleNamespace(device="cpu") if "optimizer" in self.tiers else None
+
+        def zero_offload_param(self):
+            return SimpleNamespace(device="cpu" if "params" in self.tiers else "none")
+
+    assert engine_tiers(Engine("optimizer", "params")) == ("optimizer", "params")
+    assert engine_tiers(Engine()) == ()
+    check_deepspeed_tiers("streambp", "checkpoints,optimizer,params", 3, Engine("optimizer", "params"))
+    check_deepspeed_tiers("streambp", "checkpoints", 3, None)
+    with pytest.raises(ConfigError, match=r"offload params under deepspeed is DeepSpeed's own: set "
+                                          r"zero_optimization.offload_param to \{device: cpu\}"):
+        check_deepspeed_tiers("mst", "optimizer,params", 3, Engine("optimizer"))
+    with pytest.raises(ConfigError, match="prepare the engine itself"):
+        check_deepspeed_tiers("checkpoint", "optimizer", 2, None)
+    model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
+    for param in model.parameters():
+        param._hp_mapping = None  # the mark ZeRO-1/2 leave on a parameter
+    with pytest.raises(ConfigError, match="DeepSpeed offloads parameters under ZeRO-3 only"):
+        streambp_core.prepare(model, "streambp", offload="optimizer,params")
+
+
+def _check_offload(results, expected, offload, *, bitwise=True):
+    _check(results, expected)
+    for r in results:  # torch's Adam on the host partitions: the same update to the bit; DeepSpeed's CPU
+        # Adam: its own float32 arithmetic (1.5e-5 measured, plain, grpo, tiny/llama), float32's bound
+        assert r.offload == offload and r.offload_err is not None
+        assert r.offload_err == 0.0 if bitwise else r.offload_err <= 1e-4, (r.method, r.offload_err)
+
+
+@two_cores
+def test_streambp_with_deepspeeds_offload_applies_the_update_without_it():
+    """ZeRO-3 with `offload_optimizer` and `offload_param` on the CPU (torch's Adam on the host
+    partitions): the applied update equals the same run's without offload bitwise, and plain's on the
+    engine and single-process plain's within float32's rounding, one reduction per parameter."""
+    results = _verify("tiny/qwen3", ("streambp",), ("zero3",), offload="optimizer,params")
+    _check_offload(results, {("streambp", "zero3")}, "optimizer,params")
+
+
+@pytest.mark.slow
+@two_cores
+@pytest.mark.parametrize("cpu_adam", [False, True])
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer,params"])
+@pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])
+def test_every_method_with_deepspeeds_offload(model, offload, cpu_adam):
+    """Every method under ZeRO-3 with DeepSpeed's offload, torch's Adam (bitwise against no offload) or
+    DeepSpeed's CPU Adam (compiled on first use; within float32's bound against torch's Adam without
+    offload): behind STREAMBP_DEEPSPEED_MATRIX=full."""
+    if os.environ.get("STREAMBP_DEEPSPEED_MATRIX") != "full":
+        pytest.skip("the full DeepSpeed matrix runs with STREAMBP_DEEPSPEED_MATRIX=full")
+    methods = ("plain", "checkpoint", "mst", "streambp")
+    results = _verify(model, methods, ("zero3",), objective="grpo", offload=offload, cpu_adam=cpu_adam)
+    _check_offload(results, {(m, "zero3") for m in methods}, offload, bitwise=not cpu_adam)
+
+
 @two_cores
 def test_zero3_lora_and_moe_apply_plains_update_with_one_reduction_each(tmp_path):
     """LoRA adapters (frozen base weights gathered, adapters reduced) and a mixture-of-experts model
@@ -156,3 +241,16 @@ def test_zero3_chunks_issue_no_collective_so_uneven_lengths_cannot_deadlock():
     assert [r["chunks"] for r in per_rank] == [2, 6]
     assert [r["units"] for r in per_rank] == [3, 3]
     assert [r["gathers"] for r in per_rank] == [6, 6]
+
+
+@two_cores
+def test_zero3_units_gather_partitions_deepspeed_keeps_in_host_memory():
+    """With DeepSpeed's `offload_param` every partition lives in DeepSpeed's host buffer (on CPU ranks
+    both are host memory; the check is that the units gather from DeepSpeed's offloaded partitions):
+    the units still gather once each way, whatever the length."""
+    from streambp_core.parallel.launch import run_ranks
+    from tests.unit.parallel_ranks import zero3_uneven_lengths
+
+    per_rank = run_ranks(zero3_uneven_lengths, 2, args=("optimizer,params",), timeout_s=300)
+    assert [r["gathers"] for r in per_rank] == [6, 6]
+    assert all(r["in_host_buffer"] == r["params"] > 0 for r in per_rank), per_rank
