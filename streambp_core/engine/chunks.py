@@ -14,10 +14,10 @@ def chunk_bounds(length: int, size: int, keep: int | None = None) -> list[tuple[
     `keep` (simulation only, see `StreamConfig.keep_chunks`): only the first and last `keep` pieces, so
     the loop does not cover the whole length; None keeps every piece.
     """
-    bounds = [(start, min(start + size, length)) for start in range(0, length, size)]
-    if keep is None or len(bounds) <= 2 * keep:
-        return bounds
-    return bounds[:keep] + bounds[-keep:]
+    starts = range(0, length, size)
+    if keep is not None and len(starts) > 2 * keep:  # build only the kept pieces
+        starts = [*starts[:keep], *starts[-keep:]]
+    return [(start, min(start + size, length)) for start in starts]
 
 
 def trainable_parameters(modules: Iterable[nn.Module | None]) -> tuple[nn.Parameter, ...]:

@@ -46,14 +46,18 @@ class HostAdamW(torch.optim.Optimizer):
         self._stream = None
         with memory_category(OFFLOADED):
             self._masters = {id(p): _master_of(p) for p in params}
-        self._host_adamw = torch.optim.AdamW(list(self._masters.values()), lr=lr, betas=betas, eps=eps,
-                                             weight_decay=weight_decay, foreach=False)
+        # one torch AdamW per master: a parameter steps alone (its gradient complete), and an AdamW over
+        # every master would scan them all at each parameter's step
+        self._host_adamws = {key: torch.optim.AdamW([master], lr=lr, betas=betas, eps=eps,
+                                                    weight_decay=weight_decay, foreach=False)
+                             for key, master in self._masters.items()}
         self._pending: dict[int, list[tuple[Tensor, torch.cuda.Event | None]]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._take_grad) for p in params]
 
     def host_tensors(self) -> list[Tensor]:
         """Masters, moments and gradients waiting in host memory (for a tracker's host pool)."""
-        state = [t for s in self._host_adamw.state.values() for t in s.values() if isinstance(t, Tensor)]
+        state = [t for adamw in self._host_adamws.values() for s in adamw.state.values() for t in s.values()
+                 if isinstance(t, Tensor)]
         pending = [host for pieces in self._pending.values() for host, _ in pieces]
         return [*self._masters.values(), *state, *pending]
 
@@ -75,9 +79,8 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError("HostAdamW.step takes no closure")
         with memory_category(OFFLOADED):
             for group in self.param_groups:
-                self._host_adamw.param_groups[0]["lr"] = group["lr"]
                 for param in group["params"]:
-                    self._step_one(param)
+                    self._step_one(param, group["lr"])
         self._pending.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -87,7 +90,7 @@ class HostAdamW(torch.optim.Optimizer):
             for param in group["params"]:
                 param.grad = None
 
-    def _step_one(self, param: nn.Parameter) -> None:
+    def _step_one(self, param: nn.Parameter, lr: float) -> None:
         pieces = self._pending.pop(id(param), [])
         if param.grad is not None:  # a gradient set by hand, or made with the hooks off
             pieces.append(self._to_host(param.grad))
@@ -101,7 +104,9 @@ class HostAdamW(torch.optim.Optimizer):
                 event.synchronize()
             grad = host.to(master.dtype, copy=True) if grad is None else grad.add_(host)
         master.grad = grad
-        self._host_adamw.step()
+        adamw = self._host_adamws[id(param)]
+        adamw.param_groups[0]["lr"] = lr
+        adamw.step()
         master.grad = None
         param.data.copy_(master)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from streambp_core.engine import blocked_attention as blocked
+from streambp_core.engine.chunks import chunk_bounds
 
 FP32 = 4
 
@@ -70,15 +71,31 @@ def flash_varlen_backward_bytes(batch: int, heads: int, kv_heads: int, queries: 
 
 def blocked_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,
                            element_bytes: int, window: int | None, block_tokens: int) -> int:
-    """`BlockedFlashAttention`'s backward: its largest tile's buffers plus the float32 dq accumulator."""
+    """`BlockedFlashAttention`'s backward: its largest tile's buffers plus the float32 dq accumulator.
+
+    A tile's buffers never shrink as its rows or keys grow, so the largest is, per query block, the
+    one with the most keys (`widest_tiles`): a few blocks per chunk, not one tile per block of the prefix.
+    """
     largest = 0
-    for tile in blocked.attention_tiles(queries, keys, window, block_tokens):
-        rows, cols = tile.q_stop - tile.q_start, tile.k_stop - tile.k_start
+    for rows, cols in widest_tiles(queries, keys, window, block_tokens):
         shares = (batch * rows * heads + 2 * batch * cols * kv_heads) * head_dim * element_bytes
         lse_rows = FP32 * batch * heads * rows
         kernel = flash_backward_bytes(batch, heads, kv_heads, rows, cols, head_dim, element_bytes)
         largest = max(largest, kernel + shares + lse_rows)
     return FP32 * batch * queries * heads * head_dim + largest
+
+
+def widest_tiles(queries: int, keys: int, window: int | None, block_tokens: int) -> list[tuple[int, int]]:
+    """(rows, keys) of the widest of `blocked_attention.attention_tiles` in each query block, without
+    listing the others: unbanded, a block's tiles are `block_tokens` keys wide except the one that
+    reaches key 0, and its first (causal) tile is min(keys it sees, `block_tokens`) wide; banded, a block
+    has one tile."""
+    if window is not None:
+        return [(t.q_stop - t.q_start, t.k_stop - t.k_start)
+                for t in blocked.attention_tiles(queries, keys, window, block_tokens)]
+    offset = keys - queries
+    return [(stop - start, min(offset + stop, block_tokens))
+            for start, stop in chunk_bounds(queries, block_tokens) if offset + stop > 0]
 
 
 def cudnn_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,

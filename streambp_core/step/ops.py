@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm", "aten.baddbmm", "aten.baddbmm_"})
@@ -110,13 +109,23 @@ def prefix_attention_flops(q: torch.Tensor, k: torch.Tensor, *, backward: bool) 
 
 
 def _tensor_bytes(args: tuple, kwargs: dict, out) -> int:
-    seen: set[int] = set()
-    total = 0
-    for item in tree_flatten((args, kwargs, out))[0]:
-        if isinstance(item, torch.Tensor) and id(item) not in seen:
-            seen.add(id(item))
-            total += item.numel() * item.element_size()
-    return total
+    """Bytes of every distinct tensor among an op's arguments and outputs."""
+    tensors: dict[int, torch.Tensor] = {}
+    _collect_tensors((args, kwargs, out), tensors)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _collect_tensors(value: Any, tensors: dict[int, torch.Tensor]) -> None:
+    """Every tensor in `value`, nested in tuples (named ones and torch's return types too), lists and
+    dicts, into `tensors` by id: what `tree_flatten` finds in an op's arguments, without its overhead."""
+    if isinstance(value, torch.Tensor):
+        tensors.setdefault(id(value), value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect_tensors(item, tensors)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_tensors(item, tensors)
 
 
 def meta_step_ops(config, method: str, seq_len_tokens: int, *, batch_size: int = 1,

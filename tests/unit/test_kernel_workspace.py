@@ -4,6 +4,7 @@ each chunk would take on a GPU, and the `kernel_workspace` category a meta backw
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -48,6 +49,33 @@ def test_the_blocked_backward_is_bounded_whatever_the_prefix(queries):
     assert len(sizes) == 1 and sizes.pop() <= 2 * GIB
     unblocked = flash_backward_bytes(1, 32, 8, queries, 1_700_000, 128, 2)
     assert unblocked > 20 * GIB
+
+
+def _every_tile_bytes(batch, heads, kv_heads, queries, keys, head_dim, element_bytes, window, block_tokens):
+    """The blocked backward's figure over every tile of `attention_tiles` (what `blocked_backward_bytes`
+    gives from the widest tiles only)."""
+    largest = 0
+    for tile in blocked_attention.attention_tiles(queries, keys, window, block_tokens):
+        rows, cols = tile.q_stop - tile.q_start, tile.k_stop - tile.k_start
+        shares = (batch * rows * heads + 2 * batch * cols * kv_heads) * head_dim * element_bytes
+        kernel = flash_backward_bytes(batch, heads, kv_heads, rows, cols, head_dim, element_bytes)
+        largest = max(largest, kernel + shares + 4 * batch * heads * rows)
+    return 4 * batch * queries * heads * head_dim + largest
+
+
+def test_the_blocked_figure_from_the_widest_tiles_is_every_tiles():
+    """Equal to the byte to the maximum over every tile, over random shapes, windows and block sizes,
+    prefixes shorter and longer than a block, GQA and not."""
+    rng = random.Random(0)
+    for _ in range(300):
+        block = rng.choice([7, 64, 1000])
+        queries = rng.randint(1, 5 * block)
+        keys = queries + rng.choice([0, rng.randint(1, 3 * block), rng.randint(1, 40 * block)])
+        window = rng.choice([None, None, rng.randint(1, 3 * block)])
+        heads, kv_heads = rng.choice([(4, 4), (8, 2), (32, 8)])
+        head_dim = rng.choice([64, 128, 256])
+        shape = (rng.randint(1, 3), heads, kv_heads, queries, keys, head_dim, 2, window, block)
+        assert blocked_backward_bytes(*shape) == _every_tile_bytes(*shape), shape
 
 
 def _meta(heads, kv_heads, queries, keys, dim=128, dtype=torch.bfloat16):

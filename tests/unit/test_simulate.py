@@ -229,6 +229,10 @@ def test_chunk_bounds_keep_only_thins_loops_longer_than_both_ends() -> None:
 
     assert chunk_bounds(10, 3, keep=1) == [(0, 3), (9, 10)]
     assert chunk_bounds(10, 3, keep=2) == chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    for length, size, keep in [(0, 4, 1), (1, 4, 3), (24, 4, 3), (25, 4, 3), (10_000_001, 500, 3)]:
+        every = chunk_bounds(length, size)
+        assert chunk_bounds(length, size, keep) == (every if len(every) <= 2 * keep
+                                                    else every[:keep] + every[-keep:])
 
 
 def test_keep_chunks_is_refused_on_a_real_model() -> None:

@@ -19,6 +19,22 @@ from streambp_core.step.ops import OpRecord, OpRecorder, meta_step_ops, prefix_a
 from streambp_core.step.partitions import auto_partitions, head_candidates, largest_fitting, layer_candidates
 
 
+def test_bytes_moved_count_each_tensor_once_wherever_it_is_nested():
+    """An op's bytes: every distinct tensor of its arguments, keyword arguments and outputs, nested in
+    lists, tuples, dicts and torch's return types, as torch's `tree_flatten` finds them."""
+    from torch.utils._pytree import tree_flatten
+
+    from streambp_core.step.ops import _tensor_bytes
+
+    a, b = torch.ones(3, 5, device="meta"), torch.ones(2, dtype=torch.float64, device="meta")
+    out = torch.max(torch.ones(4, 6, dtype=torch.bfloat16, device="meta"), dim=1)  # (values, indices)
+    args = (a, [a, (b, 2.0)], {"x": [b]}, None)
+    kwargs = {"weight": a, "scale": 1.5, "extra": (torch.ones(7, device="meta"),)}
+    leaves = {id(t): t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)}
+    assert _tensor_bytes(args, kwargs, out) == sum(t.numel() * t.element_size() for t in leaves.values())
+    assert _tensor_bytes(args, kwargs, out) == 3 * 5 * 4 + 2 * 8 + 4 * 2 + 4 * 8 + 7 * 4
+
+
 def test_recorder_counts_matmul_flops_in_place_ones_included():
     a, b = torch.ones(4, 8, device="meta"), torch.ones(8, 16, device="meta")
     out = torch.zeros(4, 16, device="meta")
