@@ -17,6 +17,7 @@ when quick): a row's key holds no budget, so two GPUs' rows of one step would re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -57,12 +58,14 @@ def cells(quick: bool) -> list[tuple[StepSpec, float]]:
             if tier_problem(method, tiers, "adamw") is None]
 
 
-def run(settings: Settings) -> None:
-    """Search every cell (side by side on the settings' workers) and write each GPU's CSV."""
+def run(settings: Settings, select: Callable[[StepSpec], bool] | None = None) -> None:
+    """Search every cell (side by side on the settings' workers) and write each GPU's CSV; `select`: only
+    the cells whose spec it accepts, their rows replacing the same cells' rows in the CSVs (the others
+    stay as they are), to rerun the cells a change touches."""
     from streambp_bench.maxlen.plan import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
 
-    grid = cells(settings.quick)
+    grid = [(spec, budget) for spec, budget in cells(settings.quick) if select is None or select(spec)]
     models = {name: ResolvedModel(name) for name in dict.fromkeys(spec.model for spec, _ in grid)}
     tasks = [Task(spec_label(spec), max_len_row, (spec, budget, models[spec.model]),
                   SEARCH_COST.get(spec.method, 0) + spec.offload.count(","))

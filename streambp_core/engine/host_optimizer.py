@@ -5,20 +5,24 @@ promoted to at least float32) and AdamW's two moments beside it (torch's AdamW, 
 masters). The device holds neither.
 
 Steps of one training step:
-1. Backward: as each parameter's gradient is complete (its post-accumulate-grad hook: once per step, or
-   once per firing for a parameter fed from several places, e.g. a tied embedding and head, or a norm
-   weight whose gradient streambp accumulates chunk by chunk), the
-   gradient is copied to host memory (pinned, on a side stream with an event on CUDA) and the device
-   gradient dropped, so the device never holds the whole model's gradients.
-2. `step()`: per parameter, its host gradients are summed in the master's dtype (in arrival order, as
-   autograd would have accumulated them), AdamW updates the master and its moments, and the master is
-   copied into the parameter's data: back to the device, or into the host copy when the weights live on
-   the host too (`engine.host_params`).
+1. Backward: as each parameter's gradient is complete (its post-accumulate-grad hook), the gradient is
+   copied to host memory (pinned, on a side stream with an event on CUDA) and the device gradient
+   dropped, so the device never holds the whole model's gradients. A hook that fires while the parameter
+   is held (`engine.unit_grads.grad_held`: a tiled or streamed unit's backward is still adding to it,
+   chunk by chunk) leaves the gradient in `.grad`; the unit hands the sum over once as its backward ends.
+   With a run prepared with the optimizer tier every parameter is thus sent once per backward (a tied
+   embedding and head: at its last firing, the embedding's).
+2. `step()`: per parameter, its host gradients (one per backward; more when gradients of several
+   backward passes accumulate, or when a hook fired unheld) are summed in the master's dtype in arrival
+   order, AdamW updates the master and its moments, and the master is copied into the parameter's data:
+   back to the device, or into the host copy when the weights live on the host too
+   (`engine.host_params`). A gradient still in `.grad` (set by hand, or never completed by a hook) is
+   sent then.
 
 Exactness: with parameters of float32 or float64 the masters have the parameters' dtype, so the applied
 update is bitwise that of torch's AdamW (single-tensor) on the device; with bfloat16 or float16
-parameters it is the fp32 master's update rounded to the parameters' dtype (mixed-precision AdamW, not
-the pure-bf16 AdamW a step without the tier runs).
+parameters it is the fp32 master's update (of the same bf16 gradient the device summed) rounded to the
+parameters' dtype (mixed-precision AdamW, not the pure-bf16 AdamW a step without the tier runs).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.offload import host_copy
+from streambp_core.engine.unit_grads import grad_held
 from streambp_core.measure.tags import OFFLOADED, memory_category
 
 
@@ -110,9 +115,15 @@ class HostAdamW(torch.optim.Optimizer):
         master.grad = None
         param.data.copy_(master)
 
+    def pending_sends(self, param: nn.Parameter) -> int:
+        """How many gradients of `param` wait in host memory for the step (one per backward when each
+        arrives complete)."""
+        return len(self._pending.get(id(param), []))
+
     def _take_grad(self, param: Tensor) -> None:
-        """Post-accumulate-grad hook: the gradient to host memory, the device's dropped."""
-        if param.grad is None:
+        """Post-accumulate-grad hook: the gradient to host memory, the device's dropped (left in `.grad`
+        while its unit still adds to it)."""
+        if param.grad is None or grad_held(param):
             return
         self._pending.setdefault(id(param), []).append(self._to_host(param.grad))
         param.grad = None

@@ -23,6 +23,8 @@ from streambp_core.engine.reduction import (
 )
 from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.sharded import is_sharded
+from streambp_core.engine.unit_grads import UnitGrads
 from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.methods import guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
@@ -75,6 +77,9 @@ class Run:
         self.zero3: Zero3Units | None = None
         """Under DeepSpeed ZeRO, the units of a method that drives the modules: gathered once each way
         (ZeRO-3), each parameter handed to ZeRO once as its unit's backward ends (`engine.zero3`)."""
+        self.host_grads: UnitGrads | None = None
+        """With the optimizer tier, the units whose backward adds to a parameter's gradient chunk by chunk,
+        each handing its gradients to the host once, as its backward ends (`engine.unit_grads`)."""
         try:
             self._kv_copies = 1
             """Copies of each KV head so they split over the sequence group (`methods.sequence`)."""
@@ -90,6 +95,9 @@ class Run:
                 check_experts(self.parts.layers, self.method, self.drives_modules)
             if self.drives_modules and stage is not None:
                 self.zero3 = self._zero3_units()
+            if "optimizer" in offload_tiers(config.offload) and self.zero3 is None \
+                    and not any(is_sharded(layer) for layer in self.parts.layers):
+                self.host_grads = self._host_grads()
         except BaseException:
             guards.release(self.parts, self)
             raise
@@ -180,6 +188,8 @@ class Run:
                     self.host_params.close()
                 if self.zero3 is not None:
                     self.zero3.close()
+                if self.host_grads is not None:
+                    self.host_grads.close()
                 self._teardown()
                 if self._reduction is not None:
                     self._reduction.disarm()
@@ -205,6 +215,16 @@ class Run:
         from streambp_core.methods.host_tier import hooked_params
 
         return hooked_params(self.parts, device)
+
+    def unit_brackets(self) -> list:
+        """The brackets a method that drives its units enters each unit's input through, in this order
+        (the params tier's first, so a unit hands its gradients over while it is still gathered)."""
+        return [b for b in (self.host_params, self.host_grads, self.zero3) if b is not None]
+
+    def _host_grads(self) -> UnitGrads | None:
+        """The optimizer tier's units that hand their gradients over once (`engine.unit_grads`); None for
+        a method whose backward fires each parameter's gradient once already (plain, checkpoint)."""
+        return None
 
     def _zero3_units(self) -> Zero3Units:
         """The units this method gathers under DeepSpeed ZeRO-3 (methods that drive the modules)."""

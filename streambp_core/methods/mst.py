@@ -53,12 +53,13 @@ class MstRun(CheckpointRun):
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
                         keep_chunks=self.config.keep_chunks)
         params = trainable_parameters([self.parts.lm_head])
-        bracket = self.host_params or self.zero3
-        if bracket is None:
-            return StreamedHead.apply(hidden, objective, plan, *params)
-        head = bracket.num_units - 1  # lm_head: bracketed here, its chunks run inside the head
-        hidden = bracket.enter(head, hidden)
-        return bracket.leave(head, StreamedHead.apply(hidden, objective, plan, *params))
+        brackets = self.unit_brackets()  # lm_head is each one's last unit; its chunks run inside the head
+        for bracket in brackets:
+            hidden = bracket.enter(bracket.num_units - 1, hidden)
+        loss = StreamedHead.apply(hidden, objective, plan, *params)
+        for bracket in brackets:
+            loss = bracket.leave(bracket.num_units - 1, loss)
+        return loss
 
     def _zero3_units(self) -> Zero3Units:
         """Units under DeepSpeed ZeRO-3: each layer's chunked MLP (bracketed by its module hooks; the rest
@@ -75,3 +76,9 @@ class MstRun(CheckpointRun):
         from streambp_core.methods.host_tier import hooked_params
 
         return hooked_params(self.parts, device, hook_head=False)
+
+    def _host_grads(self):
+        """The optimizer tier's hand-over: each tiled MLP block and lm_head (`host_tier.tiled_grads`)."""
+        from streambp_core.methods.host_tier import tiled_grads
+
+        return tiled_grads(self.parts)

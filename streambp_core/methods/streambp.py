@@ -131,15 +131,23 @@ class StreamBPRun(Run):
         units = [[], *([layer] for layer in self.parts.layers), [self.parts.norm, self.parts.lm_head]]
         return Zero3Units(units, shared=self.parts.embed.parameters())
 
+    def _host_grads(self):
+        """The optimizer tier's hand-over: each streamed layer and the head (`host_tier.streamed_grads`)."""
+        from streambp_core.methods.host_tier import streamed_grads
+
+        return streamed_grads(self.parts)
+
     def _enter(self, unit: int, hidden):
-        """`hidden` entering unit `unit` of the params tier or of ZeRO-3 (gathered; unchanged without)."""
-        bracket = self.host_params or self.zero3
-        return hidden if bracket is None else bracket.enter(unit, hidden)
+        """`hidden` entering unit `unit` of each bracket (`Run.unit_brackets`; unchanged without)."""
+        for bracket in self.unit_brackets():
+            hidden = bracket.enter(unit, hidden)
+        return hidden
 
     def _leave(self, unit: int, output):
-        """`output` leaving unit `unit` of the params tier or of ZeRO-3 (released; unchanged without)."""
-        bracket = self.host_params or self.zero3
-        return output if bracket is None else bracket.leave(unit, output)
+        """`output` leaving unit `unit` of each bracket (`Run.unit_brackets`; unchanged without)."""
+        for bracket in self.unit_brackets():
+            output = bracket.leave(unit, output)
+        return output
 
 
 def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden, cos, sin, valid):

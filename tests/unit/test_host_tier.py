@@ -11,6 +11,7 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError, StepSpec
+from streambp_core.engine import unit_grads
 from streambp_core.engine.host_optimizer import HostAdamW
 from streambp_core.engine.host_params import HostParams
 from streambp_core.measure import MemoryTracker
@@ -97,6 +98,41 @@ def test_plain_takes_the_optimizer_tier_bitwise():
     _, params = _train(model, "plain", "sft", "optimizer", inputs)
     for name, value in params.items():
         assert torch.equal(value, ref[name]), name
+
+
+SEND_CASES = [*((method, family, 0, "recompute") for method in ("plain", "checkpoint", "mst", "streambp")
+                 for family in ("llama", "qwen2")),  # untied; tied embedding and head
+              ("mst", "llama", 2, "recompute"), ("streambp", "llama", 2, "recompute"),
+              ("streambp", "qwen2", 0, "fused")]
+
+
+@pytest.mark.parametrize(("method", "family", "lora", "head_mode"), SEND_CASES)
+def test_each_gradient_goes_to_the_host_once_per_backward(method, family, lora, head_mode):
+    """mst's MLP tiles and head chunks, streambp's chunks and a tied head add to a gradient several times
+    per backward: the host still gets each parameter's gradient once, complete (none left on the device),
+    and the update stays bitwise the update without the tier."""
+    model = _model(family, lora)
+    ref_model = copy.deepcopy(model)
+    inputs = _batch(model, "sft")
+    options = {"partition_size": 4, "head_partition_size": 3, "head_mode": head_mode}  # 4 MLP tiles
+    with streambp_core.prepare(ref_model, method, **options) as run:
+        optimizer = run.adamw(lr=1e-2)
+        for _ in range(2):
+            run.loss(**inputs).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    with streambp_core.prepare(model, method, offload="optimizer", **options) as run:
+        optimizer = run.adamw(lr=1e-2)
+        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        for _ in range(2):
+            run.loss(**inputs).backward()
+            sends = {name: optimizer.pending_sends(p) for name, p in trainable.items()}
+            assert sends == dict.fromkeys(trainable, 1)
+            assert [name for name, p in trainable.items() if p.grad is not None] == []
+            optimizer.step()
+    assert not any(hasattr(p, unit_grads.HELD) for p in model.parameters())  # close() took the marks off
+    for (name, value), ref in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(value, ref), name
 
 
 class PoisonedHostParams(HostParams):
