@@ -2,16 +2,16 @@
 
 Rank r holds the contiguous positions start_r..end_r of every sequence (`SequenceGroup.shard_bounds`). Keys
 and values are gathered once (per layer) into head layout: this rank's KV heads over every position
-(`gather_kv`, one all-to-all for K and V together). Queries travel per block: every rank's block of queries
-(its whole shard, or its i-th chunk in streambp's lockstep backward) goes `seq_to_heads`, so this rank holds
-its query heads of every rank's block; each rank's sub-block attends to the keys 0..its last global
-position (views of the gathered keys, lower-right causal as `prefix_attention` aligns), and the outputs go
-back with `heads_to_seq` (`gathered_attention`).
+(`gather_kv`, K and V together, in one all-to-all or, in streambp's layer, `KV_PIECES` of them). Queries
+travel per block: every rank's block of queries (its whole shard, or its i-th chunk in streambp's lockstep
+backward) goes `seq_to_heads`, so this rank holds its query heads of every rank's block; each rank's
+sub-block attends to the keys 0..its last global position (views of the gathered keys, lower-right causal
+as `prefix_attention` aligns), and the outputs go back with `heads_to_seq` (`gathered_attention`).
 
 GQA: the KV heads must split over the ranks as the query heads do. When they do not (fewer KV heads than
 ranks, e.g. 8 KV heads on 16 ranks), each KV head is repeated `kv_replication` times first, as DeepSpeed's
-Ulysses does: query head h still meets the keys of its own KV head, and the gradient of the copies sums
-back into it (`scatter_kv_grads`).
+Ulysses does (into the all-to-all's send buffer, never as a repeated tensor): query head h still meets the
+keys of its own KV head, and the gradient of the copies sums back into it (`scatter_kv_grads`).
 """
 
 from __future__ import annotations

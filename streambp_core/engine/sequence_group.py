@@ -6,9 +6,17 @@ with one all-to-all: sequence-sharded (B, T_r, H, hd), all heads of this rank's 
 head-sharded (B, T, H / size, hd), this rank's heads over every token (`seq_to_heads`), and back
 (`heads_to_seq`). Both are differentiable: each one's backward is the other on the gradient.
 
+A swap allocates its output once. An all-to-all sends one contiguous buffer, each destination's part in
+rank order (the send buffer: a copy, except `heads_to_seq`'s contiguous batch-1 input, already in that
+order) and receives one (the receive buffer: with batch 1 in one piece, the output itself; else copied
+into it). `copies` repeats heads into the send buffer (KV heads over more ranks than heads) and sums them
+out of the receive buffer, without a repeated tensor. `pieces` splits a swap into that many all-to-alls
+over parts of every rank's tokens, so its buffers are that fraction of the output (a whole-sequence K/V).
+
 A group is real (a torch.distributed process group; gloo on CPU, nccl on CUDA) or simulated: one rank of
-`size` on the meta device, whose all-to-alls allocate the output a real one would and move nothing, so a
-simulated step of one rank sees that rank's memory through the same code path.
+`size` on the meta device. Both run the same code, allocations and copies (on meta the copies move
+nothing); only the exchange (`SequenceGroup.exchange`) is skipped on a simulated group, so a simulated step
+of one rank holds, tensor for tensor, what that rank would.
 """
 
 from __future__ import annotations

@@ -2,14 +2,17 @@
 
 As `engine.layer`, but attention sees every rank's tokens (`engine.sequence_attention`):
 - forward (no grad): K/V of the shard, gathered once into this rank's KV heads over the whole sequence
-  (one all-to-all), then the chunks of the shard in lockstep with every rank's (`lockstep_chunks`): the
-  chunk's queries go to head layout and its outputs back (two all-to-alls per chunk);
-- backward: the same K/V gathered again (one all-to-all); then, last chunk first, each chunk recomputed
-  with grad and back-propagated (its queries' and outputs' all-to-alls forward and backward: four per
-  chunk), the K/V gradients of every rank's chunks accumulating in head layout over the whole sequence;
-  after the last chunk they go back to this rank's positions (one all-to-all) and through its K/V
+  (one swap of `KV_PIECES` all-to-alls), then the chunks of the shard in lockstep with every rank's
+  (`lockstep_chunks`): the chunk's queries go to head layout and its outputs back (two all-to-alls per
+  chunk);
+- backward: the same K/V gathered again (one swap); then, last chunk first, each chunk recomputed with
+  grad and back-propagated (its queries' and outputs' all-to-alls forward and backward: four per chunk),
+  each rank block's K/V prefix gradient added, as soon as autograd makes it, into one dK/dV accumulator
+  in head layout over the whole sequence (`_KVGradSink`); after the last chunk the gathered K/V are
+  freed and the accumulator goes back to this rank's positions (one swap), then through its K/V
   projections and input norm, chunk by chunk.
-Per layer and step: 3 all-to-alls plus 6 per chunk, whatever the sequence's padding or the ranks' shards.
+Per layer and step: 3 K/V swaps of `KV_PIECES` all-to-alls each (fewer when a shard is shorter) plus 6
+all-to-alls per chunk, whatever the sequence's padding or the ranks' shards.
 """
 
 from __future__ import annotations
