@@ -2,21 +2,22 @@
 
 Rank r holds the contiguous positions start_r..end_r of every sequence (`SequenceGroup.shard_bounds`). Keys
 and values are gathered once (per layer) into head layout: this rank's KV heads over every position
-(`gather_kv`, one all-to-all for K and V together). Queries travel per block: every rank's block of queries
-(its whole shard, or its i-th chunk in streambp's lockstep backward) goes `seq_to_heads`, so this rank holds
-its query heads of every rank's block; each rank's sub-block attends to the keys 0..its last global
-position (views of the gathered keys, lower-right causal as `prefix_attention` aligns), and the outputs go
-back with `heads_to_seq` (`gathered_attention`).
+(`gather_kv`, K and V together, in one all-to-all or, in streambp's layer, `KV_PIECES` of them). Queries
+travel per block: every rank's block of queries (its whole shard, or its i-th chunk in streambp's lockstep
+backward) goes `seq_to_heads`, so this rank holds its query heads of every rank's block; each rank's
+sub-block attends to the keys 0..its last global position (views of the gathered keys, lower-right causal
+as `prefix_attention` aligns), and the outputs go back with `heads_to_seq` (`gathered_attention`).
 
 GQA: the KV heads must split over the ranks as the query heads do. When they do not (fewer KV heads than
 ranks, e.g. 8 KV heads on 16 ranks), each KV head is repeated `kv_replication` times first, as DeepSpeed's
-Ulysses does: query head h still meets the keys of its own KV head, and the gradient of the copies sums
-back into it (`scatter_kv_grads`).
+Ulysses does (into the all-to-all's send buffer, never as a repeated tensor): query head h still meets the
+keys of its own KV head, and the gradient of the copies sums back into it (`scatter_kv_grads`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
+from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, parts_to_heads, seq_to_heads
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, group_size: int) -> int:
@@ -88,38 +89,53 @@ def lockstep_chunks(group: SequenceGroup, total_tokens: int, partition_size: int
             for i in indices]
 
 
-def gather_kv(keys: Tensor, values: Tensor, group: SequenceGroup, total_tokens: int,
-              copies: int) -> tuple[Tensor, Tensor]:
+KV_PIECES = 16
+"""All-to-alls per whole-sequence K/V swap (`gather_kv`, `scatter_kv_grads`): each moves 1/16 of the
+sequence, so its send and receive buffers are 1/16 of the gathered K/V (with KV heads replicated over many
+ranks, one rank's K/V over the whole sequence: the layer's largest tensor). A fixed count per layer."""
+
+
+def gather_kv(keys: Tensor, values: Tensor, group: SequenceGroup, total_tokens: int, copies: int,
+              pieces: int = 1) -> tuple[Tensor, Tensor]:
     """This rank's K, V (B, Hkv, T_r, hd) -> this rank's KV heads over every position (B, Hkv', T, hd),
-    Hkv' = Hkv x copies / size; one all-to-all for both. Differentiable."""
-    hd = keys.shape[-1]
-    kv = torch.cat([keys, values], dim=-1).transpose(1, 2)  # (B, T_r, Hkv, 2 hd)
-    if copies > 1:
-        kv = kv.repeat_interleave(copies, dim=2)
-    kv = seq_to_heads(kv, group, total_tokens).transpose(1, 2)  # (B, Hkv', T, 2 hd)
-    return kv[..., :hd], kv[..., hd:]
+    Hkv' = Hkv x copies / size: views of one (B, T, Hkv', 2 hd) tensor (`kv_views`), swapped in `pieces`
+    all-to-alls for both (`sequence_group.parts_to_heads`: no concatenated or repeated copy first).
+    Differentiable."""
+    kv = parts_to_heads([keys.transpose(1, 2), values.transpose(1, 2)], group, total_tokens, copies=copies,
+                        pieces=pieces)
+    return kv_views(kv)
 
 
-def scatter_kv_grads(d_keys: Tensor, d_values: Tensor, group: SequenceGroup, total_tokens: int,
-                     copies: int) -> tuple[Tensor, Tensor]:
-    """The transpose of `gather_kv` for accumulated gradients (B, Hkv', T, hd) -> this rank's dK, dV
-    (B, Hkv, T_r, hd); one all-to-all."""
-    hd = d_keys.shape[-1]
-    grads = torch.cat([d_keys, d_values], dim=-1).transpose(1, 2)  # (B, T, Hkv', 2 hd)
-    grads = heads_to_seq(grads, group, total_tokens)  # (B, T_r, Hkv x copies, 2 hd)
-    if copies > 1:
-        b, t, heads, width = grads.shape
-        grads = grads.view(b, t, heads // copies, copies, width).sum(dim=3)
-    grads = grads.transpose(1, 2)
-    return grads[..., :hd], grads[..., hd:]
+def kv_views(kv: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values (B, H, T, hd) as views of K and V side by side, `kv` (B, T, H, 2 hd)."""
+    hd = kv.shape[-1] // 2
+    return kv[..., :hd].transpose(1, 2), kv[..., hd:].transpose(1, 2)
+
+
+def scatter_kv_grads(d_kv: Tensor, group: SequenceGroup, total_tokens: int, copies: int,
+                     pieces: int = 1) -> tuple[Tensor, Tensor]:
+    """The transpose of `gather_kv` for the accumulated gradients of K and V side by side, `d_kv`
+    (B, T, Hkv', 2 hd) -> this rank's dK, dV (B, Hkv, T_r, hd), each KV head's copies summed; `pieces`
+    all-to-alls."""
+    return kv_views(heads_to_seq(d_kv, group, total_tokens, copies=copies, pieces=pieces))
+
+
+KeyPrefix = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+"""(keys, values, last) -> the keys and values of positions 0..last - 1 that a block attends to."""
+
+
+def _views(keys: Tensor, values: Tensor, last: int) -> tuple[Tensor, Tensor]:
+    return keys[:, :, :last], values[:, :, :last]
 
 
 def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor | None,
                        blocks: SequenceBlocks, scale: float, backend: str = "auto", window: int | None = None,
-                       blocking: bool = True) -> Tensor:
+                       blocking: bool = True, prefix: KeyPrefix | None = None) -> Tensor:
     """Output (B, H, c, hd) of this rank's block of queries q (B, H, c, hd) against every position's keys
     of this rank's heads, `keys`/`values` (B, Hkv', >= last key, hd) from `gather_kv`. `key_valid` (B, T)
-    marks real keys over the whole sequence (None: all). Two all-to-alls; differentiable."""
+    marks real keys over the whole sequence (None: all). `prefix(keys, values, last)`: the K/V prefix a
+    block attends to (default: views). Two all-to-alls; differentiable."""
+    prefix = prefix or _views
     group, sizes = blocks.group, blocks.sizes
     total = sum(sizes)
     heads = seq_to_heads(q.transpose(1, 2), group, total).transpose(1, 2)  # (B, H / size, total, hd)
@@ -128,8 +144,9 @@ def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tenso
         if end > start:  # a rank whose shard has run out of chunks sends an empty block
             last = blocks.shard_starts[rank] + end
             valid = None if key_valid is None else key_valid[:, :last]
-            outputs.append(prefix_attention(heads[:, :, offset:offset + end - start], keys[:, :, :last],
-                                            values[:, :, :last], valid, scale, backend, window, blocking))
+            block_k, block_v = prefix(keys, values, last)
+            block = heads[:, :, offset:offset + end - start]
+            outputs.append(prefix_attention(block, block_k, block_v, valid, scale, backend, window, blocking))
         offset += end - start
     out = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, total, H / size, hd)
     return heads_to_seq(out, group, total).transpose(1, 2)

@@ -6,13 +6,22 @@ with one all-to-all: sequence-sharded (B, T_r, H, hd), all heads of this rank's 
 head-sharded (B, T, H / size, hd), this rank's heads over every token (`seq_to_heads`), and back
 (`heads_to_seq`). Both are differentiable: each one's backward is the other on the gradient.
 
+A swap allocates its output once. An all-to-all sends one contiguous buffer, each destination's part in
+rank order (the send buffer: a copy, except `heads_to_seq`'s contiguous batch-1 input, already in that
+order) and receives one (the receive buffer: with batch 1 in one piece, the output itself; else copied
+into it). `copies` repeats heads into the send buffer (KV heads over more ranks than heads) and sums them
+out of the receive buffer, without a repeated tensor. `pieces` splits a swap into that many all-to-alls
+over parts of every rank's tokens, so its buffers are that fraction of the output (a whole-sequence K/V).
+
 A group is real (a torch.distributed process group; gloo on CPU, nccl on CUDA) or simulated: one rank of
-`size` on the meta device, whose all-to-alls allocate the output a real one would and move nothing, so a
-simulated step of one rank sees that rank's memory through the same code path.
+`size` on the meta device. Both run the same code, allocations and copies (on meta the copies move
+nothing); only the exchange (`SequenceGroup.exchange`) is skipped on a simulated group, so a simulated step
+of one rank holds, tensor for tensor, what that rank would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +76,16 @@ class SequenceGroup:
         start = sum(sizes[: self.rank])
         return start, start + sizes[self.rank]
 
+    def exchange(self, recv: Tensor, send: Tensor, recv_counts: list[int], send_counts: list[int]) -> None:
+        """One all-to-all of flat buffers: `send_counts[j]` elements of `send` to rank j, `recv_counts[j]`
+        from rank j into `recv`, in rank order. Simulated: nothing moves (the buffers exist all the same)."""
+        if self.is_simulated:
+            return
+        import torch.distributed as dist
+
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                               group=self.process_group)
+
     def all_reduce_sum(self, value: Tensor) -> Tensor:
         """The sum of `value` over the group's ranks (no autograd; e.g. a global count of valid tokens).
         Simulated: `value` times the group size, the sum of identical ranks."""
@@ -79,17 +98,30 @@ class SequenceGroup:
         return total
 
 
-def seq_to_heads(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
-    """(B, T_r, H, hd) of this rank's tokens -> (B, T, H / size, hd) of this rank's heads. H % size == 0.
+def seq_to_heads(x: Tensor, group: SequenceGroup, total_tokens: int, *, copies: int = 1,
+                 pieces: int = 1) -> Tensor:
+    """(B, T_r, H, hd) of this rank's tokens -> (B, T, H x copies / size, hd) of this rank's heads.
 
     The ranks' token counts are `shard_sizes(total_tokens)`: any counts that differ by at most one, the
-    larger on the lower ranks (e.g. every rank's i-th chunk of its shard), are those of their sum."""
-    return _SeqToHeads.apply(x, group, total_tokens)
+    larger on the lower ranks (e.g. every rank's i-th chunk of its shard), are those of their sum.
+    `copies`: each head repeated that many times first (adjacent copies, as `repeat_interleave`), without
+    materialising the repeat. `pieces`: the swap runs as that many all-to-alls over parts of the sequence
+    (fewer when a shard is shorter), so its send and receive buffers are that fraction of the output."""
+    return _SeqToHeads.apply(group, total_tokens, copies, pieces, x)
 
 
-def heads_to_seq(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
-    """(B, T, H / size, hd) of this rank's heads -> (B, T_r, H, hd) of this rank's tokens."""
-    return _HeadsToSeq.apply(x, group, total_tokens)
+def parts_to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, *, copies: int = 1,
+                   pieces: int = 1) -> Tensor:
+    """`seq_to_heads` of the tensors `parts` (B, T_r, H, w_i) side by side in their last dimension (e.g.
+    keys and values), without concatenating them first: (B, T, H x copies / size, sum of w_i)."""
+    return _SeqToHeads.apply(group, total_tokens, copies, pieces, *parts)
+
+
+def heads_to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, *, copies: int = 1,
+                 pieces: int = 1) -> Tensor:
+    """(B, T, H x copies / size, hd) of this rank's heads -> (B, T_r, H, hd) of this rank's tokens, each
+    head's `copies` summed (the transpose of `seq_to_heads`'s repeat); `pieces` as there."""
+    return _HeadsToSeq.apply(x, group, total_tokens, copies, pieces)
 
 
 def group_sum(value: Tensor, group: SequenceGroup) -> Tensor:
@@ -111,69 +143,131 @@ def sum_gradients(parameters, group: SequenceGroup) -> None:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group.process_group)
 
 
-def _check_heads(heads: int, group: SequenceGroup) -> None:
+def _local_heads(heads: int, group: SequenceGroup) -> int:
     if heads % group.size:
         raise ConfigError(f"{heads} heads do not split over {group.size} sequence-parallel ranks")
+    return heads // group.size
 
 
-def _seq_to_heads(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
-    b, t_rank, heads, hd = x.shape
-    _check_heads(heads, group)
-    local = heads // group.size
-    if group.is_simulated:
-        return x.new_empty((b, total_tokens, local, hd))
+def _piece_spans(sizes: list[int], pieces: int) -> list[list[tuple[int, int]]]:
+    """Per piece, each rank's (start, end) within its block of `sizes` tokens: `pieces` parts of every
+    block (fewer when a block is shorter; one when a block is empty), as `shard_sizes` splits."""
+    count = max(1, min(pieces, *sizes))
+    parts = [SequenceGroup(size=count, rank=0).shard_sizes(size) for size in sizes]
+    spans, done = [], [0] * len(sizes)
+    for piece in range(count):
+        spans.append([(done[r], done[r] + parts[r][piece]) for r in range(len(sizes))])
+        done = [end for _, end in spans[-1]]
+    return spans
+
+
+def _to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, copies: int,
+              pieces: int) -> Tensor:
+    """`parts_to_heads` without autograd. Real and simulated ranks run the same allocations and copies
+    (on meta, the copies move nothing); only the exchange itself is skipped on a simulated group."""
+    b, _, heads, _ = parts[0].shape
+    local, width = _local_heads(heads * copies, group), sum(part.shape[-1] for part in parts)
     sizes = group.shard_sizes(total_tokens)
-    send = x.reshape(b, t_rank, group.size, local, hd).permute(2, 0, 1, 3, 4).contiguous()
-    recv = x.new_empty(b * total_tokens * local * hd)
-    per = b * local * hd
-    _all_to_all(recv, send.view(-1), [per * s for s in sizes], [per * t_rank] * group.size, group)
-    pieces = recv.split([per * s for s in sizes])
-    return torch.cat([p.view(b, s, local, hd) for p, s in zip(pieces, sizes, strict=True)], dim=1)
+    starts = [sum(sizes[:rank]) for rank in range(group.size)]
+    out = parts[0].new_empty((b, total_tokens, local, width))
+    spans = _piece_spans(sizes, pieces)
+    for span in spans:
+        first, last = span[group.rank]
+        send = out.new_empty((group.size, b, last - first, local, width))
+        offset = 0
+        for part in parts:
+            _fill_send(send[..., offset:offset + part.shape[-1]], part[:, first:last], copies)
+            offset += part.shape[-1]
+        counts = [b * (end - start) * local * width for start, end in span]
+        direct = b == 1 and len(spans) == 1  # the received pieces are the output, in rank order
+        recv = out.view(-1) if direct else out.new_empty(sum(counts))
+        group.exchange(recv, send.view(-1), counts, [send.numel() // group.size] * group.size)
+        if not direct:
+            for rank, piece in enumerate(recv.split(counts)):
+                start, end = (starts[rank] + at for at in span[rank])
+                out[:, start:end].copy_(piece.view(b, end - start, local, width))
+        del send, recv
+    return out
 
 
-def _heads_to_seq(x: Tensor, group: SequenceGroup, total_tokens: int) -> Tensor:
-    b, t, local, hd = x.shape
-    start, end = group.shard_bounds(total_tokens)
-    t_rank = end - start
-    if group.is_simulated:
-        return x.new_empty((b, t_rank, local * group.size, hd))
+def _fill_send(send: Tensor, part: Tensor, copies: int) -> None:
+    """Write `part` (B, t, H, w) into `send` (size, B, t, local, w): destination j gets the heads
+    j x local .. (j + 1) x local - 1 of the heads repeated `copies` times."""
+    size, local = send.shape[0], send.shape[3]
+    if copies == 1:
+        send.copy_(part.unflatten(2, (size, local)).permute(2, 0, 1, 3, 4))
+        return
+    for rank in range(size):
+        heads = [(rank * local + i) // copies for i in range(local)]
+        consecutive = heads == list(range(heads[0], heads[0] + local))
+        send[rank].copy_(part.narrow(2, heads[0], local) if consecutive else part[:, :, heads])
+
+
+def _to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, copies: int, pieces: int) -> Tensor:
+    """`heads_to_seq` without autograd; real and simulated ranks allocate alike (`_to_heads`)."""
+    b, _, local, width = x.shape
+    heads = local * group.size
+    if heads % copies:
+        raise ConfigError(f"{heads} heads are not {copies} copies of whole heads")
     sizes = group.shard_sizes(total_tokens)
-    send = torch.cat([p.reshape(-1) for p in x.split(sizes, dim=1)])
-    recv = x.new_empty(group.size * b * t_rank * local * hd)
-    per = b * local * hd
-    _all_to_all(recv, send, [per * t_rank] * group.size, [per * s for s in sizes], group)
-    return recv.view(group.size, b, t_rank, local, hd).permute(1, 2, 0, 3, 4).reshape(
-        b, t_rank, local * group.size, hd)  # explicit heads: a rank's chunk may be empty (t_rank 0)
+    starts = [sum(sizes[:rank]) for rank in range(group.size)]
+    out = x.new_empty((b, sizes[group.rank], heads // copies, width))
+    spans = _piece_spans(sizes, pieces)
+    for span in spans:
+        counts = [b * (end - start) * local * width for start, end in span]
+        if b == 1 and len(spans) == 1 and x.is_contiguous():  # each rank's positions in rank order
+            send = x.view(-1)
+        else:
+            send = x.new_empty(sum(counts))
+            for rank, piece in enumerate(send.split(counts)):
+                start, end = span[rank]
+                piece.view(b, end - start, local, width).copy_(x[:, starts[rank] + start:starts[rank] + end])
+        first, last = span[group.rank]
+        recv = x.new_empty((group.size, b, last - first, local, width))
+        group.exchange(recv.view(-1), send, [recv.numel() // group.size] * group.size, counts)
+        _fill_out(out[:, first:last], recv, copies)
+        del send, recv
+    return out
 
 
-def _all_to_all(recv: Tensor, send: Tensor, recv_sizes: list[int], send_sizes: list[int],
-                group: SequenceGroup) -> None:
-    import torch.distributed as dist
-
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
-                           group=group.process_group)
+def _fill_out(out: Tensor, recv: Tensor, copies: int) -> None:
+    """Write `recv` (size, B, t, local, w), the heads of every rank, into `out` (B, t, H, w), summing each
+    head's `copies` in order."""
+    size, local = recv.shape[0], recv.shape[3]
+    if copies == 1:
+        out.unflatten(2, (size, local)).copy_(recv.permute(1, 2, 0, 3, 4))
+        return
+    for head in range(size * local):
+        rank, index = divmod(head, local)
+        target = out[:, :, head // copies]
+        if head % copies:
+            target.add_(recv[rank, :, :, index])
+        else:
+            target.copy_(recv[rank, :, :, index])
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, total_tokens):
-        ctx.group, ctx.total_tokens = group, total_tokens
-        return _seq_to_heads(x, group, total_tokens)
+    def forward(ctx, group, total_tokens, copies, pieces, *parts):
+        ctx.swap = group, total_tokens, copies, pieces
+        ctx.widths = [part.shape[-1] for part in parts]
+        return _to_heads(parts, group, total_tokens, copies, pieces)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.total_tokens), None, None
+        whole = _to_seq(grad, *ctx.swap)
+        return (None, None, None, None, *whole.split(ctx.widths, dim=-1))
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, total_tokens):
-        ctx.group, ctx.total_tokens = group, total_tokens
-        return _heads_to_seq(x, group, total_tokens)
+    def forward(ctx, x, group, total_tokens, copies, pieces):
+        ctx.swap = group, total_tokens, copies, pieces
+        return _to_seq(x, group, total_tokens, copies, pieces)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.total_tokens), None, None
+        return _to_heads([grad], *ctx.swap), None, None, None, None
 
 
 class _GroupSum(torch.autograd.Function):

@@ -2,14 +2,17 @@
 
 As `engine.layer`, but attention sees every rank's tokens (`engine.sequence_attention`):
 - forward (no grad): K/V of the shard, gathered once into this rank's KV heads over the whole sequence
-  (one all-to-all), then the chunks of the shard in lockstep with every rank's (`lockstep_chunks`): the
-  chunk's queries go to head layout and its outputs back (two all-to-alls per chunk);
-- backward: the same K/V gathered again (one all-to-all); then, last chunk first, each chunk recomputed
-  with grad and back-propagated (its queries' and outputs' all-to-alls forward and backward: four per
-  chunk), the K/V gradients of every rank's chunks accumulating in head layout over the whole sequence;
-  after the last chunk they go back to this rank's positions (one all-to-all) and through its K/V
+  (one swap of `KV_PIECES` all-to-alls), then the chunks of the shard in lockstep with every rank's
+  (`lockstep_chunks`): the chunk's queries go to head layout and its outputs back (two all-to-alls per
+  chunk);
+- backward: the same K/V gathered again (one swap); then, last chunk first, each chunk recomputed with
+  grad and back-propagated (its queries' and outputs' all-to-alls forward and backward: four per chunk),
+  each rank block's K/V prefix gradient added, as soon as autograd makes it, into one dK/dV accumulator
+  in head layout over the whole sequence (`_KVGradSink`); after the last chunk the gathered K/V are
+  freed and the accumulator goes back to this rank's positions (one swap), then through its K/V
   projections and input norm, chunk by chunk.
-Per layer and step: 3 all-to-alls plus 6 per chunk, whatever the sequence's padding or the ranks' shards.
+Per layer and step: 3 K/V swaps of `KV_PIECES` all-to-alls each (fewer when a shard is shorter) plus 6
+all-to-alls per chunk, whatever the sequence's padding or the ranks' shards.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from streambp_core.engine.layer import (
 from streambp_core.engine.linear_grads import kv_projection_backward
 from streambp_core.engine.rope import Rope
 from streambp_core.engine.sequence_attention import (
+    KV_PIECES,
     SequenceBlocks,
     gather_kv,
     gathered_attention,
+    kv_views,
     lockstep_chunks,
     scatter_kv_grads,
 )
@@ -68,15 +73,41 @@ def _chunk_plan(plan: LayerPlan, blocks: SequenceBlocks) -> LayerPlan:
     return replace(plan, attention=attention)
 
 
-def _blocks_attention(q, k, v, valid, *, blocks, scale, backend, window, blocking):
-    return gathered_attention(q, k, v, valid, blocks, scale, backend, window, blocking)
+def _blocks_attention(q, k, v, valid, *, blocks, scale, backend, window, blocking, prefix=None):
+    return gathered_attention(q, k, v, valid, blocks, scale, backend, window, blocking, prefix)
+
+
+@dataclass(frozen=True)
+class _KVGradSink:
+    """Each block's K/V prefix as fresh leaves whose gradients are added into the layer's accumulated dK,
+    dV the moment autograd makes them, and freed: one block's at a time is alive, never a whole-sequence
+    gradient per chunk (a leaf of the whole K/V, sliced per block, would collect one, zero-padded)."""
+
+    d_keys: Tensor
+    d_values: Tensor
+    leaves: list
+
+    def prefix(self, keys: Tensor, values: Tensor, last: int) -> tuple[Tensor, Tensor]:
+        """Leaves of keys and values 0..last - 1 (views), summing into the accumulators."""
+        pair = []
+        for tensor, target in ((keys, self.d_keys), (values, self.d_values)):
+            prefix = leaf(tensor[:, :, :last])
+            prefix.register_post_accumulate_grad_hook(partial(_accumulate, target[:, :, :last]))
+            pair.append(prefix)
+        self.leaves.extend(pair)
+        return pair[0], pair[1]
+
+
+def _accumulate(target: Tensor, prefix: Tensor) -> None:
+    target.add_(prefix.grad)
+    prefix.grad = None
 
 
 def _gathered_kv(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, rope: Rope):
     """K, V of this rank's heads over the whole sequence (no grad), and the shard's keys before a k-norm."""
     keys, values, raw_keys = _kv_cache(plan, h_in, rope)
     with torch.no_grad(), memory_category("kv"):
-        keys, values = gather_kv(keys, values, shard.group, shard.total_tokens, shard.kv_copies)
+        keys, values = gather_kv(keys, values, shard.group, shard.total_tokens, shard.kv_copies, KV_PIECES)
     return keys, values, raw_keys
 
 
@@ -101,8 +132,9 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
     shard (module docstring). `chunk_done(start, end)` as `layer.streamed_backward`'s."""
     rope = Rope.of(cos, sin)
     keys, values, raw_keys = _gathered_kv(plan, shard, h_in, rope)
-    with memory_category("kv"):
-        d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
+    with memory_category("kv"):  # dK and dV side by side, as `scatter_kv_grads` sends them
+        b, heads, t, hd = keys.shape
+        d_kv = keys.new_zeros((b, t, heads, 2 * hd))
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     with memory_category("temporaries"):
         grad_normed = torch.empty_like(h_in)  # dL/d(input norm's output) through the queries, per position
@@ -111,10 +143,12 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
         start, end = blocks.mine
         grad_in[:, start:end], grad_normed[:, start:end] = _query_chunk_backward(
             _chunk_plan(plan, blocks), h_in[:, start:end], rope.chunk(start, end), key_valid,
-            (keys, values, d_keys, d_values), grad_out[:, start:end], params)
+            (keys, values, d_kv), grad_out[:, start:end], params)
+    del keys, values  # the gathered K/V: every chunk's attention is done
     with memory_category("kv"):
-        d_keys, d_values = scatter_kv_grads(d_keys, d_values, shard.group, shard.total_tokens,
-                                            shard.kv_copies)
+        d_keys, d_values = scatter_kv_grads(d_kv, shard.group, shard.total_tokens, shard.kv_copies,
+                                            KV_PIECES)
+    del d_kv
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         kv_grads = (d_keys[:, :, start:end], d_values[:, :, start:end],
                     None if raw_keys is None else raw_keys[:, start:end])
@@ -130,19 +164,18 @@ def _query_chunk_backward(plan: LayerPlan, h_in_chunk, rope: Rope, key_valid, kv
     dL/dH_in through the residual, and dL/dx of its normed input x through the queries (the input norm's
     backward waits for the K/V share, so it runs once on the sum, as plain's autograd does: a norm that
     computes in float32 rounds its incoming gradient, so two partial backwards would not be exact)."""
-    keys, values, d_keys, d_values = kv
+    keys, values, d_kv = kv
     parts = plan.parts
     h = leaf(h_in_chunk)
-    all_k, all_v = leaf(keys), leaf(values)
+    sink = _KVGradSink(*kv_views(d_kv), [])
+    plan = replace(plan, attention=partial(plan.attention, prefix=sink.prefix))
     with torch.enable_grad():
         x_leaf = leaf(parts.input_norm(h))
         q = project_q(parts, x_leaf, rope)
-        outputs = _chunk_outputs(plan, h, q, all_k, all_v, key_valid)
+        outputs = _chunk_outputs(plan, h, q, keys, values, key_valid)
     grads = _output_grads(plan, outputs, grad_chunk)
-    backward_into(outputs, grads, [h, x_leaf, all_k, all_v], params)
+    backward_into(outputs, grads, [h, x_leaf, *sink.leaves], params)
     del outputs, grads, q
-    d_keys.add_(grad_or_zeros(all_k))
-    d_values.add_(grad_or_zeros(all_v))
     return grad_or_zeros(h), grad_or_zeros(x_leaf)
 
 

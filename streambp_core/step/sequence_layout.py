@@ -1,4 +1,4 @@
-"""One rank of a Ulysses sequence-parallel step: what the simulation adds to the engine's code path.
+"""One rank of a Ulysses sequence-parallel step, as the simulation runs it through the engine's code path.
 
 A sequence-parallel step is simulated through the engine itself (`step.run.sequence_group`:
 `prepare(..., sequence_group=SequenceGroup.simulated(sp))` on meta tensors): the rank embeds and runs
@@ -7,14 +7,9 @@ T tokens for attention, holds the head-sharded whole-sequence K/V (each KV head 
 are fewer than sp, `engine.sequence_attention.kv_replication`), and its state is sharded over the `gpus`
 ranks by `spec.shard` (the sp ranks are shard ranks too, as Arctic Long Sequence Training runs them).
 
-What a simulated all-to-all cannot show is added here, explicitly (`with_all_to_all_buffers`): a real
-one (`engine.sequence_group`) copies its input into a contiguous send buffer and receives into a buffer
-of the output's size before assembling the output, which the simulated one allocates alone. Two buffers
-of the largest tensor a rank swaps are added at the step's peak, as if the peak fell inside that
-all-to-all (an upper bound): the shard's queries (or outputs, or their gradients) for plain, checkpoint
-and mst, whose attention runs over the whole shard at once; for streambp, whose layer swaps its K/V
-once (keys and values side by side) and then each lockstep chunk's queries and outputs, the larger of
-the shard's K/V and a chunk's queries of all ranks.
+Its all-to-alls run the real ones' code (`engine.sequence_group`) with the exchange itself skipped: the
+same send and receive buffers and copies, allocated and freed at the same moments, so the step's tracked
+peak is one real rank's, with nothing added after.
 
 Also here: the rank's share of the optimizer's host state (`sharded_host`), and the bytes a rank sends
 in a step's all-to-alls (`SequenceLayout.all_to_all_bytes`) for the step-time estimate.
@@ -23,7 +18,7 @@ in a step's all-to-alls (`SequenceLayout.all_to_all_bytes`) for the step-time es
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
@@ -97,12 +92,6 @@ class SequenceLayout:
         return 2 * self.sequences * self.shard_tokens * self.kv_heads * self.kv_copies * self.head_dim \
             * self.element_bytes
 
-    def buffer_bytes(self, method: str, chunk_tokens: int) -> int:
-        """The send and receive buffers of the largest all-to-all of the rank's step (module docstring)."""
-        if method == "streambp":  # a lockstep chunk's queries: the rank's chunk, as many bytes as heads
-            return 2 * max(self.kv_bytes(), self.q_bytes(min(chunk_tokens, self.shard_tokens)))
-        return 2 * self.q_bytes()
-
     def all_to_all_bytes(self, method: str) -> int:
         """Bytes one rank sends in a step's all-to-alls: each pass over a layer's q, k, v and output, all but
         its own 1/sp share."""
@@ -113,20 +102,8 @@ class SequenceLayout:
         """The simulation of a rank, in words."""
         kv = f", each KV head replicated x{self.kv_copies}" if self.kv_copies > 1 else ""
         return (f"one rank of {self.sp} under Ulysses sequence parallelism: the engine's sequence-parallel "
-                f"step on its {self.shard_tokens:,}-token shard, all-to-alls simulated{kv}; their send and "
-                "receive buffers added at the peak")
-
-
-def with_all_to_all_buffers(result, config: PretrainedConfig):
-    """A simulated rank's `SimResult` with the all-to-all buffers added at its peak (as temporaries) and
-    the account in its `note`."""
-    spec = result.spec
-    layout = SequenceLayout.of(spec, config)
-    buffers = layout.buffer_bytes(spec.method, spec.stream.partition_size)
-    breakdown = dict(result.breakdown_bytes)
-    breakdown["temporaries"] = breakdown.get("temporaries", 0) + buffers
-    return replace(result, peak_bytes=result.peak_bytes + buffers, breakdown_bytes=breakdown,
-                   note=layout.how())
+                f"step on its {self.shard_tokens:,}-token shard{kv}, all-to-alls simulated with their send "
+                "and receive buffers")
 
 
 def sharded_host(host_bytes: tuple[int, int, int], spec: StepSpec, config: PretrainedConfig,

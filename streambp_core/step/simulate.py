@@ -42,9 +42,8 @@ with the checkpoints tier only and the rank is laid out as DeepSpeed holds it (`
 
 One rank of a sequence-parallel step (`spec.sp` > 1; the sp ranks among the `gpus` shard ranks, as ALST
 runs them): the step runs through the engine's Ulysses code path with a simulated group
-(`SequenceGroup.simulated`: its all-to-alls allocate their outputs on meta), on the rank's shard of the
-whole batch; the send and receive buffers a real all-to-all holds are added
-(`sequence_layout.with_all_to_all_buffers`).
+(`SequenceGroup.simulated`: its all-to-alls allocate their send and receive buffers and outputs as a
+real rank's do, on meta, and move nothing), on the rank's shard of the whole batch.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.step.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
-from streambp_core.step.sequence_layout import check_sequence_parallel, sharded_host, with_all_to_all_buffers
+from streambp_core.step.sequence_layout import SequenceLayout, check_sequence_parallel, sharded_host
 from streambp_core.step.setup import build_setup, build_training_model
 from streambp_core.step.shards import ShardLayout, rank_breakdown
 
@@ -157,10 +156,10 @@ def simulate(
     elif spec.shard != "none":  # the rank's share of the optimizer's host state and copies
         fraction = shard_layout(spec, config, model.memo).trainable_fraction
         host = sharded_host(tuple(host), spec, config, fraction)
-    result = SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
-                       breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
-                       to_device_bytes=host[2])
-    return result if spec.sp == 1 else with_all_to_all_buffers(result, config)
+    note = SequenceLayout.of(spec, config).how() if spec.sp > 1 else ""
+    return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
+                     breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
+                     to_device_bytes=host[2], note=note)
 
 
 def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict,

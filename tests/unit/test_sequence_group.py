@@ -9,7 +9,7 @@ import torch
 from streambp_core.config import ConfigError
 from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
 from streambp_core.parallel.launch import available_cpus, run_ranks
-from tests.unit import parallel_ranks
+from tests.unit import parallel_ranks, sequence_ranks
 
 
 @pytest.mark.parametrize("total_tokens", [8, 7])  # even shards, and one rank a token longer
@@ -18,6 +18,29 @@ def test_real_ranks_swap_layouts_exactly_and_back(total_tokens):
     results = run_ranks(parallel_ranks.sequence_all_to_all, 2, args=(total_tokens,))
     for errors in results:
         assert errors == {"heads": 0.0, "round_trip": 0.0, "grad": 0.0}
+
+
+@pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
+def test_swaps_in_pieces_with_copies_and_parts_side_by_side_are_exact():
+    for errors in run_ranks(sequence_ranks.swapped_exactly, 2):
+        assert errors == [{"heads": 0.0, "round_trip": 0.0, "grad": 0.0}] * len(sequence_ranks.SWAPS)
+
+
+@pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
+def test_a_simulated_rank_holds_what_a_real_rank_holds_in_each_swap():
+    """The tracked peak of one swap each way (send and receive buffers, copies, output) on real rank 0
+    equals the simulated rank 0's on meta, to the byte; and the buffers are really there: a swap in
+    pieces holds less than in one."""
+    real = run_ranks(sequence_ranks.real_swap_peaks, 2)[0]
+    simulated = sequence_ranks.swap_peaks(SequenceGroup.simulated(2), "meta")
+    assert real == simulated
+    outputs = [batch * tokens * heads * copies // 2 * sum(widths) * 8
+               for batch, tokens, heads, copies, _, widths in sequence_ranks.SWAPS]
+    sends = [batch * -(-tokens // 2) * heads * copies * sum(widths) * 8
+             for batch, tokens, heads, copies, _, widths in sequence_ranks.SWAPS]
+    assert real[0][0] == outputs[0] + sends[0]  # batch 1, one piece: received straight into the output
+    assert real[1][0] == 2 * outputs[1] + sends[1]  # a receive buffer too, copied into the output
+    assert real[2][0] < outputs[2] + sends[2]  # in pieces: the buffers of one piece at a time
 
 
 def test_shards_cover_the_sequence_and_differ_by_at_most_one():

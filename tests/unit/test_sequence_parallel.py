@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from streambp_core.config import METHODS, PRESET_DIR
+from streambp_core.engine.sequence_attention import KV_PIECES
 from streambp_core.models import load_config
 from streambp_core.parallel.launch import available_cpus
 from streambp_core.step.batch import random_batch
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")]
 
 SEQ_LEN = 37  # shards of 19 and 18 tokens: neither the chunk (8, 6) nor the ranks divide it
+assert SEQ_LEN // 2 >= KV_PIECES  # so every K/V swap runs in all its pieces
 LAYERS = load_config("tiny/llama").num_hidden_layers
 PER_LAYER = {"plain": 6, "checkpoint": 9, "mst": 9}
 """All-to-alls per layer and step of the transformers-driven methods: K/V, queries and outputs forward and
@@ -76,7 +78,8 @@ def test_all_to_alls_are_a_constant_per_layer_plus_a_constant_per_chunk(report):
     streamed = [r for r in result.results if r.method == "streambp"]
     assert {r.chunks for r in streamed} == {3, 4}  # ps 8 and 6 over the 19-token shard
     for r in streamed:
-        assert r.all_to_alls == r.layers * (3 + 6 * r.chunks), (r.objective, r.chunks, r.all_to_alls)
+        expected = r.layers * (3 * KV_PIECES + 6 * r.chunks)  # K/V twice and dK/dV once per layer, in pieces
+        assert r.all_to_alls == expected, (r.objective, r.chunks, r.all_to_alls)
     for r in result.results:
         if r.method in PER_LAYER:
             assert r.all_to_alls == PER_LAYER[r.method] * r.layers == PER_LAYER[r.method] * LAYERS
