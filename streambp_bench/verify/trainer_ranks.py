@@ -30,7 +30,7 @@ def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, *
                                      **setup.settings})
     per_rank = run_ranks(sharded.rank_train, nproc, args=(setup, engine, shard, tuple(methods), options),
                          timeout_s=sharded.RANK_TIMEOUT_S)
-    updates, tied = per_rank[0]
+    updates, tied, reductions = per_rank[0]
     float64_plain = None
     if setup.trainer == "grpo":
         reference_name, reference = "plain on the engine", updates["plain"]
@@ -43,4 +43,4 @@ def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, *
     else:
         reference_name, reference = "single-process plain", sharded.single_process_plain(setup, nproc)
     return [sharded.compare_sharded(engine, shard, nproc, setup, method, reference_name, reference, updates,
-                                    tied, float64_plain) for method in methods]
+                                    tied, float64_plain, reductions) for method in methods]

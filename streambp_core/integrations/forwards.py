@@ -16,6 +16,7 @@ forward computed; `stream_trainer` refuses autocast over float32/float64 weights
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -67,10 +68,9 @@ def streamed_backbone_forward(run, previous: Callable[..., Any]) -> Callable[...
         reason = _not_streamable(call)
         if reason is None:
             input_ids = call["input_ids"]
-            with torch.autocast(input_ids.device.type, enabled=False):
+            with torch.autocast(input_ids.device.type, enabled=False), _no_new_external_params(self):
                 hidden = run.hidden_states(input_ids, call.get("attention_mask"), call_position_ids(call))
-                # The final norm recomputed in backward: only the layer output is kept for it.
-                hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
+                hidden = _final_norm(run, hidden)
             return BaseModelOutputWithPast(last_hidden_state=hidden)
         if torch.is_grad_enabled() and not _generating(call):
             raise ConfigError(f"a {run.method} model cannot train on a forward with {reason}")
@@ -99,7 +99,7 @@ def streamed_loss_forward(run, previous: Callable[..., Any],
         if reason is not None:
             raise ConfigError(f"a {run.method} model cannot compute its loss on a forward with {reason}")
         input_ids = call["input_ids"]
-        with torch.autocast(input_ids.device.type, enabled=False):
+        with torch.autocast(input_ids.device.type, enabled=False), _no_new_external_params(self):
             loss = run.loss(input_ids, attention_mask=call.get("attention_mask"), labels=labels,
                             position_ids=call_position_ids(call))
         if arm is not None:
@@ -110,6 +110,40 @@ def streamed_loss_forward(run, previous: Callable[..., Any],
         return CausalLMOutputWithPast(loss=loss)
 
     return forward
+
+
+@contextlib.contextmanager
+def _no_new_external_params(module: nn.Module):
+    """Under DeepSpeed ZeRO-3, undo the "external parameters" DeepSpeed registers on `module` while its
+    forward runs: a partitioned parameter of another module read by attribute there (the run's checks
+    read the embedding's and the head's shapes; its units read their weights) is gathered and made
+    `module`'s own, so `module`'s backward would gather it again and hold it while the run's unit
+    releases it. The run gathers and releases its units itself (`engine.zero3`); nothing without
+    ZeRO-3."""
+    external = getattr(module, "_external_params", None)
+    before = set(external or ())
+    try:
+        yield
+    finally:
+        added = [param for key, param in (external or {}).items() if key not in before]
+        if added:
+            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
+
+            for param in added:
+                unregister_external_parameter(module, param)
+
+
+def _final_norm(run, hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm over the streamed layers' output, recomputed in backward (only the layer output is
+    kept for it). Under DeepSpeed ZeRO-3 the norm is in the run's head unit, which DeepSpeed's hooks no
+    longer gather: the unit is gathered around it and its gradients handed to ZeRO once
+    (`engine.zero3`); the trainer's own head reads the LM head's weight itself."""
+    units = run.zero3
+    if units is not None:
+        head = units.num_units - 1
+        hidden = units.enter(head, hidden)
+    hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
+    return hidden if units is None else units.leave(head, hidden)
 
 
 def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

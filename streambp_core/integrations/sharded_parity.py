@@ -34,7 +34,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, replace
+
+from transformers import TrainerCallback
 
 from streambp_core.config import ConfigError
 from streambp_core.integrations.parity import MethodParity, group_errors, train_updates, update_tolerance
@@ -65,16 +68,20 @@ class ShardedParity:
     float64_plain_error: float | None = None
     """DeepSpeed only: the largest group error against single-process float64 plain without an engine
     (reported, not judged: float32 master weights round each update at their resolution)."""
+    reductions: dict[str, int] | None = None
+    """DeepSpeed only: over rank 0's micro-steps (steps on ZeRO-1), how many trainable parameters ZeRO
+    reduced 0, 1 or more times ('0', '1', '2+'; `parallel.deepspeed_verify.count_reductions`)."""
 
     @property
     def ok(self) -> bool:
-        return self.against_reference.ok and self.against_engine_plain.ok
+        once = self.reductions is None or set(self.reductions) == {"1"}
+        return self.against_reference.ok and self.against_engine_plain.ok and once
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "shard": self.shard, "nproc": self.nproc, "reference": self.reference,
                 "ok": self.ok, "against_reference": self.against_reference.to_dict(),
                 "against_engine_plain": self.against_engine_plain.to_dict(),
-                "float64_plain_error": self.float64_plain_error}
+                "float64_plain_error": self.float64_plain_error, "reductions": self.reductions}
 
 
 def check_sharded(setup: ParitySetup, engine: str, shard: str, methods) -> None:
@@ -102,9 +109,11 @@ class _Plugin:
 
 
 def compare_sharded(engine: str, shard: str, nproc: int, setup: ParitySetup, method: str, reference_name: str,
-                    reference: dict, updates: dict, tied: bool, float64_plain: dict | None) -> ShardedParity:
+                    reference: dict, updates: dict, tied: bool, float64_plain: dict | None,
+                    reductions: dict | None = None) -> ShardedParity:
     """`method`'s updates against `reference` and against plain's on the engine (`updates['plain']`);
-    `float64_plain` (DeepSpeed) is reported beside them."""
+    `float64_plain` (DeepSpeed) is reported beside them, with `reductions` (DeepSpeed: `rank_train`'s
+    tally per method)."""
     tolerance = sharded_tolerance(setup, engine, reference_name)
     engine_tolerance = sharded_tolerance(setup, engine, "plain on the engine")
     float64_error = None
@@ -116,7 +125,7 @@ def compare_sharded(engine: str, shard: str, nproc: int, setup: ParitySetup, met
         against_reference=MethodParity(method, group_errors(reference, updates[method], tied), tolerance),
         against_engine_plain=MethodParity(method, group_errors(updates["plain"], updates[method], tied),
                                           engine_tolerance),
-        float64_plain_error=float64_error)
+        float64_plain_error=float64_error, reductions=None if reductions is None else reductions[method])
 
 
 def sharded_tolerance(setup: ParitySetup, engine: str, reference_name: str) -> float:
@@ -160,10 +169,13 @@ def engine_environment(engine: str, shard: str) -> dict[str, str]:
 def deepspeed_settings(shard: str) -> dict:
     """The trainer's DeepSpeed config for ZeRO `shard`: the batch, accumulation and clipping the trainer's
     arguments give ("auto"), the trainer's own optimizer (float32 masters in ZeRO)."""
+    zero = {"stage": int(shard[-1])}
+    if shard == "zero3":  # partition every parameter (by default those under 1e5 elements stay whole)
+        zero["stage3_param_persistence_threshold"] = 0
     return {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                           "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-                          "zero_optimization": {"stage": int(shard[-1])}}}
+                          "zero_optimization": zero}}
 
 
 def _declare_engine(engine: str) -> None:
@@ -178,9 +190,9 @@ def _declare_engine(engine: str) -> None:
 
 def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
     """Body of each rank (`parallel.launch.run_ranks`): trains plain, then each of `methods`, under the
-    plugin `accelerate launch` configures for `engine` and `shard`; ({method or 'plain': updates}, tied)
-    on rank 0, None elsewhere. What the
-    libraries print here goes to stderr: the caller's stdout holds only its report (`--json`)."""
+    plugin `accelerate launch` configures for `engine` and `shard`; ({method or 'plain': updates}, tied,
+    {method: reductions} on DeepSpeed, else None) on rank 0, None elsewhere. What the libraries print
+    here goes to stderr: the caller's stdout holds only its report (`--json`)."""
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     os.environ.update(engine_environment(engine, shard))
@@ -189,13 +201,63 @@ def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: st
     if engine == "deepspeed":
         settings.update(deepspeed_settings(shard))
     rank_setup = replace(setup, settings=settings)
-    updates, tied = {}, False
+    updates, reductions, tied = {}, {}, False
     with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
         make = trainer_factory(rank_setup, output_dir)
         for method in ("plain", *methods):
             _fresh_accelerator(engine)
-            updates[method], tied, _ = train_updates(make, None if method == "plain" else method, options)
-    return (updates, tied) if rank == 0 else None
+            counter = ReductionCount(shard)
+            updates[method], tied, trainer = train_updates(_counted(make, counter, engine), None if method ==
+                                                           "plain" else method, options)
+            reductions[method] = dict(counter.tallies)
+            del trainer
+    if rank != 0:
+        return None
+    return updates, tied, reductions if engine == "deepspeed" else None
+
+
+def _counted(make, counter: ReductionCount, engine: str):
+    """`make`, with `counter` added to the trainer it builds (DeepSpeed only)."""
+    def counted_make():
+        trainer = make()
+        if engine == "deepspeed":
+            counter.trainer = trainer
+            trainer.add_callback(counter)
+        return trainer
+
+    return counted_make
+
+
+class ReductionCount(TrainerCallback):
+    """How many times ZeRO reduces each trainable parameter per micro-step (per step on ZeRO-1), counted by
+    `parallel.deepspeed_verify.count_reductions` on the engine's optimizer, tallied as '0', '1', '2+'."""
+
+    def __init__(self, shard: str) -> None:
+        self.per_step = shard == "zero1"
+        self.trainer = None
+        self.tallies: Counter = Counter()
+        self._counts: Counter = Counter()
+        self._trainable = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from streambp_core.parallel.deepspeed_verify import count_reductions
+
+        engine = self.trainer.model_wrapped  # the DeepSpeed engine `train()` built
+        self._counts = count_reductions(engine.optimizer)
+        self._trainable = sum(1 for p in engine.module.parameters() if p.requires_grad)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if not self.per_step:
+            self._tally()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._tally()
+
+    def _tally(self) -> None:
+        self.tallies.update("1" if n == 1 else "2+" for n in self._counts.values())
+        self.tallies["0"] += self._trainable - len(self._counts)
+        self.tallies = +self.tallies
+        self._counts.clear()
 
 
 def _fresh_accelerator(engine: str) -> None:

@@ -3,10 +3,12 @@ plugin, 3 SGD steps with gradient accumulation 2, every parameter's update again
 (`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
 sharded trainer cannot do exactly refused by name.
 
-The default run takes two cells, one per engine, each through a different arming path (TRL's fused head on
-the streamed decoder stack; transformers' Trainer on the streamed loss). The matrix (every trainer, every
-method, both FSDP2 stages, ZeRO-1 and ZeRO-2, tied and untied heads; about 25 minutes on 2 cores) runs
-when STREAMBP_TRAINER_MATRIX=full is set. The example accelerate configs are read by accelerate's own
+The default run takes three cells: one per engine through a different arming path (TRL's fused head on
+the streamed decoder stack; transformers' Trainer on the streamed loss), and Trainer on ZeRO-3, whose run
+is prepared on the trainer's engine at each step; on DeepSpeed each trainable parameter is reduced exactly
+once per micro-step (counted). The matrix (every trainer, every method, both FSDP2 stages, ZeRO-1, 2 and
+3, tied and untied heads) runs when STREAMBP_TRAINER_MATRIX=full (or STREAMBP_DEEPSPEED_MATRIX=full) is
+set. The example accelerate configs are read by accelerate's own
 launcher code (`accelerate launch` cannot start FSDP or DeepSpeed ranks on a CPU-only machine) and the
 plugins they make are checked as `stream_trainer` checks them.
 """
@@ -32,7 +34,7 @@ from streambp_core.models.load import tiny_config  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "accelerate"
 STREAM = {"partition_size": 5, "head_partition_size": 7}
-FULL = os.environ.get("STREAMBP_TRAINER_MATRIX") == "full"
+FULL = "full" in (os.environ.get("STREAMBP_TRAINER_MATRIX"), os.environ.get("STREAMBP_DEEPSPEED_MATRIX"))
 
 
 def deepspeed_installed() -> bool:
@@ -51,6 +53,9 @@ def assert_sharded(results, methods) -> None:
     """Every method within its tolerances in every group, and every group moved in the reference."""
     assert [r.against_reference.method for r in results] == list(methods)
     for result in results:
+        if result.engine == "deepspeed":  # every trainable parameter reduced once per micro-step
+            assert result.reductions is not None and set(result.reductions) == {"1"}, result.reductions
+            assert result.ok
         for against, parity in ((result.reference, result.against_reference),
                                 ("plain on the engine", result.against_engine_plain)):
             assert {g.group for g in parity.groups} >= {"attention", "mlp", "norms"}, parity.groups
@@ -82,8 +87,21 @@ def test_deepspeed_trainer_streambp_matches_single_process_plain():
     assert results[0].float64_plain_error is not None and results[0].float64_plain_error > 0
 
 
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+def test_deepspeed_zero3_trainer_streambp_matches_plain_on_the_engine():
+    """transformers' Trainer, streamed loss, DeepSpeed ZeRO-3 (every parameter partitioned): the run is
+    prepared on the trainer's engine at each step; the update is plain's on the engine, each parameter
+    reduced once per micro-step (3 steps x accumulation 2 x 25 tensors)."""
+    results = run_sharded_parity(setup_of("trainer", tied=False), engine="deepspeed", shard="zero3",
+                                 nproc=2, methods=("streambp",), **STREAM)
+    assert_sharded(results, ("streambp",))
+    assert results[0].against_engine_plain.max_rel_error == 0.0
+    assert results[0].reductions == {"1": 6 * 25}
+
+
 MATRIX = [(engine, shard, trainer, tied) for engine, shard in (("fsdp2", "zero2"), ("fsdp2", "zero3"),
-                                                              ("deepspeed", "zero1"), ("deepspeed", "zero2"))
+                                                              ("deepspeed", "zero1"), ("deepspeed", "zero2"),
+                                                              ("deepspeed", "zero3"))
           for trainer in ("trainer", "sft", "dpo", "grpo") for tied in (True, False)]
 
 
@@ -145,7 +163,7 @@ class _DeepSpeedPlugin:
 
 @pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
 @pytest.mark.parametrize(("zero", "setting"), [
-    ({"stage": 1}, None), ({"stage": 2}, None), ({"stage": 3}, "DeepSpeed ZeRO-3"),
+    ({"stage": 1}, None), ({"stage": 2}, None), ({"stage": 3}, None),
     ({"stage": 0}, "DeepSpeed zero_stage 0"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "DeepSpeed offload_optimizer"),
 ])
@@ -192,12 +210,28 @@ def test_example_deepspeed_config_launches_zero2(monkeypatch, tmp_path):
     from accelerate.utils import DeepSpeedPlugin
 
     assert refused(deepspeed_refusals(DeepSpeedPlugin())) == []
-    zero3 = tmp_path / "zero3.yaml"
+    offload = tmp_path / "offload.yaml"
     text = (EXAMPLES / "deepspeed_zero2.yaml").read_text()
-    zero3.write_text(text.replace("zero_stage: 2", "zero_stage: 3"))
-    stage = launch_environment(zero3)["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", stage)
-    assert refused(deepspeed_refusals(DeepSpeedPlugin())) == ["DeepSpeed ZeRO-3"]
+    offload.write_text(text.replace("offload_optimizer_device: none", "offload_optimizer_device: cpu"))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                       launch_environment(offload)["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"])
+    assert refused(deepspeed_refusals(DeepSpeedPlugin())) == ["DeepSpeed offload_optimizer"]
+
+
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+def test_example_deepspeed_zero3_config_launches_zero3(monkeypatch):
+    env = launch_environment(EXAMPLES / "deepspeed_zero3.yaml")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert {name: env[name] for name in engine_environment("deepspeed", "zero3")} == \
+        engine_environment("deepspeed", "zero3")  # what the 2-rank cells run under
+    for name, value in env.items():
+        if name.startswith("ACCELERATE_"):
+            monkeypatch.setenv(name, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin()
+    assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3
+    assert refused(deepspeed_refusals(plugin)) == []
 
 
 def test_sharded_check_refuses_before_any_rank_starts():
@@ -210,7 +244,7 @@ def test_sharded_check_refuses_before_any_rank_starts():
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero3"], ("DeepSpeed ZeRO-3", "zero_stage 2")),
+    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero4"], ("deepspeed shard must be one of",)),
     (["--shard", "zero2"], ("--shard needs --nproc",)),
     (["--engine", "deepspeed"], ("--engine deepspeed needs --nproc",)),
     (["--nproc", "2", "--shard", "zero1"], ("--shard for fsdp2",)),
