@@ -60,8 +60,10 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], 
     return undo
 
 
-def streamed_backbone_forward(run, previous: Callable[..., Any]) -> Callable[..., Any]:
-    """A decoder-stack forward that streams training-shaped calls through `run.hidden_states`."""
+def streamed_backbone_forward(run, previous: Callable[..., Any],
+                              head: HeadUnit | None = None) -> Callable[..., Any]:
+    """A decoder-stack forward that streams training-shaped calls through `run.hidden_states`; under
+    DeepSpeed ZeRO-3, `head` gathers the run's head unit before the final norm (`HeadUnit`)."""
 
     def forward(self, *args, **kwargs):
         call = _call_arguments(self, args, kwargs)
@@ -70,7 +72,10 @@ def streamed_backbone_forward(run, previous: Callable[..., Any]) -> Callable[...
             input_ids = call["input_ids"]
             with torch.autocast(input_ids.device.type, enabled=False), _no_new_external_params(self):
                 hidden = run.hidden_states(input_ids, call.get("attention_mask"), call_position_ids(call))
-                hidden = _final_norm(run, hidden)
+                if head is not None:
+                    hidden = head.enter(hidden)
+                # The final norm recomputed in backward: only the layer output is kept for it.
+                hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
             return BaseModelOutputWithPast(last_hidden_state=hidden)
         if torch.is_grad_enabled() and not _generating(call):
             raise ConfigError(f"a {run.method} model cannot train on a forward with {reason}")
@@ -133,17 +138,38 @@ def _no_new_external_params(module: nn.Module):
                 unregister_external_parameter(module, param)
 
 
-def _final_norm(run, hidden: torch.Tensor) -> torch.Tensor:
-    """The final norm over the streamed layers' output, recomputed in backward (only the layer output is
-    kept for it). Under DeepSpeed ZeRO-3 the norm is in the run's head unit, which DeepSpeed's hooks no
-    longer gather: the unit is gathered around it and its gradients handed to ZeRO once
-    (`engine.zero3`); the trainer's own head reads the LM head's weight itself."""
-    units = run.zero3
-    if units is not None:
-        head = units.num_units - 1
-        hidden = units.enter(head, hidden)
-    hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
-    return hidden if units is None else units.leave(head, hidden)
+class HeadUnit:
+    """Under DeepSpeed ZeRO-3, the run's head unit [final norm, LM head] (`engine.zero3`) held gathered from
+    the final norm (`enter`, in the streamed decoder stack's forward) to the end of the causal LM's forward
+    (`hook_output`, a forward hook), where the trainer's own fused head (TRL's) has read the LM head's
+    weight. DeepSpeed's hooks no longer gather the unit's modules; gathered, the head's weight is not
+    made an "external parameter" of the causal LM, which DeepSpeed's backward would hold while the unit
+    releases it. Its gradients go to ZeRO once, when the unit's backward ends (after the trainer's head
+    and the norm have both accumulated into them)."""
+
+    def __init__(self, run) -> None:
+        self.units = run.zero3
+        self.index = self.units.num_units - 1
+        self._open = False
+
+    def enter(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gather the unit; `hidden` (the final norm's input) comes back bracketed (`Zero3Units.enter`)."""
+        self._open = True
+        return self.units.enter(self.index, hidden)
+
+    def hook_output(self, module: nn.Module, args, output):
+        """A forward hook of the causal LM: release the unit entered in this forward; the output's tensors
+        that need a gradient come back bracketed, to gather the unit again before its backward."""
+        if not self._open:
+            return None
+        self._open = False
+        keys = [key for key, value in output.items()
+                if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not keys:
+            self.units.leave(self.index, None)
+        for key in keys:
+            output[key] = self.units.leave(self.index, output[key])
+        return output
 
 
 def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -26,7 +26,12 @@ from streambp_core.integrations.engines import (
     shard_for_plugin,
     trainer_engine,
 )
-from streambp_core.integrations.forwards import set_forward, streamed_backbone_forward, streamed_loss_forward
+from streambp_core.integrations.forwards import (
+    HeadUnit,
+    set_forward,
+    streamed_backbone_forward,
+    streamed_loss_forward,
+)
 from streambp_core.integrations.zero3_trainer import Zero3Preparation
 from streambp_core.methods import Run, prepare
 
@@ -153,7 +158,11 @@ def _prepare_in_engine(model: nn.Module, method: str, options: dict) -> Run:
 
 def _stream_backbone(run: Run, undo: list) -> None:
     backbone = run.parts.backbone
-    undo.append(set_forward(backbone, streamed_backbone_forward(run, backbone.forward)))
+    head = None
+    if run.zero3 is not None:  # ZeRO-3: the head unit held from the final norm to the trainer's head
+        head = HeadUnit(run)
+        undo.append(_causal_lm(run.model).register_forward_hook(head.hook_output).remove)
+    undo.append(set_forward(backbone, streamed_backbone_forward(run, backbone.forward, head)))
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
