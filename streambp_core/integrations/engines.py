@@ -65,13 +65,19 @@ def trainer_engine(trainer) -> str:
     return "single"
 
 
-def engine_refusals(trainer) -> list[tuple[bool, str, str]]:
-    """(refused, setting, why) for the trainer's engine, as `checks._refusals` lists them."""
+def engine_refusals(trainer, method: str | None = None) -> list[tuple[bool, str, str]]:
+    """(refused, setting, why) for the trainer's engine training `method`, as `checks._refusals` lists
+    them."""
     engine = trainer_engine(trainer)
     if engine == "fsdp2":
         return fsdp2_refusals(trainer.accelerator.state.fsdp_plugin, trainer.model)
     if engine == "deepspeed":
-        return deepspeed_refusals(getattr(trainer.accelerator.state, "deepspeed_plugin", None))
+        refusals = deepspeed_refusals(getattr(trainer.accelerator.state, "deepspeed_plugin", None))
+        if deepspeed_stage(trainer) == 3 and method is not None:
+            from streambp_core.integrations.zero3_trainer import zero3_refusals
+
+            refusals += zero3_refusals(trainer, method)
+        return refusals
     why = "its gradient hooks fire at every accumulation and the streamed backward accumulates chunk by " \
           "chunk; use accelerate's FSDP plugin with fsdp_version 2, or its DeepSpeed plugin"
     return [(engine == "ddp", "multi-process DDP", why), (engine == "fsdp1", "FSDP version 1", why)]

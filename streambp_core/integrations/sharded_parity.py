@@ -21,8 +21,13 @@ over the gloo group itself and declares the distributed type `accelerate launch`
 (MULTI_GPU for FSDP, DEEPSPEED); the trainer then takes it (`use_configured_state`). Everything after
 (the plugin, `Accelerator.prepare`, `fsdp2_prepare_model`, `deepspeed.initialize`) runs as on GPUs.
 
+On DeepSpeed each trainable parameter's reductions are counted per micro-step (per step on ZeRO-1;
+`ReductionCount`), and a method passes only if each is reduced exactly once. The models are built
+outside `deepspeed.zero.Init` (`parity_setup.build_user_model`), as the reference's are; ZeRO-3
+partitions every parameter (`deepspeed_settings`) and the updates are gathered whole (`full_tensors`).
+
 Tolerances (`sharded_tolerance`): FSDP2 keeps the weights' dtype, so float64 runs are held to
-`update_tolerance` (1e-10 with SGD). DeepSpeed ZeRO-1/2 step float32 master weights whatever the
+`update_tolerance` (1e-10 with SGD). DeepSpeed ZeRO-1/2/3 step float32 master weights whatever the
 parameters' dtype, so its figures are held to float32's bound. TRL's trainers score tokens with TRL's
 fused LM head, which sums in float32 buffers whatever the weights' dtype: against single-process plain
 (a batch split differently) they are held to float32's bound too, against plain on the same engine to
@@ -44,7 +49,7 @@ from streambp_core.integrations.parity import MethodParity, group_errors, train_
 from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory
 
 ENGINE_SHARDS = {"fsdp2": ("zero2", "zero3"), "deepspeed": ("zero1", "zero2", "zero3")}
-"""The `--shard` names of each engine (DeepSpeed's zero3 is refused by name, see `engines.py`)."""
+"""The `--shard` names of each engine."""
 FLOAT32_TOLERANCE = 1e-4
 """Where float32 arithmetic is forced: float32's bound of `verify` (and of the DeepSpeed verify's
 `ENGINE_TOLERANCE` and `MASTER_TOLERANCE`)."""

@@ -20,6 +20,11 @@ DeepSpeed's module hooks are back on every module between steps, where TRL's GRP
 `unwrap_model_for_generation` takes DeepSpeed's hooks off every module and registers new ones), so each
 step's run takes the hooks the model holds then.
 
+So a trainer must not run the model between the micro-steps of one optimizer step outside the engine's
+training forward: GRPO generating inside a step (`steps_per_generation x num_iterations` not a multiple
+of `gradient_accumulation_steps`) is refused by name for the methods whose units take DeepSpeed's
+hooks off (`zero3_refusals`).
+
 A frozen reference model (TRL's DPO) is a DeepSpeed engine of its own that TRL builds and calls; its
 streamed run is prepared on it once (`stream_trainer`).
 """
@@ -37,6 +42,24 @@ from streambp_core.methods import Run
 
 PrepareStep = Callable[[torch.nn.Module], tuple[Run, list[Callable[[], None]]]]
 """Prepare the trained model's run on an engine; (the run, its undo in order of doing)."""
+
+
+UNIT_METHODS = ("mst", "streambp")
+"""Methods whose runs take DeepSpeed's hooks off their units while open (`Run.drives_modules`)."""
+
+
+def zero3_refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
+    """(refused, setting, why) of a trainer that would run the model between the micro-steps of one
+    optimizer step (module docstring); nothing for a trainer without generation."""
+    args = trainer.args
+    per_generation = getattr(args, "steps_per_generation", None)
+    if per_generation is None or method not in UNIT_METHODS:
+        return []
+    every = per_generation * int(getattr(args, "num_iterations", 1) or 1)
+    return [(every % args.gradient_accumulation_steps != 0,
+             f"steps_per_generation x num_iterations = {every} under DeepSpeed ZeRO-3",
+             "it generates inside an optimizer step, while the run holds DeepSpeed's hooks off its units; "
+             "make it a multiple of gradient_accumulation_steps")]
 
 
 class Zero3Preparation(TrainerCallback):

@@ -172,6 +172,30 @@ def test_deepspeed_plugin_stages(zero, setting):
     assert names == ([] if setting is None else [setting])
 
 
+@pytest.mark.parametrize(("per_generation", "iterations", "method", "refused_setting"), [
+    (2, 1, "streambp", None), (4, 1, "mst", None), (1, 2, "streambp", None),
+    (1, 1, "streambp", "steps_per_generation x num_iterations = 1"), (3, 1, "mst", "= 3"),
+    (1, 1, "checkpoint", None),  # no units: nothing holds DeepSpeed's hooks off between micro-steps
+])
+def test_zero3_refuses_generation_inside_an_optimizer_step(per_generation, iterations, method,
+                                                           refused_setting):
+    """GRPO generates every steps_per_generation x num_iterations micro-steps; under ZeRO-3 the run of a
+    method with units is open through an optimizer step (accumulation 2 here), so generation must fall
+    on step boundaries."""
+    from types import SimpleNamespace
+
+    from streambp_core.integrations.zero3_trainer import zero3_refusals
+
+    args = SimpleNamespace(steps_per_generation=per_generation, num_iterations=iterations,
+                           gradient_accumulation_steps=2)
+    names = refused(zero3_refusals(SimpleNamespace(args=args), method))
+    assert len(names) == (refused_setting is not None), names
+    if refused_setting is not None:
+        assert refused_setting in names[0] and "ZeRO-3" in names[0]
+    no_generation = SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=2))
+    assert zero3_refusals(no_generation, method) == []
+
+
 def launch_environment(config_file: Path) -> dict[str, str]:
     """The environment `accelerate launch --config_file FILE script.py` gives each rank, by accelerate's own
     launcher code (the config read and merged as `launch_command` does)."""
