@@ -20,6 +20,12 @@ DeepSpeed's module hooks are back on every module between steps, where TRL's GRP
 `unwrap_model_for_generation` takes DeepSpeed's hooks off every module and registers new ones), so each
 step's run takes the hooks the model holds then.
 
+Inside the engine's forward DeepSpeed makes any partitioned parameter read by attribute an "external
+parameter" of the module running (and gathers it); the streamed forwards undo that for what the run
+reads (`forwards._no_new_external_params`), and under TRL hold the run's head unit gathered until TRL's
+fused head has read the LM head's weight (`forwards.HeadUnit`): the run's units gather and release
+their own parameters.
+
 So a trainer must not run the model between the micro-steps of one optimizer step outside the engine's
 training forward: GRPO generating inside a step (`steps_per_generation x num_iterations` not a multiple
 of `gradient_accumulation_steps`) is refused by name for the methods whose units take DeepSpeed's
@@ -71,8 +77,6 @@ class Zero3Preparation(TrainerCallback):
         self._prepare_step = prepare_step
         self.run: Run | None = None
         """The run of the optimizer step in progress (None between steps)."""
-        self.prepared_steps = 0
-        """How many optimizer steps a run was prepared for (one per step that trained)."""
         self._undo: list[Callable[[], None]] = []
         self._handles: list = []
         self._engine: torch.nn.Module | None = None
@@ -100,7 +104,6 @@ class Zero3Preparation(TrainerCallback):
         """A forward pre-hook of the engine: prepare this step's run at its first training forward."""
         if self.run is None and torch.is_grad_enabled() and engine.training:
             self.run, self._undo = self._prepare_step(engine)
-            self.prepared_steps += 1
 
     def _close_run(self) -> None:
         undo, self._undo = self._undo, []
