@@ -22,7 +22,8 @@ over the gloo group itself and declares the distributed type `accelerate launch`
 (the plugin, `Accelerator.prepare`, `fsdp2_prepare_model`, `deepspeed.initialize`) runs as on GPUs.
 
 On DeepSpeed each trainable parameter's reductions are counted per micro-step (per step on ZeRO-1;
-`ReductionCount`), and a method passes only if each is reduced exactly once. The models are built
+`streambp_bench.verify.trainer_ranks.ReductionCount`), and a method passes only if each is reduced
+exactly once. The models are built
 outside `deepspeed.zero.Init` (`parity_setup.build_user_model`), as the reference's are; ZeRO-3
 partitions every parameter (`deepspeed_settings`) and the updates are gathered whole (`full_tensors`).
 
@@ -39,10 +40,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections import Counter
 from dataclasses import dataclass, replace
-
-from transformers import TrainerCallback
 
 from streambp_core.config import ConfigError
 from streambp_core.integrations.parity import MethodParity, group_errors, train_updates, update_tolerance
@@ -75,7 +73,7 @@ class ShardedParity:
     (reported, not judged: float32 master weights round each update at their resolution)."""
     reductions: dict[str, int] | None = None
     """DeepSpeed only: over rank 0's micro-steps (steps on ZeRO-1), how many trainable parameters ZeRO
-    reduced 0, 1 or more times ('0', '1', '2+'; `parallel.deepspeed_verify.count_reductions`)."""
+    reduced 0, 1 or more times ('0', '1', '2+'; `streambp_bench.verify.trainer_ranks.ReductionCount`)."""
 
     @property
     def ok(self) -> bool:
@@ -193,11 +191,14 @@ def _declare_engine(engine: str) -> None:
     state.distributed_type = DistributedType.MULTI_GPU if engine == "fsdp2" else DistributedType.DEEPSPEED
 
 
-def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
+def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options,
+               reduction_count=None):
     """Body of each rank (`parallel.launch.run_ranks`): trains plain, then each of `methods`, under the
     plugin `accelerate launch` configures for `engine` and `shard`; ({method or 'plain': updates}, tied,
-    {method: reductions} on DeepSpeed, else None) on rank 0, None elsewhere. What the libraries print
-    here goes to stderr: the caller's stdout holds only its report (`--json`)."""
+    {method: reductions} on DeepSpeed, else None) on rank 0, None elsewhere. `reduction_count(shard)`
+    makes the `TrainerCallback` that counts DeepSpeed's reductions (its `trainer` set, its `tallies`
+    read; `streambp_bench.verify.trainer_ranks.ReductionCount`). What the libraries print here goes to
+    stderr: the caller's stdout holds only its report (`--json`)."""
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     os.environ.update(engine_environment(engine, shard))
@@ -211,58 +212,26 @@ def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: st
         make = trainer_factory(rank_setup, output_dir)
         for method in ("plain", *methods):
             _fresh_accelerator(engine)
-            counter = ReductionCount(shard)
-            updates[method], tied, trainer = train_updates(_counted(make, counter, engine), None if method ==
+            counter = reduction_count(shard) if engine == "deepspeed" and reduction_count else None
+            updates[method], tied, trainer = train_updates(_counted(make, counter), None if method ==
                                                            "plain" else method, options)
-            reductions[method] = dict(counter.tallies)
+            reductions[method] = None if counter is None else dict(counter.tallies)
             del trainer
     if rank != 0:
         return None
-    return updates, tied, reductions if engine == "deepspeed" else None
+    return updates, tied, reductions if reduction_count and engine == "deepspeed" else None
 
 
-def _counted(make, counter: ReductionCount, engine: str):
-    """`make`, with `counter` added to the trainer it builds (DeepSpeed only)."""
+def _counted(make, counter):
+    """`make`, with `counter` (a `TrainerCallback`, or None) added to the trainer it builds."""
     def counted_make():
         trainer = make()
-        if engine == "deepspeed":
+        if counter is not None:
             counter.trainer = trainer
             trainer.add_callback(counter)
         return trainer
 
     return counted_make
-
-
-class ReductionCount(TrainerCallback):
-    """How many times ZeRO reduces each trainable parameter per micro-step (per step on ZeRO-1), counted by
-    `parallel.deepspeed_verify.count_reductions` on the engine's optimizer, tallied as '0', '1', '2+'."""
-
-    def __init__(self, shard: str) -> None:
-        self.per_step = shard == "zero1"
-        self.trainer = None
-        self.tallies: Counter = Counter()
-        self._counts: Counter = Counter()
-        self._trainable = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        from streambp_core.parallel.deepspeed_verify import count_reductions
-
-        engine = self.trainer.model_wrapped  # the DeepSpeed engine `train()` built
-        self._counts = count_reductions(engine.optimizer)
-        self._trainable = sum(1 for p in engine.module.parameters() if p.requires_grad)
-
-    def on_substep_end(self, args, state, control, **kwargs):
-        if not self.per_step:
-            self._tally()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._tally()
-
-    def _tally(self) -> None:
-        self.tallies.update("1" if n == 1 else "2+" for n in self._counts.values())
-        self.tallies["0"] += self._trainable - len(self._counts)
-        self.tallies = +self.tallies
-        self._counts.clear()
 
 
 def _fresh_accelerator(engine: str) -> None:
