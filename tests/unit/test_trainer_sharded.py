@@ -16,6 +16,7 @@ plugins they make are checked as `stream_trainer` checks them.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,22 @@ def test_sharded_matrix(engine, shard, trainer, tied):
     results = run_sharded_parity(setup_of(trainer, tied), engine=engine, shard=shard, nproc=2,
                                  methods=methods, **STREAM)
     assert_sharded(results, methods)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="the sharded trainer matrix runs with STREAMBP_TRAINER_MATRIX=full")
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+@pytest.mark.parametrize("trainer", ["trainer", "sft"])
+def test_deepspeed_zero3_lora(trainer):
+    """LoRA rank 4 on ZeRO-3 (the adapters alone trained, the base weights partitioned and frozen)."""
+    methods = ("checkpoint", "mst", "streambp")
+    setup = replace(setup_of(trainer, tied=False), lora_rank=4)
+    results = run_sharded_parity(setup, engine="deepspeed", shard="zero3", nproc=2, methods=methods, **STREAM)
+    assert [r.against_reference.method for r in results] == list(methods)
+    for result in results:
+        assert result.ok and set(result.reductions) == {"1"}, result.to_dict()
+        assert {g.group for g in result.against_engine_plain.groups} >= {"lora attention", "lora mlp"}
+        assert all(g.plain_update_norm > 0 for g in result.against_engine_plain.groups)
 
 
 def fsdp_plugin(monkeypatch, **env: str):
