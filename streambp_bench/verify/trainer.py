@@ -169,10 +169,10 @@ def _print_sharded(console, document: dict, results) -> None:
                       soft_wrap=True)
     for result in results:
         if result.reductions is not None:
-            counts = ", ".join(f"{times} time(s): {n}" for times, n in sorted(result.reductions.items()))
-            console.print(f"{result.against_reference.method} {result.shard}: trainable parameters "
-                          f"reduced, per micro-step (per step on zero1), {counts} (measured-cpu, counted "
-                          "on rank 0)",
+            counts = ", ".join(f"{times} time(s) in {n}" for times, n in sorted(result.reductions.items()))
+            console.print(f"{result.against_reference.method} {result.shard}: each (trainable parameter, "
+                          f"micro-step) pair (step on zero1) reduced {counts} (measured-cpu, counted on "
+                          "rank 0)",
                           soft_wrap=True)
     ok = all(r.ok for r in results)
     console.print("[green]every method trains as plain does[/]" if ok
