@@ -167,6 +167,13 @@ def _print_sharded(console, document: dict, results) -> None:
         console.print("deepspeed keeps float32 master weights: against single-process float64 plain without "
                       f"an engine the largest group error is {max(float64):.2e} (measured-cpu, not judged)",
                       soft_wrap=True)
+    for result in results:
+        if result.reductions is not None:
+            counts = ", ".join(f"{times} time(s) in {n}" for times, n in sorted(result.reductions.items()))
+            console.print(f"{result.against_reference.method} {result.shard}: each (trainable parameter, "
+                          f"micro-step) pair (step on zero1) reduced {counts} (measured-cpu, counted on "
+                          "rank 0)",
+                          soft_wrap=True)
     ok = all(r.ok for r in results)
     console.print("[green]every method trains as plain does[/]" if ok
                   else "[bold red]some methods do not train as plain does[/]")

@@ -10,7 +10,10 @@ trains the reference and returns one `ShardedParity` per method.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
+
+from transformers import TrainerCallback
 
 from streambp_core.config import ConfigError
 
@@ -28,9 +31,9 @@ def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, *
     check_nproc(nproc, "cpu")
     setup = replace(setup, settings={"gradient_accumulation_steps": sharded.ACCUMULATION_STEPS,
                                      **setup.settings})
-    per_rank = run_ranks(sharded.rank_train, nproc, args=(setup, engine, shard, tuple(methods), options),
-                         timeout_s=sharded.RANK_TIMEOUT_S)
-    updates, tied = per_rank[0]
+    per_rank = run_ranks(sharded.rank_train, nproc, timeout_s=sharded.RANK_TIMEOUT_S,
+                         args=(setup, engine, shard, tuple(methods), options, ReductionCount))
+    updates, tied, reductions = per_rank[0]
     float64_plain = None
     if setup.trainer == "grpo":
         reference_name, reference = "plain on the engine", updates["plain"]
@@ -43,4 +46,36 @@ def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, *
     else:
         reference_name, reference = "single-process plain", sharded.single_process_plain(setup, nproc)
     return [sharded.compare_sharded(engine, shard, nproc, setup, method, reference_name, reference, updates,
-                                    tied, float64_plain) for method in methods]
+                                    tied, float64_plain, reductions) for method in methods]
+
+
+class ReductionCount(TrainerCallback):
+    """How many times ZeRO reduces each trainable parameter per micro-step (per step on ZeRO-1), counted by
+    `parallel.deepspeed_verify.count_reductions` on the engine's optimizer, tallied as '0', '1', '2+'."""
+
+    def __init__(self, shard: str) -> None:
+        self.per_step = shard == "zero1"
+        self.trainer = None
+        self.tallies: Counter = Counter()
+        self._counts: Counter = Counter()
+        self._trainable = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from streambp_core.parallel.deepspeed_verify import count_reductions
+
+        engine = self.trainer.model_wrapped  # the DeepSpeed engine `train()` built
+        self._counts = count_reductions(engine.optimizer)
+        self._trainable = sum(1 for p in engine.module.parameters() if p.requires_grad)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if not self.per_step:
+            self._tally()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._tally()
+
+    def _tally(self) -> None:
+        self.tallies.update("1" if n == 1 else "2+" for n in self._counts.values())
+        self.tallies["0"] += self._trainable - len(self._counts)
+        self.tallies = +self.tallies
+        self._counts.clear()

@@ -42,7 +42,7 @@ def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
         (no_logits and trainer.preprocess_logits_for_metrics is not None, "preprocess_logits_for_metrics",
          LOGITS),
         (trainer.model_init is not None, "model_init", "the trainer would build a new, unprepared model"),
-        *engine_refusals(trainer),
+        *engine_refusals(trainer, method),
         (_autocast_over_full_precision(trainer), "bf16/fp16 mixed precision over float32/float64 weights",
          "the streamed layers compute in the weights' dtype; load the model in bfloat16 instead"),
         (_prompt_learning(trainer.model), "a prompt-learning adapter (prefix/prompt tuning)",

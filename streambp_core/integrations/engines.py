@@ -13,15 +13,16 @@ The engine is read from the trainer's own accelerator (`trainer_engine`):
   an FSDP2 model, keeps it. The wrap policy must name exactly the decoder layer class
   (`TRANSFORMER_BASED_WRAP`); any other policy, CPU offload, FSDP's own activation checkpointing,
   a mixed-precision policy, ignored modules or `cpu_ram_efficient_loading` is refused by name.
-- **DeepSpeed** (accelerate's DeepSpeed plugin, ZeRO-1 or ZeRO-2). The trainer wraps the model in the
+- **DeepSpeed** (accelerate's DeepSpeed plugin, ZeRO-1, 2 or 3). The trainer wraps the model in the
   DeepSpeed engine inside `train()`, after `stream_trainer`; ZeRO reduces a gradient from a hook at each
-  accumulation into it, and a streamed backward accumulates chunk by chunk. `DeepSpeedReduction`
-  attaches at the first training forward after the engine exists: one `OneReduction`
+  accumulation into it, and a streamed backward accumulates chunk by chunk. On ZeRO-1/2,
+  `DeepSpeedReduction` attaches at the first training forward after the engine exists: one `OneReduction`
   (`engine.reduction`, the mechanism `parallel.deepspeed` describes) armed once per backward, on the
   decoder stack's output (a forward hook) or on the streamed loss (StreamBP under `Trainer`, whose loss
-  never calls the stack), so each parameter is reduced once per micro-step. ZeRO-3 is refused for
-  every method (its partitioned parameters are gathered by module hooks the streamed layers do not go
-  through), as is optimizer or parameter offload (not checked).
+  never calls the stack), so each parameter is reduced once per micro-step. On ZeRO-3 the run is
+  prepared on the engine itself, once per optimizer step, from a trainer callback
+  (`zero3_trainer.Zero3Preparation`), as `parallel.deepspeed` prepares a user's engine. Optimizer or
+  parameter offload is refused (not checked).
 - DDP and FSDP1 are refused: their gradient hooks fire per accumulation and nothing defers them.
 """
 
@@ -41,8 +42,8 @@ from streambp_core.methods.guards import parts_of
 
 ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "deepspeed")
 """What can hold a trainer: one process, DDP, accelerate's FSDP plugin (version 1 or 2), DeepSpeed."""
-DEEPSPEED_STAGES = (1, 2)
-"""ZeRO stages a trainer streams on; ZeRO-3 partitions the parameters the streamed layers read."""
+DEEPSPEED_STAGES = (1, 2, 3)
+"""ZeRO stages a trainer streams on (ZeRO-3 through `zero3_trainer`)."""
 ZERO_1_OR_2 = 2
 """What `zero_stage_of` answers for a model ZeRO-1 or ZeRO-2 holds."""
 WRAP_SETTING = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_transformer_layer_cls_to_wrap: {}"
@@ -64,15 +65,21 @@ def trainer_engine(trainer) -> str:
     return "single"
 
 
-def engine_refusals(trainer) -> list[tuple[bool, str, str]]:
-    """(refused, setting, why) for the trainer's engine, as `checks._refusals` lists them."""
+def engine_refusals(trainer, method: str | None = None) -> list[tuple[bool, str, str]]:
+    """(refused, setting, why) for the trainer's engine training `method`, as `checks._refusals` lists
+    them."""
     engine = trainer_engine(trainer)
     if engine == "fsdp2":
         return fsdp2_refusals(trainer.accelerator.state.fsdp_plugin, trainer.model)
     if engine == "deepspeed":
-        return deepspeed_refusals(getattr(trainer.accelerator.state, "deepspeed_plugin", None))
+        refusals = deepspeed_refusals(getattr(trainer.accelerator.state, "deepspeed_plugin", None))
+        if deepspeed_stage(trainer) == 3 and method is not None:
+            from streambp_core.integrations.zero3_trainer import zero3_refusals
+
+            refusals += zero3_refusals(trainer, method)
+        return refusals
     why = "its gradient hooks fire at every accumulation and the streamed backward accumulates chunk by " \
-          "chunk; use accelerate's FSDP plugin with fsdp_version 2, or its DeepSpeed plugin (ZeRO-1/2)"
+          "chunk; use accelerate's FSDP plugin with fsdp_version 2, or its DeepSpeed plugin"
     return [(engine == "ddp", "multi-process DDP", why), (engine == "fsdp1", "FSDP version 1", why)]
 
 
@@ -133,13 +140,17 @@ def deepspeed_refusals(plugin) -> list[tuple[bool, str, str]]:
     offloaded = [name for name in ("offload_optimizer", "offload_param")
                  if (zero.get(name) or {}).get("device", "none") not in ("none", None)]
     return [
-        (stage == 3, "DeepSpeed ZeRO-3", "it partitions the parameters the streamed layers read, and one "
-                                         "reduction per parameter is checked on ZeRO-1 and ZeRO-2 only; "
-                                         "use zero_stage 2, or the FSDP2 plugin for sharded parameters"),
-        (stage not in (*DEEPSPEED_STAGES, 3), f"DeepSpeed zero_stage {stage}",
-         "stream_trainer runs on ZeRO-1 and ZeRO-2"),
+        (stage not in DEEPSPEED_STAGES, f"DeepSpeed zero_stage {stage}",
+         "stream_trainer runs on ZeRO-1, ZeRO-2 and ZeRO-3"),
         (bool(offloaded), f"DeepSpeed {' and '.join(offloaded)}", "it is not checked with streamed layers"),
     ]
+
+
+def deepspeed_stage(trainer) -> int:
+    """The ZeRO stage the trainer's DeepSpeed plugin configures (0 when it names none)."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    return int((config.get("zero_optimization", {}) or {}).get("stage", 0) or 0)
 
 
 def shard_for_plugin(trainer) -> None:

@@ -16,6 +16,7 @@ forward computed; `stream_trainer` refuses autocast over float32/float64 weights
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -59,16 +60,20 @@ def set_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], 
     return undo
 
 
-def streamed_backbone_forward(run, previous: Callable[..., Any]) -> Callable[..., Any]:
-    """A decoder-stack forward that streams training-shaped calls through `run.hidden_states`."""
+def streamed_backbone_forward(run, previous: Callable[..., Any],
+                              head: HeadUnit | None = None) -> Callable[..., Any]:
+    """A decoder-stack forward that streams training-shaped calls through `run.hidden_states`; under
+    DeepSpeed ZeRO-3, `head` gathers the run's head unit before the final norm (`HeadUnit`)."""
 
     def forward(self, *args, **kwargs):
         call = _call_arguments(self, args, kwargs)
         reason = _not_streamable(call)
         if reason is None:
             input_ids = call["input_ids"]
-            with torch.autocast(input_ids.device.type, enabled=False):
+            with torch.autocast(input_ids.device.type, enabled=False), _no_new_external_params(self):
                 hidden = run.hidden_states(input_ids, call.get("attention_mask"), call_position_ids(call))
+                if head is not None:
+                    hidden = head.enter(hidden)
                 # The final norm recomputed in backward: only the layer output is kept for it.
                 hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
             return BaseModelOutputWithPast(last_hidden_state=hidden)
@@ -99,7 +104,7 @@ def streamed_loss_forward(run, previous: Callable[..., Any],
         if reason is not None:
             raise ConfigError(f"a {run.method} model cannot compute its loss on a forward with {reason}")
         input_ids = call["input_ids"]
-        with torch.autocast(input_ids.device.type, enabled=False):
+        with torch.autocast(input_ids.device.type, enabled=False), _no_new_external_params(self):
             loss = run.loss(input_ids, attention_mask=call.get("attention_mask"), labels=labels,
                             position_ids=call_position_ids(call))
         if arm is not None:
@@ -110,6 +115,61 @@ def streamed_loss_forward(run, previous: Callable[..., Any],
         return CausalLMOutputWithPast(loss=loss)
 
     return forward
+
+
+@contextlib.contextmanager
+def _no_new_external_params(module: nn.Module):
+    """Under DeepSpeed ZeRO-3, undo the "external parameters" DeepSpeed registers on `module` while its
+    forward runs: a partitioned parameter of another module read by attribute there (the run's checks
+    read the embedding's and the head's shapes; its units read their weights) is gathered and made
+    `module`'s own, so `module`'s backward would gather it again and hold it while the run's unit
+    releases it. The run gathers and releases its units itself (`engine.zero3`); nothing without
+    ZeRO-3."""
+    external = getattr(module, "_external_params", None)
+    before = set(external or ())
+    try:
+        yield
+    finally:
+        added = [param for key, param in (external or {}).items() if key not in before]
+        if added:
+            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
+
+            for param in added:
+                unregister_external_parameter(module, param)
+
+
+class HeadUnit:
+    """Under DeepSpeed ZeRO-3, the run's head unit [final norm, LM head] (`engine.zero3`) held gathered from
+    the final norm (`enter`, in the streamed decoder stack's forward) to the end of the causal LM's forward
+    (`hook_output`, a forward hook), where the trainer's own fused head (TRL's) has read the LM head's
+    weight. DeepSpeed's hooks no longer gather the unit's modules; gathered, the head's weight is not
+    made an "external parameter" of the causal LM, which DeepSpeed's backward would hold while the unit
+    releases it. Its gradients go to ZeRO once, when the unit's backward ends (after the trainer's head
+    and the norm have both accumulated into them)."""
+
+    def __init__(self, run) -> None:
+        self.units = run.zero3
+        self.index = self.units.num_units - 1
+        self._open = False
+
+    def enter(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gather the unit; `hidden` (the final norm's input) comes back bracketed (`Zero3Units.enter`)."""
+        self._open = True
+        return self.units.enter(self.index, hidden)
+
+    def hook_output(self, module: nn.Module, args, output):
+        """A forward hook of the causal LM: release the unit entered in this forward; the output's tensors
+        that need a gradient come back bracketed, to gather the unit again before its backward."""
+        if not self._open:
+            return None
+        self._open = False
+        keys = [key for key, value in output.items()
+                if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not keys:
+            self.units.leave(self.index, None)
+        for key in keys:
+            output[key] = self.units.leave(self.index, output[key])
+        return output
 
 
 def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

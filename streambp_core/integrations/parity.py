@@ -124,15 +124,15 @@ def train_updates(make_trainer, method: str | None, options: dict):
     if method not in NO_LOGITS_METHODS:  # plain and checkpoint: the model's own logits and loss
         float64_reference_loss(trainer)
     model = trainer.model
-    before = {n: full_tensor(p).to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    before = full_tensors({n: p for n, p in model.named_parameters() if p.requires_grad})
     stream = None if method is None else stream_trainer(trainer, method, **options)
     try:
         trainer.train()
     finally:
         if stream is not None:
             stream.close()
-    after = dict(model.named_parameters())
-    updates = {n: full_tensor(after[n]).cpu() - before[n] for n in before}
+    after = full_tensors({n: p for n, p in model.named_parameters() if n in before})
+    updates = {n: after[n] - before[n] for n in before}
     return updates, _tied(model), trainer
 
 
@@ -140,6 +140,18 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value, detached: FSDP2's sharded ones all-gathered (a collective)."""
     value = param.detach()
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def full_tensors(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: whole value, a detached copy on the CPU}: FSDP2's shards and DeepSpeed ZeRO-3's partitions
+    all-gathered (collectives, in the same order on every rank)."""
+    partitioned = [p for p in params.values() if hasattr(p, "ds_id")]
+    if not partitioned:
+        return {n: full_tensor(p).to("cpu", copy=True) for n, p in params.items()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        return {n: full_tensor(p).to("cpu", copy=True) for n, p in params.items()}
 
 
 def float64_reference_loss(trainer) -> None:

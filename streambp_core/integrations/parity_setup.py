@@ -10,6 +10,7 @@ for DPO, prompts scored by a deterministic reward for GRPO.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from collections.abc import Callable
@@ -77,16 +78,19 @@ def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], 
 
     def make():
         model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device)
-        trainer = _user_input(trainer_class.__name__, _build, model, config_class(**arguments))
+        ref_model = None
+        if setup.trainer == "dpo" and not setup.lora_rank:
+            ref_model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device)
+        trainer = _user_input(trainer_class.__name__, _build, model, ref_model, config_class(**arguments))
         _without_printed_logs(trainer)
         return trainer
 
-    def _build(model, args):
+    def _build(model, ref_model, args):
         if setup.trainer == "trainer":
             return _transformers_trainer(trainer_class, model, args, dataset, tokenizer, setup.lora_rank)
         extra = {"peft_config": lora_config(setup.lora_rank)} if setup.lora_rank else {}
-        if setup.trainer == "dpo" and not setup.lora_rank:
-            extra["ref_model"] = build_user_model(setup.model, setup.dtype, setup.seed, setup.device)
+        if ref_model is not None:
+            extra["ref_model"] = ref_model
         if setup.trainer == "grpo":
             extra["reward_funcs"] = word_reward
         return trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -145,8 +149,23 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu"):
         loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True)
         return loaded.to(device)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device), _outside_zero3_init():
         return AutoModelForCausalLM.from_config(_model_config(model), dtype=dtype)
+
+
+@contextlib.contextmanager
+def _outside_zero3_init():
+    """transformers builds a model under `deepspeed.zero.Init` while a ZeRO-3 config it was given lives
+    (a trainer's arguments, accelerate's plugin), and zero.Init draws other initial weights than the
+    reference's: the model of a parity run is built without it, the config given back after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    held = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = held
 
 
 def _model_config(model):

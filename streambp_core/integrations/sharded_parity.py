@@ -21,8 +21,14 @@ over the gloo group itself and declares the distributed type `accelerate launch`
 (MULTI_GPU for FSDP, DEEPSPEED); the trainer then takes it (`use_configured_state`). Everything after
 (the plugin, `Accelerator.prepare`, `fsdp2_prepare_model`, `deepspeed.initialize`) runs as on GPUs.
 
+On DeepSpeed each trainable parameter's reductions are counted per micro-step (per step on ZeRO-1;
+`streambp_bench.verify.trainer_ranks.ReductionCount`), and a method passes only if each is reduced
+exactly once. The models are built
+outside `deepspeed.zero.Init` (`parity_setup.build_user_model`), as the reference's are; ZeRO-3
+partitions every parameter (`deepspeed_settings`) and the updates are gathered whole (`full_tensors`).
+
 Tolerances (`sharded_tolerance`): FSDP2 keeps the weights' dtype, so float64 runs are held to
-`update_tolerance` (1e-10 with SGD). DeepSpeed ZeRO-1/2 step float32 master weights whatever the
+`update_tolerance` (1e-10 with SGD). DeepSpeed ZeRO-1/2/3 step float32 master weights whatever the
 parameters' dtype, so its figures are held to float32's bound. TRL's trainers score tokens with TRL's
 fused LM head, which sums in float32 buffers whatever the weights' dtype: against single-process plain
 (a batch split differently) they are held to float32's bound too, against plain on the same engine to
@@ -41,7 +47,7 @@ from streambp_core.integrations.parity import MethodParity, group_errors, train_
 from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory
 
 ENGINE_SHARDS = {"fsdp2": ("zero2", "zero3"), "deepspeed": ("zero1", "zero2", "zero3")}
-"""The `--shard` names of each engine (DeepSpeed's zero3 is refused by name, see `engines.py`)."""
+"""The `--shard` names of each engine."""
 FLOAT32_TOLERANCE = 1e-4
 """Where float32 arithmetic is forced: float32's bound of `verify` (and of the DeepSpeed verify's
 `ENGINE_TOLERANCE` and `MASTER_TOLERANCE`)."""
@@ -65,16 +71,20 @@ class ShardedParity:
     float64_plain_error: float | None = None
     """DeepSpeed only: the largest group error against single-process float64 plain without an engine
     (reported, not judged: float32 master weights round each update at their resolution)."""
+    reductions: dict[str, int] | None = None
+    """DeepSpeed only: over rank 0's micro-steps (steps on ZeRO-1), how many trainable parameters ZeRO
+    reduced 0, 1 or more times ('0', '1', '2+'; `streambp_bench.verify.trainer_ranks.ReductionCount`)."""
 
     @property
     def ok(self) -> bool:
-        return self.against_reference.ok and self.against_engine_plain.ok
+        once = self.reductions is None or set(self.reductions) == {"1"}
+        return self.against_reference.ok and self.against_engine_plain.ok and once
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "shard": self.shard, "nproc": self.nproc, "reference": self.reference,
                 "ok": self.ok, "against_reference": self.against_reference.to_dict(),
                 "against_engine_plain": self.against_engine_plain.to_dict(),
-                "float64_plain_error": self.float64_plain_error}
+                "float64_plain_error": self.float64_plain_error, "reductions": self.reductions}
 
 
 def check_sharded(setup: ParitySetup, engine: str, shard: str, methods) -> None:
@@ -102,9 +112,11 @@ class _Plugin:
 
 
 def compare_sharded(engine: str, shard: str, nproc: int, setup: ParitySetup, method: str, reference_name: str,
-                    reference: dict, updates: dict, tied: bool, float64_plain: dict | None) -> ShardedParity:
+                    reference: dict, updates: dict, tied: bool, float64_plain: dict | None,
+                    reductions: dict | None = None) -> ShardedParity:
     """`method`'s updates against `reference` and against plain's on the engine (`updates['plain']`);
-    `float64_plain` (DeepSpeed) is reported beside them."""
+    `float64_plain` (DeepSpeed) is reported beside them, with `reductions` (DeepSpeed: `rank_train`'s
+    tally per method)."""
     tolerance = sharded_tolerance(setup, engine, reference_name)
     engine_tolerance = sharded_tolerance(setup, engine, "plain on the engine")
     float64_error = None
@@ -116,7 +128,7 @@ def compare_sharded(engine: str, shard: str, nproc: int, setup: ParitySetup, met
         against_reference=MethodParity(method, group_errors(reference, updates[method], tied), tolerance),
         against_engine_plain=MethodParity(method, group_errors(updates["plain"], updates[method], tied),
                                           engine_tolerance),
-        float64_plain_error=float64_error)
+        float64_plain_error=float64_error, reductions=None if reductions is None else reductions[method])
 
 
 def sharded_tolerance(setup: ParitySetup, engine: str, reference_name: str) -> float:
@@ -160,10 +172,13 @@ def engine_environment(engine: str, shard: str) -> dict[str, str]:
 def deepspeed_settings(shard: str) -> dict:
     """The trainer's DeepSpeed config for ZeRO `shard`: the batch, accumulation and clipping the trainer's
     arguments give ("auto"), the trainer's own optimizer (float32 masters in ZeRO)."""
+    zero = {"stage": int(shard[-1])}
+    if shard == "zero3":  # partition every parameter (by default those under 1e5 elements stay whole)
+        zero["stage3_param_persistence_threshold"] = 0
     return {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                           "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-                          "zero_optimization": {"stage": int(shard[-1])}}}
+                          "zero_optimization": zero}}
 
 
 def _declare_engine(engine: str) -> None:
@@ -176,11 +191,14 @@ def _declare_engine(engine: str) -> None:
     state.distributed_type = DistributedType.MULTI_GPU if engine == "fsdp2" else DistributedType.DEEPSPEED
 
 
-def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options):
+def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options,
+               reduction_count=None):
     """Body of each rank (`parallel.launch.run_ranks`): trains plain, then each of `methods`, under the
-    plugin `accelerate launch` configures for `engine` and `shard`; ({method or 'plain': updates}, tied)
-    on rank 0, None elsewhere. What the
-    libraries print here goes to stderr: the caller's stdout holds only its report (`--json`)."""
+    plugin `accelerate launch` configures for `engine` and `shard`; ({method or 'plain': updates}, tied,
+    {method: reductions} on DeepSpeed, else None) on rank 0, None elsewhere. `reduction_count(shard)`
+    makes the `TrainerCallback` that counts DeepSpeed's reductions (its `trainer` set, its `tallies`
+    read; `streambp_bench.verify.trainer_ranks.ReductionCount`). What the libraries print here goes to
+    stderr: the caller's stdout holds only its report (`--json`)."""
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     os.environ.update(engine_environment(engine, shard))
@@ -189,13 +207,31 @@ def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: st
     if engine == "deepspeed":
         settings.update(deepspeed_settings(shard))
     rank_setup = replace(setup, settings=settings)
-    updates, tied = {}, False
+    updates, reductions, tied = {}, {}, False
     with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
         make = trainer_factory(rank_setup, output_dir)
         for method in ("plain", *methods):
             _fresh_accelerator(engine)
-            updates[method], tied, _ = train_updates(make, None if method == "plain" else method, options)
-    return (updates, tied) if rank == 0 else None
+            counter = reduction_count(shard) if engine == "deepspeed" and reduction_count else None
+            updates[method], tied, trainer = train_updates(_counted(make, counter), None if method ==
+                                                           "plain" else method, options)
+            reductions[method] = None if counter is None else dict(counter.tallies)
+            del trainer
+    if rank != 0:
+        return None
+    return updates, tied, reductions if reduction_count and engine == "deepspeed" else None
+
+
+def _counted(make, counter):
+    """`make`, with `counter` (a `TrainerCallback`, or None) added to the trainer it builds."""
+    def counted_make():
+        trainer = make()
+        if counter is not None:
+            counter.trainer = trainer
+            trainer.add_callback(counter)
+        return trainer
+
+    return counted_make
 
 
 def _fresh_accelerator(engine: str) -> None:

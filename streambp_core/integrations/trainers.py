@@ -8,8 +8,8 @@ The trainer is not subclassed or patched: its own `compute_loss`, `loss.backward
 accumulation, clipping, optimizer, LoRA and checkpoint saving run as they do without streambp. What
 changes is the model's answer to the trainer's forward calls (see `forwards.py`).
 
-Under `accelerate launch` with the FSDP2 or the DeepSpeed plugin (ZeRO-1/2) the same call works on every
-rank; what it does there, and what it refuses, is in `engines.py`.
+Under `accelerate launch` with the FSDP2 or the DeepSpeed plugin (ZeRO-1, 2 or 3) the same call works on
+every rank; what it does there, and what it refuses, is in `engines.py` (ZeRO-3: `zero3_trainer.py`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,19 @@ from torch import nn
 
 from streambp_core.config import ConfigError, check_method
 from streambp_core.integrations.checks import check_trainer
-from streambp_core.integrations.engines import DeepSpeedReduction, shard_for_plugin, trainer_engine
-from streambp_core.integrations.forwards import set_forward, streamed_backbone_forward, streamed_loss_forward
+from streambp_core.integrations.engines import (
+    DeepSpeedReduction,
+    deepspeed_stage,
+    shard_for_plugin,
+    trainer_engine,
+)
+from streambp_core.integrations.forwards import (
+    HeadUnit,
+    set_forward,
+    streamed_backbone_forward,
+    streamed_loss_forward,
+)
+from streambp_core.integrations.zero3_trainer import Zero3Preparation
 from streambp_core.methods import Run, prepare
 
 STREAMED_LOSS_METHODS = ("mst", "streambp")
@@ -29,15 +40,17 @@ STREAMED_LOSS_METHODS = ("mst", "streambp")
 
 
 class TrainerStream:
-    """What `stream_trainer` set up: the prepared runs and the forwards it set; `close()` undoes it all."""
+    """What `stream_trainer` set up: the prepared runs and the forwards it set; `close()` undoes it all.
 
-    def __init__(self, runs: list[Run], undo: list[Callable[[], None]]) -> None:
+    Under DeepSpeed ZeRO-3 the trained model's run is prepared for each optimizer step inside `train()`
+    (`zero3`, a `zero3_trainer.Zero3Preparation`); `runs` holds the frozen reference model's run only."""
+
+    def __init__(self, method: str, runs: list[Run], undo: list[Callable[[], None]],
+                 zero3: Zero3Preparation | None = None) -> None:
+        self.method = method
         self.runs = runs
+        self.zero3 = zero3
         self._undo = undo
-
-    @property
-    def method(self) -> str:
-        return self.runs[0].method
 
     def close(self) -> None:
         """Give the trainer's model (and reference model) back unprepared (under FSDP2 it stays sharded,
@@ -70,28 +83,49 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
     engine = trainer_engine(trainer)
     if engine == "fsdp2":
         shard_for_plugin(trainer)
+    zero3 = engine == "deepspeed" and deepspeed_stage(trainer) == 3
     runs: list[Run] = []
     undo: list[Callable[[], None]] = []
+    stream = TrainerStream(method, runs, undo)
     try:
-        reduction = _deepspeed_reduction(trainer.model, method, undo) if engine == "deepspeed" else None
-        runs.append(_prepare_trained(trainer.model, method, options, undo, reduction))
+        if zero3:
+            stream.zero3 = _zero3_preparation(trainer, method, options, undo)
+        else:
+            reduction = _deepspeed_reduction(trainer.model, method, undo) if engine == "deepspeed" else None
+            runs.append(_prepare_trained(trainer.model, method, options, undo, reduction))
         ref_model = getattr(trainer, "ref_model", None)
-        if type(ref_model).__name__ == "DeepSpeedEngine":  # TRL wraps a frozen reference for DeepSpeed
-            ref_model = ref_model.module
+        if type(ref_model).__name__ == "DeepSpeedEngine" and not zero3:  # TRL wraps a frozen reference
+            ref_model = ref_model.module  # ZeRO-1/2: the module; ZeRO-3: the engine itself (`prepare`)
         if ref_model is not None and method == "streambp":
             runs.append(_prepare_frozen(ref_model, options, undo))
     except BaseException:
-        TrainerStream(runs, undo).close()
+        stream.close()
         raise
-    return TrainerStream(runs, undo)
+    return stream
+
+
+def _zero3_preparation(trainer, method: str, options: dict, undo: list) -> Zero3Preparation:
+    """The callback that prepares the trained model's run on the ZeRO-3 engine for each optimizer step
+    (`zero3_trainer`)."""
+
+    def prepare_step(engine: nn.Module) -> tuple[Run, list[Callable[[], None]]]:
+        step_undo: list[Callable[[], None]] = []
+        return _prepare_trained(engine, method, options, step_undo, None), step_undo
+
+    callback = Zero3Preparation(trainer, prepare_step)
+    trainer.add_callback(callback)
+    undo.append(lambda: trainer.remove_callback(callback))
+    undo.append(callback.close)
+    return callback
 
 
 def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list,
                      reduction: DeepSpeedReduction | None) -> Run:
-    run = prepare(model, method, **options)
+    """`model` (or a ZeRO-3 engine wrapping it) prepared for `method`, the trainer's forwards set on it."""
+    run = _prepare_in_engine(model, method, options)
     arm = None if reduction is None else reduction.arm
     if method in STREAMED_LOSS_METHODS:
-        causal_lm = _causal_lm(model)
+        causal_lm = _causal_lm(run.model)
         undo.append(set_forward(causal_lm, streamed_loss_forward(run, causal_lm.forward, arm)))
     if method == "streambp":
         _stream_backbone(run, undo)
@@ -108,14 +142,27 @@ def _deepspeed_reduction(model: nn.Module, method: str, undo: list) -> DeepSpeed
 
 
 def _prepare_frozen(model: nn.Module, options: dict, undo: list) -> Run:
-    run = prepare(model, "streambp", **options)
+    run = _prepare_in_engine(model, "streambp", options)
     _stream_backbone(run, undo)
+    return run
+
+
+def _prepare_in_engine(model: nn.Module, method: str, options: dict) -> Run:
+    """`prepare(model, method)`; on a DeepSpeed engine (ZeRO-3, whose partitioned model only the engine
+    itself may be prepared through), a run whose losses do not enter the engine again: the trainer calls
+    the engine for every forward and the streamed forwards answer inside it (`zero3_trainer`)."""
+    run = prepare(model, method, **options)
+    run.engine = None
     return run
 
 
 def _stream_backbone(run: Run, undo: list) -> None:
     backbone = run.parts.backbone
-    undo.append(set_forward(backbone, streamed_backbone_forward(run, backbone.forward)))
+    head = None
+    if run.zero3 is not None:  # ZeRO-3: the head unit held from the final norm to the trainer's head
+        head = HeadUnit(run)
+        undo.append(_causal_lm(run.model).register_forward_hook(head.hook_output).remove)
+    undo.append(set_forward(backbone, streamed_backbone_forward(run, backbone.forward, head)))
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

@@ -3,10 +3,12 @@ plugin, 3 SGD steps with gradient accumulation 2, every parameter's update again
 (`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
 sharded trainer cannot do exactly refused by name.
 
-The default run takes two cells, one per engine, each through a different arming path (TRL's fused head on
-the streamed decoder stack; transformers' Trainer on the streamed loss). The matrix (every trainer, every
-method, both FSDP2 stages, ZeRO-1 and ZeRO-2, tied and untied heads; about 25 minutes on 2 cores) runs
-when STREAMBP_TRAINER_MATRIX=full is set. The example accelerate configs are read by accelerate's own
+The default run takes three cells: one per engine through a different arming path (TRL's fused head on
+the streamed decoder stack; transformers' Trainer on the streamed loss), and Trainer on ZeRO-3, whose run
+is prepared on the trainer's engine at each step; on DeepSpeed each trainable parameter is reduced exactly
+once per micro-step (counted). The matrix (every trainer, every method, both FSDP2 stages, ZeRO-1, 2 and
+3, tied and untied heads) runs when STREAMBP_TRAINER_MATRIX=full (or STREAMBP_DEEPSPEED_MATRIX=full) is
+set. The example accelerate configs are read by accelerate's own
 launcher code (`accelerate launch` cannot start FSDP or DeepSpeed ranks on a CPU-only machine) and the
 plugins they make are checked as `stream_trainer` checks them.
 """
@@ -14,6 +16,7 @@ plugins they make are checked as `stream_trainer` checks them.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,7 +35,7 @@ from streambp_core.models.load import tiny_config  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "accelerate"
 STREAM = {"partition_size": 5, "head_partition_size": 7}
-FULL = os.environ.get("STREAMBP_TRAINER_MATRIX") == "full"
+FULL = "full" in (os.environ.get("STREAMBP_TRAINER_MATRIX"), os.environ.get("STREAMBP_DEEPSPEED_MATRIX"))
 
 
 def deepspeed_installed() -> bool:
@@ -51,6 +54,9 @@ def assert_sharded(results, methods) -> None:
     """Every method within its tolerances in every group, and every group moved in the reference."""
     assert [r.against_reference.method for r in results] == list(methods)
     for result in results:
+        if result.engine == "deepspeed":  # every trainable parameter reduced once per micro-step
+            assert result.reductions is not None and set(result.reductions) == {"1"}, result.reductions
+            assert result.ok
         for against, parity in ((result.reference, result.against_reference),
                                 ("plain on the engine", result.against_engine_plain)):
             assert {g.group for g in parity.groups} >= {"attention", "mlp", "norms"}, parity.groups
@@ -82,8 +88,21 @@ def test_deepspeed_trainer_streambp_matches_single_process_plain():
     assert results[0].float64_plain_error is not None and results[0].float64_plain_error > 0
 
 
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+def test_deepspeed_zero3_trainer_streambp_matches_plain_on_the_engine():
+    """transformers' Trainer, streamed loss, DeepSpeed ZeRO-3 (every parameter partitioned): the run is
+    prepared on the trainer's engine at each step; the update is plain's on the engine, each parameter
+    reduced once per micro-step (3 steps x accumulation 2 x 25 tensors)."""
+    results = run_sharded_parity(setup_of("trainer", tied=False), engine="deepspeed", shard="zero3",
+                                 nproc=2, methods=("streambp",), **STREAM)
+    assert_sharded(results, ("streambp",))
+    assert results[0].against_engine_plain.max_rel_error == 0.0
+    assert results[0].reductions == {"1": 6 * 25}
+
+
 MATRIX = [(engine, shard, trainer, tied) for engine, shard in (("fsdp2", "zero2"), ("fsdp2", "zero3"),
-                                                              ("deepspeed", "zero1"), ("deepspeed", "zero2"))
+                                                              ("deepspeed", "zero1"), ("deepspeed", "zero2"),
+                                                              ("deepspeed", "zero3"))
           for trainer in ("trainer", "sft", "dpo", "grpo") for tied in (True, False)]
 
 
@@ -97,6 +116,22 @@ def test_sharded_matrix(engine, shard, trainer, tied):
     results = run_sharded_parity(setup_of(trainer, tied), engine=engine, shard=shard, nproc=2,
                                  methods=methods, **STREAM)
     assert_sharded(results, methods)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="the sharded trainer matrix runs with STREAMBP_TRAINER_MATRIX=full")
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+@pytest.mark.parametrize("trainer", ["trainer", "sft"])
+def test_deepspeed_zero3_lora(trainer):
+    """LoRA rank 4 on ZeRO-3 (the adapters alone trained, the base weights partitioned and frozen)."""
+    methods = ("checkpoint", "mst", "streambp")
+    setup = replace(setup_of(trainer, tied=False), lora_rank=4)
+    results = run_sharded_parity(setup, engine="deepspeed", shard="zero3", nproc=2, methods=methods, **STREAM)
+    assert [r.against_reference.method for r in results] == list(methods)
+    for result in results:
+        assert result.ok and set(result.reductions) == {"1"}, result.to_dict()
+        assert {g.group for g in result.against_engine_plain.groups} >= {"lora attention", "lora mlp"}
+        assert all(g.plain_update_norm > 0 for g in result.against_engine_plain.groups)
 
 
 def fsdp_plugin(monkeypatch, **env: str):
@@ -145,13 +180,37 @@ class _DeepSpeedPlugin:
 
 @pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
 @pytest.mark.parametrize(("zero", "setting"), [
-    ({"stage": 1}, None), ({"stage": 2}, None), ({"stage": 3}, "DeepSpeed ZeRO-3"),
+    ({"stage": 1}, None), ({"stage": 2}, None), ({"stage": 3}, None),
     ({"stage": 0}, "DeepSpeed zero_stage 0"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "DeepSpeed offload_optimizer"),
 ])
 def test_deepspeed_plugin_stages(zero, setting):
     names = refused(deepspeed_refusals(_DeepSpeedPlugin(zero)))
     assert names == ([] if setting is None else [setting])
+
+
+@pytest.mark.parametrize(("per_generation", "iterations", "method", "refused_setting"), [
+    (2, 1, "streambp", None), (4, 1, "mst", None), (1, 2, "streambp", None),
+    (1, 1, "streambp", "steps_per_generation x num_iterations = 1"), (3, 1, "mst", "= 3"),
+    (1, 1, "checkpoint", None),  # no units: nothing holds DeepSpeed's hooks off between micro-steps
+])
+def test_zero3_refuses_generation_inside_an_optimizer_step(per_generation, iterations, method,
+                                                           refused_setting):
+    """GRPO generates every steps_per_generation x num_iterations micro-steps; under ZeRO-3 the run of a
+    method with units is open through an optimizer step (accumulation 2 here), so generation must fall
+    on step boundaries."""
+    from types import SimpleNamespace
+
+    from streambp_core.integrations.zero3_trainer import zero3_refusals
+
+    args = SimpleNamespace(steps_per_generation=per_generation, num_iterations=iterations,
+                           gradient_accumulation_steps=2)
+    names = refused(zero3_refusals(SimpleNamespace(args=args), method))
+    assert len(names) == (refused_setting is not None), names
+    if refused_setting is not None:
+        assert refused_setting in names[0] and "ZeRO-3" in names[0]
+    no_generation = SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=2))
+    assert zero3_refusals(no_generation, method) == []
 
 
 def launch_environment(config_file: Path) -> dict[str, str]:
@@ -192,12 +251,28 @@ def test_example_deepspeed_config_launches_zero2(monkeypatch, tmp_path):
     from accelerate.utils import DeepSpeedPlugin
 
     assert refused(deepspeed_refusals(DeepSpeedPlugin())) == []
-    zero3 = tmp_path / "zero3.yaml"
+    offload = tmp_path / "offload.yaml"
     text = (EXAMPLES / "deepspeed_zero2.yaml").read_text()
-    zero3.write_text(text.replace("zero_stage: 2", "zero_stage: 3"))
-    stage = launch_environment(zero3)["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", stage)
-    assert refused(deepspeed_refusals(DeepSpeedPlugin())) == ["DeepSpeed ZeRO-3"]
+    offload.write_text(text.replace("offload_optimizer_device: none", "offload_optimizer_device: cpu"))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                       launch_environment(offload)["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"])
+    assert refused(deepspeed_refusals(DeepSpeedPlugin())) == ["DeepSpeed offload_optimizer"]
+
+
+@pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
+def test_example_deepspeed_zero3_config_launches_zero3(monkeypatch):
+    env = launch_environment(EXAMPLES / "deepspeed_zero3.yaml")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert {name: env[name] for name in engine_environment("deepspeed", "zero3")} == \
+        engine_environment("deepspeed", "zero3")  # what the 2-rank cells run under
+    for name, value in env.items():
+        if name.startswith("ACCELERATE_"):
+            monkeypatch.setenv(name, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin()
+    assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3
+    assert refused(deepspeed_refusals(plugin)) == []
 
 
 def test_sharded_check_refuses_before_any_rank_starts():
@@ -210,7 +285,7 @@ def test_sharded_check_refuses_before_any_rank_starts():
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero3"], ("DeepSpeed ZeRO-3", "zero_stage 2")),
+    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero4"], ("deepspeed shard must be one of",)),
     (["--shard", "zero2"], ("--shard needs --nproc",)),
     (["--engine", "deepspeed"], ("--engine deepspeed needs --nproc",)),
     (["--nproc", "2", "--shard", "zero1"], ("--shard for fsdp2",)),
