@@ -18,6 +18,7 @@ Rows go to `alst.csv`, the figure (max length vs GPUs, log scale) to `alst-maxle
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -115,8 +116,20 @@ def run(settings: Settings) -> list[Path]:
                   SEARCH_COST.get(spec.method, 0) + spec.gpus) for spec, budget, host in grid]
     found = run_tasks(tasks, settings.jobs, settings.context, settings.note)
     results = settings.csv("alst")
-    results.append_many(row for rows in found for row in rows)
+    new_rows = [row for rows in found for row in rows]
+    results.replace_many(new_rows, _stale_estimate(new_rows))
     return [plots.save(figure(results.load()), settings.out_dir / "alst-maxlen.png")]
+
+
+def _stale_estimate(new_rows: list) -> Callable[[object], bool]:
+    """Whether a row on file is a step-time estimate of a re-run cell (same model, method, GPUs, GPU) at
+    another length: the cell's search moved, so its old estimate answers nothing the README shows."""
+    cells_run = {_estimate_cell(row) for row in new_rows if row.metric == "step_time"}
+    return lambda row: row.metric == "step_time" and _estimate_cell(row) in cells_run
+
+
+def _estimate_cell(row) -> tuple:
+    return row.model, row.method, row.gpus, row.sp, row.device_name, row.offload, row.shard
 
 
 def _gpu(budget_gib: float) -> str:

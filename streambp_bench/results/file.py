@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,6 +92,16 @@ class ResultsFile:
             by_key.update(new_rows)
             csv_io.atomic_rewrite(self.path, COLUMNS, [row.to_record() for row in by_key.values()])
             self._index = _index_of(real, set(by_key))
+
+    def replace_many(self, rows: Iterable[ResultRow], stale: Callable[[ResultRow], bool]) -> None:
+        """Upsert `rows` and drop, in the same atomic rewrite under the file's lock, every other row that
+        `stale` names (e.g. an estimate at a length the re-run search no longer finds)."""
+        new_rows = {row.key(): row for row in rows}
+        with csv_io.locked(self.path) as real:
+            kept = {row.key(): row for row in self.rows() if row.key() in new_rows or not stale(row)}
+            kept.update(new_rows)
+            csv_io.atomic_rewrite(self.path, COLUMNS, [row.to_record() for row in kept.values()])
+            self._index = _index_of(real, set(kept))
 
     def _known_keys(self, real: Path) -> set[tuple[str, ...]] | None:
         """The keys in the file at `real` (the caller holds its lock), read from the end this object last

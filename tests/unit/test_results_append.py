@@ -187,3 +187,27 @@ def test_a_file_made_read_only_during_a_sweep_is_a_one_line_error(
     monkeypatch.setattr(csv_io.os, "open", read_only)
     with pytest.raises(ConfigError, match=r"cannot write .*r\.csv.* is read-only"):
         file.upsert(_row(2))
+
+
+def test_replace_many_drops_the_rows_it_names_stale_and_keeps_the_rest(tmp_path: Path) -> None:
+    path = tmp_path / "alst.csv"
+    file = ResultsFile(path)
+    file.append_many([_row(100), _row(200), _row(300)])
+    file.replace_many([_row(250)], stale=lambda row: row.seq_len_tokens in (100, 250, 300))
+    assert sorted(row.seq_len_tokens for row in ResultsFile(path).rows()) == [200, 250]
+    file.upsert(_row(400))  # its index follows the rewrite: an append after it is seen
+    assert sorted(row.seq_len_tokens for row in ResultsFile(path).rows()) == [200, 250, 400]
+
+
+def test_a_rerun_alst_cell_replaces_its_estimate_at_the_old_length() -> None:
+    from streambp_bench.paper.alst import _stale_estimate
+
+    def estimate(seq_len_tokens: int, gpus: int) -> ResultRow:
+        return ResultRow(method="mst", model="m", seq_len_tokens=seq_len_tokens, gpus=gpus, sp=gpus,
+                         source="estimated", metric="step_time", value=1.0, device_name="H100",
+                         timestamp="2025-06-01T12:00:00+00:00")
+
+    stale = _stale_estimate([estimate(500, gpus=8)])
+    assert stale(estimate(400, gpus=8))  # the same cell at the length its old search found
+    assert not stale(estimate(400, gpus=16))  # another cell, not re-run
+    assert not stale(_row(400))  # a max_len or memory row is never an old estimate
