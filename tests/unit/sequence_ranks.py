@@ -65,7 +65,25 @@ def swap_peaks(group, device: str) -> list[tuple[int, int]]:
 
 
 def real_swap_peaks(rank: int, world: int) -> list[tuple[int, int]]:
-    """`swap_peaks` of this real rank (gloo, CPU)."""
+    """`swap_peaks` of this real rank (gloo, CPU), counting what the engine allocates around the exchange.
+    The exchange runs outside the tracker on untracked copies of the engine's buffers: gloo's worker
+    thread drops its references to the tensors it exchanged a moment after the call returns, so with
+    the engine's own buffers the tracker saw them freed late in some runs and not in others (the
+    backend's timing, not what the swap holds)."""
+    from dataclasses import dataclass
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from streambp_core.engine.sequence_group import SequenceGroup
 
-    return swap_peaks(SequenceGroup.of_process_group(), "cpu")
+    @dataclass(frozen=True)
+    class UntrackedExchange(SequenceGroup):
+        def exchange(self, recv, send, recv_counts, send_counts) -> None:
+            with _disable_current_modes():
+                received = recv.clone()
+                super().exchange(received, send.clone(), recv_counts, send_counts)
+                recv.copy_(received)
+
+    group = SequenceGroup.of_process_group()
+    return swap_peaks(UntrackedExchange(size=group.size, rank=group.rank, process_group=group.process_group),
+                      "cpu")
