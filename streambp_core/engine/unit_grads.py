@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.unit_hooks import entered_inputs, in_backward, unique_params
+from streambp_core.engine.unit_hooks import UnitInput, entered_inputs, in_backward, unique_params
 
 HELD = "_streambp_grad_held"
 """The mark `UnitGrads` sets on a parameter whose gradient is not complete yet (cleared by `close`)."""
@@ -67,7 +67,7 @@ class UnitGrads:
             return hidden
         for param in (*owned, *shared):
             setattr(param, HELD, True)
-        return _UnitInput.apply(hidden, self, index, *owned)
+        return UnitInput.apply(hidden, self, index, *owned)
 
     def leave(self, index: int, output):
         """`output` of unit `index`, unchanged (the hand-over needs only the input's bracket)."""
@@ -102,17 +102,3 @@ class UnitGrads:
             for param in unit:
                 if hasattr(param, HELD):
                     delattr(param, HELD)
-
-
-class _UnitInput(torch.autograd.Function):
-    """Identity on a unit's input whose inputs include the unit's owned parameters; its backward runs after
-    the unit's and returns their summed gradients (`UnitGrads.finish`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, units: UnitGrads, index: int, *params):
-        ctx.units, ctx.index = units, index
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, None, None, *ctx.units.finish(ctx.index))

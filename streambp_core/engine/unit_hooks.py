@@ -40,3 +40,17 @@ def bracket_hooks(module: nn.Module, pre: Callable[[tuple, dict], Any],
     """`module`'s forward pre-hook `pre(args, kwargs)` and forward hook `post(output)`; their handles."""
     return [module.register_forward_pre_hook(lambda _m, args, kwargs: pre(args, kwargs), with_kwargs=True),
             module.register_forward_hook(lambda _m, _a, out: post(out))]
+
+
+class UnitInput(torch.autograd.Function):
+    """Identity on a unit's input whose inputs include the unit's owned parameters; its backward runs after
+    the unit's and returns their summed gradients (`units.finish(index)`: `Zero3Units`, `UnitGrads`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, units: Any, index: int, *params):
+        ctx.units, ctx.index = units, index
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None, None, *ctx.units.finish(ctx.index))

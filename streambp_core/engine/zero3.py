@@ -13,8 +13,8 @@ hooks (`_DeepSpeedHooks`: removed from the unit's modules and restored on `close
 - forward: `enter` all-gathers the unit (one collective per unit, whatever the length) and brackets its
   input; `leave` re-partitions it and brackets its output.
 - backward: the output's bracket gathers the unit again before the unit's backward; the input's runs
-  after it (`_UnitInput`): it sets `ds_grad_is_ready`, takes each trainable parameter's summed gradient
-  out of `.grad` (zeros where none arrived, e.g. an expert this rank's tokens never reached, so every
+  after it (`unit_hooks.UnitInput`): it sets `ds_grad_is_ready`, takes each trainable parameter's summed
+  gradient out of `.grad` (zeros where none arrived, e.g. an expert this rank's tokens never reached, so every
   rank reduces the same parameters in the same order) and returns those gradients as the bracket's own:
   autograd's accumulation then fires ZeRO's gradient hook for each parameter exactly once, in the outer
   backward (so ZeRO's end-of-backward epilogue sees them). The unit is re-partitioned after that
@@ -38,7 +38,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.unit_hooks import bracket_hooks, entered_inputs, in_backward, unique_params
+from streambp_core.engine.unit_hooks import (
+    UnitInput,
+    bracket_hooks,
+    entered_inputs,
+    in_backward,
+    unique_params,
+)
 
 
 class Zero3Units:
@@ -82,7 +88,7 @@ class Zero3Units:
             return hidden
         for param in (*owned, *self._shared[index], *self._leaf_params(index)):
             param.ds_grad_is_ready = False
-        return _UnitInput.apply(hidden, self, index, *owned)
+        return UnitInput.apply(hidden, self, index, *owned)
 
     def leave(self, index: int, output):
         """Release unit `index` after its forward; `output` comes back bracketed so that the unit is
@@ -177,20 +183,6 @@ class Zero3Units:
             for param in params:
                 param.ds_grad_is_ready = True
             self.release(index)
-
-
-class _UnitInput(torch.autograd.Function):
-    """Identity on a unit's input whose inputs include the unit's owned parameters; its backward runs
-    after the unit's and returns their summed gradients (`Zero3Units.finish`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, units: Zero3Units, index: int, *params):
-        ctx.units, ctx.index = units, index
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, None, None, *ctx.units.finish(ctx.index))
 
 
 class _UnitOutput(torch.autograd.Function):
