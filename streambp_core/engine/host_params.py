@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.offload import host_copy
-from streambp_core.engine.unit_hooks import bracket_hooks, entered_inputs, in_backward, unique_params
+from streambp_core.engine.unit_hooks import bracket_unit, in_backward, unique_params
 from streambp_core.measure.tags import WEIGHTS, memory_category
 
 
@@ -128,8 +128,7 @@ class HostParams:
     def hook(self, index: int, module: nn.Module) -> None:
         """Bracket unit `index` by `module`'s forward hooks (its first tensor argument and its output, or
         the output's first element)."""
-        self._hooks.extend(bracket_hooks(module, lambda args, kwargs: self._pre_hook(index, args, kwargs),
-                                          lambda out: self._post_hook(index, out)))
+        self._hooks.extend(bracket_unit(module, index, self, gather=self._gather_ahead))
 
     def close(self) -> None:
         """Remove the hooks and put every weight back on the device."""
@@ -167,25 +166,10 @@ class HostParams:
             event.record(self._stream)
         self._pending[id(param)] = (buffer, event)
 
-    def _pre_hook(self, index: int, args: tuple, kwargs: dict):
-        if in_backward():  # a checkpointed layer's recompute: gathered by its output's bracket
-            self.gather(index)
-            return None
-        entered = entered_inputs(args, kwargs, lambda hidden: self.enter(index, hidden))
-        if entered is not None:
-            return entered
+    def _gather_ahead(self, index: int) -> None:
+        """Gather unit `index` for a forward call with no tensor input, and prefetch the next."""
         self.gather(index)
         self.prefetch(index + 1)
-        return None
-
-    def _post_hook(self, index: int, output):
-        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-            return (self.leave(index, output[0]), *output[1:])
-        if isinstance(output, Tensor):
-            return self.leave(index, output)
-        if not in_backward():
-            self.release(index)
-        return None
 
 
 class _OnBackward(torch.autograd.Function):

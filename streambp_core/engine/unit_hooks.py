@@ -42,6 +42,32 @@ def bracket_hooks(module: nn.Module, pre: Callable[[tuple, dict], Any],
             module.register_forward_hook(lambda _m, _a, out: post(out))]
 
 
+def bracket_unit(module: nn.Module, index: int, unit: Any,
+                 gather: Callable[[int], None] | None = None) -> list[RemovableHandle]:
+    """Bracket unit `index` of `unit` (`HostParams`, `Zero3Units`: its `gather`, `enter`, `leave`) by
+    `module`'s own forward hooks; their handles. The pre-hook enters the call's input
+    (`entered_inputs`), or with no tensor input gathers by `gather` (default `unit.gather`); a
+    checkpoint's recompute inside backward only gathers (the output's bracket already did; the input's
+    releases). The hook leaves with the output, or its first element when it is a tuple."""
+    gather = unit.gather if gather is None else gather
+
+    def pre(args: tuple, kwargs: dict):
+        if in_backward():
+            unit.gather(index)
+            return None
+        entered = entered_inputs(args, kwargs, lambda hidden: unit.enter(index, hidden))
+        if entered is None:
+            gather(index)
+        return entered
+
+    def post(output):
+        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+            return (unit.leave(index, output[0]), *output[1:])
+        return unit.leave(index, output)
+
+    return bracket_hooks(module, pre, post)
+
+
 class UnitInput(torch.autograd.Function):
     """Identity on a unit's input whose inputs include the unit's owned parameters; its backward runs after
     the unit's and returns their summed gradients (`units.finish(index)`: `Zero3Units`, `UnitGrads`)."""

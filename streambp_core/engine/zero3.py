@@ -38,13 +38,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.unit_hooks import (
-    UnitInput,
-    bracket_hooks,
-    entered_inputs,
-    in_backward,
-    unique_params,
-)
+from streambp_core.engine.unit_hooks import UnitInput, bracket_unit, in_backward, unique_params
 
 
 class Zero3Units:
@@ -106,23 +100,7 @@ class Zero3Units:
         """Bracket unit `index` by `module`'s own forward hooks (a module transformers calls, e.g. an MLP
         block inside a checkpointed layer): its first tensor argument and its output. A checkpoint's
         recompute inside backward only gathers (the output's bracket already did; the input's releases)."""
-        self._handles.extend(bracket_hooks(module, lambda args, kwargs: self._pre_hook(index, args, kwargs),
-                                          lambda out: self._post_hook(index, out)))
-
-    def _pre_hook(self, index: int, args: tuple, kwargs: dict):
-        if in_backward():
-            self.gather(index)
-            return None
-        entered = entered_inputs(args, kwargs, lambda hidden: self.enter(index, hidden))
-        if entered is not None:
-            return entered
-        self.gather(index)
-        return None
-
-    def _post_hook(self, index: int, output):
-        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-            return (self.leave(index, output[0]), *output[1:])
-        return self.leave(index, output)
+        self._handles.extend(bracket_unit(module, index, self))
 
     def gather(self, index: int) -> None:
         """All-gather unit `index`'s partitioned parameters (a collective; none when all are there),
