@@ -20,7 +20,7 @@ Steps of `verify_sequence` (in `nproc` spawned ranks, see `run_ranks`):
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.comms import CollectiveLog
 from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
+from streambp_core.parallel.verify import ShardedReport
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.verify.compare import max_grad_err
 from streambp_core.verify.methods import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
@@ -59,29 +60,13 @@ class SequenceResult(MethodResult):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SequenceReport:
+class SequenceReport(ShardedReport):
     """Every (spec, method) result of one sequence-parallel verification."""
 
-    nproc: int
     sp: int
     shard: str
     """The FSDP2 stage the weights were sharded with over every rank, or none."""
-    device: str
     results: tuple[SequenceResult, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(result.ok for result in self.results)
-
-    @property
-    def source(self) -> str:
-        return f"measured-{torch.device(self.device).type}"
-
-    def to_dict(self) -> dict:
-        """JSON-ready summary."""
-        return {"nproc": self.nproc, "sp": self.sp, "shard": self.shard, "device": self.device,
-                "source": self.source,
-                "ok": self.ok, "results": [asdict(result) for result in self.results]}
 
 
 def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int, shard: str | None = None) -> None:

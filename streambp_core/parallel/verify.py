@@ -12,7 +12,7 @@ Steps of `verify_sharded` (in `nproc` spawned ranks, see `run_ranks`):
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,8 @@ class ShardedResult(MethodResult):
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedReport:
-    """Every (spec, shard, method) result of one multi-rank verification."""
+    """Every (spec, shard, method) result of one multi-rank verification (`SequenceReport` adds its
+    sequence-parallel fields)."""
 
     nproc: int
     device: str
@@ -63,8 +64,9 @@ class ShardedReport:
         return f"measured-{torch.device(self.device).type}"
 
     def to_dict(self) -> dict:
-        """JSON-ready summary."""
-        return {"nproc": self.nproc, "device": self.device, "source": self.source, "ok": self.ok,
+        """JSON-ready summary: the report's fields (a subclass's too), its source and verdict, the results."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "results"}
+        return {**own, "source": self.source, "ok": self.ok,
                 "results": [asdict(result) for result in self.results]}
 
 
