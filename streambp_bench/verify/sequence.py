@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import typer
 from rich.table import Table
 
-from streambp_bench.errors import print_error
-from streambp_bench.output import emit, stderr_console
+from streambp_bench.output import emit
+from streambp_bench.verify.sharded import on_ranks
 from streambp_core.config import FSDP_STAGES, ConfigError
 from streambp_core.measure.units import format_size
 
@@ -40,17 +39,13 @@ def check_sequence_options(sp: int, nproc: int | None, engine: str, shard: str |
 def run_sequence(spec: VerifySpec, nproc: int, sp: int, shard: str | None, *, as_json: bool) -> bool:
     """Verify `spec` with `sp` ranks per sequence across `nproc` ranks (weights sharded with FSDP2 stage
     `shard` over every rank when given); print; whether every method passed."""
-    from streambp_core.parallel.launch import RankError, backend_for
+    from streambp_core.parallel.launch import backend_for
     from streambp_core.parallel.sequence_verify import check_sequence_spec, verify_sequence
 
     backend = backend_for(spec.device)
     check_sequence_spec(spec, nproc, sp, shard)
-    try:
-        with stderr_console().status(f"verifying sequence parallelism on {nproc} ranks ({backend}) ..."):
-            report = verify_sequence((spec,), nproc=nproc, sp=sp, shard=shard)
-    except RankError as error:  # one line naming the rank, exit 1 (a failure, not bad input)
-        print_error(error)
-        raise typer.Exit(code=1) from None
+    report = on_ranks(f"verifying sequence parallelism on {nproc} ranks ({backend}) ...",
+                      lambda: verify_sequence((spec,), nproc=nproc, sp=sp, shard=shard))
     emit(report.to_dict(), as_json, lambda console: _print(console, report, spec, backend))
     return report.ok
 

@@ -7,6 +7,9 @@ step's collectives (calls and bytes, per step and per FSDP unit).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import typer
 from rich.table import Table
 
@@ -17,6 +20,8 @@ from streambp_core.parallel.launch import RankError, backend_for, check_nproc
 from streambp_core.parallel.verify import ShardedReport, verify_sharded
 from streambp_core.verify.methods import VerifySpec
 
+T = TypeVar("T")
+
 
 def run_sharded(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_json: bool) -> bool:
     """Verify `spec` across `nproc` ranks for every stage in `stages`; print; whether every method passed.
@@ -24,14 +29,21 @@ def run_sharded(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_jso
     raises ConfigError before any rank starts."""
     backend = backend_for(spec.device)
     check_nproc(nproc, spec.device)
-    try:
-        with stderr_console().status(f"verifying on {nproc} ranks ({backend}): {', '.join(stages)} ..."):
-            report = verify_sharded((spec,), nproc=nproc, shards=stages)
-    except RankError as error:  # one line naming the rank, exit 1 (a failure, not bad input)
-        print_error(error)
-        raise typer.Exit(code=1) from None
+    report = on_ranks(f"verifying on {nproc} ranks ({backend}): {', '.join(stages)} ...",
+                      lambda: verify_sharded((spec,), nproc=nproc, shards=stages))
     emit(report.to_dict(), as_json, lambda console: _print(console, report, spec, backend))
     return report.ok
+
+
+def on_ranks(status: str, run: Callable[[], T]) -> T:
+    """`run()` (a multi-rank check) under a progress line `status`; a rank that fails or dies is one
+    line naming it and exit code 1 (a failure, not bad input)."""
+    try:
+        with stderr_console().status(status):
+            return run()
+    except RankError as error:
+        print_error(error)
+        raise typer.Exit(code=1) from None
 
 
 def render_table(report: ShardedReport) -> Table:
