@@ -155,7 +155,10 @@ def _raise_rank_error(exit_codes: list[int | None], workdir: Path) -> None:
 
 
 def _rank_main(rank, fn, nproc, backend, workdir, timeout_s, args) -> None:
-    """One rank: join the group, run `fn`, save its result (or its error, then exit non-zero)."""
+    """One rank: join the group, run `fn`, save its result (or its error, then exit non-zero). What the
+    rank prints goes to stderr: stdout is the parent's (its `--json`), and engines print on their own."""
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     torch.set_num_threads(max(1, available_cpus() // nproc))
     for name in ("RANK", "LOCAL_RANK"):
         os.environ[name] = str(rank)  # what torchrun sets, for engines that read it

@@ -15,6 +15,13 @@ def rank_and_sum(rank: int, world: int) -> tuple[int, float]:
     return rank, float(total)
 
 
+def rank_prints(rank: int, world: int) -> int:
+    """Each rank prints to its stdout, through Python and through the file descriptor, as engines do."""
+    print(f"rank {rank} says hello through print", flush=True)
+    os.write(1, f"rank {rank} says hello through fd 1\n".encode())
+    return rank
+
+
 def rank_one_raises(rank: int, world: int) -> None:
     """Rank 1 raises while rank 0 waits in a collective."""
     if rank == 1:

@@ -18,6 +18,15 @@ def test_ranks_return_in_rank_order_after_a_collective():
     assert run_ranks(parallel_ranks.rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]
 
 
+def test_what_a_rank_prints_goes_to_stderr_leaving_stdout_to_the_parent(capfd):
+    """A DeepSpeed rank prints its own lines; a `--json` on the parent's stdout must stay parseable."""
+    assert run_ranks(parallel_ranks.rank_prints, 2) == [0, 1]
+    out, err = capfd.readouterr()
+    assert "says hello" not in out
+    for rank in (0, 1):
+        assert f"rank {rank} says hello through print" in err and f"rank {rank} says hello through fd 1" in err
+
+
 def test_a_rank_that_raises_is_named_and_stops_the_others():
     start = time.monotonic()
     with pytest.raises(RankError, match=r"^rank 1 failed: ValueError: boom on purpose$"):
