@@ -143,8 +143,8 @@ def _rank(rank, world, spec):
     step = spec.step
     model = build_model(load_config(step.model), dtype=DTYPES[step.dtype], device="cpu", seed=step.seed)
     batches = [[dv._batch(spec, model, r, 0)] for r in range(world)]
-    plain = dv._plain_update(model, spec, batches)
-    ours, _ = dv._engine_update(model, "streambp", "zero2", spec, batches[rank])
+    plain = dv._adam_update(model, dv._plain_gradient(model, spec, batches))
+    ours = dv._engine_step(model, "streambp", "zero2", spec, batches[rank]).update
     theirs = reference_update(model, spec, batches[rank][0][0])
     rows = []
     for approach, update in (("this project (ds_grad_is_ready + one view_as firing)", ours),

@@ -48,9 +48,9 @@ memory, stepped there by its CPU Adam) and `offload_param` (ZeRO-3's partitions 
 units gather them as any partition); `offload_sections` writes them for a tier set, and `prepare(engine,
 ..., offload=...)` checks that the engine's config has them on and holds no host tier itself (the
 checkpoints tier stays the method's). Checked on two gloo CPU ranks (`deepspeed_verify`, `offload=`):
-every method under ZeRO-3 with both sections applies the same update as without them, bitwise with
-torch's Adam on the host partitions, within float32's rounding with DeepSpeed's CPU Adam (4.6e-7
-measured, tiny/llama), one reduction per parameter. `step.deepspeed_host` lays the rank out.
+every method under ZeRO-3 with both sections hands its optimizer the gradient it hands it without them
+(bitwise), and the applied update is that optimizer's step on it (torch's Adam or DeepSpeed's CPU Adam,
+bitwise), one reduction per parameter. `step.deepspeed_host` lays the rank out.
 
 Refused by name (`check_engine`, `prepare`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage
 other than 1, 2, 3, the optimizer or params tier under an engine whose config does not offload it (or
