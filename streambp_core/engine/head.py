@@ -51,21 +51,31 @@ def _chunk_terms(plan: HeadPlan, objective, hidden: Tensor, start: int, end: int
         return objective.token_terms(logits, start, end)
 
 
+def stats_dtype(objective, dtype: torch.dtype) -> torch.dtype:
+    """Precision of the per-sequence sums S a head accumulates chunk by chunk: float64 where the loss is not
+    linear in them (dpo: a sigmoid of the difference of two sequences' sums, each about T * ln(vocab), so
+    float32's rounding of a long sequence's running sum moves the weight of every token's gradient), the
+    working precision (at least float32) where it is (sft, grpo: dL/dS does not depend on S)."""
+    work = torch.promote_types(dtype, torch.float32)
+    return work if objective.linear_reduce else torch.promote_types(work, torch.float64)
+
+
 def sequence_stats(plan: HeadPlan, objective, hidden: Tensor) -> Tensor:
-    """Per-sequence sums S (B,) of the objective's token terms, without grad, chunk by chunk."""
-    stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    stats = hidden.new_zeros(hidden.shape[0], dtype=stats_dtype)
+    """Per-sequence sums S (B,) of the objective's token terms, without grad, chunk by chunk, in
+    `stats_dtype`."""
+    dtype = stats_dtype(objective, hidden.dtype)
+    stats = hidden.new_zeros(hidden.shape[0], dtype=dtype)
     for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):
-        stats += _chunk_terms(plan, objective, hidden[:, start:end], start, end).sum(dim=1).to(stats_dtype)
+        stats += _chunk_terms(plan, objective, hidden[:, start:end], start, end).sum(dim=1).to(dtype)
     return stats
 
 
 def stats_grad(objective, stats: Tensor, grad_loss: Tensor) -> Tensor:
-    """dL/dS (B,) of the objective's reduction at S."""
+    """dL/dS (B,) of the objective's reduction at S, in S's precision."""
     with torch.enable_grad():
         s = leaf(stats)
         loss = objective.reduce(s)
-        (grad,) = torch.autograd.grad(loss, s, grad_loss)
+        (grad,) = torch.autograd.grad(loss, s, grad_loss.to(loss.dtype))
     return grad
 
 
@@ -78,7 +88,7 @@ class StreamedHead(torch.autograd.Function):
         ctx.host_input = None if plan.offload is None else plan.offload.save(hidden)
         stats = sequence_stats(plan, objective, hidden)
         ctx.save_for_backward(hidden if ctx.host_input is None else None, stats)
-        return objective.reduce(stats)
+        return objective.reduce(stats).to(torch.promote_types(hidden.dtype, torch.float32))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -86,7 +96,7 @@ class StreamedHead(torch.autograd.Function):
         if ctx.host_input is not None:
             hidden = ctx.host_input.load()
         plan, objective = ctx.plan, ctx.objective
-        d_stats = stats_grad(objective, stats, grad_loss)
+        d_stats = stats_grad(objective, stats, grad_loss).to(torch.promote_types(hidden.dtype, torch.float32))
         grad_hidden = torch.empty_like(hidden)
         chunk_backward = _linear_chunk_backward if _plain_linear(plan.lm_head) else _autograd_chunk_backward
         for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):

@@ -186,3 +186,39 @@ def test_dpo_needs_pairs():
             run.loss(
                 ids, attention_mask=mask, ref_chosen_logps=torch.zeros(1), ref_rejected_logps=torch.zeros(1)
             )
+
+
+def test_a_streamed_dpo_heads_sequence_sums_do_not_drift_in_float32():
+    """DPO weighs every token's gradient by a sigmoid of the difference of two sequences' summed
+    log-probs, each about T * ln(vocab): a float32 running sum over a long sequence's chunks rounds
+    at |S| * 2^-24 per chunk, which moves that weight. The streamed head sums a float32 model's chunks
+    in float64 (`engine.head.stats_dtype`), so its sums are float32's chunk sums added exactly; an
+    objective linear in the sums (sft) keeps float32, its gradient does not depend on them."""
+    from streambp_core.engine.head import HeadPlan, _chunk_terms, sequence_stats, stats_dtype
+    from streambp_core.engine.objectives import SFTObjective, dpo_objective
+
+    gen = torch.Generator().manual_seed(0)
+    pairs, tokens, width, vocab, chunk = 1, 4096, 8, 64, 16
+    head = torch.nn.Linear(width, vocab, bias=False)
+    hidden = torch.randn(2 * pairs, tokens, width, generator=gen)
+    labels = torch.randint(0, vocab, (2 * pairs, tokens), generator=gen)
+    dpo = dpo_objective(labels, torch.zeros(pairs), torch.zeros(pairs), beta=0.1)
+    assert stats_dtype(dpo, torch.float32) == torch.float64 == stats_dtype(dpo, torch.bfloat16)
+    assert stats_dtype(SFTObjective.from_labels(labels), torch.float32) == torch.float32
+    plan = HeadPlan(norm=None, lm_head=head, partition_size=chunk)
+    with torch.no_grad():
+        chunked = sequence_stats(plan, dpo, hidden)
+        exact = sequence_stats(HeadPlan(norm=None, lm_head=head.double(), partition_size=tokens), dpo,
+                               hidden.double())
+        head.float()
+        running = torch.zeros(2 * pairs)  # the float32 running sum the head kept before
+        for start in range(0, tokens, chunk):
+            stop = start + chunk
+            running += _chunk_terms(plan, dpo, hidden[:, start:stop], start, stop).sum(dim=1)
+    assert chunked.dtype == torch.float64
+
+    def margin_err(stats):
+        return abs(float(stats[0] - stats[1]) - float(exact[0] - exact[1]))
+
+    assert margin_err(chunked) <= 1e-6 * float(exact.abs().max()), (margin_err(chunked), exact)
+    assert margin_err(running.double()) > 10 * margin_err(chunked), (margin_err(running), margin_err(chunked))
