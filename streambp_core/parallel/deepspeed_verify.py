@@ -29,6 +29,7 @@ Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
    method's reduced gradient is also compared with its own on an engine without them (`offload_err`:
    the host partitions hold the same float32 gradient).
 """
+
 from __future__ import annotations
 
 import copy
@@ -69,8 +70,8 @@ float32's rounding grows with the length where a loss is conditioned badly: at 4
 STEP_TOLERANCE = 1e-6
 """The applied update against one step of the engine's own optimizer on its reduced gradient: the same
 arithmetic on the same float32 values, one parameter at a time instead of ZeRO's flat partitions: 0
-measured wherever `GRAD_TOLERANCE` was, and with DeepSpeed's CPU Adam on offloaded partitions; the
-bound leaves room for a vector kernel that splits the elements differently."""
+measured in every cell `GRAD_TOLERANCE`'s figures come from, and with DeepSpeed's CPU Adam on offloaded
+partitions; the bound leaves room for a vector kernel that splits the elements differently."""
 
 
 @dataclass(frozen=True, kw_only=True)
