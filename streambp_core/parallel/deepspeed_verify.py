@@ -61,7 +61,7 @@ LR = 1e-3
 GRAD_TOLERANCE = 1e-5
 """The reduced gradient against single-process plain's: ZeRO reduces into float32 whatever the
 parameters' dtype, so float32's bound. Measured on 2 ranks, every method, stage and objective,
-tiny/llama and tiny/qwen3: up to 2.0e-6 with float32 parameters (float32's rounding of another
+tiny/llama and tiny/qwen3: up to 1.3e-6 with float32 parameters (float32's rounding of another
 summation order; `verify`'s defaults with -b 2, dpo), up to 3.4e-8 with float64 ones (the cast to
 float32 alone).
 float32's rounding grows with the length where a loss is conditioned badly: at 4096 tokens, dpo
