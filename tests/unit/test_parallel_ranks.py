@@ -24,7 +24,8 @@ def test_what_a_rank_prints_goes_to_stderr_leaving_stdout_to_the_parent(capfd):
     out, err = capfd.readouterr()
     assert "says hello" not in out
     for rank in (0, 1):
-        assert f"rank {rank} says hello through print" in err and f"rank {rank} says hello through fd 1" in err
+        assert f"rank {rank} says hello through print" in err
+        assert f"rank {rank} says hello through fd 1" in err
 
 
 def test_a_rank_that_raises_is_named_and_stops_the_others():
