@@ -54,6 +54,11 @@ class ParitySetup:
     device: str = "cpu"
     settings: dict = field(default_factory=dict)
     """`TrainingArguments` / TRL config fields by name (e.g. weight_decay=0.1), over DEFAULT_SETTINGS."""
+    zero3_init: bool = False
+    """Under a DeepSpeed ZeRO-3 config: build each model after its trainer's arguments, so transformers
+    loads it into `deepspeed.zero.Init` (partitioned as it loads, as accelerate's `zero3_init_flag: true`
+    does). Needs a directory with weights (zero.Init draws other random weights than a reference built
+    without it) and float32 (zero.Init casts the weights it partitions to its config's dtype)."""
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINER_KINDS:
@@ -64,6 +69,15 @@ class ParitySetup:
             raise ConfigError(f"seq_len must be at least 8 for a parity run, got {self.seq_len_tokens}")
         if self.lora_rank < 0:
             raise ConfigError(f"lora rank must be >= 0, got {self.lora_rank}")
+        if self.zero3_init:
+            from streambp_core.models.load import has_weights
+
+            if not (isinstance(self.model, str | Path) and has_weights(self.model)):
+                raise ConfigError("zero3 init needs a model directory with weights: zero.Init draws other "
+                                  "random weights than a model built without it")
+            if self.dtype != torch.float32:
+                raise ConfigError(f"zero3 init trains in float32 (zero.Init casts the weights it partitions "
+                                  f"to its config's dtype), got {self.dtype}")
 
 
 def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], object]:
@@ -77,11 +91,16 @@ def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], 
     _user_input(config_class.__name__, config_class, **arguments)  # a bad setting fails before any model
 
     def make():
-        model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device)
+        args = config_class(**arguments) if setup.zero3_init else None  # its ZeRO-3 config lives first
+        model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device, setup.zero3_init)
         ref_model = None
         if setup.trainer == "dpo" and not setup.lora_rank:
-            ref_model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device)
-        trainer = _user_input(trainer_class.__name__, _build, model, ref_model, config_class(**arguments))
+            ref_model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device, setup.zero3_init)
+        if setup.zero3_init and not all(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ConfigError("zero3 init: the model was not partitioned as it loaded (no DeepSpeed ZeRO-3 "
+                              "config in the trainer's settings)")
+        args = args if args is not None else config_class(**arguments)
+        trainer = _user_input(trainer_class.__name__, _build, model, ref_model, args)
         _without_printed_logs(trainer)
         return trainer
 
@@ -132,9 +151,10 @@ def _user_input(name: str, function, *args, **kwargs):
         raise ConfigError(f"{name}: {' '.join(str(error).split())}") from None
 
 
-def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu"):
+def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu", zero3_init: bool = False):
     """The model as a user builds it: `from_pretrained` for a directory with weights, else `from_config`
-    with random weights drawn after `torch.manual_seed(seed)`, from a copy of the config.
+    with random weights drawn after `torch.manual_seed(seed)`, from a copy of the config. Outside
+    `deepspeed.zero.Init` (`_outside_zero3_init`) unless `zero3_init` (`ParitySetup.zero3_init`).
 
     The copy matters: `from_config` keeps the config object it is given, and TRL's trainers write the
     tokenizer's pad id into `model.config` when they are built; a second model from the same config
@@ -146,8 +166,9 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu"):
     from streambp_core.models.load import has_weights
 
     if isinstance(model, str | Path) and has_weights(model):
-        loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True)
-        return loaded.to(device)
+        with contextlib.nullcontext() if zero3_init else _outside_zero3_init():
+            loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True)
+        return loaded if zero3_init else loaded.to(device)
     torch.manual_seed(seed)
     with torch.device(device), _outside_zero3_init():
         return AutoModelForCausalLM.from_config(_model_config(model), dtype=dtype)
@@ -156,8 +177,11 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu"):
 @contextlib.contextmanager
 def _outside_zero3_init():
     """transformers builds a model under `deepspeed.zero.Init` while a ZeRO-3 config it was given lives
-    (a trainer's arguments, accelerate's plugin), and zero.Init draws other initial weights than the
-    reference's: the model of a parity run is built without it, the config given back after."""
+    (a trainer's arguments, accelerate's plugin): zero.Init draws other initial weights than the
+    reference's, and casts the weights it partitions to its config's dtype (float32 without an fp16 or
+    bf16 section, whatever the weights' own), so a model loaded from weights after the first trainer's
+    arguments exist would train in another precision than the one before it. Every model of a parity
+    run is built without it, the config given back after."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     held = hf_deepspeed._hf_deepspeed_config_weak_ref

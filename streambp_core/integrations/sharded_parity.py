@@ -24,7 +24,8 @@ over the gloo group itself and declares the distributed type `accelerate launch`
 On DeepSpeed each trainable parameter's reductions are counted per micro-step (per step on ZeRO-1;
 `streambp_bench.verify.trainer_ranks.ReductionCount`), and a method passes only if each is reduced
 exactly once. The models are built
-outside `deepspeed.zero.Init` (`parity_setup.build_user_model`), as the reference's are; ZeRO-3
+outside `deepspeed.zero.Init` (`parity_setup.build_user_model`), as the reference's are, or with
+`ParitySetup.zero3_init` each inside it, loaded from weights after its trainer's arguments; ZeRO-3
 partitions every parameter (`deepspeed_settings`) and the updates are gathered whole (`full_tensors`).
 
 Tolerances (`sharded_tolerance`): FSDP2 keeps the weights' dtype, so float64 runs are held to
@@ -156,8 +157,9 @@ def global_batch(setup: ParitySetup, nproc: int) -> ParitySetup:
 
 def single_process_plain(setup: ParitySetup, nproc: int) -> dict:
     """Plain training in this process, no engine, on the global batch (`nproc` x the per-rank batch)."""
-    with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
-        updates, _, _ = train_updates(trainer_factory(global_batch(setup, nproc), output_dir), None, {})
+    with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:  # no engine: nothing to init
+        plain = replace(global_batch(setup, nproc), zero3_init=False)
+        updates, _, _ = train_updates(trainer_factory(plain, output_dir), None, {})
     return updates
 
 
@@ -191,6 +193,10 @@ def _declare_engine(engine: str) -> None:
 
     state = PartialState(cpu=True, backend="gloo")
     state.distributed_type = DistributedType.MULTI_GPU if engine == "fsdp2" else DistributedType.DEEPSPEED
+    if engine == "deepspeed":  # as accelerate's state does for DeepSpeed ranks, before any model is built
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
 
 
 def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: str, methods, options,
