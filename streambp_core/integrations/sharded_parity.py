@@ -39,7 +39,6 @@ the weights' dtype's.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 
@@ -206,9 +205,7 @@ def rank_train(rank: int, world: int, setup: ParitySetup, engine: str, shard: st
     {method: reductions} on DeepSpeed, else None) on rank 0, None elsewhere. `reduction_count(shard)`
     makes the `TrainerCallback` that counts DeepSpeed's reductions (its `trainer` set, its `tallies`
     read; `streambp_bench.verify.trainer_ranks.ReductionCount`). What the libraries print here goes to
-    stderr: the caller's stdout holds only its report (`--json`)."""
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    stderr, as every rank's does (`parallel.launch`): the caller's stdout holds only its report (`--json`)."""
     os.environ.update(engine_environment(engine, shard))
     _declare_engine(engine)  # before any TrainingArguments: they take the configured state
     settings = {**setup.settings, "use_cpu": False, "accelerator_config": {"use_configured_state": True}}
