@@ -1,5 +1,5 @@
-"""The host tiers a prepared run holds: its weights in host memory (`params`), the optimizer it offers
-(`optimizer`) and, with that tier, the units that send each gradient to it once; see `streambp_core.tiers`.
+"""The host tiers a prepared run holds: its weights in host memory (`params`) and the optimizer it offers
+(`optimizer`); see `streambp_core.tiers`.
 
 Units of the params tier, in forward order: the embedding (forward only: its backward scatters by
 index and reads no weight), each decoder layer, then the head. Methods that call transformers' modules
@@ -7,9 +7,9 @@ index and reads no weight), each decoder layer, then the head. Methods that call
 head itself, so the head is one unit (final norm and lm_head, which its streamed head runs together).
 
 Units of the optimizer tier's hand-over (`engine.unit_grads`), where a backward adds to a gradient chunk
-by chunk: mst's tiled MLP blocks (bracketed by their module hooks) and its tiled lm_head; streambp's
-streamed layers and head, numbered as its params tier's units. A tied embedding's weight is shared: the
-embedding's own accumulation, last in backward, sends it.
+by chunk, are the ones each method gathers under ZeRO-3 (`MstRun._tiled_units`: its tiled MLP blocks and
+lm_head; `StreamBPRun._streamed_units`: its streamed layers and head, numbered as its params tier's). A
+tied embedding's weight is shared: the embedding's own accumulation, last in backward, sends it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from torch import nn
 
 from streambp_core.engine.host_optimizer import HostAdamW
 from streambp_core.engine.host_params import HostParams
-from streambp_core.engine.unit_grads import UnitGrads
 from streambp_core.models.adapters import DecoderParts
 
 
@@ -41,23 +40,6 @@ def streamed_params(parts: DecoderParts, device: torch.device) -> HostParams:
     tier = HostParams(units, device, forward_only=(0,))
     tier.hook(0, parts.embed)
     return tier
-
-
-def tiled_grads(parts: DecoderParts) -> UnitGrads:
-    """mst's hand-over units [each layer's MLP block (its module hooks), lm_head (bracketed by the method,
-    unit `len(layers)`)]."""
-    mlps = [layer.mlp for layer in parts.layers]
-    grads = UnitGrads([*([mlp] for mlp in mlps), [parts.lm_head]], shared=parts.embed.parameters())
-    for index, mlp in enumerate(mlps):
-        grads.hook(index, mlp)
-    return grads
-
-
-def streamed_grads(parts: DecoderParts) -> UnitGrads:
-    """streambp's hand-over units, numbered as `streamed_params`'s: [none (the embedding fires once), each
-    layer, head (final norm + lm_head)], bracketed by the method."""
-    units = [[], *([layer] for layer in parts.layers), [parts.norm, parts.lm_head]]
-    return UnitGrads(units, shared=parts.embed.parameters())
 
 
 def adamw(model: nn.Module, on_host: bool, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:

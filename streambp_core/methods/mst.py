@@ -10,6 +10,7 @@ from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.head import HeadPlan, StreamedHead
 from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
 from streambp_core.engine.sharded import sharded_forward
+from streambp_core.engine.unit_grads import UnitGrads
 from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
@@ -61,15 +62,19 @@ class MstRun(CheckpointRun):
             loss = bracket.leave(bracket.num_units - 1, loss)
         return loss
 
-    def _zero3_units(self) -> Zero3Units:
-        """Units under DeepSpeed ZeRO-3: each layer's chunked MLP (bracketed by its module hooks; the rest
-        of the layer runs under DeepSpeed's own), then lm_head (bracketed here; a tied one is shared)."""
+    def _tiled_units(self, kind):
+        """mst's units as `kind` (`Zero3Units`, `UnitGrads`): each layer's chunked MLP (bracketed by its
+        module hooks), then lm_head (bracketed around the chunked head; a tied one is shared)."""
         mlps = [layer.mlp for layer in self.parts.layers]
-        shared = self.parts.embed.parameters()
-        units = Zero3Units([*([mlp] for mlp in mlps), [self.parts.lm_head]], shared=shared)
+        units = kind([*([mlp] for mlp in mlps), [self.parts.lm_head]], shared=self.parts.embed.parameters())
         for index, mlp in enumerate(mlps):
             units.hook(index, mlp)
         return units
+
+    def _zero3_units(self) -> Zero3Units:
+        """Units under DeepSpeed ZeRO-3 (`_tiled_units`; the rest of each layer runs under DeepSpeed's own
+        hooks)."""
+        return self._tiled_units(Zero3Units)
 
     def _host_params(self, device):
         """The params tier: lm_head bracketed around the chunked head, the rest by module hooks."""
@@ -77,8 +82,6 @@ class MstRun(CheckpointRun):
 
         return hooked_params(self.parts, device, hook_head=False)
 
-    def _host_grads(self):
-        """The optimizer tier's hand-over: each tiled MLP block and lm_head (`host_tier.tiled_grads`)."""
-        from streambp_core.methods.host_tier import tiled_grads
-
-        return tiled_grads(self.parts)
+    def _host_grads(self) -> UnitGrads:
+        """The optimizer tier's hand-over: each tiled MLP block and lm_head (`_tiled_units`)."""
+        return self._tiled_units(UnitGrads)

@@ -24,6 +24,7 @@ from streambp_core.engine.offload import HostChain
 from streambp_core.engine.router import aux_loss
 from streambp_core.engine.sequence_layer import SequenceShard, SequenceStreamedLayer
 from streambp_core.engine.sharded import sharded_forward
+from streambp_core.engine.unit_grads import UnitGrads
 from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
@@ -125,17 +126,20 @@ class StreamBPRun(Run):
 
         return streamed_params(self.parts, device)
 
-    def _zero3_units(self) -> Zero3Units:
-        """Units under DeepSpeed ZeRO-3, numbered as the params tier's: [none (the embedding runs under
-        DeepSpeed's own hooks), each layer, head (final norm + lm_head)]; a tied head's weight is shared."""
+    def _streamed_units(self, kind):
+        """streambp's units as `kind` (`Zero3Units`, `UnitGrads`), numbered as the params tier's: [none (the
+        embedding's gradient fires once; under ZeRO-3 it runs under DeepSpeed's own hooks), each layer,
+        head (final norm + lm_head)], bracketed by the method; a tied head's weight is shared."""
         units = [[], *([layer] for layer in self.parts.layers), [self.parts.norm, self.parts.lm_head]]
-        return Zero3Units(units, shared=self.parts.embed.parameters())
+        return kind(units, shared=self.parts.embed.parameters())
 
-    def _host_grads(self):
-        """The optimizer tier's hand-over: each streamed layer and the head (`host_tier.streamed_grads`)."""
-        from streambp_core.methods.host_tier import streamed_grads
+    def _zero3_units(self) -> Zero3Units:
+        """Units under DeepSpeed ZeRO-3 (`_streamed_units`)."""
+        return self._streamed_units(Zero3Units)
 
-        return streamed_grads(self.parts)
+    def _host_grads(self) -> UnitGrads:
+        """The optimizer tier's hand-over: each streamed layer and the head (`_streamed_units`)."""
+        return self._streamed_units(UnitGrads)
 
     def _enter(self, unit: int, hidden):
         """`hidden` entering unit `unit` of each bracket (`Run.unit_brackets`; unchanged without)."""
