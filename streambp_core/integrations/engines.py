@@ -134,8 +134,7 @@ def _policy_name(plugin) -> str:
 def deepspeed_refusals(plugin) -> list[tuple[bool, str, str]]:
     """What of accelerate's DeepSpeed plugin cannot be reduced once per parameter (module docstring)."""
     check_version(installed_version())  # missing, or below the floor: ConfigError naming it
-    config = getattr(plugin, "deepspeed_config", None) or {}
-    zero = config.get("zero_optimization", {}) or {}
+    zero = _zero_section(plugin)
     stage = int(zero.get("stage", 0) or 0)
     offloaded = [name for name in ("offload_optimizer", "offload_param")
                  if (zero.get(name) or {}).get("device", "none") not in ("none", None)]
@@ -148,9 +147,14 @@ def deepspeed_refusals(plugin) -> list[tuple[bool, str, str]]:
 
 def deepspeed_stage(trainer) -> int:
     """The ZeRO stage the trainer's DeepSpeed plugin configures (0 when it names none)."""
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    zero = _zero_section(getattr(trainer.accelerator.state, "deepspeed_plugin", None))
+    return int(zero.get("stage", 0) or 0)
+
+
+def _zero_section(plugin) -> dict:
+    """The `zero_optimization` section of accelerate's DeepSpeed plugin's config ({} when none)."""
     config = getattr(plugin, "deepspeed_config", None) or {}
-    return int((config.get("zero_optimization", {}) or {}).get("stage", 0) or 0)
+    return config.get("zero_optimization", {}) or {}
 
 
 def shard_for_plugin(trainer) -> None:

@@ -44,14 +44,10 @@ from transformers import TrainerCallback
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.reduction import engine_and_module
-from streambp_core.methods import Run
+from streambp_core.methods import RUN_CLASSES, Run
 
 PrepareStep = Callable[[torch.nn.Module], tuple[Run, list[Callable[[], None]]]]
 """Prepare the trained model's run on an engine; (the run, its undo in order of doing)."""
-
-
-UNIT_METHODS = ("mst", "streambp")
-"""Methods whose runs take DeepSpeed's hooks off their units while open (`Run.drives_modules`)."""
 
 
 def zero3_refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
@@ -59,8 +55,9 @@ def zero3_refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
     optimizer step (module docstring); nothing for a trainer without generation."""
     args = trainer.args
     per_generation = getattr(args, "steps_per_generation", None)
-    if per_generation is None or method not in UNIT_METHODS:
-        return []
+    run_class = RUN_CLASSES.get(method)
+    if per_generation is None or run_class is None or not run_class.drives_modules:
+        return []  # only a run that drives its units takes DeepSpeed's hooks off them
     every = per_generation * int(getattr(args, "num_iterations", 1) or 1)
     return [(every % args.gradient_accumulation_steps != 0,
              f"steps_per_generation x num_iterations = {every} under DeepSpeed ZeRO-3",

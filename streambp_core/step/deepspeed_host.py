@@ -28,10 +28,11 @@ On top, the checkpoints tier's host copies and their traffic, as the simulated s
 from __future__ import annotations
 
 from streambp_core.config import ConfigError, StepSpec
+from streambp_core.engine.deepspeed_offload import OFFLOAD_SECTIONS
 from streambp_core.step.shards import FP32_BYTES, ShardLayout
 from streambp_core.tiers import offload_tiers
 
-DEEPSPEED_SECTIONS = ("optimizer", "params")
+DEEPSPEED_SECTIONS = tuple(OFFLOAD_SECTIONS)
 """The tiers DeepSpeed holds itself under ZeRO-3 (its `offload_optimizer` and `offload_param`)."""
 
 
