@@ -204,14 +204,10 @@ def _plain_gradient(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]
 
 def _adam_update(model, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One step of torch's Adam on `grads` from float32 masters of `model`'s parameters, as the update
-    the parameters take (the masters after, cast back, minus the parameters)."""
-    params = dict(model.named_parameters())
-    masters = {name: params[name].detach().float().clone().requires_grad_() for name in grads}
-    for name, master in masters.items():
-        master.grad = grads[name].float()
-    torch.optim.Adam(list(masters.values()), lr=LR).step()
-    return {name: master.detach().to(params[name].dtype) - params[name].detach()
-            for name, master in masters.items()}
+    the parameters take (`_as_update`)."""
+    params = {name: p.detach() for name, p in model.named_parameters() if name in grads}
+    masters = {name: param.float() for name, param in params.items()}
+    return _as_update(_stepped(torch.optim.Adam, {"lr": LR}, masters, grads), params)
 
 
 def _engine_step(model, method, shard, spec: VerifySpec, batches, offload: str = "none",
@@ -247,8 +243,7 @@ def _engine_step(model, method, shard, spec: VerifySpec, batches, offload: str =
         tallies.update(_tally(counts, engine.module))
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO-3: whole again
         update = {name: p.detach() - before[name] for name, p in params.items()}
-    stepped = _own_step(engine.optimizer.optimizer, masters, grads)
-    own = {name: stepped[name].to(before[name].dtype) - before[name] for name in before}
+    own = _as_update(_own_step(engine.optimizer.optimizer, masters, grads), before)
     return EngineStep(grads=grads, update=update, own_step=own, reductions=tallies)
 
 
@@ -261,11 +256,23 @@ def _own_step(optimizer, masters: dict[str, torch.Tensor], grads: dict[str, torc
     settings = {key: value for key, value in group.items() if key != "params" and key in accepted}
     if "adamw_mode" in accepted and hasattr(optimizer, "adam_w_mode"):
         settings["adamw_mode"] = optimizer.adam_w_mode
+    return _stepped(type(optimizer), settings, masters, grads)
+
+
+def _stepped(optimizer_class, settings: dict, masters: dict[str, torch.Tensor],
+             grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of `masters` after one step of a fresh `optimizer_class(**settings)` on `grads`."""
     weights = {name: master.clone().requires_grad_() for name, master in masters.items()}
     for name, weight in weights.items():
         weight.grad = grads[name].to(weight.dtype)
-    type(optimizer)(list(weights.values()), **settings).step()
+    optimizer_class(list(weights.values()), **settings).step()
     return {name: weight.detach() for name, weight in weights.items()}
+
+
+def _as_update(stepped: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Masters after a step, cast to the parameters' dtype, minus the parameters before: the update the
+    parameters take."""
+    return {name: stepped[name].to(before[name].dtype) - before[name] for name in before}
 
 
 def _result(method, shard, spec, world, micro_steps, run: EngineStep, plain_grads, plain_update
