@@ -91,7 +91,7 @@ def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], 
     _user_input(config_class.__name__, config_class, **arguments)  # a bad setting fails before any model
 
     def make():
-        args = config_class(**arguments) if setup.zero3_init else None  # its ZeRO-3 config lives first
+        args = config_class(**arguments)  # first: with `zero3_init`, its ZeRO-3 config is live as models load
         model = build_user_model(setup.model, setup.dtype, setup.seed, setup.device, setup.zero3_init)
         ref_model = None
         if setup.trainer == "dpo" and not setup.lora_rank:
@@ -99,7 +99,6 @@ def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], 
         if setup.zero3_init and not all(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError("zero3 init: the model was not partitioned as it loaded (no DeepSpeed ZeRO-3 "
                               "config in the trainer's settings)")
-        args = args if args is not None else config_class(**arguments)
         trainer = _user_input(trainer_class.__name__, _build, model, ref_model, args)
         _without_printed_logs(trainer)
         return trainer
