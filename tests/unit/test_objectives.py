@@ -200,6 +200,8 @@ def test_a_streamed_dpo_heads_sequence_sums_do_not_drift_in_float32():
     gen = torch.Generator().manual_seed(0)
     pairs, tokens, width, vocab, chunk = 1, 4096, 8, 64, 16
     head = torch.nn.Linear(width, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, width, generator=gen) / width**0.5)
     hidden = torch.randn(2 * pairs, tokens, width, generator=gen)
     labels = torch.randint(0, vocab, (2 * pairs, tokens), generator=gen)
     dpo = dpo_objective(labels, torch.zeros(pairs), torch.zeros(pairs), beta=0.1)
@@ -212,13 +214,20 @@ def test_a_streamed_dpo_heads_sequence_sums_do_not_drift_in_float32():
                                hidden.double())
         head.float()
         running = torch.zeros(2 * pairs)  # the float32 running sum the head kept before
+        added = torch.zeros(2 * pairs, dtype=torch.float64)  # the same float32 chunk sums, added exactly
         for start in range(0, tokens, chunk):
             stop = start + chunk
-            running += _chunk_terms(plan, dpo, hidden[:, start:stop], start, stop).sum(dim=1)
+            terms = _chunk_terms(plan, dpo, hidden[:, start:stop], start, stop).sum(dim=1)
+            running += terms
+            added += terms.double()
     assert chunked.dtype == torch.float64
 
     def margin_err(stats):
         return abs(float(stats[0] - stats[1]) - float(exact[0] - exact[1]))
 
+    def sums_err(stats):
+        return float((stats.double() - added).abs().max())
+
     assert margin_err(chunked) <= 1e-6 * float(exact.abs().max()), (margin_err(chunked), exact)
-    assert margin_err(running.double()) > 10 * margin_err(chunked), (margin_err(running), margin_err(chunked))
+    assert sums_err(chunked) <= 1e-12 * float(added.abs().max()), sums_err(chunked)
+    assert sums_err(running) > 1e3 * max(sums_err(chunked), 1e-12), (sums_err(running), sums_err(chunked))
