@@ -1,8 +1,10 @@
 """Shared test settings: the `gpu` marker skips without CUDA; a CLI runner; the tiny presets' names;
 searches in the test process (STREAMBP_BENCH_JOBS=1: tests of worker processes pass --jobs themselves).
 
-Markers (pyproject.toml): `gpu` needs a CUDA device; `slow` marks a test of over ~30 s on 2 CPU cores
-(CI runs them all; `-m "not slow"` skips them locally).
+Markers (pyproject.toml): `gpu` needs a CUDA device; `slow` marks a long matrix or a test of over ~3 s
+on 2 CPU cores. The default run (`python3 -m pytest -q`, README's test command) leaves `slow` out;
+`python3 -m pytest -q -m slow` runs them (CI's second step). Every test starts from the same seeds
+(`seeded`), so no test depends on what ran before it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Every test draws from the same seeds, whatever ran before it (Python's, torch's)."""
+    import random
+
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(autouse=True)

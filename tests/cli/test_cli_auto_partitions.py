@@ -18,6 +18,7 @@ STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--bud
 """At 1024 tokens in 5,003,706 bytes the largest partitions that fit are (171, 256)."""
 
 
+@pytest.mark.slow
 def test_sweep_records_the_partitions_chosen_and_an_estimated_step_time(tmp_path: Path) -> None:
     out = tmp_path / "sweep.csv"
     result = CliRunner().invoke(app, ["sweep", *STEP, "--seq-len", "1024", "--out", str(out)])
@@ -31,6 +32,7 @@ def test_sweep_records_the_partitions_chosen_and_an_estimated_step_time(tmp_path
     assert json.loads(again.stdout)["skipped"] == 1
 
 
+@pytest.mark.slow
 def test_max_len_reports_the_partitions_that_reach_a_length_and_its_step_time(tmp_path: Path) -> None:
     out = tmp_path / "max_len.csv"
     result = CliRunner().invoke(app, ["max-len", *STEP, "--at", "1024", "--json", "--out", str(out)])
@@ -53,6 +55,7 @@ def test_auto_partitions_without_a_budget_are_refused_in_one_line(tmp_path: Path
     assert result.exit_code == 2 and "need a budget" in result.output
 
 
+@pytest.mark.slow
 def test_the_step_line_names_the_partitions_of_the_rows_not_the_search_s() -> None:
     """Under --ps auto the search runs at 64 tokens; the table's rows carry the partitions that fit at
     each maximum, and the provenance line says those, per method where they differ."""
@@ -70,6 +73,7 @@ def test_the_step_line_names_the_partitions_of_the_rows_not_the_search_s() -> No
         assert f"{method} ps {layer} ps-head {head}" in line
 
 
+@pytest.mark.slow
 def test_max_len_with_offload_shows_the_copies_pcie_time_at_the_gpus_bandwidth() -> None:
     """--gpu-model with offload: bytes each way, their time at 64 GB/s one way (H100) and the part
     compute does not hide, in the JSON and the table."""

@@ -47,6 +47,7 @@ def test_sweep_rows_of_the_two_heads_are_two_points_with_their_own_peaks(tmp_pat
     assert json.loads(again.stdout)["skipped"] == 2  # the checkpoint row and the fused row: resumed
 
 
+@pytest.mark.slow
 def test_max_len_names_the_head_in_the_json_the_step_line_and_the_rows(tmp_path: Path) -> None:
     args = ["max-len", "-m", TINY, "--method", "checkpoint,streambp", "--device", "sim", "--budget-gib",
             "0.002", "--ps", "64", "--ps-head", "32", "--head-mode", "auto", "--jobs", "1"]

@@ -68,6 +68,7 @@ def test_out_upserts_one_max_len_row_per_method(runner, tmp_path):
     assert rows[1].partition_size == 32 and rows[0].partition_size is None
 
 
+@pytest.mark.slow
 def test_out_rows_of_another_protocol_grads_attn_or_optimizer_are_other_points(runner, tmp_path):
     path = tmp_path / "maxlen.csv"
     variants = [[], ["--protocol", "paper"], ["--grads", "fresh"], ["--attn", "sdpa"]]
@@ -135,6 +136,7 @@ def test_cuda_without_a_gpu_is_one_line(runner, monkeypatch):
     assert "no CUDA device" in one_line_error(result)
 
 
+@pytest.mark.slow
 def test_training_step_options_search_a_full_step(runner):
     """--objective/--lora-rank/--optimizer: a GRPO group with AdamW costs more than backprop alone."""
     base = [*SIM, "--method", "checkpoint,streambp", "--budget-gib", "0.02", "--json"]
@@ -195,6 +197,7 @@ def test_gpus_and_shard_search_one_rank_and_are_key_columns(runner, tmp_path):
     assert rows[4, "zero3"].optimizer_gib < rows[1, "none"].optimizer_gib
 
 
+@pytest.mark.slow
 def test_worker_processes_give_the_same_answers_as_one_process(runner):
     """--jobs 2 runs the searches on two workers forked from a fork server; each search is the same, probe
     for probe, so the report is the same to the byte."""
@@ -206,6 +209,7 @@ def test_worker_processes_give_the_same_answers_as_one_process(runner):
                                                                              "streambp"]
 
 
+@pytest.mark.slow
 def test_the_entry_point_exits_with_the_command_s_code_after_all_its_output():
     """`main` flushes and exits without the interpreter's teardown: the JSON is whole, the code kept."""
     import subprocess

@@ -16,6 +16,7 @@ from streambp_bench.cli import app
 from streambp_core.models import tiny_config
 
 
+@pytest.mark.slow
 def test_a_max_len_run_validates_the_config_once_and_copies_it_per_depth_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

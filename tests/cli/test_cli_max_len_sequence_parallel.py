@@ -37,6 +37,7 @@ def test_a_sequence_parallel_rank_reaches_further_than_one_gpu_and_says_how(runn
     assert rank["max_len_tokens"] > 1.5 * one["max_len_tokens"]
 
 
+@pytest.mark.slow
 def test_the_host_budget_is_per_node_and_shared_by_its_ranks(runner):
     args = [*TINY, "--method", "streambp", "--optimizer", "adamw", "--offload", "checkpoints,optimizer",
             "--gpus", "4", "--sp", "4", "--shard", "zero3", "--host-budget-gib", "0.004", "--json"]

@@ -20,6 +20,7 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
+@pytest.mark.slow
 def test_max_len_offload_both_searches_each_method_with_and_without(runner):
     result = runner.invoke(app, [*MAX_LEN, "--method", "plain,checkpoint,streambp", "--offload", "both",
                                  "--json"])
@@ -107,6 +108,7 @@ def test_verify_offload_runs_the_offloaded_step_and_matches_plain_bitwise(runner
     assert "does not apply to plain" in one_line_error(refused)
 
 
+@pytest.mark.slow
 def test_reproduce_offload_quick_writes_every_method_with_and_without(runner, tmp_path):
     result = runner.invoke(app, ["reproduce", "offload", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -42,6 +42,7 @@ def test_at_takes_lengths_from_2_to_the_cap_before_the_search(length: str) -> No
     one_line_error(result, "--at", repr(length))
 
 
+@pytest.mark.slow
 def test_at_rows_keep_the_offload_label() -> None:
     args = [*TINY, "--method", "streambp", "--offload", "both", "--budget-gib", "0.05", "--at", "4k"]
     document = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from multiprocessing import forkserver
 
+import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
@@ -22,6 +23,7 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_max_len_leaves_no_fork_server_running() -> None:
     args = ["max-len", "-m", "tiny/llama", "--method", "checkpoint,streambp", "--budget-gib", "0.05",
             "--jobs", "2"]

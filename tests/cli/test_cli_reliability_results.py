@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
@@ -69,6 +70,7 @@ def test_reproduce_quick_never_writes_into_results_by_default(tmp_path: Path, mo
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_sharded_verify_judges_by_the_single_process_criterion() -> None:
     """At 2 tokens a query sees one key, so some gradients are zero up to rounding: pure relative error
     would call that a failure, the documented criterion does not."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
@@ -21,6 +22,7 @@ def test_reproduce_fig5_quick_writes_csv_png_and_readme(tmp_path: Path) -> None:
     assert "## Table 4" not in readme  # no table4.csv here
 
 
+@pytest.mark.slow
 def test_reproduce_fig3_quick_puts_max_len_next_to_slopes(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["reproduce", "fig3", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -33,6 +35,7 @@ def test_reproduce_fig3_quick_puts_max_len_next_to_slopes(tmp_path: Path) -> Non
     assert (tmp_path / "fig3-memory.png").exists() and (tmp_path / "fig3-maxlen.png").exists()
 
 
+@pytest.mark.slow
 def test_reproduce_table4_quick_writes_each_engine_and_the_zero3_rows(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["reproduce", "table4", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

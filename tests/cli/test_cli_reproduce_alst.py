@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.paper.shared import frame_of
 
 
+@pytest.mark.slow
 def test_reproduce_alst_quick_writes_rows_figure_and_section(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["reproduce", "alst", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -54,6 +54,7 @@ def _train(model, method: str, objective: str, offload: str, inputs: dict, steps
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [0, 2])
 @pytest.mark.parametrize("objective", ["sft", "grpo", "dpo"])
 @pytest.mark.parametrize("method", ["checkpoint", "mst", "streambp"])

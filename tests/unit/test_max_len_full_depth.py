@@ -11,6 +11,7 @@ from streambp_core.step.setup import resident_bytes
 from streambp_core.step.simulate import simulate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["checkpoint", "streambp"])
 def test_a_training_step_answer_fits_at_full_depth_and_its_next_probe_does_not(method: str) -> None:
     """A 6-layer model is searched with 2/3-layer extrapolation, then confirmed with all 6 layers."""

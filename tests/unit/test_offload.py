@@ -76,6 +76,7 @@ def test_close_restores_a_checkpointing_models_own_function():
     assert activation_checkpointing(model)
 
 
+@pytest.mark.slow
 def test_streambp_offload_keeps_one_layer_input_on_the_device():
     """At the device peak: without offload every layer input is kept; with it one (the chain's buffer),
     while the host holds every layer input and the head's hidden state."""

@@ -57,6 +57,7 @@ def _meta_model():
     return build_model(CONFIG, dtype=torch.float32, device="meta", seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
 def test_the_simulated_rank_bounds_the_measured_one(measured, case):
     spec = _spec(*case)

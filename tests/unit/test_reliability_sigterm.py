@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[2]
 
 WRITER = """
@@ -22,6 +24,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_sigterm_mid_rewrite_leaves_no_temporary_file(tmp_path: Path) -> None:
     target = tmp_path / "r.csv"
     for attempt in range(3):

@@ -28,6 +28,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_a_long_simulation_holds_no_inputs_in_host_memory(objective: str) -> None:
     code = GROWTH.replace("{objective}", objective)

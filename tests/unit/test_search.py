@@ -202,6 +202,7 @@ def test_guided_search_refines_from_the_guides_bracket():
     assert measured_lengths[0] == guided.max_len_tokens
 
 
+@pytest.mark.slow
 def test_child_process_probe_reports_one_json_line(tmp_path):
     """The plumbing `cuda_probe` uses, run on CPU: a fresh interpreter measures one step and prints JSON."""
     import json

@@ -69,6 +69,7 @@ def test_a_rank_holds_its_share_of_the_optimizers_host_state(tiny):
     assert state > 0 and rank.host_peak_bytes < one.host_peak_bytes - state // 3
 
 
+@pytest.mark.slow
 def test_the_length_fit_matches_recording_every_op(tiny, monkeypatch):
     """Every part at most quadratic in the length: the fit through three shorter lengths gives the
     directly recorded estimate of a longer step."""

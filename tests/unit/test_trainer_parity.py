@@ -97,6 +97,7 @@ def run_cell(cell: Cell, family: str, tmp_path, **settings) -> list[MethodParity
     return trainer_parity(trainer_factory(setup_of(cell, family, **settings), tmp_path), **STREAM)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", DEFAULT_CELLS, ids=str)
 def test_sgd_parity(cell, tmp_path):
     family = ("llama", "qwen3")[DEFAULT_CELLS.index(cell) % 2]
@@ -115,6 +116,7 @@ def test_sgd_parity_every_cell(cell, tmp_path):
     assert_parity(run_cell(cell, "qwen3", tmp_path), 1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", [DEFAULT_CELLS[3], DEFAULT_CELLS[1]], ids=str)
 def test_adam_parity(cell, tmp_path):
     """AdamW within `update_tolerance` (1e-6 in float64: Adam's normalisation amplifies the rounding of

@@ -67,6 +67,7 @@ def assert_sharded(results, methods) -> None:
                     f"{parity.tolerance:.0e} against {against}")
 
 
+@pytest.mark.slow
 def test_fsdp2_sft_streambp_matches_single_process_plain():
     """TRL's SFT trainer, streamed decoder stack under TRL's fused head, FSDP2 zero3: exact against plain
     on the engine (float64), within TRL's float32 head against single-process plain."""

@@ -32,6 +32,7 @@ def context():
     return started
 
 
+@pytest.mark.slow
 def test_results_come_back_in_task_order_with_every_progress_event(context) -> None:
     events: list[tuple] = []
     tasks = [Task(f"t{value}", square, (value,)) for value in (3, 1, 2)]
