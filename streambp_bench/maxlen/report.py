@@ -201,7 +201,7 @@ def _offload_line(plan: Plan) -> str:
 
 
 def _train_lines(results: list[MethodResult]) -> list[str]:
-    """The trainer call for the longest length found (README, "Train at that length")."""
+    """The trainer call for the longest length found (docs/trainers.md, "Train at that length")."""
     from streambp_core.integrations.settings import trainer_settings_line
 
     best = max(results, key=lambda r: r.search.max_len_tokens, default=None)

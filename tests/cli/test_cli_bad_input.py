@@ -1,4 +1,4 @@
-"""The README's "Bad input" promise across commands: one `error:` line on stderr, exit 2, before any work;
+"""docs/cli.md's "Bad input" promise across commands: one `error:` line on stderr, exit 2, before any work;
 and the numbers a hostile user tries (nan, inf, negative, zero) on every command that takes them."""
 
 from __future__ import annotations

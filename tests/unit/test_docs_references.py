@@ -21,6 +21,7 @@ def test_readmes_cite_only_markdown_files_in_the_repository():
         "results/README.md": (REPO / "results" / "README.md").read_text(),
         "readme.render": readme.render(REPO / "results"),
     }
+    texts.update({f"docs/{page.name}": page.read_text() for page in (REPO / "docs").glob("*.md")})
     for where, text in texts.items():
         missing = {name for name in _cited_markdown(text) if Path(name).name not in shipped}
         assert not missing, f"{where} cites {sorted(missing)}, which the repository does not have"

@@ -1,4 +1,4 @@
-"""The README's trainer section and `stream_trainer`'s refusals agree: every refused setting it lists is
+"""docs/trainers.md's trainer section and `stream_trainer`'s refusals agree: every refused setting it lists is
 refused, naming it, for exactly the methods it lists; every supported setting it lists is accepted; and
 `verify --trainer` checks a trainer from the command line."""
 
@@ -21,9 +21,9 @@ from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory
 from streambp_core.models.load import tiny_config  # noqa: E402
 from tests.unit.test_trainer_parity import one_thread  # noqa: E402, F401 (a fixture: tiny models, one thread)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TRAINERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"
 METHODS = ("checkpoint", "mst", "streambp")
-REFUSED = {  # README name -> what sets it on a built transformers Trainer
+REFUSED = {  # docs name -> what sets it on a built transformers Trainer
     "label_smoothing_factor": lambda t: setattr(t.args, "label_smoothing_factor", 0.1),
     "compute_loss_func": lambda t: setattr(t, "compute_loss_func", lambda *a, **k: 0.0),
     "compute_metrics": lambda t: setattr(t, "compute_metrics", lambda *a: {}),
@@ -34,7 +34,7 @@ REFUSED = {  # README name -> what sets it on a built transformers Trainer
     "bf16": lambda t: setattr(t.args, "bf16", True),
     "fp16": lambda t: setattr(t.args, "fp16", True),
 }
-SUPPORTED = {  # README name -> (trainer kind, a value other than the default)
+SUPPORTED = {  # docs name -> (trainer kind, a value other than the default)
     "per_device_train_batch_size": ("trainer", 3), "gradient_accumulation_steps": ("trainer", 3),
     "learning_rate": ("trainer", 1e-3), "lr_scheduler_type": ("trainer", "cosine"),
     "weight_decay": ("trainer", 0.1), "max_grad_norm": ("trainer", 0.1), "optim": ("trainer", "adamw_torch"),
@@ -46,17 +46,18 @@ SUPPORTED = {  # README name -> (trainer kind, a value other than the default)
 }
 
 NOT_SETTINGS = {"stream_trainer", "AutoModelForCausalLM", "Trainer", "sgd", "adamw_torch"}
-"""Other names in backticks in the README's 'Supported' paragraph."""
+"""Other names in backticks in docs/trainers.md's 'Supported' paragraph."""
 
 
 def trainer_section() -> str:
-    text = README.read_text()
+    text = TRAINERS_DOC.read_text()
     start = text.index("## Train at that length")
-    return text[start:text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
 
 
 def readme_refusals() -> dict[str, set[str]]:
-    """{setting: methods it is refused for} from the README's table."""
+    """{setting: methods it is refused for} from docs/trainers.md's table."""
     rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", trainer_section(), flags=re.MULTILINE)
     return {name: set(METHODS) if who.strip() == "every method" else {m.strip() for m in who.split(",")}
             for name, who in rows}
@@ -73,7 +74,7 @@ def build(kind: str = "trainer", dtype=torch.float64, lora_rank: int = 0, **sett
     return trainer_factory(setup, "unused-output-dir")()
 
 
-def test_readme_lists_exactly_the_tested_settings():
+def test_trainers_doc_lists_exactly_the_tested_settings():
     assert set(readme_refusals()) == set(REFUSED)
     assert readme_supported() == set(SUPPORTED)
 
