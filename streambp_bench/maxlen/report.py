@@ -47,6 +47,14 @@ def host_gib(result: MethodResult) -> dict[str, float | None]:
     return {key: None if value is None else value / GIB for key, value in values.items()}
 
 
+def host_bound(plan: Plan) -> str:
+    """How an answer's host pool was judged, in words every row carries: 'unbounded' without
+    --host-budget-gib (the answer may need more host memory than the machine has), else the bound."""
+    if plan.host_budget_bytes is None:
+        return "unbounded"
+    return f"<= {plan.host_budget_bytes / GIB:g} GiB per rank"
+
+
 def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> float | None:
     """Max length over checkpointing's at the same offload (None without such a result that fits)."""
     offload = result.spec.stream.offload
@@ -88,6 +96,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
                 "peak_gib": peak_gib(r),
                 "breakdown_gib": breakdown_gib(r),
                 **host_gib(r),
+                "host_bound": host_bound(plan),
                 "host_breakdown_gib": {"offloaded": host_gib(r)["host_peak_gib"]},
                 "bracket_tokens": list(r.search.bracket),
                 "ratio_to_checkpoint": ratio_to_checkpoint(results, r),
@@ -109,7 +118,7 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         f"{plan.specs[0].dtype}, batch {plan.specs[0].batch_size}"
     )
     lengths = Table(title=title, title_justify="left")
-    host = ("host GiB", "copied GiB each way") if plan.offloads else ()
+    host = (f"host GiB ({host_bound(plan)})", "copied GiB each way") if plan.offloads else ()
     scale, unit = memory_unit([peak for r in results if (peak := peak_gib(r)) is not None])
     columns = ("method", "max length", "bracket (fits, fails)", f"peak {unit}", *host, "source", "x ckpt")
     for column in columns:
