@@ -296,12 +296,14 @@ def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> N
 def write_rows(plan: Plan, results: list[MethodResult], path: Path, extra_rows: tuple | list = ()) -> None:
     """Upsert one `max_len` row per method, and `extra_rows`, into the results CSV at `path`."""
     stamp = rows_file.provenance(plan.target.source, plan.target.device_name)
-    rows = [max_len_row(r.spec, r.search, stamp) for r in results]
+    host = None if plan.host_budget_bytes is None else plan.host_budget_bytes / GIB
+    rows = [max_len_row(r.spec, r.search, stamp, host_budget_gib=host) for r in results]
     rows_file.ResultsFile(path).append_many([*rows, *extra_rows])
 
 
-def max_len_row(spec, search, stamp: dict) -> ResultRow:
-    """The `max_len` row of one search of `spec` (value: tokens; the peak and breakdown at the max)."""
+def max_len_row(spec, search, stamp: dict, host_budget_gib: float | None = None) -> ResultRow:
+    """The `max_len` row of one search of `spec` (value: tokens; the peak and breakdown at the max, the
+    host pool's peak beside it and the host budget it was bounded by: None, host unbounded)."""
     best = search.peak_at_max
     memory = {} if best is None else memory_columns(best.peak_bytes, best.breakdown_bytes)
     return ResultRow(
@@ -313,6 +315,7 @@ def max_len_row(spec, search, stamp: dict) -> ResultRow:
         value=float(search.max_len_tokens),
         status="ok" if search.max_len_tokens else "oom",
         budget_gib=search.budget_bytes / GIB,
+        host_budget_gib=host_budget_gib,
         confirmed_layers=search.confirmed_layers,
     )
 
