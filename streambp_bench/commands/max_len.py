@@ -128,8 +128,10 @@ def max_len(
     offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
     host_budget_gib: Annotated[
         float | None,
-        typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take: "
-                     "bounds the search too (default: reported, not bounded)."),
+        typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take (per "
+                     "node with --gpus): bounds the search too. Default: host unbounded, said on every row "
+                     "(table header 'host GiB (unbounded)', JSON host_bound 'unbounded'): the answer's "
+                     "host GiB is what it needs, which may exceed the machine's RAM."),
     ] = None,
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,

@@ -109,10 +109,10 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt
     if extras.gpu is None:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run)
     estimate = estimate_step(run, extras.gpu, plan.resolved)
-    sent = getattr(estimate, "all_to_all_bytes", None)
+    sent = estimate.all_to_all_bytes
     return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimate.step_time_ms,
                   pcie=copies_of(estimate), all_to_all_gib=None if sent is None else sent / 2**30,
-                  interconnect=getattr(estimate, "interconnect", ""))
+                  interconnect=estimate.interconnect)
 
 
 def to_dict(steps: list[StepAt], extras: Extras) -> dict:

@@ -47,6 +47,14 @@ def host_gib(result: MethodResult) -> dict[str, float | None]:
     return {key: None if value is None else value / GIB for key, value in values.items()}
 
 
+def host_bound(plan: Plan) -> str:
+    """How an answer's host pool was judged, in words every row carries: 'unbounded' without
+    --host-budget-gib (the answer may need more host memory than the machine has), else the bound."""
+    if plan.host_budget_bytes is None:
+        return "unbounded"
+    return f"<= {plan.host_budget_bytes / GIB:g} GiB per rank"
+
+
 def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> float | None:
     """Max length over checkpointing's at the same offload (None without such a result that fits)."""
     offload = result.spec.stream.offload
@@ -88,6 +96,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
                 "peak_gib": peak_gib(r),
                 "breakdown_gib": breakdown_gib(r),
                 **host_gib(r),
+                "host_bound": host_bound(plan),
                 "host_breakdown_gib": {"offloaded": host_gib(r)["host_peak_gib"]},
                 "bracket_tokens": list(r.search.bracket),
                 "ratio_to_checkpoint": ratio_to_checkpoint(results, r),
@@ -109,7 +118,7 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         f"{plan.specs[0].dtype}, batch {plan.specs[0].batch_size}"
     )
     lengths = Table(title=title, title_justify="left")
-    host = ("host GiB", "copied GiB each way") if plan.offloads else ()
+    host = (f"host GiB ({host_bound(plan)})", "copied GiB each way") if plan.offloads else ()
     scale, unit = memory_unit([peak for r in results if (peak := peak_gib(r)) is not None])
     columns = ("method", "max length", "bracket (fits, fails)", f"peak {unit}", *host, "source", "x ckpt")
     for column in columns:
@@ -287,12 +296,14 @@ def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> N
 def write_rows(plan: Plan, results: list[MethodResult], path: Path, extra_rows: tuple | list = ()) -> None:
     """Upsert one `max_len` row per method, and `extra_rows`, into the results CSV at `path`."""
     stamp = rows_file.provenance(plan.target.source, plan.target.device_name)
-    rows = [max_len_row(r.spec, r.search, stamp) for r in results]
+    host = None if plan.host_budget_bytes is None else plan.host_budget_bytes / GIB
+    rows = [max_len_row(r.spec, r.search, stamp, host_budget_gib=host) for r in results]
     rows_file.ResultsFile(path).append_many([*rows, *extra_rows])
 
 
-def max_len_row(spec, search, stamp: dict) -> ResultRow:
-    """The `max_len` row of one search of `spec` (value: tokens; the peak and breakdown at the max)."""
+def max_len_row(spec, search, stamp: dict, host_budget_gib: float | None = None) -> ResultRow:
+    """The `max_len` row of one search of `spec` (value: tokens; the peak and breakdown at the max, the
+    host pool's peak beside it and the host budget it was bounded by: None, host unbounded)."""
     best = search.peak_at_max
     memory = {} if best is None else memory_columns(best.peak_bytes, best.breakdown_bytes)
     return ResultRow(
@@ -304,6 +315,7 @@ def max_len_row(spec, search, stamp: dict) -> ResultRow:
         value=float(search.max_len_tokens),
         status="ok" if search.max_len_tokens else "oom",
         budget_gib=search.budget_bytes / GIB,
+        host_budget_gib=host_budget_gib,
         confirmed_layers=search.confirmed_layers,
     )
 

@@ -127,6 +127,9 @@ class ResultRow:
     """GiB copied device -> host over the step (offloaded checkpoints)."""
     to_device_gib: float | None = None
     """GiB copied host -> device over the step (offloaded checkpoints brought back for backward)."""
+    host_budget_gib: float | None = None
+    """max_len rows: the host memory per rank the answer was bounded by (--host-budget-gib); empty: host
+    unbounded (the answer's host_peak_gib is what it needs, whatever the machine has)."""
     confirmed_layers: int | None = None
     """max_len rows: decoder layers of the step that confirmed the answer (the model's full depth)."""
     error: str = ""

@@ -40,6 +40,7 @@ ADDED_COLUMNS: dict[str, str] = {
     "offload": "none", "host_peak_gib": "", "to_host_gib": "", "to_device_gib": "",
     "gpus": "1", "shard": "none", "head_mode": "", "kernel_workspace_gib": "",
     "offload_checkpoints": "0", "offload_optimizer": "0", "offload_params": "0", "sp": "1",
+    "host_budget_gib": "",
 }  # fmt: skip
 """Columns added since schema 2 -> the cell a file without the column reads (module docstring)."""
 

@@ -70,13 +70,19 @@ class StepShard:
 
 def step_shard(group: SequenceGroup, copies: int, input_ids: Tensor, key_valid: Tensor | None,
                position_ids: Tensor | None) -> StepShard:
-    """This rank's shard of a whole batch (B, T); ConfigError for packed rows or T below the ranks."""
+    """This rank's shard of a whole batch (B, T); ConfigError for packed rows, T below the ranks, or a
+    simulated group on real tensors (its all-to-alls move nothing: attention would read unfilled buffers)."""
     if position_ids is not None:
         raise ConfigError("sequence parallelism does not run packed rows (position_ids): each rank's shard "
                           "takes its global positions")
     total = input_ids.shape[1]
     if total < group.size:
         raise ConfigError(f"seq_len {total} is less than the {group.size} sequence-parallel ranks")
+    if group.is_simulated and input_ids.device.type != "meta":
+        device = input_ids.device.type
+        raise ConfigError(f"a simulated sequence group runs on meta tensors only (got {device} input_ids): "
+                          "its all-to-alls move nothing, so the loss would be read from unfilled buffers; "
+                          "run real ranks with SequenceGroup.of_process_group (verify --sp)")
     shard = SequenceShard(group=group, total_tokens=total, kv_copies=copies)
     start, end = shard.bounds
     positions = torch.arange(start, end, device=input_ids.device)[None]

@@ -71,7 +71,10 @@ def gpu_model(name: str) -> GpuModel:
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """Estimated time of one step, split by op kind; `source` is always 'estimated'."""
+    """Estimated time of one step (one GPU's, or one sequence-parallel rank's), split by op kind, plus
+    the offload copies and collectives compute does not hide; `source` is always 'estimated'. Every
+    caller reads the same fields: a step without sequence parallelism has `all_to_all_bytes` None and
+    `all_to_all_s` = `zero_s` = 0."""
 
     gpu: str
     matmul_s: float
@@ -88,6 +91,15 @@ class StepEstimate:
     """Bytes the step copies host -> device."""
     pcie_bytes_per_s: float = 0.0
     """The PCIe bandwidth the copies were timed at (the GPU's, one direction); 0 without offload."""
+    all_to_all_bytes: int | None = None
+    """Bytes one rank sends in the step's Ulysses all-to-alls; None for a step without sequence
+    parallelism (`sequence_time`)."""
+    all_to_all_s: float = 0.0
+    """The all-to-alls' time (attention waits for them: added whole)."""
+    zero_s: float = 0.0
+    """ZeRO's collectives (all-gathers, reduce-scatter) not hidden by compute."""
+    interconnect: str = ""
+    """The links the collectives were timed at, in words; empty without collectives."""
 
     @property
     def copy_s(self) -> float:
@@ -99,7 +111,8 @@ class StepEstimate:
 
     @property
     def step_time_ms(self) -> float:
-        return 1e3 * (self.matmul_s + self.attention_s + self.other_s + self.launch_s + self.transfer_s)
+        return 1e3 * (self.matmul_s + self.attention_s + self.other_s + self.launch_s + self.transfer_s
+                      + self.all_to_all_s + self.zero_s)
 
 
 def op_time_s(record: OpRecord, gpu: GpuModel) -> float:

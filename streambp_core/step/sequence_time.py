@@ -55,28 +55,6 @@ INTERCONNECTS = {
 the time)."""
 
 
-@dataclass(frozen=True)
-class SequenceStepEstimate:
-    """A rank's estimated step: the compute estimate and the collectives on top (seconds, bytes)."""
-
-    compute: StepEstimate
-    """The rank's step fitted to its length, offload copies included."""
-    all_to_all_bytes: int
-    all_to_all_s: float
-    zero_s: float
-    """ZeRO's collectives not hidden by compute."""
-    interconnect: str
-    source: str = "estimated"
-
-    @property
-    def step_time_ms(self) -> float:
-        return self.compute.step_time_ms + 1e3 * (self.all_to_all_s + self.zero_s)
-
-    @property
-    def attention_s(self) -> float:
-        return self.compute.attention_s
-
-
 def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     """The compute estimate of one rank of `spec` at its length, fitted through sp x `REFERENCE_TOKENS`
     (module docstring, 1), or recorded directly when it is no longer than the longest of them."""
@@ -108,8 +86,9 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     return replace(points[0], **{field: fit(field) for field in fields}, launches=round(fit("launches")))
 
 
-def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> SequenceStepEstimate:
-    """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring)."""
+def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
+    """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring):
+    the fitted compute with the offload copies, the all-to-alls and ZeRO's collectives in its fields."""
     from streambp_core.step.resolved import resolved
     from streambp_core.step.simulate import simulate
 
@@ -118,8 +97,9 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> SequenceStep
     compute_s = compute.step_time_ms / 1e3
     if spec.offload != "none":
         sim = simulate(spec, model)
-        transfer_s = (sim.to_host_bytes + sim.to_device_bytes) / gpu.pcie_bytes_per_s
-        compute = replace(compute, transfer_s=max(0.0, transfer_s - compute_s))
+        compute = replace(compute, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
+                          pcie_bytes_per_s=gpu.pcie_bytes_per_s)
+        compute = replace(compute, transfer_s=max(0.0, compute.copy_s - compute_s))
     link = INTERCONNECTS[gpu.name]
     layout = SequenceLayout.of(spec, model.config)
     sent = layout.all_to_all_bytes(spec.method) if spec.sp > 1 else 0
@@ -130,9 +110,8 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> SequenceStep
         trainable = shard_layout(spec, model.config, model.memo).total("trainable_full")
         zero = max(0.0, collective_s(3 * trainable * (spec.gpus - 1) // spec.gpus, spec.gpus, link)
                    - compute_s)
-    return SequenceStepEstimate(compute=compute, all_to_all_bytes=sent,
-                                all_to_all_s=collective_s(sent, spec.sp, link), zero_s=zero,
-                                interconnect=link.words)
+    return replace(compute, all_to_all_bytes=sent, all_to_all_s=collective_s(sent, spec.sp, link),
+                   zero_s=zero, interconnect=link.words)
 
 
 def collective_s(sent_bytes: int, ranks: int, link: Interconnect) -> float:

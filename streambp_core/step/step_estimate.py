@@ -6,17 +6,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from streambp_core.config import ConfigError
-from streambp_core.step.estimate import GpuModel, estimate_by_depth
+from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
 from streambp_core.step.sequence_time import estimate_sequence_step
 
 
-def estimate_step(spec, gpu: GpuModel, model=None):
+def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
     at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
     compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `model`: the spec's
     model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
-    resolved here). A sequence-parallel step (`spec.sp` > 1) is one rank's:
-    `sequence_time.SequenceStepEstimate`, with its collectives."""
+    resolved here). A sequence-parallel step (`spec.sp` > 1) is one rank's (`sequence_time`): the same
+    `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`, `zero_s` and `interconnect`."""
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.resolved import resolved
     from streambp_core.step.setup import build_setup

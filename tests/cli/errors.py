@@ -34,6 +34,7 @@ def benchmark_script(name: str) -> ModuleType:
     try:
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # a script's dataclasses look their module up while it loads
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCHMARKS))

@@ -69,3 +69,16 @@ def test_a_node_budget_below_the_ranks_optimizer_states_is_refused(runner):
     args = [*TINY, "--method", "streambp", "--optimizer", "adamw", "--offload", "checkpoints,optimizer",
             "--gpus", "2", "--sp", "2", "--shard", "zero3", "--host-budget-gib", "1e-6"]
     one_line_error(runner.invoke(app, args), "per node", "optimizer's states", "one rank's shard of 2")
+
+
+def test_a_sequence_parallel_rank_gets_a_step_time_with_its_collectives_and_copies(runner):
+    """`--gpu-model` with `--sp`: the rank's estimated step time, its all-to-alls and the offload copies
+    read from the same fields as one GPU's step."""
+    document, rows = _rows(runner.invoke(app, [
+        *TINY, "--method", "streambp", "--gpus", "2", "--sp", "2", "--offload", "checkpoints",
+        "--gpu-model", "h100", "--json"]))
+    step = document["steps"][0]
+    assert step["estimated_step_time_ms"] > 0 and step["estimated_all_to_all_gib"] > 0
+    assert "NVLink" in step["interconnect"]
+    assert step["estimated_pcie"]["pcie_gb_per_s"] == pytest.approx(64)
+    assert step["estimated_pcie"]["to_host_bytes"] > 0

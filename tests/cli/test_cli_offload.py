@@ -122,3 +122,22 @@ def test_reproduce_offload_quick_writes_every_method_with_and_without(runner, tm
     assert "## Host-memory tier" in readme and "| tiny/llama | streambp + offload |" in readme
     assert "ALST" in readme and "| 1.000 |" in readme
     assert (tmp_path / "offload-memory.png").stat().st_size > 10_000
+
+
+def test_every_offload_answer_says_whether_its_host_memory_was_bounded(runner, tmp_path):
+    """Without --host-budget-gib the host pool is unbounded, and each answer says so beside its host GiB
+    (table header, JSON `host_bound`, the CSV row's empty host_budget_gib), not only in a footnote; with
+    it, the bound is named."""
+    args = [*MAX_LEN, "--method", "streambp", "--offload", "checkpoints"]
+    unbounded = runner.invoke(app, [*args, "--json", "--out", str(tmp_path / "free.csv")])
+    assert unbounded.exit_code == 0, unbounded.output
+    entry = json.loads(unbounded.stdout)["results"][0]
+    assert entry["host_bound"] == "unbounded" and entry["host_peak_gib"] > 0
+    table = runner.invoke(app, args, terminal_width=250)
+    assert "host GiB (unbounded)" in table.stdout
+    one_csv = str(tmp_path / "1.csv")
+    bounded = runner.invoke(app, [*args, "--host-budget-gib", "1", "--json", "--out", one_csv])
+    assert json.loads(bounded.stdout)["results"][0]["host_bound"] == "<= 1 GiB per rank"
+    (free,), (one,) = ResultsFile(tmp_path / "free.csv").rows(), ResultsFile(tmp_path / "1.csv").rows()
+    assert free.host_budget_gib is None and free.host_peak_gib > 0
+    assert one.host_budget_gib == pytest.approx(1) and one.host_peak_gib == free.host_peak_gib

@@ -66,8 +66,9 @@ def test_columns_hold_the_contract_in_order() -> None:
                 "gpus", "sp", "shard", "head_mode", "offload_checkpoints", "offload_optimizer",
                 "offload_params",
                 "grads_gib", "optimizer_gib", "checkpoints_gib", "kv_gib", "logits_gib", "temporaries_gib",
-                "kernel_workspace_gib", "budget_gib", "error", "device_name", "torch_version",
-                "transformers_version", "package_version", "git_sha", "timestamp"}  # fmt: skip
+                "kernel_workspace_gib", "budget_gib", "host_budget_gib", "error", "device_name",
+                "torch_version", "transformers_version", "package_version", "git_sha",
+                "timestamp"}  # fmt: skip
     assert set(COLUMNS) == required
     assert COLUMNS[0] == "method" and COLUMNS[-1] == "timestamp"
     assert set(KEY_COLUMNS) <= set(COLUMNS) and "value" not in KEY_COLUMNS and "timestamp" not in KEY_COLUMNS

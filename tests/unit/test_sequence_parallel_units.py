@@ -118,3 +118,12 @@ def test_a_step_spec_names_its_sequence_ranks():
         StepSpec.of(model="tiny/llama", method="streambp", gpus=8, sp=3, shard="zero3")
     with pytest.raises(ConfigError, match="less than the 8 sequence-parallel"):
         StepSpec.of(model="tiny/llama", method="streambp", gpus=8, sp=8, shard="zero3", seq_len_tokens=4)
+
+
+@pytest.mark.parametrize("method", ["plain", "streambp"])
+def test_a_simulated_group_on_real_tensors_is_refused_by_name(cpu_model, method):
+    """A simulated group's all-to-alls move nothing: on CPU tensors attention would read the unfilled
+    receive buffers (a NaN loss), so the step is refused by name instead."""
+    with streambp_core.prepare(cpu_model, method, sequence_group=SequenceGroup.simulated(2)) as run:
+        with pytest.raises(ConfigError, match="simulated sequence group runs on meta tensors only"):
+            run.loss(torch.zeros(1, 16, dtype=torch.long))
