@@ -160,7 +160,7 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
-    packing_note.check_packing(packing)
+    packing = packing_note.check_packing(packing, SEARCH_CAP_TOKENS)
     at_lengths = tuple(_at_length(length) for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)
