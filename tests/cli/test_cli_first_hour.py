@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+from pathlib import Path
+
+import pytest
 
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
+from streambp_bench.results import csv_io
 from tests.cli.errors import one_line_error
 
 TINY_SIM = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--device", "sim"]
@@ -25,3 +31,29 @@ def test_packing_takes_k_suffixes() -> None:
     assert result.exit_code == 0, result.output
     (note,) = json.loads(result.stdout)["packing"]
     assert len(note["documents"][0]) == 10
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/full"])
+def test_an_out_that_is_no_regular_file_is_refused(tmp_path: Path, device: str) -> None:
+    out = tmp_path / "results.csv"
+    out.symlink_to(device)
+    for command in (["max-len", *TINY_SIM, "--budget-gib", "0.02"], ["sweep", *TINY_SIM, "--seq-len", "1k"]):
+        result = CliRunner().invoke(app, [*command, "--out", str(out)])
+        one_line_error(result, str(out), device, "not a regular file")
+
+
+def test_a_full_disk_is_one_error_line_and_keeps_the_rows(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "sweep.csv"
+    args = ["sweep", *TINY_SIM, "--budget-gib", "1", "--out", str(out)]
+    assert CliRunner().invoke(app, [*args, "--seq-len", "1k"]).exit_code == 0
+    before = out.read_bytes()
+
+    def full(descriptor: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(csv_io.os, "write", full)
+    result = CliRunner().invoke(app, [*args, "--seq-len", "2k"])
+    line = result.stderr.strip().splitlines()[-1]  # after the progress bar CliRunner keeps
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert line == f"error: {out}: cannot write results: No space left on device"
+    assert out.read_bytes() == before
