@@ -5,10 +5,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
@@ -19,7 +22,8 @@ TINY_SIM = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "-
 
 
 def test_a_huge_packing_count_is_refused_at_once_in_max_len_and_sweep() -> None:
-    result = CliRunner().invoke(app, ["max-len", *TINY_SIM, "--budget-gib", "0.02", "--packing", "1000000000"])
+    result = CliRunner().invoke(app, ["max-len", *TINY_SIM, "--budget-gib", "0.02",
+                                      "--packing", "1000000000"])
     one_line_error(result, "--packing", "1,000,000,000 documents", "100,000,000 tokens")
     result = CliRunner().invoke(app, ["sweep", *TINY_SIM, "--seq-len", "1k", "--packing", "2k"])
     one_line_error(result, "--packing", "2,000 documents", "1,000 tokens")
@@ -57,3 +61,16 @@ def test_a_full_disk_is_one_error_line_and_keeps_the_rows(tmp_path: Path, monkey
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert line == f"error: {out}: cannot write results: No space left on device"
     assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("delay_s", [0.2, 0.7, 1.5])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(delay_s: float) -> None:
+    command = [sys.executable, "-c", "from streambp_bench.cli import run; run()", "max-len",
+               "-m", "tiny/qwen3", "--device", "sim", "--budget-gib", "0.02", "--jobs", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # its own process group, as a terminal's job
+    time.sleep(delay_s)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: every process of the group
+    _, stderr = process.communicate(timeout=60)
+    time.sleep(0.3)  # a child's traceback would arrive after its parent exits
+    assert (process.returncode, stderr.strip().splitlines()) == (130, ["error: interrupted"]), stderr

@@ -53,5 +53,5 @@ def test_a_count_is_parsed_exactly_not_in_floating_point(text: str, expected: in
 
 
 def test_a_count_that_is_not_whole_names_its_value() -> None:
-    with pytest.raises(ConfigError, match=r"'1.0001k': must be a positive whole number of tokens \(it is 1000.1\)"):
+    with pytest.raises(ConfigError, match=r"'1.0001k': must be a positive whole .* \(it is 1000.1\)"):
         tokens.parse_tokens("1.0001k")
