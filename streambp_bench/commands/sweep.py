@@ -182,7 +182,7 @@ def sweep(
         head_mode=head_mode.value,
         **ranks,
     )
-    points = with_offload(tuple(points), offload.value)
+    points = with_offload(tuple(points), offload.value, every_method=method.strip() == "all")
     packing = packing_note.check_packing(packing, max(point.seq_len_tokens for point in points))
     writable_results(out)
     from streambp_bench.results import ResultsFile

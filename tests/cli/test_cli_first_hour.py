@@ -74,3 +74,13 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(delay_s: float) -> None
     _, stderr = process.communicate(timeout=60)
     time.sleep(0.3)  # a child's traceback would arrive after its parent exits
     assert (process.returncode, stderr.strip().splitlines()) == (130, ["error: interrupted"]), stderr
+
+
+def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_is_refused() -> None:
+    args = ["max-len", "-m", "tiny/qwen3", "--dtype", "float32", "--device", "sim", "--budget-gib", "0.02",
+            "--offload", "checkpoints"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    methods = [entry["method"] for entry in json.loads(result.stdout)["results"]]
+    assert sorted(methods) == ["checkpoint", "mst", "streambp"]
+    one_line_error(CliRunner().invoke(app, [*args, "--method", "plain"]), "plain", "nothing to offload")
