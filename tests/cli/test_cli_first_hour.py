@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
+from streambp_bench.output import emit
 from streambp_bench.results import csv_io
 from tests.cli.errors import one_line_error
 
@@ -84,3 +85,29 @@ def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_
     methods = [entry["method"] for entry in json.loads(result.stdout)["results"]]
     assert sorted(methods) == ["checkpoint", "mst", "streambp"]
     one_line_error(CliRunner().invoke(app, [*args, "--method", "plain"]), "plain", "nothing to offload")
+
+
+VERIFY = ["verify", "-m", "tiny/llama", "--dtype", "float64", "-T", "64"]
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--trainer", "sft", "--sp", "2", "--nproc", "2"], ("--sp does not apply to --trainer",)),
+    (["--trainer", "sft", "--packing", "3"], ("--packing does not apply to --trainer",)),
+    (["--set", "weight_decay=0.1"], ("--set applies to --trainer only",)),
+    (["--trainer", "sft", "--set", "learning_rate=nan"], ("learning_rate=nan", "finite")),
+    (["--trainer", "sft", "--set", "learning_rate=Infinity"], ("learning_rate=Infinity", "finite")),
+    (["--trainer", "sft", "--set", "gradient_accumulation_steps=0"], ("accumulation_steps", "at least 1")),
+    (["--trainer", "sft", "--set", "per_device_train_batch_size=0"], ("per_device_train_batch_size",)),
+    (["--trainer", "sft", "--set", "learning_rate=fast"], ("learning_rate must be a number",)),
+])
+def test_verify_refuses_what_it_would_ignore_or_cannot_train(extra: list[str], words: tuple[str, ...]
+                                                             ) -> None:
+    one_line_error(CliRunner().invoke(app, [*VERIFY, *extra]), *words)
+
+
+def test_json_output_is_valid_json_without_nan(capsys: pytest.CaptureFixture[str]) -> None:
+    emit({"error": float("nan"), "rows": [{"x": float("inf"), "y": 1.5}], "pair": (float("-inf"), 2)},
+         True, lambda console: None)
+    text = capsys.readouterr().out
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}")) == {
+        "error": None, "rows": [{"x": None, "y": 1.5}], "pair": [None, 2]}
