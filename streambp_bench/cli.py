@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated
 
-import typer
 
-import streambp_core
-from streambp_bench.commands import max_len, plot, presets, reproduce, selfcheck, sweep, verify
-from streambp_bench.errors import USER_ERROR_EXIT_CODE, USER_ERRORS, OneLineErrorsGroup, print_error
+def _interrupted_while_loading(signum: int, frame: object) -> None:
+    """Ctrl-C while the CLI's modules load: nothing has run or been written yet, so one line, exit 130."""
+    os.write(2, b"error: interrupted\n")
+    os._exit(130)
+
+
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import typer  # noqa: E402 (below the handler: Ctrl-C while these load is one line too)
+
+import streambp_core  # noqa: E402
+from streambp_bench.commands import max_len, plot, presets, reproduce, selfcheck, sweep, verify  # noqa: E402
+from streambp_bench.errors import (  # noqa: E402
+    INTERRUPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    USER_ERRORS,
+    OneLineErrorsGroup,
+    print_error,
+)
+
+if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 app = typer.Typer(
     name="streambp-bench",
@@ -55,6 +75,9 @@ def main() -> None:
     except USER_ERRORS as error:
         print_error(error)
         sys.exit(USER_ERROR_EXIT_CODE)
+    except KeyboardInterrupt:  # outside a command's own handling (`errors.user_errors`)
+        print_error(ValueError("interrupted"))
+        sys.exit(INTERRUPTED_EXIT_CODE)
 
 
 def run() -> None:

@@ -28,17 +28,34 @@ def step_specs(model: str, methods: str, offload: str = "none", **fields: object
     (`with_offload`: 'both' gives each method with and without)."""
     precheck_model(model)
     specs = tuple(StepSpec.of(model=model, method=method, **fields) for method in method_list(methods))
-    return with_offload(specs, offload)
+    return with_offload(specs, offload, every_method=methods.strip() == "all")
 
 
-def with_offload(specs: tuple[StepSpec, ...], offload: str) -> tuple[StepSpec, ...]:
-    """`specs` at `offload`: none or checkpoints (plain refused by name, ConfigError), or both: each spec
-    followed by its offloaded twin (plain, with nothing to offload, only without)."""
+def with_offload(specs: tuple[StepSpec, ...], offload: str, *, every_method: bool = False
+                 ) -> tuple[StepSpec, ...]:
+    """`specs` at `offload`: a tier set (a method named that cannot take it refused by name, ConfigError;
+    with `every_method`, from `--method all`, such a method is left out instead: plain has nothing to
+    offload), or both: each spec followed by its offloaded twin (plain, with nothing to offload, only
+    without)."""
     if offload != "both":
+        if every_method and offload != "none":
+            specs = tuple(spec for spec in specs if not _method_cannot(spec, offload)) or specs
         return tuple(spec.replaced(offload=offload) for spec in specs)
     twins = ((spec, spec.replaced(offload="checkpoints")) if spec.method != "plain" else (spec,)
              for spec in specs)
     return tuple(dict.fromkeys(spec for pair in twins for spec in pair))
+
+
+def _method_cannot(spec: StepSpec, offload: str) -> bool:
+    """Whether `spec`'s method alone keeps it from `offload` (streambp, on the same step, could take it)."""
+    def refused(method: str) -> bool:
+        try:
+            spec.replaced(method=method, offload=offload)
+        except ConfigError:
+            return True
+        return False
+
+    return refused(spec.method) and not refused("streambp")
 
 
 def spec_label(spec: StepSpec) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
+from fractions import Fraction
 
 from streambp_core.config import ConfigError
 
@@ -34,11 +35,16 @@ def parse_tokens(text: str, what: str = "length", *, minimum: int = 1) -> int:
     if not match:
         raise ConfigError(f"bad {what} {text!r}: give a valid integer, optionally with a suffix "
                           "(k = 1000: 4k = 4000; ki = 1024: 4ki = 4096; m = 10^6, mi = 2^20)")
-    value = float(match.group(1)) * SUFFIXES[(match.group(2) or "").lower()]
-    if not value.is_integer() or value < minimum:
+    value = Fraction(match.group(1)) * SUFFIXES[(match.group(2) or "").lower()]  # exact: no float rounding
+    if value.denominator != 1 or value < minimum:
         least = "a positive whole number" if minimum == 1 else f"a whole number, at least {minimum},"
-        raise ConfigError(f"bad {what} {text!r}: must be {least} of tokens")
+        raise ConfigError(f"bad {what} {text!r}: must be {least} of tokens (it is {_shown(value)})")
     return int(value)
+
+
+def _shown(value: Fraction) -> str:
+    """`value` as a user reads it: 2500 or 1.5 (a fraction of a token to a few places)."""
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
 
 
 def parse_token_list(text: str, what: str = "length") -> tuple[int, ...]:

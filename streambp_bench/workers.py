@@ -13,9 +13,12 @@ Nothing here imports torch: `start_server` must run before the heavy imports to 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import queue
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +50,25 @@ def start_server(workers: int, preload: Sequence[str] = PRELOAD) -> Any | None:
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
-    forkserver.ensure_running()
+    with _children_ignore_sigint():
+        forkserver.ensure_running()  # starts the resource tracker too
     return context
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Start processes with SIGINT ignored: an ignored signal stays ignored across exec, and Python then
+    installs no KeyboardInterrupt handler, so Ctrl-C (sent to the whole process group) while the fork server
+    imports `PRELOAD`, or in a worker forked from it, prints no traceback there; this process alone answers
+    it, and stops the workers (`run_tasks`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop_server(context: Any | None) -> None:

@@ -37,7 +37,8 @@ HELP = (
     "(output logits held through backward, GQA K/V expanded).\n\n"
     "[bold]--offload checkpoints[/] keeps what each method saves for backward in host memory (rows "
     "'+ offload'; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
-    "offload); [bold]--offload both[/] searches each method with and without. The table then shows the "
+    "offload; with the default --method all, plain, which has nothing to offload, is left out); "
+    "[bold]--offload both[/] searches each method with and without. The table then shows the "
     "host pool's peak and the GiB copied each way per step; [bold]--host-budget-gib[/] bounds the search "
     "by the host pool too (without it the host figure is reported, not bounded). More tiers, comma-"
     "separated: [bold]optimizer[/] (AdamW's states and fp32 masters in host memory, the step run there; "
@@ -162,7 +163,7 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
-    packing_note.check_packing(packing)
+    packing = packing_note.check_packing(packing, SEARCH_CAP_TOKENS)
     at_lengths = tuple(_at_length(length) for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)

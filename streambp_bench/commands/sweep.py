@@ -154,7 +154,6 @@ def sweep(
     """Run the grid and upsert its rows into --out (help text: `HELP`)."""
     from streambp_bench.sweep import grid
 
-    packing_note.check_packing(packing)
     check_budget_gib(budget_gib)
     ranks, where = sharding(gpus, shard, device.value)
     models = opt.split_list(model)
@@ -183,7 +182,8 @@ def sweep(
         head_mode=head_mode.value,
         **ranks,
     )
-    points = with_offload(tuple(points), offload.value)
+    points = with_offload(tuple(points), offload.value, every_method=method.strip() == "all")
+    packing = packing_note.check_packing(packing, max(point.seq_len_tokens for point in points))
     writable_results(out)
     from streambp_bench.results import ResultsFile
     from streambp_core.models.load import load_config

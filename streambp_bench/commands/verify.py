@@ -243,8 +243,15 @@ def verify(
 ) -> None:
     """Verify every method against plain on one model (help text: `HELP`)."""
     precheck_model(model)
+    if trainer is None and settings:
+        raise ConfigError("--set applies to --trainer only: it sets a TrainingArguments / TRL config field")
     if trainer is not None:
-        from streambp_bench.verify.trainer import run_trainer_parity
+        from streambp_bench.verify.trainer import parse_settings, run_trainer_parity
+
+        if sp is not None or packing:
+            raise ConfigError(f"{'--sp' if sp is not None else '--packing'} does not apply to --trainer: the "
+                              "trainer check trains whole, unpacked rows on one rank or data-parallel ranks")
+        parse_settings(settings)  # bad values refused before anything trains
 
         unused = {"--padding": padding.value != "none", "--objective": objective.value != "sft",
                   "--head-mode": head_mode.value != "recompute", "--offload": offload.value != "none"}

@@ -8,6 +8,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from streambp_bench.tokens import parse_tokens
+from streambp_core.config import ConfigError
+
 PackingOption = Annotated[
     str | None,
     typer.Option("--packing", metavar="DOCS", help="Also report packed rows of each length: a document count "
@@ -16,12 +19,25 @@ PackingOption = Annotated[
 ]
 
 
-def check_packing(text: str | None) -> None:
-    """ConfigError for `--packing` text that is neither a document count nor lengths."""
-    if text:
-        from streambp_core.step.batch import document_lengths
-
-        document_lengths(text, 10**9, 1)
+def check_packing(text: str | None, most_tokens: int) -> str | None:
+    """`--packing` text as plain digits ('1k' -> '1000', '0.1k,50' -> '100,50'), checked without building
+    any documents (O(number of lengths) in time and memory, whatever the count): ConfigError for text that
+    is neither a document count nor lengths, or for more documents (or a longer total) than `most_tokens`,
+    the longest row the command can reach."""
+    if not text:
+        return text
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        lengths = [parse_tokens(part, "--packing") for part in parts]
+    except ConfigError:
+        raise ConfigError(f"--packing takes a document count or lengths like 100,37,250 (k = 1000), got "
+                          f"{text!r}") from None
+    total = lengths[0] if len(lengths) == 1 else sum(lengths)
+    if total > most_tokens:
+        what = f"{total:,} documents" if len(lengths) == 1 else f"lengths summing to {total:,} tokens"
+        raise ConfigError(f"--packing {text}: {what} do not fit in the longest row here, {most_tokens:,} "
+                          "tokens (a document has at least one token)")
+    return ",".join(map(str, lengths))
 
 
 def packing_notes(text: str | None, specs: list, gpu=None) -> list:
@@ -29,7 +45,6 @@ def packing_notes(text: str | None, specs: list, gpu=None) -> list:
     without `--packing`."""
     if not text:
         return []
-    from streambp_core.config import ConfigError
     from streambp_core.step.batch import document_lengths
     from streambp_core.step.packed import packed_attention
     from streambp_core.step.resolved import ResolvedModel

@@ -49,6 +49,7 @@ def read_records(path: Path) -> tuple[list[str] | None, list[tuple[int, Record]]
     """(header, [(line number, record)]) of an existing CSV; SchemaError when it is not one (module doc)."""
     if path.is_dir():
         raise SchemaError(f"{path} is a directory, not a CSV file")
+    check_regular(path)
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's byte-order mark
             text = handle.read()
@@ -141,8 +142,20 @@ def atomic_rewrite(path: str | os.PathLike[str], header: Sequence[str], records:
     real.parent.mkdir(parents=True, exist_ok=True)
     mode = stat.S_IMODE(real.stat().st_mode) if real.exists() else None
     temp = real.with_name(f".{real.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    with _sigterm_raises():
+    with _sigterm_raises(), _named(path):
         _write_and_replace(real, temp, mode, header, records)
+
+
+@contextlib.contextmanager
+def _named(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An OSError of a write (ENOSPC, EIO, EDQUOT) names `path`, so its one `error:` line says which file
+    could not be written."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, f"cannot write results: {error.strerror}", str(path)) from None
 
 
 @contextlib.contextmanager
@@ -196,7 +209,7 @@ def append_records(path: str | os.PathLike[str], header: Sequence[str], records:
     except PermissionError:
         raise ConfigError(f"cannot write {path}: {real} is read-only") from None
     try:
-        with _sigterm_raises():
+        with _sigterm_raises(), _named(path):
             size_bytes = os.fstat(descriptor).st_size
             try:
                 written = 0
@@ -211,9 +224,19 @@ def append_records(path: str | os.PathLike[str], header: Sequence[str], records:
     return size_bytes + len(payload)
 
 
+def check_regular(path: str | os.PathLike[str]) -> None:
+    """ConfigError when `path` exists (through its symlinks) but is not a regular file: a device such as
+    /dev/zero (endless to read) or /dev/full, a FIFO or a socket is no results file."""
+    real = real_path(path)
+    if real.exists() and not real.is_dir() and not real.is_file():
+        raise ConfigError(f"{path}: {real} is not a regular file (a results file must be a regular file or "
+                          "a new path)")
+
+
 def check_writable(path: str | os.PathLike[str]) -> None:
     """ConfigError when a file could not be created or replaced at `path`: the file itself (or its writers'
     lock) exists read-only, or its nearest existing folder is not a directory or not writable."""
+    check_regular(path)
     real = real_path(path)
     for target in (real, real.with_name(f".{real.name}.lock")):
         if target.is_file() and not os.access(target, os.W_OK):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 
 from rich.table import Table
@@ -21,19 +22,42 @@ NOT_FOR_TRAINERS = ("--padding", "--objective", "--head-mode", "--offload")
 """verify options a trainer check does not read: the trainer pads its batches and picks its loss."""
 
 
+POSITIVE_INT_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations")
+"""--set fields that must be whole numbers of at least 1."""
+NUMBER_SETTINGS = ("learning_rate", "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2",
+                   "adam_epsilon", "warmup_ratio", "beta", "temperature", "epsilon")
+"""--set fields that must be finite numbers."""
+
+
 def parse_settings(pairs: list[str] | None) -> dict[str, object]:
     """{'weight_decay': 0.1, ...} from ['weight_decay=0.1', ...]: each value read as JSON when it parses
-    (numbers, true/false, lists), else as text (e.g. optim=adamw_torch)."""
+    (numbers, true/false, lists), else as text (e.g. optim=adamw_torch); ConfigError, before anything
+    trains, for a NaN or infinite number and for a field of `POSITIVE_INT_SETTINGS` or `NUMBER_SETTINGS`
+    whose value is not such a number."""
     settings: dict[str, object] = {}
     for pair in pairs or []:
         name, sep, text = pair.partition("=")
         if not sep or not name.strip():
             raise ConfigError(f"--set takes NAME=VALUE (a TrainingArguments or TRL config field): {pair!r}")
         try:
-            settings[name.strip()] = json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError:
-            settings[name.strip()] = text
+            value = text
+        settings[name.strip()] = _checked(name.strip(), value, text)
     return settings
+
+
+def _checked(name: str, value: object, text: str) -> object:
+    """`value` of `--set name=text` when it suits the field, else ConfigError naming both."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity") or (
+            number and not math.isfinite(value)):
+        raise ConfigError(f"--set {name}={text}: a setting must be a finite number, not {text}")
+    if name in POSITIVE_INT_SETTINGS and not (number and value == int(value) and value >= 1):
+        raise ConfigError(f"--set {name}={text}: {name} must be a whole number of at least 1")
+    if name in NUMBER_SETTINGS and not number:
+        raise ConfigError(f"--set {name}={text}: {name} must be a number")
+    return value
 
 
 def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dtype: str, seq_len: int,

@@ -44,3 +44,14 @@ def test_an_argparse_option_reports_a_bad_count_in_one_line(capsys: pytest.Captu
     with pytest.raises(SystemExit):
         parser.parse_args(["--ps", "0.5"])
     assert "argument --ps: bad partition size '0.5': must be a whole number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "expected"), [("2.01k", 2010), (str(2**53 + 1), 2**53 + 1),
+                                                ("1.000001m", 1_000_001), ("0.001k", 1)])
+def test_a_count_is_parsed_exactly_not_in_floating_point(text: str, expected: int) -> None:
+    assert tokens.parse_tokens(text) == expected
+
+
+def test_a_count_that_is_not_whole_names_its_value() -> None:
+    with pytest.raises(ConfigError, match=r"'1.0001k': must be a positive whole .* \(it is 1000.1\)"):
+        tokens.parse_tokens("1.0001k")
