@@ -173,7 +173,7 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
                      routing: ChunkRouting | None = None):
     """Layer output without grad, one query chunk at a time; K/V fill in as the chunks advance. With
     `routing`, each chunk's routing sums are added to it."""
-    parts, rope = plan.parts, Rope.of(cos, sin)
+    parts, rope = plan.parts, Rope.of(cos, sin, plan.parts.rotary)
     b, t, _ = h_in.shape
     shape = (b, parts.num_kv_heads, t, parts.head_dim)
     with memory_category("kv"):
@@ -199,7 +199,7 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
     its own slice of dL/dH_out, and chunks run last to first), so one (B, T, d) gradient is alive, not two.
     `chunk_done(start, end)` is called once chunk start..end no longer reads H_in (offload prefetch).
     """
-    rope = Rope.of(cos, sin)
+    rope = Rope.of(cos, sin, plan.parts.rotary)
     keys, values, raw_keys = _kv_cache(plan, h_in, rope)
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)

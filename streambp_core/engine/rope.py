@@ -13,22 +13,24 @@ from torch import Tensor
 class Rope:
     """RoPE tables of a sequence laid out for heads on dim 1: cos, sin (B, 1, T, hd), and `sign` (hd,),
     -1 on the first half and +1 on the second, so that transformers' rotate_half(t) = cat(-t2, t1) is
-    roll(t, hd / 2) * sign: two ops instead of four, bit for bit the same values."""
+    roll(t, hd / 2) * sign: two ops instead of four, bit for bit the same values. With `on` false the
+    layer has no RoPE (SmolLM3's NoPE layers): Q and K pass unrotated."""
 
     cos: Tensor
     sin: Tensor
     sign: Tensor
+    on: bool = True
 
     @classmethod
-    def of(cls, cos: Tensor, sin: Tensor) -> Rope:
-        """From transformers' (B, T, hd) tables."""
+    def of(cls, cos: Tensor, sin: Tensor, on: bool = True) -> Rope:
+        """From transformers' (B, T, hd) tables; `on`: whether the layer rotates Q and K at all."""
         sign = cos.new_ones(cos.shape[-1])
         sign[: cos.shape[-1] // 2] = -1
-        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign)
+        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign, on)
 
     def chunk(self, start: int, end: int) -> Rope:
         """The tables of positions start..end."""
-        return Rope(self.cos[:, :, start:end], self.sin[:, :, start:end], self.sign)
+        return Rope(self.cos[:, :, start:end], self.sin[:, :, start:end], self.sign, self.on)
 
 
 def rotate_half(t: Tensor, rope: Rope) -> Tensor:
@@ -37,10 +39,15 @@ def rotate_half(t: Tensor, rope: Rope) -> Tensor:
 
 
 def rotate(t: Tensor, rope: Rope) -> Tensor:
-    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1)."""
+    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1); t in a layer
+    without RoPE."""
+    if not rope.on:
+        return t
     return t * rope.cos + rotate_half(t, rope) * rope.sin
 
 
 def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
-    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1)."""
+    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1); grad in a layer without RoPE."""
+    if not rope.on:
+        return grad
     return grad * rope.cos - rotate_half(grad * rope.sin, rope)

@@ -88,12 +88,14 @@ def active_dropout(modules: Iterable[nn.Module]) -> Iterator[tuple[str, float]]:
 
 
 def attention_dropout(modules: Iterable[nn.Module]) -> Iterator[tuple[str, float]]:
-    """(where, probability) of the attention modules among `modules` (not their children) whose
-    transformers forward applies dropout to the attention probabilities."""
+    """(where, probability) of the modules among `modules` (not their children) whose transformers
+    forward applies dropout: to the attention probabilities (`attention_dropout`), or to the attention or
+    MLP output before its residual (Seed-OSS's `residual_dropout`)."""
     for module in modules:
-        rate = getattr(module, "attention_dropout", None)
-        if module.training and isinstance(rate, float) and rate > 0:
-            yield f"{type(module).__name__}.attention_dropout", rate
+        for attribute in ("attention_dropout", "residual_dropout"):
+            rate = getattr(module, attribute, None)
+            if module.training and isinstance(rate, float) and rate > 0:
+                yield f"{type(module).__name__}.{attribute}", rate
 
 
 def refuse_dropout(method: str, found: Iterable[tuple[str, float]], why: str) -> None:

@@ -8,6 +8,8 @@ MLP, residual. The differences are data in `LayerParts`:
   (inside its MLP), and separate RoPE tables for local and global layers;
 - Mistral, Mixtral, Qwen2 (`use_sliding_window`), Qwen3 and Gemma 3 may attend through a sliding window,
   per layer as `config.layer_types` says (`sliding_attention` / `full_attention`);
+- SmolLM3 leaves Q and K unrotated in its NoPE layers (`no_rope_layers[i]` = 0, every 4th layer);
+- Seed-OSS may bias its output projection (`attention_out_bias`) and its MLP (`mlp_bias`);
 - Qwen3-MoE and Mixtral route each token to experts inside the MLP module, which acts token by token.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
@@ -58,6 +60,8 @@ class LayerParts:
     """Keys a query sees (itself included) in a local layer; None: the whole causal prefix."""
     rope_key: str | None = None
     """Which RoPE table the layer rotates with (Gemma 3: its layer type); None: the model's only one."""
+    rotary: bool = True
+    """Whether the layer rotates Q and K (False: a NoPE layer of SmolLM3's `no_rope_layers`)."""
     router: nn.Module | None = None
     """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
 
@@ -144,6 +148,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
         sliding_window=layer_window(attn),
         rope_key=getattr(attn, "layer_type", None) if config.model_type == "gemma3_text" else None,
+        rotary=bool(getattr(attn, "use_rope", True)),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
     )
 

@@ -30,6 +30,8 @@ FAMILIES = (
     Family("qwen2", "qwen2", "Qwen2MLP"),
     Family("qwen3", "qwen3", "Qwen3MLP"),
     Family("gemma3_text", "gemma3", "Gemma3MLP"),
+    Family("seed_oss", "seed-oss", "SeedOssMLP"),
+    Family("smollm3", "smollm3", "SmolLM3MLP"),
     Family("qwen3_moe", "qwen3-moe", None),
     Family("mixtral", "mixtral", None),
 )

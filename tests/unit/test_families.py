@@ -14,7 +14,7 @@ from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMI
 def test_every_tiny_preset_is_one_familys() -> None:
     shipped = sorted(path.stem.removeprefix("tiny--") for path in PRESET_DIR.glob("tiny--*.json"))
     assert shipped == sorted(TINY_FAMILIES)
-    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 7
+    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 9
     assert MOE_FAMILIES == ("qwen3_moe", "mixtral")
 
 
@@ -26,3 +26,23 @@ def test_a_familys_tiny_model_has_its_model_type_and_mlp(family) -> None:
         assert not gated_mlp(mlp)
     else:
         assert type(mlp).__name__ == family.gated_mlp and gated_mlp(mlp)
+
+
+def test_smollm3s_nope_layers_are_not_rotated() -> None:
+    from streambp_core.models.adapters import layer_parts
+
+    layers = build_model("tiny/smollm3", device="meta").model.layers
+    assert [layer_parts(layer).rotary for layer in layers] == [True, False]
+    assert all(layer_parts(layer).rotary for layer in build_model("tiny/llama", device="meta").model.layers)
+
+
+def test_seed_oss_residual_dropout_is_refused_in_train_mode() -> None:
+    import streambp_core
+    from streambp_core.config import ConfigError
+    from streambp_core.models.load import tiny_config
+
+    model = build_model(tiny_config("seed-oss", residual_dropout=0.1))
+    model.train()
+    with pytest.raises(ConfigError, match="residual_dropout"):
+        with streambp_core.prepare(model, "streambp"):
+            pass

@@ -37,9 +37,11 @@ PUBLISHED_PARAMS_B = {
     "google/gemma-3-4b-it": 3.88,
     "google/gemma-3-12b-it": 11.77,
     "google/gemma-3-27b-it": 27.02,
+    "ByteDance-Seed/Seed-OSS-36B-Base": 36.15,
+    "HuggingFaceTB/SmolLM3-3B": 3.08,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
-        "tiny/mixtral"]
+        "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
