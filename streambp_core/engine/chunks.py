@@ -82,3 +82,25 @@ def window_start(end: int, num_queries: int, window: int | None) -> int:
     if window is None:
         return 0
     return max(0, end - num_queries - window + 1)
+
+
+def check_accumulates(ctx, what: str) -> None:
+    """RuntimeError, in the backward of `ctx`'s autograd function, when this backward will not accumulate
+    into `ctx.params` (its last inputs): `torch.autograd.grad`, or `backward(inputs=...)` leaving one out.
+    `what` (e.g. "streambp's chunked decoder layer") writes their gradients into `.grad` itself instead of
+    returning them, so such a call would get None for them and find them in `.grad` instead."""
+    edges = ctx.next_functions[len(ctx.next_functions) - len(ctx.params):]
+    for node, _ in edges:
+        if node is not None and not _will_execute(node):
+            raise RuntimeError(f"torch.autograd.grad (or backward(inputs=...)) is not supported through "
+                               f"{what}: it writes its parameters' gradients into .grad rather than "
+                               "returning them; use loss.backward() and read each parameter's .grad")
+
+
+def _will_execute(node) -> bool:
+    """Whether the running backward executes `node`; torch refuses the question for a leaf's node under
+    `torch.autograd.grad`, which executes none."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return False

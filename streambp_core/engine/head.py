@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.offload import HostChain
 from streambp_core.measure.tags import GRADS, memory_category
 
@@ -92,6 +92,7 @@ class StreamedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        check_accumulates(ctx, "the chunked LM head (streambp, mst)")
         hidden, stats = ctx.saved_tensors
         if ctx.host_input is not None:
             hidden = ctx.host_input.load()
@@ -163,6 +164,7 @@ class FusedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        check_accumulates(ctx, "streambp's fused LM head")
         if ctx.applied:
             raise RuntimeError("the fused LM head applies its gradients once; use head_mode='recompute' "
                                "to back-propagate through one forward several times")

@@ -28,7 +28,14 @@ import torch
 from torch import Tensor
 
 from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf, window_start
+from streambp_core.engine.chunks import (
+    backward_into,
+    check_accumulates,
+    chunk_bounds,
+    grad_or_zeros,
+    leaf,
+    window_start,
+)
 from streambp_core.engine.linear_grads import (
     down_projection_backward,
     gated_mlp,
@@ -314,6 +321,7 @@ class StreamedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *routing_grads):
+        check_accumulates(ctx, "streambp's chunked decoder layer")
         h_in, cos, sin, key_valid = ctx.saved_tensors
         host = ctx.host_input
         if host is not None:

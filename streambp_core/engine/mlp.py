@@ -12,7 +12,14 @@ import types
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf, trainable_parameters
+from streambp_core.engine.chunks import (
+    backward_into,
+    check_accumulates,
+    chunk_bounds,
+    grad_or_zeros,
+    leaf,
+    trainable_parameters,
+)
 
 
 class ChunkedMLP(torch.autograd.Function):
@@ -29,6 +36,7 @@ class ChunkedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        check_accumulates(ctx, "mst's chunked MLP")
         (x,) = ctx.saved_tensors
         grad_x = torch.empty_like(x)
         for start, end in chunk_bounds(x.shape[1], ctx.chunk, ctx.keep):

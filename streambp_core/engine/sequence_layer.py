@@ -23,7 +23,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.layer import (
     LayerPlan,
     _chunk_outputs,
@@ -212,6 +212,7 @@ class SequenceStreamedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        check_accumulates(ctx, "streambp's chunked decoder layer")
         h_in, cos, sin, key_valid = ctx.saved_tensors
         host = ctx.host_input
         if host is not None:

@@ -26,7 +26,7 @@ from streambp_core.engine.sequence_group import SequenceGroup
 from streambp_core.engine.sharded import is_sharded
 from streambp_core.engine.unit_grads import UnitGrads
 from streambp_core.engine.zero3 import Zero3Units
-from streambp_core.methods import guards, sequence
+from streambp_core.methods import guards, hook_guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
 from streambp_core.models.adapters import DecoderParts
@@ -65,6 +65,7 @@ class Run:
         if self.drives_modules:
             guards.refuse_prompt_learning(model, self.method)
         self._check_dropout()
+        hook_guards.refuse_hooks(self.method, model, self._hook_scopes())
         guards.claim(self.parts, self)
         self.router_aux: RouterAux | None = router_aux(self.parts.backbone.config)
         """The router load-balancing loss's settings when the model adds it to its loss, else None."""
@@ -232,6 +233,10 @@ class Run:
 
     def _check_dropout(self) -> None:
         """ConfigError when dropout is on where this method cannot replay it (see `guards`)."""
+
+    def _hook_scopes(self) -> list[hook_guards.HookScope]:
+        """Where this method cannot run a user's hooks as plain does (`hook_guards`); none here."""
+        return []
 
     def _setup(self) -> None:
         """Change the model for this method (reversibly)."""

@@ -17,6 +17,7 @@ import inspect
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.offload import offloaded_checkpoint
+from streambp_core.methods.hook_guards import FORWARD_HOOKS, HookScope
 from streambp_core.methods.plain import PlainRun
 from streambp_core.tiers import offload_tiers
 
@@ -38,6 +39,12 @@ class CheckpointRun(PlainRun):
         self._eval_layers = [layer for layer in self.parts.layers if not layer.training]
         for layer in self._eval_layers:
             layer.training = True  # the layer's own flag only: transformers' checkpoint gate
+
+    def _hook_scopes(self) -> list[HookScope]:
+        """The modules inside each decoder layer: the backward's recompute calls their forward hooks again."""
+        inner = tuple(child for layer in self.parts.layers for child in layer.children())
+        return [HookScope(inner, "its backward recomputes each decoder layer, calling the forward hooks of "
+                                 "the modules inside it a second time", module_kinds=FORWARD_HOOKS)]
 
     def _teardown(self) -> None:
         for layer in self._eval_layers:

@@ -14,6 +14,7 @@ from streambp_core.engine.unit_grads import UnitGrads
 from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
+from streambp_core.methods.hook_guards import PARAM_HOOKS, HookScope, above
 
 
 class MstRun(CheckpointRun):
@@ -27,6 +28,17 @@ class MstRun(CheckpointRun):
         recomputed = [*(layer.mlp for layer in self.parts.layers), self.parts.lm_head]
         guards.refuse_dropout(self.method, guards.active_dropout(recomputed),
                               "its chunked MLP and LM head recompute without replaying the forward's masks")
+
+    def _hook_scopes(self) -> list[HookScope]:
+        """Checkpoint's, the modules above the decoder stack (whose forward mst never calls), and each MLP
+        and the LM head (run chunk by chunk; the head's parameters' gradients written into `.grad`)."""
+        chunked = "it runs each MLP and the LM head chunk by chunk"
+        mlps = tuple(layer.mlp for layer in self.parts.layers)
+        return [*super()._hook_scopes(),
+                HookScope(above(self.model, [self.parts.backbone, self.parts.lm_head]),
+                          "it never calls the model's own forward", subtree=False),
+                HookScope(mlps, chunked, param_kinds=tuple(PARAM_HOOKS)),
+                HookScope((self.parts.lm_head,), chunked, param_kinds=("_backward_hooks",))]
 
     def _setup(self) -> None:
         if self.router_aux is not None:

@@ -29,6 +29,7 @@ from streambp_core.engine.zero3 import Zero3Units
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
+from streambp_core.methods.hook_guards import HookScope, above
 from streambp_core.models.adapters import layer_parts
 from streambp_core.tiers import offload_tiers
 
@@ -43,6 +44,14 @@ class StreamBPRun(Run):
         recomputed = [*self.parts.layers, self.parts.norm, self.parts.lm_head]
         guards.refuse_dropout(self.method, guards.active_dropout(recomputed),
                               "its chunked recompute does not replay the forward's random masks")
+
+    def _hook_scopes(self) -> list[HookScope]:
+        """Every module but the embedding: their forwards never run (the layers, final norm and LM head run
+        through the engine's autograd functions, which write their parameters' gradients into `.grad`)."""
+        return [HookScope(above(self.model, [self.parts.embed]), "it runs the decoder layers, the final norm "
+                          "and the LM head chunk by chunk through its own autograd functions, never through "
+                          "their forward, and writes their gradients into .grad itself", subtree=False,
+                          param_kinds=("_backward_hooks",))]
 
     def _setup(self) -> None:
         cfg = self.config
