@@ -175,6 +175,21 @@ def offload_choice(value) -> str:
         raise ConfigError(str(err)) from None
 
 
+SP_UNDER_DEEPSPEED = ("sequence parallelism does not run under DeepSpeed ZeRO; its weights are whole on each "
+                      "rank or sharded with FSDP2")
+"""Why a step refuses sequence parallelism with a DeepSpeed shard stage (every command says it the same)."""
+
+
+def packing_problem(objective: str, sp: int = 1) -> str | None:
+    """Why packed rows (`--packing`) cannot run with `objective` on `sp` ranks per sequence, in one line;
+    None when they can: packed rows train the sft objective on whole (unsplit) rows."""
+    if objective != "sft":
+        return f"--packing: packed rows train the sft objective, not {objective}"
+    if sp > 1:
+        return "--packing with sequence parallelism: packed rows run unsplit (without --sp)"
+    return None
+
+
 def require_positive(name: str, value: int) -> None:
     """Raise ConfigError unless `value` is a positive integer (bools are not integers here)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -291,6 +306,8 @@ class StepSpec:
         check_offload(self.method, self.stream.offload, self.optimizer)
         for name in ("batch_size", "gpus", "sp"):
             require_positive(name, getattr(self, name))
+        if self.sp > 1 and self.shard.startswith("deepspeed"):
+            raise ConfigError(f"sp {self.sp} with shard {self.shard}: {SP_UNDER_DEEPSPEED}")
         if self.gpus % self.sp:
             raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: the GPUs form groups of sp "
                               "ranks, each group sharing its sequences")

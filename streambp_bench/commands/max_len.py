@@ -163,7 +163,7 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
-    packing = packing_note.check_packing(packing, SEARCH_CAP_TOKENS)
+    packing = packing_note.check_packing(packing, SEARCH_CAP_TOKENS, specs)
     at_lengths = tuple(_at_length(length) for length in opt.split_list(at or ""))
     results_file = writable_results(out)
     workers = worker_count(jobs, len(specs), where)

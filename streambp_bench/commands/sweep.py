@@ -183,7 +183,7 @@ def sweep(
         **ranks,
     )
     points = with_offload(tuple(points), offload.value, every_method=method.strip() == "all")
-    packing = packing_note.check_packing(packing, max(point.seq_len_tokens for point in points))
+    packing = packing_note.check_packing(packing, max(point.seq_len_tokens for point in points), points)
     writable_results(out)
     from streambp_bench.results import ResultsFile
     from streambp_core.models.load import load_config

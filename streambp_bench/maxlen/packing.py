@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from streambp_bench.tokens import parse_tokens
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, packing_problem
 
 PackingOption = Annotated[
     str | None,
@@ -19,13 +19,18 @@ PackingOption = Annotated[
 ]
 
 
-def check_packing(text: str | None, most_tokens: int) -> str | None:
+def check_packing(text: str | None, most_tokens: int, specs: tuple = ()) -> str | None:
     """`--packing` text as plain digits ('1k' -> '1000', '0.1k,50' -> '100,50'), checked without building
     any documents (O(number of lengths) in time and memory, whatever the count): ConfigError for text that
     is neither a document count nor lengths, or for more documents (or a longer total) than `most_tokens`,
-    the longest row the command can reach."""
+    the longest row the command can reach, or for steps of `specs` that cannot run packed rows
+    (`packing_problem`: the objective, sequence parallelism)."""
     if not text:
         return text
+    for spec in specs:
+        problem = packing_problem(spec.objective, spec.sp)
+        if problem:
+            raise ConfigError(problem)
     parts = [part.strip() for part in text.split(",")]
     try:
         lengths = [parse_tokens(part, "--packing") for part in parts]

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from streambp_bench.output import emit
 from streambp_bench.verify.sharded import on_ranks
-from streambp_core.config import FSDP_STAGES, ConfigError
+from streambp_core.config import FSDP_STAGES, SP_UNDER_DEEPSPEED, ConfigError
 from streambp_core.measure.units import format_size
 
 if TYPE_CHECKING:
@@ -30,8 +30,7 @@ def check_sequence_options(sp: int, nproc: int | None, engine: str, shard: str |
     if nproc % sp:
         raise ConfigError(f"--sp {sp} does not divide --nproc {nproc}: the ranks form groups of sp")
     if engine != "fsdp2":
-        raise ConfigError(f"--sp with --engine {engine}: sequence parallelism does not run under DeepSpeed "
-                          "ZeRO; its weights are whole on each rank or sharded with FSDP2 (--shard)")
+        raise ConfigError(f"--sp with --engine {engine}: {SP_UNDER_DEEPSPEED} (--shard)")
     if shard is not None and shard not in FSDP_STAGES:
         raise ConfigError(f"--shard with --sp must be one of {', '.join(FSDP_STAGES)}, got {shard!r}")
 

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 import streambp_core
-from streambp_core.config import VERIFY_METHODS, ConfigError, StepSpec, require_choice
+from streambp_core.config import VERIFY_METHODS, ConfigError, StepSpec, packing_problem, require_choice
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
 from streambp_core.step.batch import (
@@ -95,9 +95,9 @@ class VerifySpec:
         _check_device(self.device)
         if self.packing:
             self.document_lengths()  # validated here
-            if self.step.objective != "sft":
-                raise ConfigError("--packing: packed rows train the sft objective, not "
-                                  f"{self.step.objective}")
+            problem = packing_problem(self.step.objective)
+            if problem:
+                raise ConfigError(problem)
             if self.padding != "none":
                 raise ConfigError("--packing with --padding: packed rows pad their end themselves "
                                   "(give lengths summing to less than --seq-len)")

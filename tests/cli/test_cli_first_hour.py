@@ -111,3 +111,13 @@ def test_json_output_is_valid_json_without_nan(capsys: pytest.CaptureFixture[str
     text = capsys.readouterr().out
     assert json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}")) == {
         "error": None, "rows": [{"x": None, "y": 1.5}], "pair": [None, 2]}
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--gpus", "4", "--sp", "2", "--shard", "deepspeed-zero2"], ("sp 2 with shard deepspeed-zero2",
+                                                                   "does not run under DeepSpeed")),
+    (["--gpus", "2", "--sp", "2", "--packing", "3"], ("--packing with sequence parallelism",)),
+    (["--objective", "dpo", "-b", "2", "--packing", "3"], ("packed rows train the sft objective, not dpo",)),
+])
+def test_max_len_refuses_what_verify_refuses(extra: list[str], words: tuple[str, ...]) -> None:
+    one_line_error(CliRunner().invoke(app, ["max-len", *TINY_SIM, "--budget-gib", "0.02", *extra]), *words)
