@@ -3,34 +3,26 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from typing import Annotated
 
+from streambp_bench import interrupts
 
-def _interrupted_while_loading(signum: int, frame: object) -> None:
-    """Ctrl-C while the CLI's modules load: nothing has run or been written yet, so one line, exit 130."""
-    os.write(2, b"error: interrupted\n")
-    os._exit(130)
+_loading = interrupts.handled()
+_loading.__enter__()  # Ctrl-C while the modules below load is one line and exit 130 too
 
-
-if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_loading)
-
-import typer  # noqa: E402 (below the handler: Ctrl-C while these load is one line too)
+import typer  # noqa: E402 (below the handler)
 
 import streambp_core  # noqa: E402
 from streambp_bench.commands import max_len, plot, presets, reproduce, selfcheck, sweep, verify  # noqa: E402
 from streambp_bench.errors import (  # noqa: E402
-    INTERRUPTED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
     USER_ERRORS,
     OneLineErrorsGroup,
     print_error,
 )
 
-if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+_loading.__exit__(None, None, None)
 
 app = typer.Typer(
     name="streambp-bench",
@@ -77,13 +69,15 @@ def main() -> None:
         sys.exit(USER_ERROR_EXIT_CODE)
     except KeyboardInterrupt:  # outside a command's own handling (`errors.user_errors`)
         print_error(ValueError("interrupted"))
-        sys.exit(INTERRUPTED_EXIT_CODE)
+        sys.exit(interrupts.INTERRUPTED_EXIT_CODE)
 
 
 def run() -> None:
-    """Console-script entry point: `main`, then `exit_now` with its exit code."""
+    """Console-script entry point: `main` under `interrupts.on_sigint` (Ctrl-C anywhere is one line and
+    exit 130), then `exit_now` with its exit code."""
     try:
-        main()
+        with interrupts.handled():
+            main()
         code: object = 0
     except SystemExit as done:
         code = done.code

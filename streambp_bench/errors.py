@@ -17,11 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from streambp_bench.interrupts import INTERRUPTED_EXIT_CODE
 from streambp_core.config import ConfigError
 
 USER_ERROR_EXIT_CODE = 2
-INTERRUPTED_EXIT_CODE = 130
-"""Exit code of a command stopped by Ctrl-C (128 + SIGINT), with one `error: interrupted` line."""
 
 P = ParamSpec("P")
 R = TypeVar("R")

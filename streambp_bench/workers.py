@@ -13,15 +13,13 @@ Nothing here imports torch: `start_server` must run before the heavy imports to 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import queue
-import signal
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from streambp_bench import interrupts
 from streambp_core.config import available_cpus
 
 PRELOAD = ("streambp_core.step.probe", "streambp_bench.maxlen.plan")
@@ -46,29 +44,14 @@ def start_server(workers: int, preload: Sequence[str] = PRELOAD) -> Any | None:
     process)."""
     if workers <= 1 or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
-    with _children_ignore_sigint():
+    resource_tracker.ensure_running()  # first: it guards itself, then unblocks SIGINT here
+    with interrupts.deferred():  # the server and its workers never see SIGINT; run_tasks stops them
         forkserver.ensure_running()  # starts the resource tracker too
     return context
-
-
-@contextlib.contextmanager
-def _children_ignore_sigint() -> Iterator[None]:
-    """Start processes with SIGINT ignored: an ignored signal stays ignored across exec, and Python then
-    installs no KeyboardInterrupt handler, so Ctrl-C (sent to the whole process group) while the fork server
-    imports `PRELOAD`, or in a worker forked from it, prints no traceback there; this process alone answers
-    it, and stops the workers (`run_tasks`)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def stop_server(context: Any | None) -> None:
@@ -155,8 +138,6 @@ def _work(index: int, task: Task, messages: Any) -> None:
 
     try:
         messages.put(("done", index, task.fn(*task.args, progress)))
-    except KeyboardInterrupt:  # the parent was interrupted too and stops every worker
-        pass
     except Exception as error:  # handed to the parent, which raises it
         messages.put(("error", index, _picklable(error)))
 

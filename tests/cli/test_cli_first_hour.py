@@ -65,7 +65,10 @@ def test_a_full_disk_is_one_error_line_and_keeps_the_rows(tmp_path: Path, monkey
 
 
 def _interrupted_at(delay_s: float) -> tuple[int, list[str], str]:
-    command = [sys.executable, "-c", "from streambp_bench.cli import run; run()", "max-len",
+    # SIGINT as a terminal's foreground job has it (a background job, as under some CI runners, ignores it)
+    start = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+             "from streambp_bench.cli import run; run()")
+    command = [sys.executable, "-c", start, "max-len",
                "-m", "tiny/qwen3", "--device", "sim", "--budget-gib", "0.02", "--jobs", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)  # its own process group, as a terminal's job
@@ -76,17 +79,11 @@ def _interrupted_at(delay_s: float) -> tuple[int, list[str], str]:
     return process.returncode, stderr.strip().splitlines(), stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.2, 0.7, 1.5])
+@pytest.mark.parametrize("delay_s", [0.2, 0.7, 1.5, 3.0])
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(delay_s: float) -> None:
-    """One line and exit 130; a second try at the same delay is allowed, since on a loaded machine the
-    signal can land in another phase of start-up than the delay aims at (seen once in a loaded run)."""
-    stderrs = []
-    for _ in range(2):
-        code, lines, stderr = _interrupted_at(delay_s)
-        if (code, lines) == (130, ["error: interrupted"]):
-            return
-        stderrs.append(stderr)
-    raise AssertionError(stderrs)
+    """Wherever it lands: interpreter start, imports, the fork server's start, its workers, the search."""
+    code, lines, stderr = _interrupted_at(delay_s)
+    assert (code, lines) == (130, ["error: interrupted"]), stderr
 
 
 def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_is_refused() -> None:

@@ -1,0 +1,114 @@
+"""Ctrl-C (`streambp_bench.interrupts`): a KeyboardInterrupt for the command outside an import, an immediate
+one-line exit 130 inside one, and SIGINT held back from the fork server and its workers, never lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from streambp_bench import interrupts, workers
+from streambp_bench.workers import Task, run_tasks
+
+LINUX = sys.platform.startswith("linux")
+
+
+def test_importing_is_true_only_inside_an_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "probe_importing.py").write_text(
+        "import sys\nfrom streambp_bench.interrupts import importing\nSEEN = importing(sys._getframe())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import probe_importing  # noqa: PLC0415
+
+    assert probe_importing.SEEN is True
+    assert interrupts.importing(sys._getframe()) is False
+    assert interrupts.importing(None) is False
+
+
+def test_outside_an_import_the_handler_raises_keyboard_interrupt_for_the_command() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.on_sigint(signal.SIGINT, sys._getframe())
+
+
+def test_inside_an_import_ctrl_c_exits_at_once_with_one_line(tmp_path: Path) -> None:
+    """transformers' lazy modules turn a KeyboardInterrupt inside an import into a ModuleNotFoundError and
+    a pybind11 module aborts on one, so a Ctrl-C there must never become an exception."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    for _ in range(10**7): pass\n"
+        "except BaseException as error:\n"
+        "    raise ModuleNotFoundError('mangled, as transformers does') from error\n")
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from streambp_bench import interrupts\n"
+            "with interrupts.handled():\n"
+            "    import slow_module\n"
+            "print('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert (done.returncode, done.stderr, done.stdout) == (130, "error: interrupted\n", "")
+
+
+def test_handled_restores_the_previous_handler() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    with interrupts.handled():
+        assert signal.getsignal(signal.SIGINT) is interrupts.on_sigint
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on this platform")
+def test_a_sigint_while_deferred_is_delivered_after_the_block_not_lost() -> None:
+    with pytest.raises(KeyboardInterrupt):  # pytest's handler is the default: a KeyboardInterrupt
+        with interrupts.deferred():
+            # to this thread: one sent to the process may go to another thread, where it is not blocked
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+            assert signal.SIGINT in signal.sigpending()
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def _blocked_and_ignored(pid: int) -> tuple[bool, bool]:
+    """Whether SIGINT is blocked, and whether it is ignored, in process `pid` (Linux /proc)."""
+    fields = dict(line.split(":\t") for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if line.startswith(("SigBlk", "SigIgn")))
+    bit = 1 << (signal.SIGINT - 1)
+    return bool(int(fields["SigBlk"], 16) & bit), bool(int(fields["SigIgn"], 16) & bit)
+
+
+def worker_sigint(value: int, progress) -> tuple[bool, bool]:
+    return _blocked_and_ignored(os.getpid())
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_the_fork_server_and_its_workers_never_see_sigint_and_the_parent_loses_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C reaches every process of the group: the fork server (importing torch) and its workers must
+    not answer it (a traceback each), and the parent must not miss one sent while it starts the server (it
+    once ignored SIGINT then, and a Ctrl-C in that window was lost: the run went on and exited 0)."""
+    from multiprocessing import forkserver
+
+    started = forkserver.ensure_running
+    calls: list[int] = []
+
+    def interrupted_while_starting() -> None:
+        started()
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(forkserver, "ensure_running", interrupted_while_starting)
+    context = None
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            context = workers.start_server(2, preload=())
+        context = workers.start_server(2, preload=())  # running already: this returns its context
+        server = forkserver._forkserver._forkserver_pid
+        assert _blocked_and_ignored(server) == (True, False)
+        tasks = [Task(f"t{value}", worker_sigint, (value,)) for value in (1, 2)]
+        assert run_tasks(tasks, 2, context, lambda *event: None) == [(True, False), (True, False)]
+    finally:
+        workers.stop_server(context)
