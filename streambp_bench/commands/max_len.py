@@ -169,7 +169,7 @@ def max_len(
     workers = worker_count(jobs, len(specs), where)
     context = start_server(workers)  # its imports overlap with the ones below
     from streambp_bench.maxlen import auto, report
-    from streambp_bench.maxlen.plan import check_refused, make_plan, run_plan
+    from streambp_bench.maxlen.plan import check_refused, check_something_fits, make_plan, run_plan
 
     extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
                          gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
@@ -191,6 +191,7 @@ def max_len(
         finally:
             stop_server(context)
     check_refused(results)
+    check_something_fits(plan, results)
     steps: list = []
     if extras.active:
         with stderr_console().status("partitions and estimated step times"):

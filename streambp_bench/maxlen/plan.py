@@ -179,6 +179,26 @@ def check_refused(results: list[MethodResult]) -> None:
             raise ConfigError(f"{result.label}: no length could be measured: {why}")
 
 
+def check_something_fits(plan: Plan, results: list[MethodResult]) -> None:
+    """ConfigError when no method fits even the shortest length the search probes, so that a table of
+    `max length 0` is never printed as an answer."""
+    if not results or any(result.search.max_len_tokens > 0 for result in results):
+        return
+    budget_words = f"{plan.budget_bytes / GIB:.4g} GiB" + (
+        "" if plan.host_budget_bytes is None else f" (host {plan.host_budget_words})")
+    shortest = [min(result.search.probes, key=lambda probe: probe.seq_len_tokens) for result in results
+                if result.search.probes]
+    measured = [probe for probe in shortest if probe.peak_bytes is not None]
+    if not measured:
+        raise ConfigError(f"nothing fits in {budget_words}: every method runs out of memory at the shortest "
+                          "length probed")
+    low = min(measured, key=lambda probe: probe.peak_bytes)
+    label = next(result.label for result in results if low in result.search.probes)
+    raise ConfigError(f"nothing fits in {budget_words}: the lowest peak at the shortest length probed is "
+                      f"{format_size(low.peak_bytes)} ({label} at {low.seq_len_tokens:,} tokens, "
+                      f"{low.source})")
+
+
 OnProbe = Callable[[str, ProbeResult, int, int | None], None]
 """on_probe(label, result, ok_len, fail_len): after each probe of the step labelled `label`."""
 

@@ -150,7 +150,10 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
 
 
 def max_len_cell(search) -> str:
-    """The max length as the table prints it: `≥ N` when the search cap itself fits (no maximum found)."""
+    """The max length as the table prints it: `≥ N` when the search cap itself fits (no maximum found),
+    `none` when not even the shortest length probed fits."""
+    if search.max_len_tokens == 0:
+        return "none"
     return f"≥ {search.max_len_tokens:,}" if search.capped else f"{search.max_len_tokens:,}"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from streambp_core.config import ConfigError
@@ -24,6 +26,9 @@ def check_trainer(trainer, method: str) -> None:
     if method == "streambp" and dropout:
         raise ConfigError(f"dropout ({dropout}) cannot train a {method} model: the streamed backward "
                           "recomputes each chunk and would draw new dropout masks; set it to 0")
+    sibling = _sibling_built_from_another_config_state(trainer.model)
+    if sibling:
+        raise ConfigError(sibling)
     if _is_trl(trainer) and not _has_fused_head(trainer):
         raise ConfigError(f"{type(trainer).__name__} from this TRL version computes full logits; "
                           "install trl>=1.15 (its trainers score tokens with a fused LM head)")
@@ -62,6 +67,47 @@ def _active_dropout(model) -> str:
         if isinstance(module, torch.nn.Dropout) and module.p > 0:
             return f"{name}.p={module.p}"
     return ""
+
+
+def _sibling_built_from_another_config_state(model) -> str:
+    """Why `model` cannot be compared with another live model that shares its config object, or ''.
+
+    `from_config` keeps the config object it is given, and a trainer aligns the config's special tokens
+    with its tokenizer when it is built. A second model built from that config object after a first
+    trainer was built is therefore built with the new `pad_token_id`: its embedding has a padding row
+    (zero at initialisation, no gradient from the lookup), the first model's has none. The two models then
+    train apart from their first step, whatever the method, and a user comparing them would blame the method.
+    """
+    base = _base_model(model)
+    config, embedding = getattr(base, "config", None), _input_embeddings(base)
+    if config is None or embedding is None:
+        return ""
+    own = {id(module) for module in model.modules()}
+    padding = getattr(embedding, "padding_idx", None)
+    for other in gc.get_objects():  # a model no longer referenced but not yet collected counts: it was built
+        if not issubclass(type(other), torch.nn.Module) or id(other) in own:  # type(): no lazy getattr
+            continue
+        theirs = _input_embeddings(other) if getattr(other, "config", None) is config else None
+        if theirs is not None and getattr(theirs, "padding_idx", None) != padding:
+            return (f"this model shares its config object with another model built before a trainer changed "
+                    f"it (embedding padding_idx {padding} here, {theirs.padding_idx} there): the two differ "
+                    "from their first step whatever the method; build each model from its own "
+                    "copy.deepcopy(config)")
+    return ""
+
+
+def _base_model(model):
+    """The transformers model inside a peft wrapper, or `model`."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _input_embeddings(model) -> torch.nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _autocast_over_full_precision(trainer) -> bool:

@@ -130,3 +130,23 @@ def test_json_output_is_valid_json_without_nan(capsys: pytest.CaptureFixture[str
 ])
 def test_max_len_refuses_what_verify_refuses(extra: list[str], words: tuple[str, ...]) -> None:
     one_line_error(CliRunner().invoke(app, ["max-len", *TINY_SIM, "--budget-gib", "0.02", *extra]), *words)
+
+
+def test_max_len_where_nothing_fits_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "max_len.csv"
+    args = ["max-len", "-m", "tiny/qwen3", "--device", "sim", "--gpus", "2", "--shard", "deepspeed-zero2",
+            "--budget-gib", "0.001", "--out", str(out)]
+    one_line_error(CliRunner().invoke(app, args), "nothing fits in 0.001 GiB", "at 2 tokens, simulated")
+    assert not out.exists()
+
+
+def test_a_method_that_fits_nothing_beside_one_that_does_prints_none_not_zero() -> None:
+    from streambp_bench.maxlen.report import max_len_cell
+    from streambp_core.search import SearchResult
+
+    def search(tokens: int, fails: int | None) -> SearchResult:
+        return SearchResult(max_len_tokens=tokens, peak_at_max=None, bracket=(tokens, fails), probes=[],
+                            budget_bytes=1)
+
+    assert [max_len_cell(search(0, 2)), max_len_cell(search(4096, 4200)), max_len_cell(search(8, None))] == [
+        "none", "4,096", "≥ 8"]
