@@ -53,17 +53,71 @@ class ExampleParser(argparse.ArgumentParser):
         try:
             from streambp_core.models import load_config
 
-            load_config(parsed.model)
+            config = load_config(parsed.model)
         except ConfigError as error:
             fail(f"--model: {error}")
+        parsed.tokenizer = model_tokenizer(parsed.model, config)
+        check_ram(parsed, config)
         return parsed
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""Files of which a model directory with a tokenizer has one at least."""
+
+
+def model_tokenizer(model: str, config):
+    """The tokenizer of the model directory, loaded from it alone (never the network); for a preset or a
+    directory without one, the package's byte tokenizer, said in one `note:` line. Bad input: exit 2."""
+    from streambp_core.models.byte_tokenizer import byte_tokenizer
+
+    path = Path(model)
+    if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as error:
+            fail(f"--model {model}: its tokenizer cannot be loaded: {error}")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    where = "a preset" if not path.is_dir() else f"{model} has no tokenizer"
+    try:
+        tokenizer = byte_tokenizer(config.vocab_size)
+    except ConfigError as error:
+        fail(f"--model {model}: {where}, and {error}")
+    print(f"note: {where}: training with the package's byte tokenizer (256 bytes, pad, bos, eos), "
+          "which suits random weights only", file=sys.stderr)
+    return tokenizer
+
+
+def check_ram(args: argparse.Namespace, config) -> None:
+    """Exit 2, before building anything, when a CPU run's weights, gradients and AdamW moments cannot fit
+    in the RAM this machine has available (a model built for minutes, then killed)."""
+    if torch.cuda.is_available():
+        return
+    from streambp_core.measure.host_ram import available_ram_bytes
+    from streambp_core.models import build_model
+    from streambp_core.models.load import count_parameters
+
+    parameters = count_parameters(build_model(config, device="meta", checked=True))
+    size = DTYPES[args.dtype].itemsize
+    need = parameters * size * (1 if args.lora_rank else 4)  # weights; full: + gradients + 2 moments
+    have = available_ram_bytes()
+    if need > have:
+        gib = 2**30
+        what = "weights alone" if args.lora_rank else "weights, gradients and AdamW moments"
+        fail(f"--model {args.model}: {parameters / 1e9:.2f}B parameters need {need / gib:.1f} GiB in "
+             f"{args.dtype} for the {what}; this machine has {have / gib:.1f} GiB of RAM available "
+             "(run it on a GPU, or try a tiny/<family> preset)")
 
 
 def parser(description: str, example: str) -> argparse.ArgumentParser:
     """The options every example takes; `example` is a command line shown under --help."""
     cli = ExampleParser(description=description, epilog=f"Example:\n  {example}",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_argument("--model", required=True, help="local model directory (config, safetensors, tokenizer)")
+    cli.add_argument("--model", required=True, help="local model directory (config, safetensors, tokenizer), "
+                     "or a preset: random weights")
     cli.add_argument("--data", required=True, type=Path, help="JSON-lines file, one example per line")
     cli.add_argument("--output-dir", required=True, type=Path, help="where checkpoints are written")
     cli.add_argument("--method", default="streambp", choices=METHODS, help="default: streambp")
@@ -82,9 +136,7 @@ def parser(description: str, example: str) -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace, *, trainable: bool = True):
-    """The model (LoRA-wrapped when asked and `trainable`) and its tokenizer, from the local directory."""
-    from transformers import AutoTokenizer
-
+    """The model (LoRA-wrapped when asked and `trainable`) and its tokenizer (`model_tokenizer`)."""
     # Under `accelerate launch` or torchrun each rank loads onto its own GPU (LOCAL_RANK).
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
@@ -96,10 +148,7 @@ def load(args: argparse.Namespace, *, trainable: bool = True):
         model = apply_lora(model, args.lora_rank)
     if not trainable:
         model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return model, args.tokenizer
 
 
 def rows(path: Path, *fields: str, choices: tuple[tuple[str, ...], ...] = ()):

@@ -313,3 +313,38 @@ def test_example_trains_a_tiny_model(name, model_dir, tmp_path, monkeypatch):
     saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     initial = load_file(str(model_dir / "model.safetensors"))
     assert saved.keys() == initial.keys()
+
+
+def _sft_argv(model: str, data: Path, output: Path) -> list[str]:
+    return ["--model", model, "--data", str(data), "--output-dir", str(output), "--dtype", "float32",
+            "--max-steps", "1", "--grad-accum", "1", "--max-length", "32", "--partition-size", "4"]
+
+
+@pytest.mark.parametrize("where", ["preset", "config-only directory"])
+def test_an_example_trains_offline_with_the_byte_tokenizer_where_the_model_has_none(
+        where, model_dir, tmp_path, monkeypatch, capsys):
+    model = "tiny/qwen3"
+    if where != "preset":
+        model = str(tmp_path / "config-only")
+        Path(model).mkdir()
+        (Path(model) / "config.json").write_text((model_dir / "config.json").read_text())
+    data = tmp_path / "text.jsonl"
+    data.write_text('{"text": "héllo wörld, any UTF-8 text"}\n{"text": "日本語 too"}\n')
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    example("train_sft", monkeypatch).main(_sft_argv(model, data, tmp_path / "out"))
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "byte tokenizer" in notes[0], notes
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_a_model_too_big_for_this_machines_ram_is_refused_before_it_is_built(
+        model_dir, tmp_path, monkeypatch, capsys):
+    from streambp_core.measure import host_ram
+
+    monkeypatch.setattr(host_ram, "available_ram_bytes", lambda: 2**30)
+    with pytest.raises(SystemExit) as done:
+        example("train_sft", monkeypatch).main(_sft_argv("meta-llama/Llama-3.1-8B", model_dir / "data.jsonl",
+                                                         tmp_path / "out"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and lines[-1].startswith("error: --model meta-llama/Llama-3.1-8B: 8.03B")
+    assert "1.0 GiB of RAM available" in lines[-1] and not (tmp_path / "out").exists()
