@@ -135,7 +135,7 @@ def _rank(rank, world, spec):
     import deepspeed
 
     from streambp_core.models import build_model, load_config
-    from streambp_core.parallel import deepspeed_verify as dv
+    from streambp_core.verify import deepspeed as dv
     from streambp_core.verify.compare import max_rel_err
     from streambp_core.verify.methods import DTYPES
 

@@ -25,7 +25,7 @@ PROTOCOLS = ("default", "paper", "trl")
 BASELINE_LOSSES = ("full", "trl")
 """How plain and checkpoint compute a GRPO or DPO loss from the model's logits (see StreamConfig)."""
 HEAD_MODES = ("auto", "fused", "recompute")
-"""How streambp's LM head differentiates (see `streambp_core.engine.head`)."""
+"""How streambp's LM head differentiates (see `streambp_core.engine.stream.head`)."""
 FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
 """Objectives whose loss is linear in its per-sequence sums, so the fused head can serve them."""
 OFFLOAD_MODES = TIER_SETS
@@ -73,7 +73,7 @@ class StreamConfig:
     (auto -> fused where the objective allows it; fused refused where it does not)."""
 
     objective: str = "sft"
-    """sft, grpo or dpo (see `streambp_core.engine.objectives`)."""
+    """sft, grpo or dpo (see `streambp_core.engine.stream.objectives`)."""
 
     partition_size: int = 500
     """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward)."""

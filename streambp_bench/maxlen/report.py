@@ -225,7 +225,7 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     if best.spec.sp > 1:
         return [f"Train at {best.search.max_len_tokens:,} tokens per sequence over {best.spec.sp} ranks "
                 f"({best.label}, {best.search.max_len_tokens // best.spec.sp:,} per rank): prepare the model "
-                "in each rank with its SequenceGroup (streambp_core.engine.sequence_group) and its shard "
+                "in each rank with its SequenceGroup (streambp_core.engine.sequence.group) and its shard "
                 "of the sequence."]
     if best.spec.shard.startswith("deepspeed-"):
         return [f"Train at {best.search.max_len_tokens:,} tokens per rank ({best.label}) under DeepSpeed: "
@@ -239,7 +239,7 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
             f"max_length <= {best.search.max_len_tokens}, then call "
             f"{trainer_settings_line(best.spec)} before trainer.train().")
     if "optimizer" in best.spec.offload:  # a trainer makes its own optimizer on the device
-        line += (" For the optimizer tier give the trainer streambp_core.engine.host_optimizer.HostAdamW "
+        line += (" For the optimizer tier give the trainer streambp_core.engine.host.optimizer.HostAdamW "
                  "as its optimizer: optimizers=(HostAdamW(model.parameters(), lr=...), None).")
     return [line]
 

@@ -117,7 +117,7 @@ class ResultRow:
     temporaries_gib: float | None = None
     kernel_workspace_gib: float | None = None
     """Buffers the attention kernels allocate inside themselves at the peak (simulated rows, from the
-    kernels' source: `streambp_core.engine.kernel_workspace`); empty on measured rows and older files."""
+    kernels' source: `streambp_core.engine.attention.workspace`); empty on measured rows and older files."""
     budget_gib: float | None = None
     """Device memory the point was judged against."""
     host_peak_gib: float | None = None

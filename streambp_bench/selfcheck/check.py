@@ -20,7 +20,7 @@ is `selfcheck.items`).
 5. kernel workspace: streambp on the memory model at the plan's workspace lengths, for each attention
    kernel, with its attention backward blocked over keys and without (metrics peak_memory_blocked and
    peak_memory_unblocked): the measured peak next to the simulator's, which counts the kernels' own
-   buffers (`streambp_core.engine.kernel_workspace`); a simulated row off the allocator's peak by more
+   buffers (`streambp_core.engine.attention.workspace`); a simulated row off the allocator's peak by more
    than 3% is an error. attn sdpa runs torch's FlashAttention-2 on the chunks that attend to a prefix and
    cuDNN on each layer's first, square chunk (SDPA's dispatch on Hopper); flash runs flash-attn.
 Without CUDA the same code runs on CPU with a tiny preset and tiny lengths.
@@ -128,7 +128,7 @@ def device_name(plan: CheckPlan) -> str:
 
 def attention_kernels(plan: CheckPlan) -> tuple[str, ...]:
     """Kernels to check: sdpa always; flash when flash-attn is importable on CUDA."""
-    from streambp_core.engine.attention import flash_attn_available
+    from streambp_core.engine.attention.prefix import flash_attn_available
 
     return ("flash", "sdpa") if plan.device == "cuda" and flash_attn_available() else ("sdpa",)
 

@@ -1,6 +1,6 @@
 """`streambp-bench verify --nproc N --engine deepspeed`: DeepSpeed ZeRO across N CPU ranks, as a table.
 
-The work is `streambp_core.parallel.deepspeed_verify.verify_deepspeed`; this module checks the engine,
+The work is `streambp_core.verify.deepspeed.verify_deepspeed`; this module checks the engine,
 its version, the stages and the ranks before any process starts, and prints each (stage, method)'s
 reduced gradient against single-process plain's, its applied update against the engine's own
 optimizer on that gradient, and how many times ZeRO reduced each parameter.
@@ -43,8 +43,8 @@ def sharded_stages(engine: str, shard: str | None, nproc: int | None) -> tuple[s
 
 def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_json: bool) -> bool:
     """Verify `spec` on DeepSpeed ZeRO across `nproc` CPU ranks for every stage; print; whether all passed."""
-    from streambp_core.parallel.deepspeed_verify import check_spec, report, verify_deepspeed
     from streambp_core.parallel.launch import check_nproc
+    from streambp_core.verify.deepspeed import check_spec, report, verify_deepspeed
 
     if spec.device != "cpu":
         raise ConfigError("--engine deepspeed: the sharded verify runs on cpu ranks (gloo); use --device cpu")

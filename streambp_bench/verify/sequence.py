@@ -1,6 +1,6 @@
 """`streambp-bench verify --nproc N --sp S`: sequence parallelism (Ulysses) across N ranks, as a table.
 
-The work is `streambp_core.parallel.sequence_verify.verify_sequence`; this module refuses bad input
+The work is `streambp_core.verify.sequence.verify_sequence`; this module refuses bad input
 before any rank starts (S not dividing N, more ranks than the cores or GPUs, heads that cannot split over
 S ranks, DeepSpeed) and prints each method's error against single-process plain over the whole sequence
 and the all-to-alls of its step.
@@ -39,7 +39,7 @@ def run_sequence(spec: VerifySpec, nproc: int, sp: int, shard: str | None, *, as
     """Verify `spec` with `sp` ranks per sequence across `nproc` ranks (weights sharded with FSDP2 stage
     `shard` over every rank when given); print; whether every method passed."""
     from streambp_core.parallel.launch import backend_for
-    from streambp_core.parallel.sequence_verify import check_sequence_spec, verify_sequence
+    from streambp_core.verify.sequence import check_sequence_spec, verify_sequence
 
     backend = backend_for(spec.device)
     check_sequence_spec(spec, nproc, sp, shard)

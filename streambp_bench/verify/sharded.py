@@ -1,6 +1,6 @@
 """`streambp-bench verify --nproc N`: the sharded check across N ranks, printed as a table.
 
-The work is `streambp_core.parallel.verify.verify_sharded`; this module checks the ranks and the backend
+The work is `streambp_core.verify.sharded.verify_sharded`; this module checks the ranks and the backend
 before any process starts, shows progress while the ranks run, and prints the gradients' errors and each
 step's collectives (calls and bytes, per step and per FSDP unit).
 """
@@ -17,8 +17,8 @@ from streambp_bench.errors import print_error
 from streambp_bench.output import emit, stderr_console
 from streambp_core.measure.units import format_size
 from streambp_core.parallel.launch import RankError, backend_for, check_nproc
-from streambp_core.parallel.verify import ShardedReport, verify_sharded
 from streambp_core.verify.methods import VerifySpec
+from streambp_core.verify.sharded import ShardedReport, verify_sharded
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """`streambp-bench verify --trainer KIND`: a trainer's updates with `stream_trainer` against plain, per group.
 
-The work is `streambp_core.integrations.parity_setup.run_parity` (one process) or, with `--nproc N
+The work is `streambp_core.verify.trainer_setup.run_parity` (one process) or, with `--nproc N
 --engine fsdp2|deepspeed [--shard ...]`, `streambp_bench.verify.trainer_ranks.run_sharded_parity`
 (N CPU ranks under accelerate's plugin); this module reads the trainer settings (`--set NAME=VALUE`),
 refuses the verify options that do not apply to a trainer, and prints the table.
@@ -69,7 +69,7 @@ def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dt
     print each group's update error; whether every method is within tolerance."""
     import torch
 
-    from streambp_core.integrations.parity_setup import GRPO_SETTINGS, ParitySetup, run_parity
+    from streambp_core.verify.trainer_setup import GRPO_SETTINGS, ParitySetup, run_parity
 
     given = [name for name, is_set in unused.items() if is_set]
     if given:
@@ -149,7 +149,7 @@ def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: s
 def _run_sharded(setup, methods, stream: dict, nproc: int, engine: str, stages, as_json: bool) -> bool:
     """`run_sharded_parity` for every stage (each checked before any rank starts); print; all passed."""
     from streambp_bench.verify.trainer_ranks import run_sharded_parity
-    from streambp_core.integrations.sharded_parity import check_sharded
+    from streambp_core.verify.trainer_sharded import check_sharded
 
     for stage in stages:
         check_sharded(setup, engine, stage, methods)

@@ -3,7 +3,7 @@
     results = run_sharded_parity(ParitySetup(trainer="sft"), engine="fsdp2", shard="zero3", nproc=2,
                                  methods=("streambp",), partition_size=8)
 
-What each rank runs and how the figures are judged is `streambp_core.integrations.sharded_parity`; this
+What each rank runs and how the figures are judged is `streambp_core.verify.trainer_sharded`; this
 module checks the request before any rank starts, starts the ranks (`parallel.launch.run_ranks`, gloo),
 trains the reference and returns one `ShardedParity` per method.
 """
@@ -21,8 +21,8 @@ from streambp_core.config import ConfigError
 def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, **options) -> list:
     """Train plain and each method on `nproc` ranks of `engine` and compare them with the reference
     (`sharded_parity`'s steps); ConfigError before any rank starts for what cannot run."""
-    from streambp_core.integrations import sharded_parity as sharded
     from streambp_core.parallel.launch import check_nproc, run_ranks
+    from streambp_core.verify import trainer_sharded as sharded
 
     try:
         sharded.check_sharded(setup, engine, shard, methods)
@@ -61,7 +61,7 @@ class ReductionCount(TrainerCallback):
         self._trainable = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from streambp_core.parallel.deepspeed_verify import count_reductions
+        from streambp_core.verify.deepspeed import count_reductions
 
         engine = self.trainer.model_wrapped  # the DeepSpeed engine `train()` built
         self._counts = count_reductions(engine.optimizer)

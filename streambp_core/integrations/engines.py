@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streambp_core.engine.reduction import (
+from streambp_core.engine.engines.reduction import (
     OneReduction,
     check_version,
     installed_version,

@@ -29,8 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.objectives import IGNORE_INDEX
 from streambp_core.engine.packing import PACKING_ARGUMENTS, call_position_ids
+from streambp_core.engine.stream.objectives import IGNORE_INDEX
 
 HARMLESS_ARGUMENTS = frozenset({"return_dict", "cache_position"})
 """Arguments a streamed forward accepts whatever their value (they change nothing it returns)."""

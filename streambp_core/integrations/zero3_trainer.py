@@ -43,7 +43,7 @@ import torch
 from transformers import TrainerCallback
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.reduction import engine_and_module
+from streambp_core.engine.engines.reduction import engine_and_module
 from streambp_core.methods import RUN_CLASSES, Run
 
 PrepareStep = Callable[[torch.nn.Module], tuple[Run, list[Callable[[], None]]]]

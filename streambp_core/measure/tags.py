@@ -30,7 +30,7 @@ TEMPORARIES = "temporaries"
 """Everything untagged: the default."""
 KERNEL_WORKSPACE = "kernel_workspace"
 """Buffers a kernel allocates and frees inside itself (attention backward's): only a simulated step files
-any here, from the kernels' source (`engine/kernel_workspace.py`); no tracker sees them on a GPU."""
+any here, from the kernels' source (`engine/attention/workspace.py`); no tracker sees them on a GPU."""
 
 OFFLOADED = "offloaded"
 """Host copies of tensors saved for backward (checkpoint offload): the host pool, not device memory."""

@@ -7,8 +7,8 @@ from dataclasses import replace
 from torch import nn
 
 from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload
-from streambp_core.engine.reduction import engine_and_module
-from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.engines.reduction import engine_and_module
+from streambp_core.engine.sequence.group import SequenceGroup
 from streambp_core.methods.base import Run
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.mst import MstRun

@@ -9,11 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError, StreamConfig
-from streambp_core.engine.deepspeed_offload import check_deepspeed_tiers
-from streambp_core.engine.host_params import HostParams
-from streambp_core.engine.objectives import default_labels
-from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
-from streambp_core.engine.reduction import (
+from streambp_core.engine.engines.deepspeed_tiers import check_deepspeed_tiers
+from streambp_core.engine.engines.fsdp_unit import is_sharded
+from streambp_core.engine.engines.reduction import (
     check_experts,
     full_shape,
     is_zero3,
@@ -21,11 +19,13 @@ from streambp_core.engine.reduction import (
     through_engine,
     zero_stage_of,
 )
-from streambp_core.engine.router import RouterAux, aux_loss, router_aux, routing_sums
-from streambp_core.engine.sequence_group import SequenceGroup
-from streambp_core.engine.sharded import is_sharded
-from streambp_core.engine.unit_grads import UnitGrads
-from streambp_core.engine.zero3 import Zero3Units
+from streambp_core.engine.engines.zero3 import Zero3Units
+from streambp_core.engine.host.params import HostParams
+from streambp_core.engine.host.unit_grads import UnitGrads
+from streambp_core.engine.packing import PackedRows, document_labels, packed_rows
+from streambp_core.engine.sequence.group import SequenceGroup
+from streambp_core.engine.stream.objectives import default_labels
+from streambp_core.engine.stream.router import RouterAux, aux_loss, router_aux, routing_sums
 from streambp_core.methods import guards, hook_guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
@@ -164,8 +164,9 @@ class Run:
         return packed
 
     def make_objective(self, labels: Tensor, **objective_inputs: Any):
-        """The streamed objective for this batch (see `streambp_core.engine.objectives`); under sequence
-        parallelism the whole batch's, as this rank's shard computes it (`sequence.ShardObjective`)."""
+        """The streamed objective for this batch (see `streambp_core.engine.stream.objectives`); under
+        sequence parallelism the whole batch's, as this rank's shard computes it
+        (`sequence.ShardObjective`)."""
         objective = build_objective(self.objective_name, self._input_ids, labels, **objective_inputs)
         if self._step_shard is None:
             return objective

@@ -16,7 +16,7 @@ import functools
 import inspect
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.offload import offloaded_checkpoint
+from streambp_core.engine.host.checkpoints import offloaded_checkpoint
 from streambp_core.methods.hook_guards import FORWARD_HOOKS, HookScope
 from streambp_core.methods.plain import PlainRun
 from streambp_core.tiers import offload_tiers

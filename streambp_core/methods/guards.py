@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.objectives import IGNORE_INDEX
+from streambp_core.engine.stream.objectives import IGNORE_INDEX
 from streambp_core.models.adapters import DecoderParts, decoder_parts
 
 OPEN_RUN_ATTRIBUTE = "_streambp_open_run"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streambp_core.engine.host_optimizer import HostAdamW
-from streambp_core.engine.host_params import HostParams
+from streambp_core.engine.host.optimizer import HostAdamW
+from streambp_core.engine.host.params import HostParams
 from streambp_core.models.adapters import DecoderParts
 
 

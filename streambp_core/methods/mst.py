@@ -7,11 +7,11 @@ from functools import partial
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import trainable_parameters
-from streambp_core.engine.head import HeadPlan, StreamedHead
-from streambp_core.engine.mlp import chunk_mlp, unchunk_mlp
-from streambp_core.engine.sharded import sharded_forward
-from streambp_core.engine.unit_grads import UnitGrads
-from streambp_core.engine.zero3 import Zero3Units
+from streambp_core.engine.engines.fsdp_unit import sharded_forward
+from streambp_core.engine.engines.zero3 import Zero3Units
+from streambp_core.engine.host.unit_grads import UnitGrads
+from streambp_core.engine.stream.head import HeadPlan, StreamedHead
+from streambp_core.engine.stream.mlp import chunk_mlp, unchunk_mlp
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.hook_guards import PARAM_HOOKS, HookScope, above

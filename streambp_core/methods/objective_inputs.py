@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.objectives import (
+from streambp_core.engine.stream.objectives import (
     GRPO_LOSS_TYPES,
     IGNORE_INDEX,
     SFTObjective,

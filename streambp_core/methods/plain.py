@@ -10,10 +10,10 @@ from contextlib import ExitStack
 
 import torch
 
-from streambp_core.engine.hf_attention import engine_attention, engine_mask_argument
-from streambp_core.engine.objectives import IGNORE_INDEX
+from streambp_core.engine.attention.hf import engine_attention, engine_mask_argument
 from streambp_core.engine.packing import PackedRows
-from streambp_core.engine.sequence_hf import sequence_attention, sequence_mask_argument
+from streambp_core.engine.sequence.hf import sequence_attention, sequence_mask_argument
+from streambp_core.engine.stream.objectives import IGNORE_INDEX
 from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.models.adapters import layer_parts

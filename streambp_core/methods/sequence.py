@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.sequence_attention import kv_replication
-from streambp_core.engine.sequence_group import SequenceGroup, group_sum
-from streambp_core.engine.sequence_layer import SequenceShard
+from streambp_core.engine.sequence.attention import kv_replication
+from streambp_core.engine.sequence.group import SequenceGroup, group_sum
+from streambp_core.engine.sequence.layer import SequenceShard
 from streambp_core.models.adapters import layer_parts
 from streambp_core.tiers import offload_tiers
 

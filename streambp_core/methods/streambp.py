@@ -18,14 +18,14 @@ import torch
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import trainable_parameters
-from streambp_core.engine.head import FusedHead, HeadPlan, StreamedHead
-from streambp_core.engine.layer import LayerPlan, StreamedLayer
-from streambp_core.engine.offload import HostChain
-from streambp_core.engine.router import aux_loss
-from streambp_core.engine.sequence_layer import SequenceShard, SequenceStreamedLayer
-from streambp_core.engine.sharded import sharded_forward
-from streambp_core.engine.unit_grads import UnitGrads
-from streambp_core.engine.zero3 import Zero3Units
+from streambp_core.engine.engines.fsdp_unit import sharded_forward
+from streambp_core.engine.engines.zero3 import Zero3Units
+from streambp_core.engine.host.checkpoints import HostChain
+from streambp_core.engine.host.unit_grads import UnitGrads
+from streambp_core.engine.sequence.layer import SequenceShard, SequenceStreamedLayer
+from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
+from streambp_core.engine.stream.layer import LayerPlan, StreamedLayer
+from streambp_core.engine.stream.router import aux_loss
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding

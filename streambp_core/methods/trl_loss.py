@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from streambp_core.engine.objectives import IGNORE_INDEX, shifted_targets
+from streambp_core.engine.stream.objectives import IGNORE_INDEX, shifted_targets
 
 TRL_VERSION = "0.17.0"
 """The TRL release whose trainers this module follows."""

@@ -62,8 +62,8 @@ under `prepare(engine.module)`, whose config cannot be read), params below ZeRO-
 from __future__ import annotations
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.deepspeed_offload import OFFLOAD_SECTIONS
-from streambp_core.engine.reduction import (
+from streambp_core.engine.engines.deepspeed_tiers import OFFLOAD_SECTIONS
+from streambp_core.engine.engines.reduction import (
     MIN_VERSION,
     OneReduction,
     check_version,

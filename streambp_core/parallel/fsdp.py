@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from streambp_core.config import FSDP_STAGES, ConfigError, require_choice
-from streambp_core.engine.sharded import fsdp_available, is_sharded
+from streambp_core.engine.engines.fsdp_unit import fsdp_available, is_sharded
 from streambp_core.models.adapters import decoder_parts
 
 SHARD_STAGES = FSDP_STAGES

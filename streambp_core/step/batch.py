@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from streambp_core.config import PADDINGS, ConfigError, require_choice
-from streambp_core.engine.objectives import IGNORE_INDEX
+from streambp_core.engine.stream.objectives import IGNORE_INDEX
 
 PAD_FRACTION = 0.2
 """Average fraction of padded positions when padding is on; rows get different amounts."""

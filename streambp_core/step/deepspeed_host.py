@@ -28,7 +28,7 @@ On top, the checkpoints tier's host copies and their traffic, as the simulated s
 from __future__ import annotations
 
 from streambp_core.config import ConfigError, StepSpec
-from streambp_core.engine.deepspeed_offload import OFFLOAD_SECTIONS
+from streambp_core.engine.engines.deepspeed_tiers import OFFLOAD_SECTIONS
 from streambp_core.step.shards import FP32_BYTES, ShardLayout
 from streambp_core.tiers import offload_tiers
 

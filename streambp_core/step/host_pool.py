@@ -24,7 +24,7 @@ def step_optimizer(model: torch.nn.Module, spec: StepSpec) -> torch.optim.Optimi
     """The step's optimizer: `HostAdamW` with the optimizer tier, else `optim.make_optimizer`'s."""
     if "optimizer" not in offload_tiers(spec.offload):
         return make_optimizer(model, spec.optimizer)
-    from streambp_core.engine.host_optimizer import HostAdamW
+    from streambp_core.engine.host.optimizer import HostAdamW
 
     return HostAdamW(model.parameters(), lr=STEP_LR)
 

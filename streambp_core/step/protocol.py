@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 
 from streambp_core.config import PROTOCOLS, require_choice
-from streambp_core.engine.hf_attention import engine_attention_forward
+from streambp_core.engine.attention.hf import engine_attention_forward
 from streambp_core.methods.base import Run
 from streambp_core.models.adapters import decoder_parts
 

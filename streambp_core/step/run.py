@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.sequence.group import SequenceGroup
 from streambp_core.measure.cuda import is_oom
 from streambp_core.measure.result import TrackerResult
 from streambp_core.measure.tags import OFFLOADED, WEIGHTS

@@ -42,7 +42,7 @@ def check_sequence_parallel(spec: StepSpec, config: PretrainedConfig) -> None:
     query heads divide over them and the KV heads divide or are replicated to (`kv_replication`)."""
     if spec.sp == 1:
         return
-    from streambp_core.engine.sequence_attention import kv_replication
+    from streambp_core.engine.sequence.attention import kv_replication
 
     heads, kv, _ = _heads(config)
     try:

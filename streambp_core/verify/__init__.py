@@ -3,10 +3,12 @@
 - `methods`: `verify_methods` / `verify_spec` (a `VerifySpec` -> a `VerifyReport`), the criterion and
   tolerances;
 - `compare`: gradient errors in float64 (relative and absolute, as `torch.testing.assert_close`);
-- `ram`: the RAM a verify run needs on a CPU, checked before the model is built.
+- `ram`: the RAM a verify run needs on a CPU, checked before the model is built;
+- across ranks: `sharded` (FSDP2), `sequence` (Ulysses sequence parallelism), `deepspeed` (ZeRO-1/2/3);
+- through trainers: `trainer_parity` (a trainer's updates with and without `stream_trainer`),
+  `trainer_setup` (the model, data and trainer a parity run builds), `trainer_sharded` (the same on ranks).
 
-Across ranks (sharded models) the check is `streambp_core.parallel.verify`. Public names load on first
-use, so importing one submodule stays light.
+Public names load on first use, so importing one submodule stays light.
 """
 
 from __future__ import annotations

@@ -76,9 +76,9 @@ def test_gpu_plan_is_chosen_when_cuda_is_present():
 
 
 def test_flash_kernel_is_checked_only_when_importable():
-    with mock.patch("streambp_core.engine.attention.flash_attn_available", return_value=True):
+    with mock.patch("streambp_core.engine.attention.prefix.flash_attn_available", return_value=True):
         assert check.attention_kernels(check.GPU_PLAN) == ("flash", "sdpa")
-    with mock.patch("streambp_core.engine.attention.flash_attn_available", return_value=False):
+    with mock.patch("streambp_core.engine.attention.prefix.flash_attn_available", return_value=False):
         assert check.attention_kernels(check.GPU_PLAN) == ("sdpa",)
     assert check.attention_kernels(check.CPU_PLAN) == ("sdpa",)
 

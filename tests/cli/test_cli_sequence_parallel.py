@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_core.config import PRESET_DIR
-from streambp_core.engine.sequence_attention import KV_PIECES
+from streambp_core.engine.sequence.attention import KV_PIECES
 from tests.cli.errors import one_line_error
 
 TINY = ["verify", "--model", "tiny/llama", "--dtype", "float64", "--seq-len", "23", "--ps", "5",

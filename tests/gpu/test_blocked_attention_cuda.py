@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streambp_core.engine import blocked_attention
-from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.kernel_workspace import blocked_backward_bytes, flash_backward_bytes
+from streambp_core.engine.attention import blocked as blocked_attention
+from streambp_core.engine.attention.prefix import prefix_attention
+from streambp_core.engine.attention.workspace import blocked_backward_bytes, flash_backward_bytes
 
 pytestmark = pytest.mark.gpu
 

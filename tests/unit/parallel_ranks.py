@@ -39,7 +39,7 @@ def rank_one_dies(rank: int, world: int) -> None:
 def sequence_all_to_all(rank: int, world: int, total_tokens: int) -> dict[str, float]:
     """Each rank swaps its shard of a shared float64 sequence to head layout and back, with gradients;
     returns the errors against the same tensor sliced by hand."""
-    from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
+    from streambp_core.engine.sequence.group import SequenceGroup, heads_to_seq, seq_to_heads
 
     group = SequenceGroup.of_process_group()
     full = torch.arange(2 * total_tokens * 4 * 3, dtype=torch.float64).view(2, total_tokens, 4, 3)

@@ -22,7 +22,7 @@ def full_sequence(batch: int, tokens: int, heads: int, width: int) -> torch.Tens
 def swapped_exactly(rank: int, world: int) -> list[dict[str, float]]:
     """Per swap of `SWAPS`, the errors of this rank's head layout, of the round trip back (each head's
     copies summed) and of the gradient, against the same tensors sliced by hand."""
-    from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, parts_to_heads
+    from streambp_core.engine.sequence.group import SequenceGroup, heads_to_seq, parts_to_heads
 
     group = SequenceGroup.of_process_group()
     errors = []
@@ -48,7 +48,7 @@ def swapped_exactly(rank: int, world: int) -> list[dict[str, float]]:
 def swap_peaks(group, device: str) -> list[tuple[int, int]]:
     """Per swap of `SWAPS`, the tracked peak bytes of one `parts_to_heads` and of one `heads_to_seq` on
     rank `group.rank` (inputs made before the tracker, so only what the swap allocates counts)."""
-    from streambp_core.engine.sequence_group import heads_to_seq, parts_to_heads
+    from streambp_core.engine.sequence.group import heads_to_seq, parts_to_heads
     from streambp_core.measure.tracker import MemoryTracker
 
     peaks = []
@@ -74,7 +74,7 @@ def real_swap_peaks(rank: int, world: int) -> list[tuple[int, int]]:
 
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from streambp_core.engine.sequence_group import SequenceGroup
+    from streambp_core.engine.sequence.group import SequenceGroup
 
     @dataclass(frozen=True)
     class UntrackedExchange(SequenceGroup):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streambp_core.engine.attention import allowed_mask, prefix_attention
+from streambp_core.engine.attention.prefix import allowed_mask, prefix_attention
 from streambp_core.measure.tracker import MemoryTracker
 
 
@@ -68,7 +68,7 @@ def test_fake_kernels_allocate_output_and_lse_only():
 def test_baselines_take_the_kernel_choice(monkeypatch):
     """`attn` reaches the baselines' engine attention: the registered function carries the backend."""
     import streambp_core
-    from streambp_core.engine import hf_attention
+    from streambp_core.engine.attention import hf as hf_attention
     from streambp_core.models.load import build_model, tiny_config
 
     seen = []

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streambp_core.engine import blocked_attention, cuda_attention
-from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.blocked_attention import attention_tiles, reference_blocked_backward
+from streambp_core.engine.attention import blocked as blocked_attention
+from streambp_core.engine.attention import cuda as cuda_attention
+from streambp_core.engine.attention.blocked import attention_tiles, reference_blocked_backward
+from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.engine.chunks import allowed_mask
 from tests.unit.test_cuda_attention import padding
 

@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from streambp_core.engine import cuda_attention
-from streambp_core.engine.attention import prefix_attention
+from streambp_core.engine.attention import cuda as cuda_attention
+from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.step.simulation_mode import SimulationMode
 from tests.unit.test_attention import qkv
@@ -141,7 +141,7 @@ def test_flash_varlen_chunk_of_padding_only(fake_flash):
 def test_streambp_through_the_varlen_path_is_exact(fake_flash, monkeypatch):
     """StreamBP with every chunk attending through the flash varlen path (right and left padding, uneven
     chunks) gives plain backprop's gradients: padding rows' zeros reach no loss term."""
-    from streambp_core.engine import layer
+    from streambp_core.engine.stream import layer
     from streambp_core.models.load import build_model, tiny_config
     from tests.unit.test_exactness import assert_matches_plain, batch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from streambp_core.config import PRESET_DIR
-from streambp_core.engine.linear_grads import gated_mlp
+from streambp_core.engine.stream.linear_grads import gated_mlp
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES
 

@@ -69,6 +69,6 @@ def test_a_fused_head_for_dpo_is_refused_by_name() -> None:
 
 def test_the_specs_fusable_objectives_are_the_engines() -> None:
     from streambp_core.config import FUSED_HEAD_OBJECTIVES
-    from streambp_core.engine.objectives import LINEAR_REDUCE_OBJECTIVES
+    from streambp_core.engine.stream.objectives import LINEAR_REDUCE_OBJECTIVES
 
     assert FUSED_HEAD_OBJECTIVES == LINEAR_REDUCE_OBJECTIVES

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from streambp_core.config import StepSpec
-from streambp_core.engine import offload as offload_module
+from streambp_core.engine.host import checkpoints as offload_module
 from streambp_core.measure import is_oom
 from streambp_core.measure.cuda import oom_pool
 from streambp_core.models import load_config

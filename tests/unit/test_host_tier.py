@@ -11,9 +11,9 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError, StepSpec
-from streambp_core.engine import unit_grads
-from streambp_core.engine.host_optimizer import HostAdamW
-from streambp_core.engine.host_params import HostParams
+from streambp_core.engine.host import unit_grads
+from streambp_core.engine.host.optimizer import HostAdamW
+from streambp_core.engine.host.params import HostParams
 from streambp_core.measure import MemoryTracker
 from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods import host_tier

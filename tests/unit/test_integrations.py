@@ -19,8 +19,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from streambp_core.config import ConfigError, StepSpec  # noqa: E402
 from streambp_core.integrations import stream_trainer, trainer_settings, trainer_settings_line  # noqa: E402
-from streambp_core.integrations.parity import causal_lm_loss_in_logits_dtype  # noqa: E402
 from streambp_core.models.load import build_model, tiny_config  # noqa: E402
+from streambp_core.verify.trainer_parity import causal_lm_loss_in_logits_dtype  # noqa: E402
 
 VOCAB = 512
 UPDATE_RTOL = 1e-10

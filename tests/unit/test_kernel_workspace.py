@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-from streambp_core.engine import blocked_attention, cuda_attention
-from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.cuda_attention import plan_kernel
-from streambp_core.engine.kernel_workspace import (
+from streambp_core.engine.attention import blocked as blocked_attention
+from streambp_core.engine.attention import cuda as cuda_attention
+from streambp_core.engine.attention.cuda import plan_kernel
+from streambp_core.engine.attention.prefix import prefix_attention
+from streambp_core.engine.attention.workspace import (
     backward_workspace_bytes,
     blocked_backward_bytes,
     cudnn_backward_bytes,

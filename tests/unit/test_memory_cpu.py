@@ -61,7 +61,7 @@ def test_checkpoints_are_the_layer_inputs(peaks):
 def test_streambp_backward_keeps_one_layer_gradient(monkeypatch):
     """Writing dL/dH_in over dL/dH_out (LayerPlan.reuse_grad_out) lowers a layer-bound peak by exactly one
     (B, T, d) gradient, and changes no gradient."""
-    from streambp_core.engine.layer import LayerPlan
+    from streambp_core.engine.stream.layer import LayerPlan
     from streambp_core.methods import streambp
 
     config = tiny_config("llama", vocab_size=96, num_hidden_layers=3)  # vocab != any hidden width

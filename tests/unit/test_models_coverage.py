@@ -11,7 +11,7 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.engine.attention import prefix_attention
+from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.engine.chunks import allowed_mask, window_start
 from streambp_core.models import build_model, load_config, tiny_config
 from streambp_core.models.adapters import decoder_parts, layer_parts

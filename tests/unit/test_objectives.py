@@ -194,8 +194,8 @@ def test_a_streamed_dpo_heads_sequence_sums_do_not_drift_in_float32():
     at |S| * 2^-24 per chunk, which moves that weight. The streamed head sums a float32 model's chunks
     in float64 (`engine.head.stats_dtype`), so its sums are float32's chunk sums added exactly; an
     objective linear in the sums (sft) keeps float32, its gradient does not depend on them."""
-    from streambp_core.engine.head import HeadPlan, _chunk_terms, sequence_stats, stats_dtype
-    from streambp_core.engine.objectives import SFTObjective, dpo_objective
+    from streambp_core.engine.stream.head import HeadPlan, _chunk_terms, sequence_stats, stats_dtype
+    from streambp_core.engine.stream.objectives import SFTObjective, dpo_objective
 
     gen = torch.Generator().manual_seed(0)
     pairs, tokens, width, vocab, chunk = 1, 4096, 8, 64, 16

@@ -8,7 +8,7 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError, StreamConfig
-from streambp_core.engine.offload import HostChain, _missing
+from streambp_core.engine.host.checkpoints import HostChain, _missing
 from streambp_core.measure import MemoryTracker, memory_category
 from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods.checkpoint import activation_checkpointing, enable_activation_checkpointing

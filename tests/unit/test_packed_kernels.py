@@ -10,9 +10,10 @@ import types
 import pytest
 import torch
 
-from streambp_core.engine import cuda_attention
-from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.packing import flash_packed_attention, packed_cuda_attention, packed_rows
+from streambp_core.engine.attention import cuda as cuda_attention
+from streambp_core.engine.attention.prefix import prefix_attention
+from streambp_core.engine.attention.varlen import flash_packed_attention, packed_cuda_attention
+from streambp_core.engine.packing import packed_rows
 
 
 def banded(q, k, v, scale, window):

@@ -14,7 +14,12 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.engine.reduction import check_version, one_reduction_for, version_tuple, zero_stage_of
+from streambp_core.engine.engines.reduction import (
+    check_version,
+    one_reduction_for,
+    version_tuple,
+    zero_stage_of,
+)
 from streambp_core.models import build_model, load_config
 from streambp_core.parallel.launch import available_cpus
 from streambp_core.verify.methods import VerifySpec
@@ -86,7 +91,7 @@ def test_a_missing_or_old_deepspeed_is_refused_before_ranks(monkeypatch):
 
 
 def _verify(model, methods, shards, objective="sft", micro_steps=2, offload="none", cpu_adam=False, **step):
-    from streambp_core.parallel.deepspeed_verify import verify_deepspeed
+    from streambp_core.verify.deepspeed import verify_deepspeed
 
     fields = {"seq_len_tokens": 32, "batch_size": 2, "partition_size": 8, "head_partition_size": 8, **step}
     spec = VerifySpec.of(model=model, methods=methods, dtype="float64", padding="right", objective=objective,
@@ -110,7 +115,7 @@ def test_a_gradient_or_update_off_plains_fails_the_check():
     that is not the optimizer's step on it fails the step's, a parameter reduced twice fails the count."""
     from collections import Counter
 
-    from streambp_core.parallel.deepspeed_verify import EngineStep, _result
+    from streambp_core.verify.deepspeed import EngineStep, _result
 
     spec = VerifySpec.of(model="tiny/llama", methods=("streambp",), dtype="float32")
     grads = {"w": torch.tensor([1.0, -2.0, 3.0])}
@@ -136,7 +141,7 @@ def test_float32_parameters_hand_the_optimizer_plains_gradient():
     1e-5 of single-process plain's (float32's rounding of another summation order) and the applied
     update is the engine's Adam step on it; the update against plain's gradient stepped by Adam is only
     reported (Adam's first step divides each element by its own size)."""
-    from streambp_core.parallel.deepspeed_verify import verify_deepspeed
+    from streambp_core.verify.deepspeed import verify_deepspeed
 
     spec = VerifySpec.of(model="tiny/qwen3", methods=("plain", "streambp"), dtype="float32",
                          seq_len_tokens=64, partition_size=16, head_partition_size=16)
@@ -195,7 +200,7 @@ def test_a_tier_under_deepspeed_is_its_section_or_refused_by_name():
     and params below ZeRO-3 refused; checkpoints needs nothing of DeepSpeed."""
     from types import SimpleNamespace
 
-    from streambp_core.engine.deepspeed_offload import check_deepspeed_tiers, engine_tiers
+    from streambp_core.engine.engines.deepspeed_tiers import check_deepspeed_tiers, engine_tiers
 
     class Engine:  # the two accessors of a DeepSpeedEngine the check reads
         def __init__(self, *tiers):

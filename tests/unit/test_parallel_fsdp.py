@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import streambp_core
 from streambp_core.config import ConfigError
-from streambp_core.engine.sharded import sharded_forward
+from streambp_core.engine.engines.fsdp_unit import sharded_forward
 from streambp_core.models import build_model, load_config
 from streambp_core.parallel.fsdp import full_gradients, shard_model
 from streambp_core.step.batch import random_batch

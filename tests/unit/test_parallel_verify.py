@@ -24,7 +24,7 @@ GATHERS_PER_UNIT = {"zero2": 1, "zero3": 2}
 
 @pytest.fixture(scope="module")
 def report():
-    from streambp_core.parallel.verify import verify_sharded
+    from streambp_core.verify.sharded import verify_sharded
 
     base = VerifySpec.of(model=MODEL, methods=METHODS, seq_len_tokens=SEQ_LEN, batch_size=2, partition_size=8,
                          head_partition_size=16, dtype="float64", padding="right")

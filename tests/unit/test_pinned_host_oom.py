@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from streambp_core.config import StepSpec
-from streambp_core.engine import offload as offload_module
-from streambp_core.engine.host_params import HostParams
+from streambp_core.engine.host import checkpoints as offload_module
+from streambp_core.engine.host.params import HostParams
 from streambp_core.measure.cuda import PinnedHostOutOfMemory, is_oom, oom_pool, pinned_host_allocation
 from streambp_core.models import load_config
 from streambp_core.search import HOST_PINNED_POOL, OK, OOM, ProbeResult, max_trainable_length

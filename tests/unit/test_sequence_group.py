@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, seq_to_heads
+from streambp_core.engine.sequence.group import SequenceGroup, heads_to_seq, seq_to_heads
 from streambp_core.parallel.launch import available_cpus, run_ranks
 from tests.unit import parallel_ranks, sequence_ranks
 

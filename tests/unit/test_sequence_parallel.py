@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from streambp_core.config import METHODS, PRESET_DIR
-from streambp_core.engine.sequence_attention import KV_PIECES
+from streambp_core.engine.sequence.attention import KV_PIECES
 from streambp_core.models import load_config
 from streambp_core.parallel.launch import available_cpus
 from streambp_core.step.batch import random_batch
@@ -39,7 +39,7 @@ def _mqa_model(directory) -> str:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from streambp_core.parallel.sequence_verify import verify_sequence
+    from streambp_core.verify.sequence import verify_sequence
 
     base = VerifySpec.of(model="tiny/llama", methods=METHODS, seq_len_tokens=SEQ_LEN, batch_size=2,
                          partition_size=8, head_partition_size=5, dtype="float64", padding="right")

@@ -9,9 +9,9 @@ import torch
 
 import streambp_core
 from streambp_core.config import METHODS, ConfigError, StepSpec
-from streambp_core.engine.sequence_attention import kv_replication, lockstep_chunks
-from streambp_core.engine.sequence_group import SequenceGroup
-from streambp_core.engine.sequence_hf import GROUP_ATTRIBUTE
+from streambp_core.engine.sequence.attention import kv_replication, lockstep_chunks
+from streambp_core.engine.sequence.group import SequenceGroup
+from streambp_core.engine.sequence.hf import GROUP_ATTRIBUTE
 from streambp_core.models import build_model, load_config
 
 

@@ -9,8 +9,8 @@ import torch
 
 import streambp_core
 from streambp_core.config import ConfigError, StreamConfig
-from streambp_core.engine.linear_grads import hand_linear, linear_backward
-from streambp_core.engine.rope import Rope, rope_transpose, rotate
+from streambp_core.engine.stream.linear_grads import hand_linear, linear_backward
+from streambp_core.engine.stream.rope import Rope, rope_transpose, rotate
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.step.ops import OpRecorder
 from streambp_core.verify.methods import VerifySpec

@@ -22,14 +22,14 @@ pytest.importorskip("trl", minversion="1.15")
 pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
-from streambp_core.integrations.parity import (  # noqa: E402
+from streambp_core.models.load import tiny_config  # noqa: E402
+from streambp_core.verify.trainer_parity import (  # noqa: E402
     MethodParity,
     group_errors,
     trainer_parity,
     update_tolerance,
 )
-from streambp_core.integrations.parity_setup import ParitySetup, build_user_model, trainer_factory  # noqa: E402
-from streambp_core.models.load import tiny_config  # noqa: E402
+from streambp_core.verify.trainer_setup import ParitySetup, build_user_model, trainer_factory  # noqa: E402
 
 STREAM = {"partition_size": 5, "head_partition_size": 7}  # several chunks per layer and head at these lengths
 WEIGHT_DECAY, MAX_GRAD_NORM, LORA_RANK = 0.1, 0.1, 4
@@ -120,7 +120,7 @@ def test_sgd_parity_every_cell(cell, tmp_path):
 @pytest.mark.parametrize("cell", [DEFAULT_CELLS[3], DEFAULT_CELLS[1]], ids=str)
 def test_adam_parity(cell, tmp_path):
     """AdamW within `update_tolerance` (1e-6 in float64: Adam's normalisation amplifies the rounding of
-    near-zero gradients, see `streambp_core.integrations.parity`)."""
+    near-zero gradients, see `streambp_core.verify.trainer_parity`)."""
     results = run_cell(cell, "llama", tmp_path, optim="adamw_torch")
     assert_parity(results, update_tolerance("adamw_torch", torch.float64))
 
@@ -165,7 +165,7 @@ def test_group_errors_and_tolerances():
 
 def test_model_directory_with_weights(tmp_path):
     """A directory with safetensors weights is loaded by `from_pretrained`, as a user loads it."""
-    from streambp_core.integrations.parity_setup import run_parity
+    from streambp_core.verify.trainer_setup import run_parity
 
     saved = build_user_model(tiny_config("qwen3", tie_word_embeddings=False), torch.float32, seed=1)
     saved.save_pretrained(tmp_path)

@@ -17,8 +17,8 @@ pytest.importorskip("datasets")
 
 from streambp_core.config import ConfigError  # noqa: E402
 from streambp_core.integrations import stream_trainer  # noqa: E402
-from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory  # noqa: E402
 from streambp_core.models.load import tiny_config  # noqa: E402
+from streambp_core.verify.trainer_setup import ParitySetup, trainer_factory  # noqa: E402
 from tests.unit.test_trainer_parity import one_thread  # noqa: E402, F401 (a fixture: tiny models, one thread)
 
 TRAINERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"

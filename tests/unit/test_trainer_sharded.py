@@ -28,10 +28,10 @@ pytest.importorskip("accelerate")
 from streambp_bench.verify.trainer_ranks import run_sharded_parity  # noqa: E402
 from streambp_core.config import ConfigError  # noqa: E402
 from streambp_core.integrations.engines import deepspeed_refusals, fsdp2_refusals  # noqa: E402
-from streambp_core.integrations.parity_setup import ParitySetup  # noqa: E402
-from streambp_core.integrations.sharded_parity import engine_environment  # noqa: E402
 from streambp_core.models import build_model  # noqa: E402
 from streambp_core.models.load import tiny_config  # noqa: E402
+from streambp_core.verify.trainer_setup import ParitySetup  # noqa: E402
+from streambp_core.verify.trainer_sharded import engine_environment  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "accelerate"
 STREAM = {"partition_size": 5, "head_partition_size": 7}

@@ -18,13 +18,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.sequence_attention import (
+from streambp_core.engine.sequence.attention import (
     gather_kv,
     gathered_attention,
     kv_replication,
     whole_shards,
 )
-from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.sequence.group import SequenceGroup
 
 SEQUENCE_ATTENTION = "streambp_sequence"
 """The implementation's name in transformers' attention registry."""

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.offload import host_copy
-from streambp_core.engine.unit_hooks import bracket_unit, in_backward, unique_params
+from streambp_core.engine.engines.unit_hooks import bracket_unit, in_backward, unique_params
+from streambp_core.engine.host.checkpoints import host_copy
 from streambp_core.measure.tags import WEIGHTS, memory_category
 
 

@@ -27,18 +27,18 @@ import torch.distributed as dist
 
 import streambp_core
 from streambp_core.config import ConfigError, require_choice
-from streambp_core.engine.sequence_attention import kv_replication, lockstep_chunks
-from streambp_core.engine.sequence_group import SequenceGroup, sum_gradients
+from streambp_core.engine.sequence.attention import kv_replication, lockstep_chunks
+from streambp_core.engine.sequence.group import SequenceGroup, sum_gradients
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import decoder_parts
 from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.comms import CollectiveLog
 from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
-from streambp_core.parallel.verify import ShardedReport
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.verify.compare import max_grad_err
 from streambp_core.verify.methods import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
+from streambp_core.verify.sharded import ShardedReport
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
-from streambp_core.engine.offload import HostChain
+from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.measure.tags import GRADS, memory_category
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from streambp_core.engine import blocked_attention as blocked
+from streambp_core.engine.attention import blocked
 from streambp_core.engine.chunks import chunk_bounds
 
 FP32 = 4

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from streambp_core.engine.attention import prefix_attention
+from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.engine.chunks import (
     backward_into,
     check_accumulates,
@@ -36,7 +36,9 @@ from streambp_core.engine.chunks import (
     leaf,
     window_start,
 )
-from streambp_core.engine.linear_grads import (
+from streambp_core.engine.host.checkpoints import HostChain
+from streambp_core.engine.packing import PackedRows, query_rows
+from streambp_core.engine.stream.linear_grads import (
     down_projection_backward,
     gated_mlp,
     hand_linear,
@@ -44,10 +46,8 @@ from streambp_core.engine.linear_grads import (
     mlp_inner,
     plain_linear,
 )
-from streambp_core.engine.offload import HostChain
-from streambp_core.engine.packing import PackedRows, query_rows
-from streambp_core.engine.rope import Rope, rotate
-from streambp_core.engine.router import ChunkRouting, RouterAux
+from streambp_core.engine.stream.rope import Rope, rotate
+from streambp_core.engine.stream.router import ChunkRouting, RouterAux
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import LayerParts
 

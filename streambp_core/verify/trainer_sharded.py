@@ -43,8 +43,8 @@ import tempfile
 from dataclasses import dataclass, replace
 
 from streambp_core.config import ConfigError
-from streambp_core.integrations.parity import MethodParity, group_errors, train_updates, update_tolerance
-from streambp_core.integrations.parity_setup import ParitySetup, trainer_factory
+from streambp_core.verify.trainer_parity import MethodParity, group_errors, train_updates, update_tolerance
+from streambp_core.verify.trainer_setup import ParitySetup, trainer_factory
 
 ENGINE_SHARDS = {"fsdp2": ("zero2", "zero3"), "deepspeed": ("zero1", "zero2", "zero3")}
 """The `--shard` names of each engine."""
@@ -147,7 +147,7 @@ def sharded_tolerance(setup: ParitySetup, engine: str, reference_name: str) -> f
 
 def global_batch(setup: ParitySetup, nproc: int) -> ParitySetup:
     """`setup` with `nproc` times its per-rank batch: what data parallelism over `nproc` ranks trains."""
-    from streambp_core.integrations.parity_setup import DEFAULT_SETTINGS
+    from streambp_core.verify.trainer_setup import DEFAULT_SETTINGS
 
     name = "per_device_train_batch_size"
     per_rank = setup.settings.get(name, DEFAULT_SETTINGS[name])

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.chunks import backward_into, leaf
-from streambp_core.engine.rope import Rope, rope_transpose
+from streambp_core.engine.stream.rope import Rope, rope_transpose
 from streambp_core.measure.tags import GRADS, memory_category
 from streambp_core.models.adapters import GATED_MLP_CLASSES
 

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from streambp_core.config import ConfigError
-from streambp_core.engine.attention import prefix_attention
-from streambp_core.engine.sequence_group import SequenceGroup, heads_to_seq, parts_to_heads, seq_to_heads
+from streambp_core.engine.attention.prefix import prefix_attention
+from streambp_core.engine.sequence.group import SequenceGroup, heads_to_seq, parts_to_heads, seq_to_heads
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, group_size: int) -> int:

@@ -24,7 +24,17 @@ import torch
 from torch import Tensor
 
 from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
-from streambp_core.engine.layer import (
+from streambp_core.engine.sequence.attention import (
+    KV_PIECES,
+    SequenceBlocks,
+    gather_kv,
+    gathered_attention,
+    kv_views,
+    lockstep_chunks,
+    scatter_kv_grads,
+)
+from streambp_core.engine.sequence.group import SequenceGroup
+from streambp_core.engine.stream.layer import (
     LayerPlan,
     _chunk_outputs,
     _kv_by_hand,
@@ -35,18 +45,8 @@ from streambp_core.engine.layer import (
     project_kv,
     project_q,
 )
-from streambp_core.engine.linear_grads import kv_projection_backward
-from streambp_core.engine.rope import Rope
-from streambp_core.engine.sequence_attention import (
-    KV_PIECES,
-    SequenceBlocks,
-    gather_kv,
-    gathered_attention,
-    kv_views,
-    lockstep_chunks,
-    scatter_kv_grads,
-)
-from streambp_core.engine.sequence_group import SequenceGroup
+from streambp_core.engine.stream.linear_grads import kv_projection_backward
+from streambp_core.engine.stream.rope import Rope
 from streambp_core.measure.tags import memory_category
 
 

@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from streambp_core.engine import blocked_attention as blocked
+from streambp_core.engine.attention import blocked
 from streambp_core.engine.chunks import allowed_mask
 
 FLASH_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.attention import prefix_attention
+from streambp_core.engine.attention.prefix import prefix_attention
 
 ENGINE_ATTENTION = "streambp_prefix"
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from streambp_core.engine.attention.cuda import cuda_attention, flash_attn_available, plan_kernel
+from streambp_core.engine.attention.varlen import packed_cuda_attention
+from streambp_core.engine.attention.workspace import backward_workspace_bytes
 from streambp_core.engine.chunks import allowed_mask
-from streambp_core.engine.cuda_attention import cuda_attention, flash_attn_available, plan_kernel
-from streambp_core.engine.kernel_workspace import backward_workspace_bytes
-from streambp_core.engine.packing import packed_cuda_attention
 from streambp_core.measure.tags import KERNEL_WORKSPACE, memory_category
 
 __all__ = ["allowed_mask", "flash_attn_available", "prefix_attention"]

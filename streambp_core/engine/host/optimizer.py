@@ -32,8 +32,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.offload import host_copy
-from streambp_core.engine.unit_grads import grad_held
+from streambp_core.engine.host.checkpoints import host_copy
+from streambp_core.engine.host.unit_grads import grad_held
 from streambp_core.measure.tags import OFFLOADED, memory_category
 
 

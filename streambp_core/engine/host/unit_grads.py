@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.unit_hooks import UnitInput, entered_inputs, in_backward, unique_params
+from streambp_core.engine.engines.unit_hooks import UnitInput, entered_inputs, in_backward, unique_params
 
 HELD = "_streambp_grad_held"
 """The mark `UnitGrads` sets on a parameter whose gradient is not complete yet (cleared by `close`)."""

@@ -122,7 +122,7 @@ def run_parity(setup: ParitySetup, methods=None, **options) -> list:
     `MethodParity` per method. ConfigError for a setting the trainer or `stream_trainer` refuses."""
     import tempfile
 
-    from streambp_core.integrations.parity import STREAM_METHODS, trainer_parity, update_tolerance
+    from streambp_core.verify.trainer_parity import STREAM_METHODS, trainer_parity, update_tolerance
 
     try:
         update_tolerance("sgd", setup.dtype)

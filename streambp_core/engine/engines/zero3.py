@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from streambp_core.engine.unit_hooks import UnitInput, bracket_unit, in_backward, unique_params
+from streambp_core.engine.engines.unit_hooks import UnitInput, bracket_unit, in_backward, unique_params
 
 
 class Zero3Units:
