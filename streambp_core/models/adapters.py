@@ -10,6 +10,9 @@ MLP, residual. The differences are data in `LayerParts`:
   per layer as `config.layer_types` says (`sliding_attention` / `full_attention`);
 - SmolLM3 leaves Q and K unrotated in its NoPE layers (`no_rope_layers[i]` = 0, every 4th layer);
 - Seed-OSS may bias its output projection (`attention_out_bias`) and its MLP (`mlp_bias`);
+- Granite scales the embeddings (`embedding_multiplier`), the attention scores (`attention_multiplier`,
+  its query scale), the attention and MLP outputs before each residual (`residual_multiplier`), and
+  divides the logits by `logits_scaling`;
 - Qwen3-MoE and Mixtral route each token to experts inside the MLP module, which acts token by token.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
@@ -62,6 +65,8 @@ class LayerParts:
     """Which RoPE table the layer rotates with (Gemma 3: its layer type); None: the model's only one."""
     rotary: bool = True
     """Whether the layer rotates Q and K (False: a NoPE layer of SmolLM3's `no_rope_layers`)."""
+    residual_multiplier: float = 1.0
+    """Scale of the attention and MLP outputs before each residual add (Granite's `residual_multiplier`)."""
     router: nn.Module | None = None
     """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
 
@@ -78,6 +83,15 @@ class DecoderParts:
     lm_head: nn.Module
     rotary: nn.Module
     family: str
+    embedding_multiplier: float = 1.0
+    """Scale of the embeddings before the first layer (Granite's `embedding_multiplier`)."""
+    logits_scaling: float = 1.0
+    """The logits are the LM head's output divided by it (Granite's `logits_scaling`)."""
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The first layer's input (B, T, d): the embeddings of `input_ids`, scaled as the model does."""
+        hidden = self.embed(input_ids)
+        return hidden if self.embedding_multiplier == 1.0 else hidden * self.embedding_multiplier
 
     def rope_tables(self, hidden: Tensor, positions: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
         """cos/sin of `positions` for every RoPE table the layers use, keyed as `LayerParts.rope_key`."""
@@ -122,6 +136,8 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         lm_head=base.lm_head,
         rotary=inner.rotary_emb,
         family=family,
+        embedding_multiplier=getattr(inner, "embedding_multiplier", 1.0),
+        logits_scaling=getattr(base.config, "logits_scaling", 1.0) if family == "granite" else 1.0,
     )
 
 
@@ -149,6 +165,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         sliding_window=layer_window(attn),
         rope_key=getattr(attn, "layer_type", None) if config.model_type == "gemma3_text" else None,
         rotary=bool(getattr(attn, "use_rope", True)),
+        residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
     )
 

@@ -32,6 +32,7 @@ FAMILIES = (
     Family("gemma3_text", "gemma3", "Gemma3MLP"),
     Family("seed_oss", "seed-oss", "SeedOssMLP"),
     Family("smollm3", "smollm3", "SmolLM3MLP"),
+    Family("granite", "granite", "GraniteMLP"),
     Family("qwen3_moe", "qwen3-moe", None),
     Family("mixtral", "mixtral", None),
 )

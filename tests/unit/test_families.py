@@ -46,3 +46,15 @@ def test_seed_oss_residual_dropout_is_refused_in_train_mode() -> None:
     with pytest.raises(ConfigError, match="residual_dropout"):
         with streambp_core.prepare(model, "streambp"):
             pass
+
+
+def test_granites_multipliers_reach_the_engine() -> None:
+    from streambp_core.models.adapters import decoder_parts, layer_parts
+
+    model = build_model("tiny/granite", device="meta")
+    parts = decoder_parts(model)
+    assert (parts.embedding_multiplier, parts.logits_scaling) == (12.0, 4.0)
+    assert {(layer_parts(layer).residual_multiplier, layer_parts(layer).scaling) for layer in parts.layers} \
+        == {(0.22, 0.1)}
+    llama = decoder_parts(build_model("tiny/llama", device="meta"))
+    assert (llama.embedding_multiplier, llama.logits_scaling) == (1.0, 1.0)
