@@ -91,7 +91,7 @@ def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tenso
     k = hand_linear(parts.k_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = hand_linear(parts.v_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     if parts.q_norm is not None:
-        q, k = parts.q_norm(q), parts.k_norm(k)
+        q, k = parts.norm_heads(parts.q_norm, q), parts.norm_heads(parts.k_norm, k)
     return rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope), v.transpose(1, 2)
 
 
@@ -127,7 +127,7 @@ def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
     b, c, _ = x.shape
     q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
     if parts.q_norm is not None:
-        q = parts.q_norm(q)
+        q = parts.norm_heads(parts.q_norm, q)
     return rotate(q.transpose(1, 2), rope)
 
 
@@ -136,7 +136,7 @@ def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor
     b, c, _ = x.shape
     raw_k = parts.k_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    k = raw_k if parts.k_norm is None else parts.k_norm(raw_k)
+    k = raw_k if parts.k_norm is None else parts.norm_heads(parts.k_norm, raw_k)
     return rotate(k.transpose(1, 2), rope), v.transpose(1, 2), raw_k
 
 

@@ -107,7 +107,7 @@ def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Te
     if parts.k_norm is not None:
         raw = leaf(raw_keys)
         with torch.enable_grad():
-            normed = parts.k_norm(raw)
+            normed = parts.norm_heads(parts.k_norm, raw)
         backward_into([normed], [d_k], [raw], params)
         d_k = raw.grad
     grad_x = linear_backward(parts.k_proj, x, d_k.reshape(b, c, -1))

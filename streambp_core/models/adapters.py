@@ -10,6 +10,8 @@ MLP, residual. The differences are data in `LayerParts`:
   per layer as `config.layer_types` says (`sliding_attention` / `full_attention`);
 - SmolLM3 leaves Q and K unrotated in its NoPE layers (`no_rope_layers[i]` = 0, every 4th layer);
 - Seed-OSS may bias its output projection (`attention_out_bias`) and its MLP (`mlp_bias`);
+- OLMo 2 norms only the attention and MLP outputs before each residual (no norm before either), and
+  RMS-norms the whole projected Q and K (all heads at once, before the split into heads);
 - Granite scales the embeddings (`embedding_multiplier`), the attention scores (`attention_multiplier`,
   its query scale), the attention and MLP outputs before each residual (`residual_multiplier`), and
   divides the logits by `logits_scaling`;
@@ -35,6 +37,8 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
 
 SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
+WHOLE_QK_NORM = ("olmo2",)
+"""Families whose q/k norms act on the whole projection (all heads at once), not on each head."""
 
 
 @dataclass(frozen=True)
@@ -50,15 +54,16 @@ class LayerParts:
     o_proj: nn.Module
     q_norm: nn.Module | None
     k_norm: nn.Module | None
+    """Norms of Q and K before RoPE (each head's, or with `qk_norm_whole` all heads' at once), or None."""
     mlp: nn.Module
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scaling: float
     attn_out_norm: nn.Module | None = None
-    """Norm of the attention output before its residual (Gemma's sandwich norm), or None."""
+    """Norm of the attention output before its residual (Gemma's sandwich norm, OLMo's post-norm), or None."""
     mlp_out_norm: nn.Module | None = None
-    """Norm of the MLP output before its residual (Gemma's sandwich norm), or None."""
+    """Norm of the MLP output before its residual (Gemma's sandwich norm, OLMo's post-norm), or None."""
     sliding_window: int | None = None
     """Keys a query sees (itself included) in a local layer; None: the whole causal prefix."""
     rope_key: str | None = None
@@ -69,6 +74,12 @@ class LayerParts:
     """Scale of the attention and MLP outputs before each residual add (Granite's `residual_multiplier`)."""
     router: nn.Module | None = None
     """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
+    qk_norm_whole: bool = False
+    """Whether `q_norm` and `k_norm` norm all heads of a position together (OLMo 2), not each head."""
+
+    def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
+        """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
+        return norm(t.flatten(2)).view_as(t) if self.qk_norm_whole else norm(t)
 
 
 @dataclass(frozen=True)
@@ -145,10 +156,11 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     """The sub-modules and attention geometry of one decoder layer."""
     attn = layer.self_attn
     config = attn.config
-    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    out_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma's sandwich norms, OLMo's post-norms
+    pre_mlp = "pre_feedforward_layernorm" if out_norms else "post_attention_layernorm"
     return LayerParts(
-        input_norm=layer.input_layernorm,
-        post_norm=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+        input_norm=_module_or_identity(layer, "input_layernorm"),
+        post_norm=_module_or_identity(layer, pre_mlp),
         q_proj=attn.q_proj,
         k_proj=attn.k_proj,
         v_proj=attn.v_proj,
@@ -160,13 +172,14 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         num_kv_heads=config.num_key_value_heads,
         head_dim=attn.head_dim,
         scaling=attn.scaling,
-        attn_out_norm=layer.post_attention_layernorm if sandwich else None,
-        mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
+        attn_out_norm=layer.post_attention_layernorm if out_norms else None,
+        mlp_out_norm=layer.post_feedforward_layernorm if out_norms else None,
         sliding_window=layer_window(attn),
         rope_key=getattr(attn, "layer_type", None) if config.model_type == "gemma3_text" else None,
         rotary=bool(getattr(attn, "use_rope", True)),
         residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
+        qk_norm_whole=config.model_type in WHOLE_QK_NORM,
     )
 
 
@@ -177,6 +190,12 @@ def layer_window(attn: nn.Module) -> int | None:
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     return getattr(attn.config, "sliding_window", None)
+
+
+def _module_or_identity(layer: nn.Module, name: str) -> nn.Module:
+    """The layer's sub-module `name`, or an identity where the family has none (OLMo's missing pre-norms)."""
+    module = getattr(layer, name, None)
+    return nn.Identity() if module is None else module
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:

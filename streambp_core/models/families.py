@@ -33,6 +33,7 @@ FAMILIES = (
     Family("seed_oss", "seed-oss", "SeedOssMLP"),
     Family("smollm3", "smollm3", "SmolLM3MLP"),
     Family("granite", "granite", "GraniteMLP"),
+    Family("olmo2", "olmo2", "Olmo2MLP"),
     Family("qwen3_moe", "qwen3-moe", None),
     Family("mixtral", "mixtral", None),
 )

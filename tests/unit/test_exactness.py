@@ -59,7 +59,7 @@ def model_of(family: str, **overrides):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "seed-oss", "smollm3",
-                                    "granite"])
+                                    "granite", "olmo2"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_each_family_with_padding(family, padding):
     model = model_of(family)

@@ -58,3 +58,16 @@ def test_granites_multipliers_reach_the_engine() -> None:
         == {(0.22, 0.1)}
     llama = decoder_parts(build_model("tiny/llama", device="meta"))
     assert (llama.embedding_multiplier, llama.logits_scaling) == (1.0, 1.0)
+
+
+def test_olmo2_norms_after_and_over_every_head() -> None:
+    from torch import nn
+
+    from streambp_core.models.adapters import layer_parts
+
+    layer = build_model("tiny/olmo2", device="meta").model.layers[0]
+    parts = layer_parts(layer)
+    assert isinstance(parts.input_norm, nn.Identity) and isinstance(parts.post_norm, nn.Identity)
+    assert (parts.attn_out_norm, parts.mlp_out_norm) == (layer.post_attention_layernorm,
+                                                        layer.post_feedforward_layernorm)
+    assert parts.qk_norm_whole and parts.q_norm.weight.shape == (parts.num_heads * parts.head_dim,)
