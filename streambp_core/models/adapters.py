@@ -10,8 +10,10 @@ MLP, residual. The differences are data in `LayerParts`:
   per layer as `config.layer_types` says (`sliding_attention` / `full_attention`);
 - SmolLM3 leaves Q and K unrotated in its NoPE layers (`no_rope_layers[i]` = 0, every 4th layer);
 - Seed-OSS may bias its output projection (`attention_out_bias`) and its MLP (`mlp_bias`);
-- OLMo 2 norms only the attention and MLP outputs before each residual (no norm before either), and
-  RMS-norms the whole projected Q and K (all heads at once, before the split into heads);
+- OLMo 2 and OLMo 3 norm only the attention and MLP outputs before each residual (no norm before
+  either), and RMS-norm the whole projected Q and K (all heads at once, before the split into heads);
+  OLMo 3 attends through a sliding window in 3 of every 4 layers (`layer_types`), with a RoPE table
+  per layer type (its full layers may scale theirs: YaRN);
 - Granite scales the embeddings (`embedding_multiplier`), the attention scores (`attention_multiplier`,
   its query scale), the attention and MLP outputs before each residual (`residual_multiplier`), and
   divides the logits by `logits_scaling`;
@@ -37,7 +39,9 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
 
 SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
-WHOLE_QK_NORM = ("olmo2",)
+ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
+"""Families whose rotary embedding keeps one RoPE table per `config.layer_types` entry."""
+WHOLE_QK_NORM = ("olmo2", "olmo3")
 """Families whose q/k norms act on the whole projection (all heads at once), not on each head."""
 
 
@@ -75,7 +79,7 @@ class LayerParts:
     router: nn.Module | None = None
     """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
     qk_norm_whole: bool = False
-    """Whether `q_norm` and `k_norm` norm all heads of a position together (OLMo 2), not each head."""
+    """Whether `q_norm` and `k_norm` norm all heads of a position together (OLMo 2 and 3), not each head."""
 
     def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
         """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
@@ -106,7 +110,7 @@ class DecoderParts:
 
     def rope_tables(self, hidden: Tensor, positions: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
         """cos/sin of `positions` for every RoPE table the layers use, keyed as `LayerParts.rope_key`."""
-        if self.family != "gemma3_text":
+        if self.family not in ROPE_PER_LAYER_TYPE:
             return {None: self.rotary(hidden, positions)}
         return {kind: self.rotary(hidden, positions, kind) for kind in sorted(set(self.rotary.layer_types))}
 
@@ -175,7 +179,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         attn_out_norm=layer.post_attention_layernorm if out_norms else None,
         mlp_out_norm=layer.post_feedforward_layernorm if out_norms else None,
         sliding_window=layer_window(attn),
-        rope_key=getattr(attn, "layer_type", None) if config.model_type == "gemma3_text" else None,
+        rope_key=config.layer_types[attn.layer_idx] if config.model_type in ROPE_PER_LAYER_TYPE else None,
         rotary=bool(getattr(attn, "use_rope", True)),
         residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,

@@ -34,6 +34,7 @@ FAMILIES = (
     Family("smollm3", "smollm3", "SmolLM3MLP"),
     Family("granite", "granite", "GraniteMLP"),
     Family("olmo2", "olmo2", "Olmo2MLP"),
+    Family("olmo3", "olmo3", "Olmo3MLP"),
     Family("qwen3_moe", "qwen3-moe", None),
     Family("mixtral", "mixtral", None),
 )

@@ -71,3 +71,12 @@ def test_olmo2_norms_after_and_over_every_head() -> None:
     assert (parts.attn_out_norm, parts.mlp_out_norm) == (layer.post_attention_layernorm,
                                                         layer.post_feedforward_layernorm)
     assert parts.qk_norm_whole and parts.q_norm.weight.shape == (parts.num_heads * parts.head_dim,)
+
+
+def test_olmo3s_sliding_layers_have_their_window_and_rope_table() -> None:
+    from streambp_core.models.adapters import layer_parts
+
+    layers = build_model("tiny/olmo3", device="meta").model.layers
+    assert all(layer_parts(layer).qk_norm_whole for layer in layers)
+    assert [(layer_parts(layer).sliding_window, layer_parts(layer).rope_key) for layer in layers] == [
+        (16, "sliding_attention"), (None, "full_attention")]

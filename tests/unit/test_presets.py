@@ -41,10 +41,11 @@ PUBLISHED_PARAMS_B = {
     "HuggingFaceTB/SmolLM3-3B": 3.08,
     "ibm-granite/granite-3.3-8b-instruct": 8.17,
     "allenai/OLMo-2-1124-7B-Instruct": 7.30,
+    "allenai/Olmo-3-7B-Instruct": 7.30,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite",
-        "tiny/olmo2"]
+        "tiny/olmo2", "tiny/olmo3"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
