@@ -14,6 +14,9 @@ MLP, residual. The differences are data in `LayerParts`:
   either), and RMS-norm the whole projected Q and K (all heads at once, before the split into heads);
   OLMo 3 attends through a sliding window in 3 of every 4 layers (`layer_types`), with a RoPE table
   per layer type (its full layers may scale theirs: YaRN);
+- Phi-3 projects Q, K and V in one `qkv_proj` (read as three `FusedRows`) and gate and up in one
+  `gate_up_proj` (split in halves inside its MLP), and may turn only part of each head
+  (`partial_rotary_factor`: the RoPE tables are narrower than the heads);
 - Granite scales the embeddings (`embedding_multiplier`), the attention scores (`attention_multiplier`,
   its query scale), the attention and MLP outputs before each residual (`residual_multiplier`), and
   divides the logits by `logits_scaling`;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
@@ -46,15 +50,42 @@ WHOLE_QK_NORM = ("olmo2", "olmo3")
 
 
 @dataclass(frozen=True)
+class FusedRows:
+    """Output features start..end of a fused projection (Phi-3's `qkv_proj`), as the engine's q, k or v
+    projection. Of a bare nn.Linear it projects with those rows of the weight (and bias), so the
+    gradient lands in the fused parameters' rows; any other module (a peft LoRA wrapper) projects the
+    whole output and keeps the rows, so the wrapper's own forward and parameters take part."""
+
+    fused: nn.Module
+    start: int
+    end: int
+
+    @property
+    def weight(self) -> Tensor:
+        """Rows start..end of a fused nn.Linear's weight (a view)."""
+        return self.fused.weight[self.start : self.end]
+
+    @property
+    def bias(self) -> Tensor | None:
+        """Rows start..end of a fused nn.Linear's bias (a view), or None."""
+        return None if self.fused.bias is None else self.fused.bias[self.start : self.end]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if type(self.fused) is nn.Linear:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return self.fused(x)[..., self.start : self.end]
+
+
+@dataclass(frozen=True)
 class LayerParts:
     """The sub-modules of one decoder layer that the engine calls, plus its attention geometry."""
 
     input_norm: nn.Module
     post_norm: nn.Module
     """The norm before the MLP."""
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
+    q_proj: nn.Module | FusedRows
+    k_proj: nn.Module | FusedRows
+    v_proj: nn.Module | FusedRows
     o_proj: nn.Module
     q_norm: nn.Module | None
     k_norm: nn.Module | None
@@ -162,12 +193,13 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     config = attn.config
     out_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma's sandwich norms, OLMo's post-norms
     pre_mlp = "pre_feedforward_layernorm" if out_norms else "post_attention_layernorm"
+    q_proj, k_proj, v_proj = _qkv_projections(attn)
     return LayerParts(
         input_norm=_module_or_identity(layer, "input_layernorm"),
         post_norm=_module_or_identity(layer, pre_mlp),
-        q_proj=attn.q_proj,
-        k_proj=attn.k_proj,
-        v_proj=attn.v_proj,
+        q_proj=q_proj,
+        k_proj=k_proj,
+        v_proj=v_proj,
         o_proj=attn.o_proj,
         q_norm=getattr(attn, "q_norm", None),
         k_norm=getattr(attn, "k_norm", None),
@@ -194,6 +226,18 @@ def layer_window(attn: nn.Module) -> int | None:
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     return getattr(attn.config, "sliding_window", None)
+
+
+def _qkv_projections(attn: nn.Module) -> tuple[nn.Module | FusedRows, ...]:
+    """The q, k and v projections of an attention module: its own, or the rows of its fused `qkv_proj`
+    (Phi-3: Q's, then K's, then V's features)."""
+    if not hasattr(attn, "qkv_proj"):
+        return attn.q_proj, attn.k_proj, attn.v_proj
+    q_size = attn.config.num_attention_heads * attn.head_dim
+    kv_size = attn.config.num_key_value_heads * attn.head_dim
+    fused = attn.qkv_proj
+    return (FusedRows(fused, 0, q_size), FusedRows(fused, q_size, q_size + kv_size),
+            FusedRows(fused, q_size + kv_size, q_size + 2 * kv_size))
 
 
 def _module_or_identity(layer: nn.Module, name: str) -> nn.Module:

@@ -80,3 +80,15 @@ def test_olmo3s_sliding_layers_have_their_window_and_rope_table() -> None:
     assert all(layer_parts(layer).qk_norm_whole for layer in layers)
     assert [(layer_parts(layer).sliding_window, layer_parts(layer).rope_key) for layer in layers] == [
         (16, "sliding_attention"), (None, "full_attention")]
+
+
+def test_phi3s_fused_qkv_is_read_as_its_rows() -> None:
+    from streambp_core.engine.linear_grads import plain_linear
+    from streambp_core.models.adapters import FusedRows, layer_parts
+
+    layer = build_model("tiny/phi3", device="meta").model.layers[0]
+    parts = layer_parts(layer)
+    projections = (parts.q_proj, parts.k_proj, parts.v_proj)
+    assert all(isinstance(p, FusedRows) and p.fused is layer.self_attn.qkv_proj for p in projections)
+    assert all(plain_linear(p) for p in projections)
+    assert [(p.start, p.end) for p in projections] == [(0, 64), (64, 96), (96, 128)]
