@@ -61,7 +61,8 @@ class StreamBPRun(Run):
                               attn_blocking=cfg.attn_blocking))
             for layer in self.parts.layers
         ]
-        self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks)
+        self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks,
+                              logits_scaling=self.parts.logits_scaling)
         fused = cfg.head_mode == "fused"  # resolved against the objective by StreamConfig
         self._head_function = FusedHead if fused else StreamedHead
 
@@ -107,7 +108,7 @@ class StreamBPRun(Run):
         """The last layer's output and the (probability sums, picks) of each routed layer under the
         load-balancing loss. Packed rows: RoPE at their positions, attention within each document."""
         with memory_category("checkpoints"):
-            hidden = self.parts.embed(input_ids)
+            hidden = self.parts.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         if packed is not None:
             positions = packed.positions

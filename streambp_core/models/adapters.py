@@ -10,6 +10,16 @@ MLP, residual. The differences are data in `LayerParts`:
   per layer as `config.layer_types` says (`sliding_attention` / `full_attention`);
 - SmolLM3 leaves Q and K unrotated in its NoPE layers (`no_rope_layers[i]` = 0, every 4th layer);
 - Seed-OSS may bias its output projection (`attention_out_bias`) and its MLP (`mlp_bias`);
+- OLMo 2 and OLMo 3 norm only the attention and MLP outputs before each residual (no norm before
+  either), and RMS-norm the whole projected Q and K (all heads at once, before the split into heads);
+  OLMo 3 attends through a sliding window in 3 of every 4 layers (`layer_types`), with a RoPE table
+  per layer type (its full layers may scale theirs: YaRN);
+- Phi-3 projects Q, K and V in one `qkv_proj` (read as three `FusedRows`) and gate and up in one
+  `gate_up_proj` (split in halves inside its MLP), and may turn only part of each head
+  (`partial_rotary_factor`: the RoPE tables are narrower than the heads);
+- Granite scales the embeddings (`embedding_multiplier`), the attention scores (`attention_multiplier`,
+  its query scale), the attention and MLP outputs before each residual (`residual_multiplier`), and
+  divides the logits by `logits_scaling`;
 - Qwen3-MoE and Mixtral route each token to experts inside the MLP module, which acts token by token.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
@@ -32,6 +43,37 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
 
 SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
+ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
+"""Families whose rotary embedding keeps one RoPE table per `config.layer_types` entry."""
+WHOLE_QK_NORM = ("olmo2", "olmo3")
+"""Families whose q/k norms act on the whole projection (all heads at once), not on each head."""
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """Output features start..end of a fused projection (Phi-3's `qkv_proj`), as the engine's q, k or v
+    projection. Of a bare nn.Linear it projects with those rows of the weight (and bias), so the
+    gradient lands in the fused parameters' rows; any other module (a peft LoRA wrapper) projects the
+    whole output and keeps the rows, so the wrapper's own forward and parameters take part."""
+
+    fused: nn.Module
+    start: int
+    end: int
+
+    @property
+    def weight(self) -> Tensor:
+        """Rows start..end of a fused nn.Linear's weight (a view)."""
+        return self.fused.weight[self.start : self.end]
+
+    @property
+    def bias(self) -> Tensor | None:
+        """Rows start..end of a fused nn.Linear's bias (a view), or None."""
+        return None if self.fused.bias is None else self.fused.bias[self.start : self.end]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if type(self.fused) is nn.Linear:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return self.fused(x)[..., self.start : self.end]
 
 
 @dataclass(frozen=True)
@@ -41,29 +83,38 @@ class LayerParts:
     input_norm: nn.Module
     post_norm: nn.Module
     """The norm before the MLP."""
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
+    q_proj: nn.Module | FusedRows
+    k_proj: nn.Module | FusedRows
+    v_proj: nn.Module | FusedRows
     o_proj: nn.Module
     q_norm: nn.Module | None
     k_norm: nn.Module | None
+    """Norms of Q and K before RoPE (each head's, or with `qk_norm_whole` all heads' at once), or None."""
     mlp: nn.Module
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scaling: float
     attn_out_norm: nn.Module | None = None
-    """Norm of the attention output before its residual (Gemma's sandwich norm), or None."""
+    """Norm of the attention output before its residual (Gemma's sandwich norm, OLMo's post-norm), or None."""
     mlp_out_norm: nn.Module | None = None
-    """Norm of the MLP output before its residual (Gemma's sandwich norm), or None."""
+    """Norm of the MLP output before its residual (Gemma's sandwich norm, OLMo's post-norm), or None."""
     sliding_window: int | None = None
     """Keys a query sees (itself included) in a local layer; None: the whole causal prefix."""
     rope_key: str | None = None
     """Which RoPE table the layer rotates with (Gemma 3: its layer type); None: the model's only one."""
     rotary: bool = True
     """Whether the layer rotates Q and K (False: a NoPE layer of SmolLM3's `no_rope_layers`)."""
+    residual_multiplier: float = 1.0
+    """Scale of the attention and MLP outputs before each residual add (Granite's `residual_multiplier`)."""
     router: nn.Module | None = None
     """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
+    qk_norm_whole: bool = False
+    """Whether `q_norm` and `k_norm` norm all heads of a position together (OLMo 2 and 3), not each head."""
+
+    def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
+        """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
+        return norm(t.flatten(2)).view_as(t) if self.qk_norm_whole else norm(t)
 
 
 @dataclass(frozen=True)
@@ -78,10 +129,19 @@ class DecoderParts:
     lm_head: nn.Module
     rotary: nn.Module
     family: str
+    embedding_multiplier: float = 1.0
+    """Scale of the embeddings before the first layer (Granite's `embedding_multiplier`)."""
+    logits_scaling: float = 1.0
+    """The logits are the LM head's output divided by it (Granite's `logits_scaling`)."""
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The first layer's input (B, T, d): the embeddings of `input_ids`, scaled as the model does."""
+        hidden = self.embed(input_ids)
+        return hidden if self.embedding_multiplier == 1.0 else hidden * self.embedding_multiplier
 
     def rope_tables(self, hidden: Tensor, positions: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
         """cos/sin of `positions` for every RoPE table the layers use, keyed as `LayerParts.rope_key`."""
-        if self.family != "gemma3_text":
+        if self.family not in ROPE_PER_LAYER_TYPE:
             return {None: self.rotary(hidden, positions)}
         return {kind: self.rotary(hidden, positions, kind) for kind in sorted(set(self.rotary.layer_types))}
 
@@ -122,6 +182,8 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         lm_head=base.lm_head,
         rotary=inner.rotary_emb,
         family=family,
+        embedding_multiplier=getattr(inner, "embedding_multiplier", 1.0),
+        logits_scaling=getattr(base.config, "logits_scaling", 1.0) if family == "granite" else 1.0,
     )
 
 
@@ -129,13 +191,15 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     """The sub-modules and attention geometry of one decoder layer."""
     attn = layer.self_attn
     config = attn.config
-    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    out_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma's sandwich norms, OLMo's post-norms
+    pre_mlp = "pre_feedforward_layernorm" if out_norms else "post_attention_layernorm"
+    q_proj, k_proj, v_proj = _qkv_projections(attn)
     return LayerParts(
-        input_norm=layer.input_layernorm,
-        post_norm=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
-        q_proj=attn.q_proj,
-        k_proj=attn.k_proj,
-        v_proj=attn.v_proj,
+        input_norm=_module_or_identity(layer, "input_layernorm"),
+        post_norm=_module_or_identity(layer, pre_mlp),
+        q_proj=q_proj,
+        k_proj=k_proj,
+        v_proj=v_proj,
         o_proj=attn.o_proj,
         q_norm=getattr(attn, "q_norm", None),
         k_norm=getattr(attn, "k_norm", None),
@@ -144,12 +208,14 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         num_kv_heads=config.num_key_value_heads,
         head_dim=attn.head_dim,
         scaling=attn.scaling,
-        attn_out_norm=layer.post_attention_layernorm if sandwich else None,
-        mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
+        attn_out_norm=layer.post_attention_layernorm if out_norms else None,
+        mlp_out_norm=layer.post_feedforward_layernorm if out_norms else None,
         sliding_window=layer_window(attn),
-        rope_key=getattr(attn, "layer_type", None) if config.model_type == "gemma3_text" else None,
+        rope_key=config.layer_types[attn.layer_idx] if config.model_type in ROPE_PER_LAYER_TYPE else None,
         rotary=bool(getattr(attn, "use_rope", True)),
+        residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
+        qk_norm_whole=config.model_type in WHOLE_QK_NORM,
     )
 
 
@@ -160,6 +226,24 @@ def layer_window(attn: nn.Module) -> int | None:
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     return getattr(attn.config, "sliding_window", None)
+
+
+def _qkv_projections(attn: nn.Module) -> tuple[nn.Module | FusedRows, ...]:
+    """The q, k and v projections of an attention module: its own, or the rows of its fused `qkv_proj`
+    (Phi-3: Q's, then K's, then V's features)."""
+    if not hasattr(attn, "qkv_proj"):
+        return attn.q_proj, attn.k_proj, attn.v_proj
+    q_size = attn.config.num_attention_heads * attn.head_dim
+    kv_size = attn.config.num_key_value_heads * attn.head_dim
+    fused = attn.qkv_proj
+    return (FusedRows(fused, 0, q_size), FusedRows(fused, q_size, q_size + kv_size),
+            FusedRows(fused, q_size + kv_size, q_size + 2 * kv_size))
+
+
+def _module_or_identity(layer: nn.Module, name: str) -> nn.Module:
+    """The layer's sub-module `name`, or an identity where the family has none (OLMo's missing pre-norms)."""
+    module = getattr(layer, name, None)
+    return nn.Identity() if module is None else module
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:

@@ -16,7 +16,8 @@ class Family:
     """Its test model, the preset `tiny/<tiny>` (2 layers, hidden 64, vocab 512)."""
     gated_mlp: str | None
     """Class name of its MLP when that is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (the engine
-    then takes the down projection's backward by hand); None for a mixture-of-experts MLP."""
+    then takes the down projection's backward by hand; Phi-3's has gate and up as the halves of one
+    gate_up_proj); None for a mixture-of-experts MLP."""
 
     @property
     def experts(self) -> bool:
@@ -32,6 +33,10 @@ FAMILIES = (
     Family("gemma3_text", "gemma3", "Gemma3MLP"),
     Family("seed_oss", "seed-oss", "SeedOssMLP"),
     Family("smollm3", "smollm3", "SmolLM3MLP"),
+    Family("granite", "granite", "GraniteMLP"),
+    Family("olmo2", "olmo2", "Olmo2MLP"),
+    Family("olmo3", "olmo3", "Olmo3MLP"),
+    Family("phi3", "phi3", "Phi3MLP"),
     Family("qwen3_moe", "qwen3-moe", None),
     Family("mixtral", "mixtral", None),
 )
@@ -43,4 +48,5 @@ TINY_FAMILIES = tuple(family.tiny for family in FAMILIES)
 MOE_FAMILIES = tuple(family.model_type for family in FAMILIES if family.experts)
 """`model_type`s whose MLP is a mixture of experts."""
 GATED_MLP_CLASSES = tuple(family.gated_mlp for family in FAMILIES if family.gated_mlp is not None)
-"""MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+"""MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (gate and up fused in
+Phi-3's)."""

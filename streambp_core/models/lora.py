@@ -9,7 +9,9 @@ from torch import nn
 
 from streambp_core.config import ConfigError
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "qkv_proj", "gate_up_proj")
+"""Every linear layer of a decoder layer, by name (Phi-3's fused `qkv_proj` and `gate_up_proj` too)."""
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:

@@ -30,7 +30,8 @@ DEFAULT_SETTINGS = {"max_steps": 3, "per_device_train_batch_size": 2, "learning_
 """Trainer settings of a parity run unless the user's settings say otherwise."""
 GRPO_SETTINGS = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 5}
 """GRPO settings over DEFAULT_SETTINGS: one group of 4 completions per prompt, each up to 5 tokens."""
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,7 +58,8 @@ def model_of(family: str, **overrides):
     return build_model(tiny_config(family, **overrides), dtype=torch.float64, seed=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "seed-oss", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "seed-oss", "smollm3",
+                                    "granite", "olmo2", "olmo3", "phi3"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_each_family_with_padding(family, padding):
     model = model_of(family)

@@ -39,9 +39,14 @@ PUBLISHED_PARAMS_B = {
     "google/gemma-3-27b-it": 27.02,
     "ByteDance-Seed/Seed-OSS-36B-Base": 36.15,
     "HuggingFaceTB/SmolLM3-3B": 3.08,
+    "ibm-granite/granite-3.3-8b-instruct": 8.17,
+    "allenai/OLMo-2-1124-7B-Instruct": 7.30,
+    "allenai/Olmo-3-7B-Instruct": 7.30,
+    "microsoft/Phi-3-mini-4k-instruct": 3.82,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
-        "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3"]
+        "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite",
+        "tiny/olmo2", "tiny/olmo3", "tiny/phi3"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():

@@ -40,13 +40,19 @@ class HeadPlan:
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
     offload: HostChain | None = None
     """Keep the hidden states in host memory between forward and backward (`engine.offload`)."""
+    logits_scaling: float = 1.0
+    """The logits are the lm_head's output divided by it (Granite's `logits_scaling`)."""
+
+    def scaled(self, logits: Tensor) -> Tensor:
+        """The lm_head's output as the model's logits: divided by `logits_scaling`, as transformers does."""
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
 
 def _chunk_terms(plan: HeadPlan, objective, hidden: Tensor, start: int, end: int) -> Tensor:
     """Token terms (B, c) of hidden positions start..end."""
     h = hidden if plan.norm is None else plan.norm(hidden)
     with memory_category("logits"):
-        logits = plan.lm_head(h)
+        logits = plan.scaled(plan.lm_head(h))
         logits = logits.to(objective.logits_dtype(logits.dtype))
         return objective.token_terms(logits, start, end)
 
@@ -126,9 +132,10 @@ def _linear_chunk_backward(plan, objective, h, start, end, d_stats, params) -> N
         with memory_category("logits"):
             logits = leaf(torch.nn.functional.linear(x, weight))
     with torch.enable_grad(), memory_category("logits"):
-        terms = objective.token_terms(logits.to(objective.logits_dtype(logits.dtype)), start, end)
+        scaled = plan.scaled(logits)
+        terms = objective.token_terms(scaled.to(objective.logits_dtype(logits.dtype)), start, end)
         (d_logits,) = torch.autograd.grad((terms.sum(dim=1) * d_stats).sum(), logits)
-    del logits, terms
+    del logits, scaled, terms
     d_logits_2d, x_2d = d_logits.flatten(0, 1), x.flatten(0, 1)
     if weight.requires_grad:
         if weight.grad is None:
@@ -259,9 +266,10 @@ class _LinearBlock:
         with memory_category("logits"):
             logits = leaf(torch.nn.functional.linear(x, weight))
         with torch.enable_grad(), memory_category("logits"):
-            sums = self.objective.token_terms(logits.to(self.logits_dtype), start, end).sum(dim=1)
+            scaled = self.plan.scaled(logits)
+            sums = self.objective.token_terms(scaled.to(self.logits_dtype), start, end).sum(dim=1)
             (d_logits,) = torch.autograd.grad(sums, logits, self.d_stats)
-        del logits
+        del logits, scaled
         d_logits_2d = d_logits.flatten(0, 1)
         if self.weight_grad is not None:
             self.weight_grad.addmm_(d_logits_2d.t(), x.flatten(0, 1))

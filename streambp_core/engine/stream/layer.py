@@ -91,7 +91,7 @@ def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tenso
     k = hand_linear(parts.k_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = hand_linear(parts.v_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     if parts.q_norm is not None:
-        q, k = parts.q_norm(q), parts.k_norm(k)
+        q, k = parts.norm_heads(parts.q_norm, q), parts.norm_heads(parts.k_norm, k)
     return rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope), v.transpose(1, 2)
 
 
@@ -106,7 +106,7 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
                                 parts.sliding_window, blocking=plan.attn_blocking)
     b, heads, c, hd = attn.shape
     attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(b, c, heads * hd))
-    return h + (attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
+    return residual_add(parts, h, attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
 
 
 def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
@@ -114,7 +114,12 @@ def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, va
     parts = plan.parts
     h = attend(plan, h, q, k, v, valid)
     mlp = parts.mlp(parts.post_norm(h))
-    return h + (mlp if parts.mlp_out_norm is None else parts.mlp_out_norm(mlp))
+    return residual_add(parts, h, mlp if parts.mlp_out_norm is None else parts.mlp_out_norm(mlp))
+
+
+def residual_add(parts: LayerParts, h: Tensor, out: Tensor) -> Tensor:
+    """h + out, out scaled first by the layer's residual multiplier (Granite), as transformers adds it."""
+    return h + (out if parts.residual_multiplier == 1.0 else out * parts.residual_multiplier)
 
 
 def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
@@ -122,7 +127,7 @@ def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
     b, c, _ = x.shape
     q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
     if parts.q_norm is not None:
-        q = parts.q_norm(q)
+        q = parts.norm_heads(parts.q_norm, q)
     return rotate(q.transpose(1, 2), rope)
 
 
@@ -131,7 +136,7 @@ def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor
     b, c, _ = x.shape
     raw_k = parts.k_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    k = raw_k if parts.k_norm is None else parts.k_norm(raw_k)
+    k = raw_k if parts.k_norm is None else parts.norm_heads(parts.k_norm, raw_k)
     return rotate(k.transpose(1, 2), rope), v.transpose(1, 2), raw_k
 
 
@@ -291,7 +296,9 @@ def _output_grads(plan: LayerPlan, outputs: list[Tensor], grad_chunk: Tensor) ->
     gradient (its weight gradient accumulates in `.grad` here)."""
     if len(outputs) == 1:
         return [grad_chunk]
-    return [grad_chunk, down_projection_backward(plan.parts.mlp, outputs[1], grad_chunk)]
+    multiplier = plan.parts.residual_multiplier  # the MLP output's share of the residual (Granite)
+    grad_mlp = grad_chunk if multiplier == 1.0 else grad_chunk * multiplier
+    return [grad_chunk, down_projection_backward(plan.parts.mlp, outputs[1], grad_mlp)]
 
 
 def _overwritable(grad_out: Tensor, h_in: Tensor) -> bool:

@@ -4,7 +4,8 @@ more matrices than checkpointing does, and dispatches fewer ops.
 - K/V projections: the accumulated dK/dV of a chunk go back through RoPE's transpose (a rotation by the
   opposite angle), the k-norm's backward (autograd, from the pre-norm keys the cache pass kept) and the
   projections' backward (dW += dY^T x, dx = dY W) without projecting the chunk a third time.
-- Gated MLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, the form of every supported family): the
+- Gated MLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, the form of every supported dense family;
+  Phi-3's gate and up are the halves of one `gate_up_proj`): the
   chunk's graph stops at the down projection's input; the down projection's backward is taken by hand,
   so its forward (whose output only feeds the gradient's residual sum) is not recomputed, as torch's
   non-reentrant checkpoint skips it too.
@@ -12,8 +13,9 @@ more matrices than checkpointing does, and dispatches fewer ops.
   backward with the weight gradient added to `.grad` in place (one GEMM that accumulates, no weight-sized
   temporary per chunk, four ops fewer per projection).
 
-Each applies only to plain `nn.Linear` projections; a wrapped one (peft LoRA) keeps the autograd path.
-Weight gradients accumulate in `.grad` in place, as `backward_into` does.
+Each applies only to plain `nn.Linear` projections, or rows of one (`FusedRows`: Phi-3's q, k and v);
+a wrapped one (peft LoRA) keeps the autograd path. Weight gradients accumulate in `.grad` in place, as
+`backward_into` does (a fused projection's rows in their rows of its `.grad`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from torch import Tensor, nn
 from streambp_core.engine.chunks import backward_into, leaf
 from streambp_core.engine.stream.rope import Rope, rope_transpose
 from streambp_core.measure.tags import GRADS, memory_category
-from streambp_core.models.adapters import GATED_MLP_CLASSES
+from streambp_core.models.adapters import GATED_MLP_CLASSES, FusedRows
 
 
-def plain_linear(module: nn.Module) -> bool:
-    """Whether `module` is a bare `nn.Linear` (bias or not), whose backward this module takes by hand."""
+def plain_linear(module) -> bool:
+    """Whether `module` is a bare `nn.Linear` (bias or not), or rows of one (`FusedRows`), whose backward
+    this module takes by hand."""
+    if isinstance(module, FusedRows):
+        module = module.fused
     return type(module) is nn.Linear
 
 
@@ -44,25 +49,41 @@ def linear_backward(module: nn.Linear, x: Tensor, grad_y: Tensor) -> Tensor:
             *grad_y.shape[:-1], module.weight.shape[1])
 
 
-def _linear_backward(module: nn.Linear, x_2d: Tensor, grad_2d: Tensor) -> Tensor:
-    weight, bias = module.weight, module.bias
+def _linear_backward(module: nn.Linear | FusedRows, x_2d: Tensor, grad_2d: Tensor) -> Tensor:
+    weight, bias, rows = _parameters(module)
     if weight.requires_grad:
-        _accumulate_mm(weight, grad_2d.t(), x_2d)
+        _accumulate_mm(weight, rows, grad_2d.t(), x_2d)
     if bias is not None and bias.requires_grad:
-        if bias.grad is None:
+        if bias.grad is None and rows == slice(None):
             with memory_category(GRADS):
                 bias.grad = grad_2d.sum(dim=0)
         else:
-            bias.grad.add_(grad_2d.sum(dim=0))
-    return grad_2d @ weight
+            _grad_of(bias)[rows].add_(grad_2d.sum(dim=0))
+    return grad_2d @ weight[rows]
 
 
-def _accumulate_mm(param: Tensor, a: Tensor, b: Tensor) -> None:
+def _parameters(module: nn.Linear | FusedRows) -> tuple[Tensor, Tensor | None, slice]:
+    """The weight and bias parameters a projection reads, and which of their rows (all, or a
+    `FusedRows`'s)."""
+    if isinstance(module, FusedRows):
+        return module.fused.weight, module.fused.bias, slice(module.start, module.end)
+    return module.weight, module.bias, slice(None)
+
+
+def _grad_of(param: Tensor) -> Tensor:
+    """`param.grad`, zeros when it has none yet (rows of it are about to be added to)."""
     if param.grad is None:
+        with memory_category(GRADS):  # the tracker's accumulate-grad hook does not see a `.grad` set here
+            param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def _accumulate_mm(param: Tensor, rows: slice, a: Tensor, b: Tensor) -> None:
+    if param.grad is None and rows == slice(None):
         with memory_category(GRADS):  # the tracker's accumulate-grad hook does not see a `.grad` set here
             param.grad = a @ b
     else:
-        param.grad.addmm_(a, b)
+        _grad_of(param)[rows].addmm_(a, b)
 
 
 class _HandLinear(torch.autograd.Function):
@@ -91,7 +112,11 @@ def hand_linear(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def mlp_inner(mlp: nn.Module, x: Tensor) -> Tensor:
-    """act_fn(gate_proj(x)) * up_proj(x): a gated MLP up to its down projection's input."""
+    """act_fn(gate_proj(x)) * up_proj(x): a gated MLP up to its down projection's input (Phi-3's: the
+    halves gate, up of gate_up_proj(x), as up * activation_fn(gate))."""
+    if hasattr(mlp, "gate_up_proj"):
+        gate, up = hand_linear(mlp.gate_up_proj, x).chunk(2, dim=-1)
+        return up * mlp.activation_fn(gate)
     return mlp.act_fn(hand_linear(mlp.gate_proj, x)) * hand_linear(mlp.up_proj, x)
 
 
@@ -107,7 +132,7 @@ def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Te
     if parts.k_norm is not None:
         raw = leaf(raw_keys)
         with torch.enable_grad():
-            normed = parts.k_norm(raw)
+            normed = parts.norm_heads(parts.k_norm, raw)
         backward_into([normed], [d_k], [raw], params)
         d_k = raw.grad
     grad_x = linear_backward(parts.k_proj, x, d_k.reshape(b, c, -1))
