@@ -56,7 +56,7 @@ class ExampleParser(argparse.ArgumentParser):
             config = load_config(parsed.model)
         except ConfigError as error:
             fail(f"--model: {error}")
-        parsed.tokenizer = model_tokenizer(parsed.model, config)
+        parsed.tokenizer, parsed.tokenizer_note = model_tokenizer(parsed.model, config)
         check_ram(parsed, config)
         return parsed
 
@@ -66,8 +66,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def model_tokenizer(model: str, config):
-    """The tokenizer of the model directory, loaded from it alone (never the network); for a preset or a
-    directory without one, the package's byte tokenizer, said in one `note:` line. Bad input: exit 2."""
+    """The tokenizer of the model directory, loaded from it alone (never the network), and None; for a
+    preset or a directory without one, the package's byte tokenizer and the `note:` line `load` prints
+    (after the data file is checked, so that bad input stays one `error:` line). Bad input: exit 2."""
     from streambp_core.models.byte_tokenizer import byte_tokenizer
 
     path = Path(model)
@@ -80,15 +81,14 @@ def model_tokenizer(model: str, config):
             fail(f"--model {model}: its tokenizer cannot be loaded: {error}")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer
+        return tokenizer, None
     where = "a preset" if not path.is_dir() else f"{model} has no tokenizer"
     try:
         tokenizer = byte_tokenizer(config.vocab_size)
     except ConfigError as error:
         fail(f"--model {model}: {where}, and {error}")
-    print(f"note: {where}: training with the package's byte tokenizer (256 bytes, pad, bos, eos), "
-          "which suits random weights only", file=sys.stderr)
-    return tokenizer
+    return tokenizer, (f"note: {where}: training with the package's byte tokenizer (256 bytes, pad, bos, "
+                       "eos), which suits random weights only")
 
 
 def check_ram(args: argparse.Namespace, config) -> None:
@@ -136,7 +136,11 @@ def parser(description: str, example: str) -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace, *, trainable: bool = True):
-    """The model (LoRA-wrapped when asked and `trainable`) and its tokenizer (`model_tokenizer`)."""
+    """The model (LoRA-wrapped when asked and `trainable`) and its tokenizer (`model_tokenizer`, whose
+    note, if any, is printed here)."""
+    if args.tokenizer_note:
+        print(args.tokenizer_note, file=sys.stderr)
+        args.tokenizer_note = None  # once, though DPO loads a reference model too
     # Under `accelerate launch` or torchrun each rank loads onto its own GPU (LOCAL_RANK).
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
