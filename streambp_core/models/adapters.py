@@ -20,7 +20,20 @@ MLP, residual. The differences are data in `LayerParts`:
 - Granite scales the embeddings (`embedding_multiplier`), the attention scores (`attention_multiplier`,
   its query scale), the attention and MLP outputs before each residual (`residual_multiplier`), and
   divides the logits by `logits_scaling`;
-- Qwen3-MoE and Mixtral route each token to experts inside the MLP module, which acts token by token.
+- HunYuan norms Q and K (`query_layernorm`, `key_layernorm`) after RoPE rather than before;
+- Apertus names its norms `attention_layernorm` and `feedforward_layernorm`, norms Q and K, and its MLP is
+  ungated, down_proj(xIELU(up_proj(x))), with the activation's own trainable parameters;
+- ERNIE 4.5 rotates adjacent pairs (interleaved RoPE) in float32 whatever the model's precision;
+- EXAONE 4 has no norm before attention or MLP, only after each (before its residual), norms Q and K, and
+  in a hybrid model (`sliding_window` set) leaves its full-attention layers unrotated (NoPE);
+- GLM-4 adds sandwich norms (`post_self_attn_layernorm`, `post_mlp_layernorm`), rotates adjacent pairs of
+  the first `partial_rotary_factor` of each head (partial RoPE), and fuses gate and up (`gate_up_proj`);
+- Qwen3-MoE and Mixtral route each token to experts inside the MLP module, which acts token by token;
+  Qwen2-MoE adds a shared expert behind a sigmoid gate (`shared_expert_gate`), GLM-4.5 shared experts, a
+  sigmoid router with group-limited top-k over scores + `e_score_correction_bias`, dense MLPs in its first
+  `first_k_dense_replace` layers and halves-style partial RoPE; both route inside the module, the router
+  still the block's `gate` (its logits first). Qwen2-MoE's sliding layers leave their window to the
+  mask builder (`layer_window` reads it from `config.layer_types`).
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -39,6 +52,7 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
     SUPPORTED_FAMILIES,
     TINY_FAMILIES,
     Family,
+    family_of,
 )
 
 SLIDING = "sliding_attention"
@@ -81,8 +95,9 @@ class LayerParts:
     """The sub-modules of one decoder layer that the engine calls, plus its attention geometry."""
 
     input_norm: nn.Module
+    """The norm before attention (an identity for a family without one, EXAONE 4)."""
     post_norm: nn.Module
-    """The norm before the MLP."""
+    """The norm before the MLP (an identity for a family without one)."""
     q_proj: nn.Module | FusedRows
     k_proj: nn.Module | FusedRows
     v_proj: nn.Module | FusedRows
@@ -104,7 +119,14 @@ class LayerParts:
     rope_key: str | None = None
     """Which RoPE table the layer rotates with (Gemma 3: its layer type); None: the model's only one."""
     rotary: bool = True
-    """Whether the layer rotates Q and K (False: a NoPE layer of SmolLM3's `no_rope_layers`)."""
+    """Whether the layer rotates Q and K (False: a NoPE layer of SmolLM3's `no_rope_layers`, a global layer
+    of a hybrid EXAONE 4)."""
+    qk_norm_after_rope: bool = False
+    """Whether `q_norm` and `k_norm` apply after RoPE (HunYuan) rather than before."""
+    rope_interleaved: bool = False
+    """Whether RoPE rotates adjacent pairs rather than halves (GLM-4, ERNIE 4.5)."""
+    rope_in_float32: bool = False
+    """Whether RoPE computes in float32 whatever the model's precision (ERNIE 4.5)."""
     residual_multiplier: float = 1.0
     """Scale of the attention and MLP outputs before each residual add (Granite's `residual_multiplier`)."""
     router: nn.Module | None = None
@@ -191,40 +213,60 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     """The sub-modules and attention geometry of one decoder layer."""
     attn = layer.self_attn
     config = attn.config
-    out_norms = hasattr(layer, "post_feedforward_layernorm")  # Gemma's sandwich norms, OLMo's post-norms
-    pre_mlp = "pre_feedforward_layernorm" if out_norms else "post_attention_layernorm"
+    family = family_of(config.model_type)
+    input_norm, post_norm, attn_out_norm, mlp_out_norm = (
+        None if name is None else getattr(layer, name) for name in family.norms)
+    q_norm, k_norm = (getattr(attn, name, None) for name in family.qk_norms)
     q_proj, k_proj, v_proj = _qkv_projections(attn)
     return LayerParts(
-        input_norm=_module_or_identity(layer, "input_layernorm"),
-        post_norm=_module_or_identity(layer, pre_mlp),
+        input_norm=nn.Identity() if input_norm is None else input_norm,
+        post_norm=nn.Identity() if post_norm is None else post_norm,
         q_proj=q_proj,
         k_proj=k_proj,
         v_proj=v_proj,
         o_proj=attn.o_proj,
-        q_norm=getattr(attn, "q_norm", None),
-        k_norm=getattr(attn, "k_norm", None),
+        q_norm=q_norm,
+        k_norm=k_norm,
         mlp=layer.mlp,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=attn.head_dim,
         scaling=attn.scaling,
-        attn_out_norm=layer.post_attention_layernorm if out_norms else None,
-        mlp_out_norm=layer.post_feedforward_layernorm if out_norms else None,
+        attn_out_norm=attn_out_norm,
+        mlp_out_norm=mlp_out_norm,
         sliding_window=layer_window(attn),
         rope_key=config.layer_types[attn.layer_idx] if config.model_type in ROPE_PER_LAYER_TYPE else None,
-        rotary=bool(getattr(attn, "use_rope", True)),
+        rotary=layer_rotates(attn, family),
+        qk_norm_after_rope=family.qk_norm_after_rope,
+        rope_interleaved=family.rope_interleaved,
+        rope_in_float32=family.rope_in_float32,
         residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
         qk_norm_whole=config.model_type in WHOLE_QK_NORM,
     )
 
 
+def layer_rotates(attn: nn.Module, family: Family) -> bool:
+    """Whether an attention module rotates Q and K: not in SmolLM3's NoPE layers (`use_rope` 0), nor in
+    the full-attention layers of a hybrid EXAONE 4 (`global_nope`: a sliding window is set)."""
+    if family.global_nope and attn.sliding_window is not None and not attn.is_sliding:
+        return False
+    return bool(getattr(attn, "use_rope", True))
+
+
 def layer_window(attn: nn.Module) -> int | None:
     """The sliding window an attention module applies, as its transformers forward passes it: its own
-    `sliding_window` (set per layer type), or the config's for models with one window for every layer
-    (Mistral, Mixtral)."""
+    `sliding_window` (set per layer type), or, for a module that sets it in its sliding layers only
+    (Qwen2-MoE), the config's in a `sliding_attention` layer of `config.layer_types`, or the config's for
+    models with one window for every layer (Mistral, Mixtral); None in a layer that keeps the config's
+    window but attends globally (`is_sliding` false: EXAONE 4's full-attention layers)."""
+    if not getattr(attn, "is_sliding", True):
+        return None
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
+    layer_types = getattr(attn.config, "layer_types", None)
+    if layer_types is not None and layer_types[attn.layer_idx] != SLIDING:
+        return None
     return getattr(attn.config, "sliding_window", None)
 
 
@@ -238,12 +280,6 @@ def _qkv_projections(attn: nn.Module) -> tuple[nn.Module | FusedRows, ...]:
     fused = attn.qkv_proj
     return (FusedRows(fused, 0, q_size), FusedRows(fused, q_size, q_size + kv_size),
             FusedRows(fused, q_size + kv_size, q_size + 2 * kv_size))
-
-
-def _module_or_identity(layer: nn.Module, name: str) -> nn.Module:
-    """The layer's sub-module `name`, or an identity where the family has none (OLMo's missing pre-norms)."""
-    module = getattr(layer, name, None)
-    return nn.Identity() if module is None else module
 
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:

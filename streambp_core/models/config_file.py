@@ -224,7 +224,9 @@ def _check_rope(config: PretrainedConfig, source: str) -> None:
 
 def _check_layer_types(config: PretrainedConfig, source: str) -> None:
     window = getattr(config, "sliding_window", None)
-    if window is not None and not _is_positive_int(window):
+    switched_off = getattr(config, "use_sliding_window", None) is False
+    unused = switched_off and window == 0  # Qwen2-MoE's config writes 0 when the window is switched off
+    if window is not None and not unused and not _is_positive_int(window):
         raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = getattr(config, "layer_types", None)
     if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
@@ -235,7 +237,6 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
             f"{source}: layer_types {', '.join(unknown)} not supported by the engine "
             f"(it runs {' and '.join(ENGINE_LAYER_TYPES)})"
         )
-    switched_off = getattr(config, "use_sliding_window", None) is False
     if "sliding_attention" in layer_types and (window is None or switched_off):
         why = " (use_sliding_window is false)" if switched_off else ""
         raise ConfigError(

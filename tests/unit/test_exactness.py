@@ -59,7 +59,8 @@ def model_of(family: str, **overrides):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "seed-oss", "smollm3",
-                                    "granite", "olmo2", "olmo3", "phi3"])
+                                    "granite", "olmo2", "olmo3", "phi3", "hunyuan", "apertus", "ernie4.5",
+                                    "exaone4", "glm4", "qwen2-moe", "glm4-moe"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_each_family_with_padding(family, padding):
     model = model_of(family)

@@ -141,7 +141,8 @@ def test_inexact_features_are_refused_by_name(family, overrides, named):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize(("family", "objective"), [("qwen3-moe", "grpo"), ("mixtral", "dpo")])
+@pytest.mark.parametrize(("family", "objective"),
+                         [("qwen3-moe", "grpo"), ("mixtral", "dpo"), ("qwen2-moe", "sft")])
 def test_router_load_balancing_loss_is_exact(tmp_path, family, objective):
     """With `output_router_logits` (coefficient 0.5, so the loss weighs) plain, checkpoint and streambp
     agree on the loss and every gradient, router weights included; the loss changes the router's

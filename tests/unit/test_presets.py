@@ -43,10 +43,18 @@ PUBLISHED_PARAMS_B = {
     "allenai/OLMo-2-1124-7B-Instruct": 7.30,
     "allenai/Olmo-3-7B-Instruct": 7.30,
     "microsoft/Phi-3-mini-4k-instruct": 3.82,
+    "tencent/Hunyuan-7B-Instruct": 7.5,
+    "swiss-ai/Apertus-8B-2509": 8.05,
+    "baidu/ERNIE-4.5-0.3B-PT": 0.36,
+    "LGAI-EXAONE/EXAONE-4.0-1.2B": 1.28,
+    "zai-org/GLM-4-9B-0414": 9.4,
+    "Qwen/Qwen1.5-MoE-A2.7B": 14.32,
+    "zai-org/GLM-4.5-Air": 106.85,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
-        "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite",
-        "tiny/olmo2", "tiny/olmo3", "tiny/phi3"]
+        "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
+        "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
+        "tiny/qwen2-moe", "tiny/glm4-moe"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():

@@ -122,6 +122,31 @@ def test_rope_rotates_bit_for_bit_as_transformers():
     assert torch.equal(rotate(q, rope), expected_q) and torch.equal(rotate(k, rope), expected_k)
 
 
+@pytest.mark.parametrize("family", ["glm4", "ernie4_5", "glm4_moe"])
+def test_interleaved_partial_and_float32_rope_are_transformers_bit_for_bit(family):
+    """GLM-4 (interleaved pairs of the first half of each head), ERNIE 4.5 (interleaved, in float32 with
+    float32 tables) and GLM-4.5 (halves of the first half): the rotation and its transpose equal
+    transformers' `apply_rotary_pos_emb` and its autograd backward exactly, in float64."""
+    import importlib
+
+    from streambp_core.models.families import family_of
+
+    apply = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    rows = family_of(family)
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 2, 3, 5, 8, dtype=torch.float64, generator=gen).unbind(0)
+    table = torch.float32 if rows.rope_in_float32 else torch.float64
+    width = 8 if family == "ernie4_5" else 4
+    cos, sin = torch.randn(2, 2, 5, width, generator=gen).to(table).unbind(0)
+    k = k.requires_grad_(True)
+    expected_q, expected_k = apply(q, k, cos, sin)
+    grad = torch.randn(expected_k.shape, dtype=torch.float64, generator=gen)
+    (expected_grad,) = torch.autograd.grad(expected_k, k, grad)
+    rope = Rope.of(cos, sin, interleaved=rows.rope_interleaved, in_float32=rows.rope_in_float32)
+    assert torch.equal(rotate(q, rope), expected_q) and torch.equal(rotate(k.detach(), rope), expected_k)
+    assert torch.equal(rope_transpose(grad, rope), expected_grad)
+
+
 def test_linear_backward_accumulates_like_autograd():
     gen = torch.Generator().manual_seed(1)
     layer = torch.nn.Linear(6, 4, dtype=torch.float64)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.attention.prefix import prefix_attention
+from streambp_core.models.adapters import layer_window
 
 ENGINE_ATTENTION = "streambp_prefix"
 
@@ -35,13 +36,15 @@ def engine_attention_forward(
     """transformers' attention-function signature over `prefix_attention`; returns (B, T, H, hd).
 
     `backend` is the CUDA kernel choice (auto, sdpa, flash), bound when the function is registered;
-    `sliding_window` is the layer's window (None: full causal attention).
+    `sliding_window` is the layer's window (None: full causal attention, or for a module that leaves its
+    window to the mask builder, Qwen2-MoE's, the window `layer_window` reads from it).
     """
     if dropout:
         raise ValueError("the engine attention has no dropout; build the model with attention_dropout=0")
     key_valid = _key_valid(attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = prefix_attention(query, key, value, key_valid, scale, backend, sliding_window)
+    window = layer_window(module) if sliding_window is None else sliding_window
+    out = prefix_attention(query, key, value, key_valid, scale, backend, window)
     return out.transpose(1, 2), None
 
 

@@ -114,7 +114,7 @@ def _gathered_kv(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, rope: Rope
 def sequence_forward(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, cos: Tensor, sin: Tensor,
                      key_valid: Tensor | None) -> Tensor:
     """Layer output of this rank's shard without grad, chunk by chunk in lockstep with every rank."""
-    parts, rope = plan.parts, Rope.of(cos, sin, plan.parts.rotary)
+    parts, rope = plan.parts, Rope.of_layer(cos, sin, plan.parts)
     keys, values, _ = _gathered_kv(plan, shard, h_in, rope)
     with memory_category("checkpoints"):
         h_out = torch.empty_like(h_in)
@@ -130,7 +130,7 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
                       chunk_done=None) -> Tensor:
     """Accumulate the layer's weight gradients (this rank's tokens' share) and return dL/dH_in of the
     shard (module docstring). `chunk_done(start, end)` as `layer.streamed_backward`'s."""
-    rope = Rope.of(cos, sin, plan.parts.rotary)
+    rope = Rope.of_layer(cos, sin, plan.parts)
     keys, values, raw_keys = _gathered_kv(plan, shard, h_in, rope)
     with memory_category("kv"):  # dK and dV side by side, as `scatter_kv_grads` sends them
         b, heads, t, hd = keys.shape

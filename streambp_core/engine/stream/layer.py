@@ -90,9 +90,17 @@ def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tenso
     q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
     k = hand_linear(parts.k_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = hand_linear(parts.v_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    if parts.q_norm is not None:
-        q, k = parts.norm_heads(parts.q_norm, q), parts.norm_heads(parts.k_norm, k)
-    return rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope), v.transpose(1, 2)
+    return embed(parts, q, parts.q_norm, rope), embed(parts, k, parts.k_norm, rope), v.transpose(1, 2)
+
+
+def embed(parts: LayerParts, t: Tensor, norm, rope: Rope) -> Tensor:
+    """Projected queries or keys t (B, c, heads, hd) -> (B, heads, c, hd), normed (when the layer has a
+    q/k norm) and rotated, in the family's order (HunYuan norms after RoPE)."""
+    if norm is None:
+        return rotate(t.transpose(1, 2), rope)
+    if parts.qk_norm_after_rope:
+        return norm(rotate(t.transpose(1, 2), rope))
+    return rotate(parts.norm_heads(norm, t).transpose(1, 2), rope)
 
 
 def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
@@ -126,18 +134,19 @@ def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
     """Normed input x (B, c, d) -> rotated q (B, H, c, hd)."""
     b, c, _ = x.shape
     q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
-    if parts.q_norm is not None:
-        q = parts.norm_heads(parts.q_norm, q)
-    return rotate(q.transpose(1, 2), rope)
+    return embed(parts, q, parts.q_norm, rope)
 
 
 def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
-    """Normed input x (B, c, d) -> rotated k, v (B, Hkv, c, hd) and k before its norm (B, c, Hkv, hd)."""
+    """Normed input x (B, c, d) -> rotated k, v (B, Hkv, c, hd) and k before its norm (B, c, Hkv, hd):
+    projected, or for a norm after RoPE (HunYuan), rotated."""
     b, c, _ = x.shape
     raw_k = parts.k_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = parts.v_proj(x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    k = raw_k if parts.k_norm is None else parts.norm_heads(parts.k_norm, raw_k)
-    return rotate(k.transpose(1, 2), rope), v.transpose(1, 2), raw_k
+    if parts.k_norm is not None and parts.qk_norm_after_rope:
+        rotated = rotate(raw_k.transpose(1, 2), rope)
+        return parts.k_norm(rotated), v.transpose(1, 2), rotated.transpose(1, 2)
+    return embed(parts, raw_k, parts.k_norm, rope), v.transpose(1, 2), raw_k
 
 
 def _valid(key_valid: Tensor | None, first: int, end: int) -> Tensor | None:
@@ -185,7 +194,7 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
                      routing: ChunkRouting | None = None):
     """Layer output without grad, one query chunk at a time; K/V fill in as the chunks advance. With
     `routing`, each chunk's routing sums are added to it."""
-    parts, rope = plan.parts, Rope.of(cos, sin, plan.parts.rotary)
+    parts, rope = plan.parts, Rope.of_layer(cos, sin, plan.parts)
     b, t, _ = h_in.shape
     shape = (b, parts.num_kv_heads, t, parts.head_dim)
     with memory_category("kv"):
@@ -211,7 +220,7 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
     its own slice of dL/dH_out, and chunks run last to first), so one (B, T, d) gradient is alive, not two.
     `chunk_done(start, end)` is called once chunk start..end no longer reads H_in (offload prefetch).
     """
-    rope = Rope.of(cos, sin, plan.parts.rotary)
+    rope = Rope.of_layer(cos, sin, plan.parts)
     keys, values, raw_keys = _kv_cache(plan, h_in, rope)
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)

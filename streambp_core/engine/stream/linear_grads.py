@@ -125,18 +125,28 @@ def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Te
     """dL/dx (B, c, d) through a chunk's k/v projections from its complete dK, dV (B, Hkv, c, hd).
 
     `x` is the chunk's normed input; `raw_keys` (B, c, Hkv, hd) its keys before the k-norm, needed only
-    when the layer has one.
+    when the layer has one (for a k-norm after RoPE, HunYuan's, the rotated keys).
     """
     b, c, _ = x.shape
-    d_k = rope_transpose(d_keys, rope).transpose(1, 2)  # (B, c, Hkv, hd), after the k-norm
-    if parts.k_norm is not None:
-        raw = leaf(raw_keys)
-        with torch.enable_grad():
-            normed = parts.norm_heads(parts.k_norm, raw)
-        backward_into([normed], [d_k], [raw], params)
-        d_k = raw.grad
+    if parts.k_norm is not None and parts.qk_norm_after_rope:
+        d_rotated = _k_norm_backward(parts, raw_keys, d_keys.transpose(1, 2), params)
+        d_k = rope_transpose(d_rotated.transpose(1, 2), rope).transpose(1, 2)
+    else:
+        d_k = rope_transpose(d_keys, rope).transpose(1, 2)  # (B, c, Hkv, hd), after the k-norm
+        if parts.k_norm is not None:
+            d_k = _k_norm_backward(parts, raw_keys, d_k, params)
     grad_x = linear_backward(parts.k_proj, x, d_k.reshape(b, c, -1))
     return grad_x.add_(linear_backward(parts.v_proj, x, d_values.transpose(1, 2).reshape(b, c, -1)))
+
+
+def _k_norm_backward(parts, raw_keys: Tensor, d_normed: Tensor, params) -> Tensor:
+    """dL/d(raw_keys) (B, c, Hkv, hd) through the k-norm for dL/d(k_norm(raw_keys)) = d_normed; the
+    norm's weight gradient accumulates in `.grad`."""
+    raw = leaf(raw_keys)
+    with torch.enable_grad():
+        normed = parts.norm_heads(parts.k_norm, raw)
+    backward_into([normed], [d_normed], [raw], params)
+    return raw.grad
 
 
 def down_projection_backward(mlp: nn.Module, inner: Tensor, grad_out: Tensor) -> Tensor:

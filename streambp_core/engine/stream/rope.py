@@ -3,7 +3,7 @@ backward of the K/V projections: the same values as transformers' `apply_rotary_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -11,24 +11,38 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Rope:
-    """RoPE tables of a sequence laid out for heads on dim 1: cos, sin (B, 1, T, hd), and `sign` (hd,),
+    """RoPE tables of a sequence laid out for heads on dim 1: cos, sin (B, 1, T, rd), and `sign` (rd,),
     -1 on the first half and +1 on the second, so that transformers' rotate_half(t) = cat(-t2, t1) is
-    roll(t, hd / 2) * sign: two ops instead of four, bit for bit the same values. With `on` false the
-    layer has no RoPE (SmolLM3's NoPE layers): Q and K pass unrotated. Tables narrower than the heads
-    (partial rotary, Phi-3's `partial_rotary_factor`) turn the first `rotary_dim` features of each head
-    only; the rest pass unrotated, as transformers' Phi-3 applies them."""
+    roll(t, rd / 2) * sign: two ops instead of four, bit for bit the same values. With `on` false the
+    layer has no RoPE (SmolLM3's NoPE layers): Q and K pass unrotated. A table narrower than the head
+    (rd < hd, the `partial_rotary_factor` of Phi-3 and GLM) rotates the first rd features and passes the rest.
+    `interleaved`: pairs (2i, 2i + 1) rotate together (GLM-4, ERNIE 4.5: the tables repeat each of their
+    first half's entries twice, as transformers' interleaved `apply_rotary_pos_emb` does); `in_float32`:
+    the rotation computes in float32 and rounds back to the input's precision (ERNIE 4.5)."""
 
     cos: Tensor
     sin: Tensor
     sign: Tensor
     on: bool = True
+    interleaved: bool = False
+    in_float32: bool = False
 
     @classmethod
-    def of(cls, cos: Tensor, sin: Tensor, on: bool = True) -> Rope:
-        """From transformers' (B, T, hd) tables; `on`: whether the layer rotates Q and K at all."""
+    def of(cls, cos: Tensor, sin: Tensor, on: bool = True, *, interleaved: bool = False,
+           in_float32: bool = False) -> Rope:
+        """From transformers' (B, T, rd) tables; `on`: whether the layer rotates Q and K at all."""
+        if interleaved:
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
         sign = cos.new_ones(cos.shape[-1])
         sign[: cos.shape[-1] // 2] = -1
-        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign, on)
+        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign, on, interleaved, in_float32)
+
+    @classmethod
+    def of_layer(cls, cos: Tensor, sin: Tensor, parts) -> Rope:
+        """The tables as the layer of `parts` (`LayerParts`) applies them."""
+        return cls.of(cos, sin, parts.rotary, interleaved=parts.rope_interleaved,
+                      in_float32=parts.rope_in_float32)
 
     @property
     def rotary_dim(self) -> int:
@@ -37,31 +51,47 @@ class Rope:
 
     def chunk(self, start: int, end: int) -> Rope:
         """The tables of positions start..end."""
-        return Rope(self.cos[:, :, start:end], self.sin[:, :, start:end], self.sign, self.on)
+        return replace(self, cos=self.cos[:, :, start:end], sin=self.sin[:, :, start:end])
 
 
 def rotate_half(t: Tensor, rope: Rope) -> Tensor:
-    """transformers' rotate_half of t (..., hd)."""
+    """transformers' rotate_half of t (..., rd), or its interleaved one, stack(-t[1::2], t[::2])."""
+    if rope.interleaved:
+        return torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2)
     return torch.roll(t, t.shape[-1] // 2, -1).mul_(rope.sign)
 
 
 def rotate(t: Tensor, rope: Rope) -> Tensor:
-    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1); t in a layer
-    without RoPE; with partial rotary, that of the first `rotary_dim` features, the rest unchanged."""
+    """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1) on the first rd
+    features; t in a layer without RoPE."""
     if not rope.on:
         return t
-    if rope.rotary_dim < t.shape[-1]:
-        turned, passed = t[..., : rope.rotary_dim], t[..., rope.rotary_dim :]
-        return torch.cat([turned * rope.cos + rotate_half(turned, rope) * rope.sin, passed], dim=-1)
+    dim = rope.cos.shape[-1]
+    if dim < t.shape[-1]:
+        return torch.cat([_rotate(t[..., :dim], rope), t[..., dim:]], dim=-1)
+    return _rotate(t, rope)
+
+
+def _rotate(t: Tensor, rope: Rope) -> Tensor:
+    if rope.in_float32:
+        return (t.float() * rope.cos + rotate_half(t, rope).float() * rope.sin).to(t.dtype)
     return t * rope.cos + rotate_half(t, rope) * rope.sin
 
 
 def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
-    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1); grad in a layer without RoPE;
-    with partial rotary, the first `rotary_dim` features' transpose, the rest's gradient unchanged."""
+    """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1); grad in a layer without RoPE.
+    In float32 each of the two terms is rounded back to grad's precision before their sum, as autograd
+    takes the float32 rotation's backward."""
     if not rope.on:
         return grad
-    if rope.rotary_dim < grad.shape[-1]:
-        turned, passed = grad[..., : rope.rotary_dim], grad[..., rope.rotary_dim :]
-        return torch.cat([turned * rope.cos - rotate_half(turned * rope.sin, rope), passed], dim=-1)
+    dim = rope.cos.shape[-1]
+    if dim < grad.shape[-1]:
+        return torch.cat([_transpose(grad[..., :dim], rope), grad[..., dim:]], dim=-1)
+    return _transpose(grad, rope)
+
+
+def _transpose(grad: Tensor, rope: Rope) -> Tensor:
+    if rope.in_float32:
+        work = grad.float()
+        return (work * rope.cos).to(grad.dtype) - rotate_half((work * rope.sin).to(grad.dtype), rope)
     return grad * rope.cos - rotate_half(grad * rope.sin, rope)

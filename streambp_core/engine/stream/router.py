@@ -29,8 +29,9 @@ class RouterAux:
 
 
 def router_aux(config) -> RouterAux | None:
-    """The settings when the config enables the loss (`output_router_logits`), else None."""
-    if not getattr(config, "output_router_logits", False):
+    """The settings when the config enables the loss (`output_router_logits`) and its causal LM adds it
+    (a config with `router_aux_loss_coef`; GLM-4.5's sigmoid routers have no such loss), else None."""
+    if not getattr(config, "output_router_logits", False) or not hasattr(config, "router_aux_loss_coef"):
         return None
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     return RouterAux(num_experts=experts, top_k=config.num_experts_per_tok, coef=config.router_aux_loss_coef)
