@@ -208,7 +208,7 @@ class Run:
     def adamw(self, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:
         """AdamW over the model's trainable parameters: in host memory (`HostAdamW`) with the optimizer
         tier, else torch's on the device. Options as torch.optim.AdamW's (lr, betas, eps, weight_decay)."""
-        from streambp_core.methods.host_tier import adamw
+        from streambp_core.engine.host.optimizer import adamw
 
         return adamw(self.model, "optimizer" in offload_tiers(self.config.offload), lr=lr, **options)
 

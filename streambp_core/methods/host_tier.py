@@ -15,9 +15,7 @@ tied embedding's weight is shared: the embedding's own accumulation, last in bac
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from streambp_core.engine.host.optimizer import HostAdamW
 from streambp_core.engine.host.params import HostParams
 from streambp_core.models.adapters import DecoderParts
 
@@ -40,12 +38,3 @@ def streamed_params(parts: DecoderParts, device: torch.device) -> HostParams:
     tier = HostParams(units, device, forward_only=(0,))
     tier.hook(0, parts.embed)
     return tier
-
-
-def adamw(model: nn.Module, on_host: bool, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:
-    """AdamW over `model`'s trainable parameters: `HostAdamW` when `on_host`, else torch's (single-tensor,
-    as `streambp_core.step.optim`)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if on_host:
-        return HostAdamW(params, lr=lr, **options)
-    return torch.optim.AdamW(params, lr=lr, foreach=False, **options)

@@ -21,12 +21,9 @@ STEP_LR = 1e-5
 
 
 def step_optimizer(model: torch.nn.Module, spec: StepSpec) -> torch.optim.Optimizer | None:
-    """The step's optimizer: `HostAdamW` with the optimizer tier, else `optim.make_optimizer`'s."""
-    if "optimizer" not in offload_tiers(spec.offload):
-        return make_optimizer(model, spec.optimizer)
-    from streambp_core.engine.host.optimizer import HostAdamW
-
-    return HostAdamW(model.parameters(), lr=STEP_LR)
+    """The step's optimizer (`optim.make_optimizer`): in host memory (`HostAdamW`) with the optimizer tier."""
+    on_host = "optimizer" in offload_tiers(spec.offload)
+    return make_optimizer(model, "adamw" if on_host else spec.optimizer, lr=STEP_LR, on_host=on_host)
 
 
 def host_pool_tensors(run, optimizer) -> list[torch.Tensor]:

@@ -37,6 +37,17 @@ from streambp_core.engine.host.unit_grads import grad_held
 from streambp_core.measure.tags import OFFLOADED, memory_category
 
 
+def adamw(model: nn.Module, on_host: bool = False, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters: `HostAdamW` (masters, moments and step in host memory)
+    when `on_host`, else torch's, single-tensor (`foreach=False`: no fused temporaries in a peak).
+    `options`: AdamW's other hyperparameters (betas, eps, weight_decay)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if on_host:
+        return HostAdamW(params, lr=lr, **options)
+    return torch.optim.AdamW(params, lr=lr, foreach=False, **options)
+
+
+
 class HostAdamW(torch.optim.Optimizer):
     """AdamW with master weights, moments and the step in host memory (see the module docstring).
 
