@@ -10,6 +10,7 @@ on 2 CPU cores. The default run (`python3 -m pytest -q`, README's test command) 
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 TINY_PRESETS = ("tiny/llama", "tiny/qwen2", "tiny/qwen3", "tiny/mistral")
@@ -42,6 +43,16 @@ def seeded() -> None:
 def searches_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every command runs its searches in the test process unless a test passes --jobs."""
     monkeypatch.setenv("STREAMBP_BENCH_JOBS", "1")
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: tiny float64 models run fastest so (two threads spin against each
+    other on 2 cores). Used by the trainer tests (`pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

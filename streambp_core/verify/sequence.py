@@ -38,7 +38,7 @@ from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ra
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.verify.compare import max_grad_err
 from streambp_core.verify.methods import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
-from streambp_core.verify.sharded import ShardedReport
+from streambp_core.verify.sharded import Reference, ShardedReport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,14 +150,7 @@ def _group_spec(spec: VerifySpec, index: int) -> VerifySpec:
     return replace(spec, step=replace(spec.step, seed=spec.step.seed + index))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Reference:
-    loss: float
-    loss_tolerance: float
-    grads: dict
-
-
-def _reference(model, spec: VerifySpec, batches) -> _Reference:
+def _reference(model, spec: VerifySpec, batches) -> Reference:
     """Mean loss and mean gradients of single-process plain over the groups' whole batches."""
     steps = [run_step(model, _group_spec(spec, g).reference, batch) for g, batch in enumerate(batches)]
     grads = {}
@@ -165,7 +158,7 @@ def _reference(model, spec: VerifySpec, batches) -> _Reference:
         present = [step.grads[name] for step in steps if step.grads[name] is not None]
         grads[name] = None if not present else torch.stack(present).sum(dim=0) / len(steps)
     loss = sum(step.loss for step in steps) / len(steps)
-    return _Reference(loss=loss, loss_tolerance=TOLERANCE[spec.step.dtype] * max(1.0, abs(loss)), grads=grads)
+    return Reference(loss=loss, loss_tolerance=TOLERANCE[spec.step.dtype] * max(1.0, abs(loss)), grads=grads)
 
 
 def _sequence_step(model, method, spec: VerifySpec, where, batch, reference) -> SequenceResult | None:

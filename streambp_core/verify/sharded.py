@@ -114,19 +114,22 @@ def _rank_batch(spec: VerifySpec, model, rank: int):
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class _Reference:
+class Reference:
+    """Single-process plain over every rank's batch: the mean loss, its bound, the mean gradients (by
+    parameter name), against which a cross-rank verify (sharded or sequence-parallel) compares."""
+
     loss: float
     loss_tolerance: float
     grads: dict
 
 
-def _reference(model, spec: VerifySpec, batches) -> _Reference:
+def _reference(model, spec: VerifySpec, batches) -> Reference:
     """Mean loss and mean gradients of unsharded plain over the ranks' batches, and the loss bound of
     single-process `verify` (relative `TOLERANCE` of the dtype: a float64 loss is float64)."""
     steps = [run_step(model, _rank_spec(spec, r).reference, batch) for r, batch in enumerate(batches)]
     grads = {name: _mean([step.grads[name] for step in steps]) for name in steps[0].grads}
     loss = sum(step.loss for step in steps) / len(steps)
-    return _Reference(loss=loss, loss_tolerance=TOLERANCE[spec.step.dtype] * max(1.0, abs(loss)), grads=grads)
+    return Reference(loss=loss, loss_tolerance=TOLERANCE[spec.step.dtype] * max(1.0, abs(loss)), grads=grads)
 
 
 def _rank_spec(spec: VerifySpec, rank: int) -> VerifySpec:

@@ -63,13 +63,7 @@ ALL_CELLS = tuple(Cell(*values) for values in itertools.product(*AXES.values())
                   if values[0] != "grpo" or values[5] == PC)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny float64 models run fastest on one thread (two threads spin against each other on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def setup_of(cell: Cell, family: str, **settings) -> ParitySetup:

@@ -25,12 +25,7 @@ from streambp_core.integrations import stream_trainer  # noqa: E402
 VOCAB = 512
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def user_tokenizer() -> PreTrainedTokenizerFast:
