@@ -19,7 +19,8 @@ from streambp_core.config import ConfigError  # noqa: E402
 from streambp_core.integrations import stream_trainer  # noqa: E402
 from streambp_core.models.load import tiny_config  # noqa: E402
 from streambp_core.verify.trainer_setup import ParitySetup, trainer_factory  # noqa: E402
-from tests.unit.test_trainer_parity import one_thread  # noqa: E402, F401 (a fixture: tiny models, one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, one thread
 
 TRAINERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"
 METHODS = ("checkpoint", "mst", "streambp")
