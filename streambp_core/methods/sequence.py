@@ -47,6 +47,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "the router load-balancing loss (output_router_logits)"
     elif run.config.baseline_loss == "trl" and run.objective_name != "sft":
         what = "baseline_loss trl (TRL's own GRPO/DPO loss over full logits)"
+    elif layer_parts(run.parts.layers[0]).mla is not None:
+        what = "multi-head latent attention (DeepSeek-V3)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

@@ -25,6 +25,7 @@ from streambp_core.engine.host.unit_grads import UnitGrads
 from streambp_core.engine.sequence.layer import SequenceShard, SequenceStreamedLayer
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.engine.stream.layer import LayerPlan, StreamedLayer
+from streambp_core.engine.stream.mla import MlaStreamedLayer
 from streambp_core.engine.stream.router import aux_loss
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
@@ -170,7 +171,8 @@ def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden,
     params = trainable_parameters([layer])
     if shard is not None:
         return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, *params)
-    return StreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
+    function = StreamedLayer if plan.parts.mla is None else MlaStreamedLayer
+    return function.apply(hidden, cos, sin, valid, plan, *params)
 
 
 def _offloaded(plan, chain: HostChain | None):

@@ -34,6 +34,11 @@ MLP, residual. The differences are data in `LayerParts`:
   `first_k_dense_replace` layers and halves-style partial RoPE; both route inside the module, the router
   still the block's `gate` (its logits first). Qwen2-MoE's sliding layers leave their window to the
   mask builder (`layer_window` reads it from `config.layer_types`).
+- DeepSeek-V3 attends through multi-head latent attention (`MlaParts`: queries through q_a_proj,
+  q_a_layernorm, q_b_proj or one q_proj; keys and values from one latent per position, kv_a_proj_with_mqa,
+  kv_a_layernorm, kv_b_proj, plus one rotated key head shared by every head, qk head dim != v head dim;
+  the engine keeps the latent, `engine.stream.mla`), and routes as GLM-4.5 does (sigmoid router,
+  group-limited top-k, shared experts, dense first `first_k_dense_replace` layers).
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -91,6 +96,31 @@ class FusedRows:
 
 
 @dataclass(frozen=True)
+class MlaParts:
+    """The modules and sizes of a multi-head latent attention (DeepSeek-V3's `DeepseekV3Attention`)."""
+
+    q_proj: nn.Module | None
+    """The one query projection when `q_lora_rank` is None, else None (and q_a_proj, q_a_norm, q_b_proj)."""
+    q_a_proj: nn.Module | None
+    q_a_norm: nn.Module | None
+    q_b_proj: nn.Module | None
+    kv_a_proj: nn.Module
+    """kv_a_proj_with_mqa: the latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim)."""
+    kv_a_norm: nn.Module
+    kv_b_proj: nn.Linear
+    """The latent's up-projection to each head's k_nope and v, absorbed by the engine (a plain nn.Linear)."""
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    latent_dim: int
+    rope_interleave: bool
+
+    def kv_b_weight(self) -> Tensor:
+        """kv_b_proj's weight as (H, nope + v, latent): each head's W_uk rows, then its W_uv rows."""
+        return self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.latent_dim)
+
+
+@dataclass(frozen=True)
 class LayerParts:
     """The sub-modules of one decoder layer that the engine calls, plus its attention geometry."""
 
@@ -133,6 +163,9 @@ class LayerParts:
     """The router of a mixture-of-experts MLP (its `gate`, returning router logits first), or None."""
     qk_norm_whole: bool = False
     """Whether `q_norm` and `k_norm` norm all heads of a position together (OLMo 2 and 3), not each head."""
+    mla: MlaParts | None = None
+    """A multi-head latent attention's modules (DeepSeek-V3; q/k/v_proj then name its query, kv_a and
+    kv_b projections, for reading only), or None."""
 
     def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
         """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
@@ -217,7 +250,9 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     input_norm, post_norm, attn_out_norm, mlp_out_norm = (
         None if name is None else getattr(layer, name) for name in family.norms)
     q_norm, k_norm = (getattr(attn, name, None) for name in family.qk_norms)
-    q_proj, k_proj, v_proj = _qkv_projections(attn)
+    mla = _mla_parts(attn)
+    q_proj, k_proj, v_proj = _qkv_projections(attn) if mla is None else (
+        mla.q_proj or mla.q_b_proj, mla.kv_a_proj, mla.kv_b_proj)
     return LayerParts(
         input_norm=nn.Identity() if input_norm is None else input_norm,
         post_norm=nn.Identity() if post_norm is None else post_norm,
@@ -230,7 +265,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         mlp=layer.mlp,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
-        head_dim=attn.head_dim,
+        head_dim=getattr(attn, "qk_head_dim", None) or attn.head_dim,
         scaling=attn.scaling,
         attn_out_norm=attn_out_norm,
         mlp_out_norm=mlp_out_norm,
@@ -243,7 +278,24 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
         qk_norm_whole=config.model_type in WHOLE_QK_NORM,
+        mla=mla,
     )
+
+
+def _mla_parts(attn: nn.Module) -> MlaParts | None:
+    """The latent attention's modules of a DeepSeek-V3 attention module, or None for another attention;
+    ConfigError when its kv_b_proj is not a plain nn.Linear (a LoRA wrapper: the engine absorbs its
+    weight)."""
+    if not hasattr(attn, "kv_b_proj"):
+        return None
+    if type(attn.kv_b_proj) is not nn.Linear:
+        raise ConfigError(f"{attn.config.model_type}: a wrapped kv_b_proj (LoRA) is not supported by the "
+                          "engine, which absorbs its weight into the queries and outputs")
+    return MlaParts(q_proj=attn.q_proj, q_a_proj=attn.q_a_proj, q_a_norm=attn.q_a_layernorm,
+                    q_b_proj=attn.q_b_proj, kv_a_proj=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm,
+                    kv_b_proj=attn.kv_b_proj, nope_dim=attn.qk_nope_head_dim, rope_dim=attn.qk_rope_head_dim,
+                    v_dim=attn.v_head_dim, latent_dim=attn.kv_lora_rank,
+                    rope_interleave=bool(attn.config.rope_interleave))
 
 
 def layer_rotates(attn: nn.Module, family: Family) -> bool:

@@ -73,6 +73,7 @@ FAMILIES = (
     Family("mixtral", "mixtral", None),
     Family("qwen2_moe", "qwen2-moe", None),
     Family("glm4_moe", "glm4-moe", None),
+    Family("deepseek_v3", "deepseek-v3", None),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

@@ -14,8 +14,8 @@ from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMI
 def test_every_tiny_preset_is_one_familys() -> None:
     shipped = sorted(path.stem.removeprefix("tiny--") for path in PRESET_DIR.glob("tiny--*.json"))
     assert shipped == sorted(TINY_FAMILIES)
-    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 20
-    assert MOE_FAMILIES == ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 21
+    assert MOE_FAMILIES == ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.model_type)
@@ -143,3 +143,88 @@ def test_glm4_moes_float32_router_is_transformers_and_float64_in_a_float64_model
     assert all(torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
     assert wide(hidden.double())[0].dtype == torch.float64
     assert router_aux(tiny_config("glm4-moe", output_router_logits=True)) is None
+
+
+def test_deepseek_v3s_latent_attention_reaches_the_engine() -> None:
+    """DeepSeek-V3's MLA: the tiny preset's queries go through q_a/q_b, its keys through a 16-wide latent
+    and an 8-wide rotary key, interleaved, and its scale carries YaRN's mscale (not qk_head_dim ** -0.5)."""
+    from streambp_core.models.adapters import layer_parts
+
+    layers = build_model("tiny/deepseek-v3", device="meta").model.layers
+    parts = [layer_parts(layer) for layer in layers]
+    mla = parts[0].mla
+    assert mla is not None and mla.q_proj is None and mla.q_a_proj is not None and mla.q_b_proj is not None
+    sizes = (mla.latent_dim, mla.rope_dim, mla.nope_dim, mla.v_dim, mla.rope_interleave)
+    assert sizes == (16, 8, 8, 16, True)
+    assert parts[0].scaling != pytest.approx(16 ** -0.5) and parts[0].scaling == layers[0].self_attn.scaling
+    assert parts[0].router is None and parts[1].router is not None  # first_k_dense_replace 1
+    assert layer_parts(build_model("tiny/llama", device="meta").model.layers[0]).mla is None
+
+
+@pytest.mark.parametrize("overrides", [{"q_lora_rank": None}, {"rope_interleave": False}],
+                         ids=["one-q-proj", "rope-halves"])
+def test_deepseek_v3s_variants_match_plain(overrides) -> None:
+    """The variants the tiny preset does not take: one q_proj (Moonlight), RoPE on halves."""
+    import torch
+
+    from streambp_core.models.load import tiny_config
+    from tests.unit.test_exactness import assert_matches_plain, batch
+
+    model = build_model(tiny_config("deepseek-v3", **overrides), dtype=torch.float64, seed=0)
+    ids, mask = batch(model.config.vocab_size, 2, 11, "right")
+    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=4, head_partition_size=4)
+
+
+def test_deepseek_v3s_rope_is_transformers_bit_for_bit() -> None:
+    import torch
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from streambp_core.engine.stream.mla import rotate_mla
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=gen), torch.randn(2, 1, 5, 8, generator=gen)
+    angles = torch.randn(2, 5, 4, generator=gen)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    for interleave, apply in ((True, hf.apply_rotary_pos_emb_interleave), (False, hf.apply_rotary_pos_emb)):
+        q_hf, k_hf = apply(q, k, cos, sin)
+        assert torch.equal(rotate_mla(q, cos[:, None], sin[:, None], interleave), q_hf)
+        assert torch.equal(rotate_mla(k, cos[:, None], sin[:, None], interleave), k_hf)
+
+
+def test_deepseek_v3s_wrapped_kv_b_proj_is_refused() -> None:
+    from torch import nn
+
+    from streambp_core.config import ConfigError
+    from streambp_core.models.adapters import layer_parts
+
+    layer = build_model("tiny/deepseek-v3", device="meta").model.layers[0]
+    layer.self_attn.kv_b_proj = nn.Sequential(layer.self_attn.kv_b_proj)
+    with pytest.raises(ConfigError, match="kv_b_proj"):
+        layer_parts(layer)
+
+
+def test_deepseek_v3s_stored_prefix_is_the_latent() -> None:
+    """Simulated: a streamed MLA layer's K/V (and their gradients) are one latent + rotary key per position,
+    2 x T x (kv_lora_rank + qk_rope_head_dim) values, not heads x (qk + v head dims) per position."""
+    from streambp_core.config import StepSpec
+    from streambp_core.step.simulate import simulate
+
+    tokens, width, bf16 = 128, 16 + 8, 2
+    result = simulate(StepSpec.of(model="tiny/deepseek-v3", method="streambp", seq_len_tokens=tokens,
+                                  partition_size=32, head_partition_size=16, dtype="bfloat16"))
+    assert result.breakdown_bytes["kv"] == 2 * tokens * width * bf16
+    per_head = 2 * tokens * 4 * (16 + 16) * bf16
+    assert result.breakdown_bytes["kv"] < per_head / 5
+
+
+@pytest.mark.parametrize("method", ["streambp", "plain"])
+def test_deepseek_v3_under_sequence_parallelism_is_refused_by_name(method) -> None:
+    import torch
+
+    import streambp_core
+    from streambp_core.config import ConfigError
+    from streambp_core.engine.sequence.group import SequenceGroup
+
+    model = build_model("tiny/deepseek-v3", dtype=torch.float64, device="meta", seed=0)
+    with pytest.raises(ConfigError, match="multi-head latent attention"):
+        streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))

@@ -50,11 +50,13 @@ PUBLISHED_PARAMS_B = {
     "zai-org/GLM-4-9B-0414": 9.4,
     "Qwen/Qwen1.5-MoE-A2.7B": 14.32,
     "zai-org/GLM-4.5-Air": 106.85,
+    "deepseek-ai/DeepSeek-V3": 671.03,
+    "moonshotai/Moonlight-16B-A3B": 15.96,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
-        "tiny/qwen2-moe", "tiny/glm4-moe"]
+        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
@@ -107,7 +109,8 @@ def test_tiny_preset_builds_a_small_trainable_model(name):
     assert model.training
     assert count_parameters(model) < 200_000
     assert all(param.dtype == torch.float64 and param.device.type == "cpu" for param in model.parameters())
-    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    if model.config.model_type != "deepseek_v3":  # latent attention: one latent for every head, no GQA
+        assert model.config.num_key_value_heads < model.config.num_attention_heads
 
 
 def test_tiny_qwen2_has_qkv_bias_and_tiny_qwen3_head_dim_differs_from_hidden_over_heads():
