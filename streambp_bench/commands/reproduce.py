@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from enum import Enum
 from pathlib import Path
@@ -41,7 +42,12 @@ HELP = (
     "Ulysses sequence parallelism, its recipe and streambp beside its published lengths (simulated; "
     "step times estimated). "
     "all: every item. Memory items are simulated everywhere; time items measure. An item's max-length "
-    "searches run side by side, one worker process per core ([bold]--jobs[/] or STREAMBP_BENCH_JOBS)."
+    "searches run side by side, one worker process per core ([bold]--jobs[/] or STREAMBP_BENCH_JOBS).\n\n"
+    "[bold]--check[/] writes nothing: it reruns each simulated item into a temporary folder and compares "
+    "every row with the committed one of the same point under --out (exit 1 when one moved, is missing or "
+    "is no longer produced), reads the measured items (table1, table6) without measuring again, and checks "
+    "what the committed numbers claim: Table 4's checkpoint column within 15% of the paper at 4-8 GPUs, "
+    "each GPU self-check file under <out>/gpu/ passed and its simulated peaks within 3% of the allocator's."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -53,6 +59,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench reproduce all --out results/[/]
 
 [cyan]streambp-bench reproduce table6 --quick --out /tmp/r[/]    (tiny settings, seconds)
+
+[cyan]streambp-bench reproduce fig3 --check[/]    (do results/fig3.csv's rows still come out? writes nothing)
 """
 
 
@@ -84,11 +92,18 @@ def reproduce(
     quick: Annotated[
         bool, typer.Option("--quick", help="Tiny models, budgets and lengths: a smoke test, not the paper's.")
     ] = False,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Write nothing: rerun the simulated items and compare with the CSVs under --out; "
+                        "check the committed numbers' claims. Exit 1 when one fails.")] = False,
     jobs: opt.Jobs = None,
     as_json: opt.Json = False,
 ) -> None:
-    """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`)."""
+    """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`); with --check, compare
+    instead (`paper.check`)."""
     chosen = list(ITEM_NAMES) if item is Item.all else [item.value]
+    if check:
+        _check(chosen, Path("results") if out is None else out, quick, jobs, as_json)
+        return
     if out is None and quick:
         raise ConfigError("--quick writes tiny smoke-test rows: give --out DIR (they must not be merged into "
                           "results/, where they would stand for the paper's settings)")
@@ -118,6 +133,59 @@ def reproduce(
     files = [str(path) for path in [*dict.fromkeys(written), readme_path]]
     document = {"items": chosen, "out": str(out), "files": files, "seconds": seconds}
     emit(document, as_json, lambda stdout: [stdout.print(f"  {escape(f)}", soft_wrap=True) for f in files])
+
+
+def _check(chosen: list[str], out: Path, quick: bool, jobs: int | None, as_json: bool) -> None:
+    """`reproduce --check`: the findings of `paper.check` for each item, a table or JSON; exit 1 when one
+    fails. --out must hold the committed CSVs; nothing is written there."""
+    from streambp_bench.paper import check
+    from streambp_bench.paper.items import ITEMS
+    from streambp_bench.paper.shared import Settings
+    from streambp_core.measure.cuda import cuda_available
+
+    if not out.is_dir():
+        raise ConfigError(f"--check compares with the CSVs under --out: {out} is not a folder")
+    workers = worker_count(jobs, available_cpus(), "sim")
+    rerun = [name for name in chosen if name not in check.MEASURED_ITEMS]
+    context = start_server(workers, (*PRELOAD, "streambp_bench.paper.items")) if rerun else None
+    device = "cuda" if cuda_available() else "sim"
+    findings: list[check.Finding] = []
+    console = stderr_console()
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            for name in chosen:
+                task = progress.add_task(f"{name}: checking ...", total=None)
+
+                def note(text: str, name: str = name, task: TaskID = task) -> None:
+                    progress.update(task, description=escape(f"{name}: rerun {text}"), refresh=True)
+
+                def run(folder: Path, name: str = name, note=note) -> list[Path]:
+                    return ITEMS[name].run(Settings(out_dir=folder, quick=quick, device=device, note=note,
+                                                    jobs=workers, context=context))
+
+                if name in check.MEASURED_ITEMS:
+                    findings += check.measured(name, out)
+                else:
+                    findings += check.rerun(name, out, run)
+                findings += check.data_checks(name, out)
+                progress.remove_task(task)
+    finally:
+        stop_server(context)
+    failed = [finding for finding in findings if not finding.ok]
+    document = {"items": chosen, "out": str(out), "ok": not failed,
+                "findings": [dataclasses.asdict(finding) for finding in findings]}
+
+    def render(stdout: Console) -> None:
+        for finding in findings:
+            mark = "[green]ok[/]  " if finding.ok else "[red]FAIL[/]"
+            stdout.print(f"{mark} {finding.item} {finding.check}: {escape(finding.detail)}", soft_wrap=True)
+        stdout.print(f"{len(failed)} of {len(findings)} checks failed" if failed
+                     else f"all {len(findings)} checks passed")
+
+    emit(document, as_json, render)
+    if failed:
+        raise typer.Exit(code=1)
 
 
 def _run_items(chosen: list[str], out: Path, quick: bool, device: str, console: Console,
