@@ -15,6 +15,7 @@ from streambp_core.engine.stream.mlp import chunk_mlp, unchunk_mlp
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.hook_guards import PARAM_HOOKS, HookScope, above
+from streambp_core.models.adapters import layer_parts
 
 
 class MstRun(CheckpointRun):
@@ -46,7 +47,8 @@ class MstRun(CheckpointRun):
                               "a chunked MLP's router logits carry no gradient")
         super()._setup()
         for layer in self.parts.layers:
-            chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens, self.config.keep_chunks)
+            chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens, self.config.keep_chunks,
+                      layer_parts(layer).mlp_returns_scores)
 
     def _teardown(self) -> None:
         for layer in self.parts.layers:

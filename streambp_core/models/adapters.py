@@ -39,6 +39,12 @@ MLP, residual. The differences are data in `LayerParts`:
   kv_a_layernorm, kv_b_proj, plus one rotated key head shared by every head, qk head dim != v head dim;
   the engine keeps the latent, `engine.stream.mla`), and routes as GLM-4.5 does (sigmoid router,
   group-limited top-k, shared experts, dense first `first_k_dense_replace` layers).
+- gpt-oss adds a learned attention sink per head (`sinks`: one more logit in every query row's softmax
+  denominator, `engine.attention.sinks`), biases on q/k/v/o, sliding (`sliding_window`) and full layers
+  as `layer_types` says, a rotary embedding whose tables hold each pair's angle once (`rope_half_tables`,
+  YaRN-scaled), and routes inside its MLP (router `router` with a bias, softmax over the top-k logits,
+  experts with an interleaved fused gate_up_proj, biases and a clamped SwiGLU), whose forward returns
+  (output, router scores) (`mlp_returns_scores`).
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -166,6 +172,21 @@ class LayerParts:
     mla: MlaParts | None = None
     """A multi-head latent attention's modules (DeepSeek-V3; q/k/v_proj then name its query, kv_a and
     kv_b projections, for reading only), or None."""
+    sink_module: nn.Module | None = None
+    """The attention module holding per-head attention sinks (gpt-oss's `sinks`), or None."""
+    mlp_returns_scores: bool = False
+    """Whether `mlp` returns (output, router scores) (gpt-oss): `mlp_output` keeps the output."""
+
+    @property
+    def sinks(self) -> Tensor | None:
+        """The attention sinks (H,), read from the module when used (a sharded engine may swap the
+        parameter between steps), or None."""
+        return None if self.sink_module is None else self.sink_module.sinks
+
+    def mlp_output(self, x: Tensor) -> Tensor:
+        """The MLP's output (B, c, d) for its input x."""
+        out = self.mlp(x)
+        return out[0] if self.mlp_returns_scores else out
 
     def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
         """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
@@ -195,7 +216,11 @@ class DecoderParts:
         return hidden if self.embedding_multiplier == 1.0 else hidden * self.embedding_multiplier
 
     def rope_tables(self, hidden: Tensor, positions: Tensor) -> dict[str | None, tuple[Tensor, Tensor]]:
-        """cos/sin of `positions` for every RoPE table the layers use, keyed as `LayerParts.rope_key`."""
+        """cos/sin of `positions` for every RoPE table the layers use, keyed as `LayerParts.rope_key`;
+        tables of half the rotated features (gpt-oss's) repeated for both halves, as it applies them."""
+        if family_of(self.family).rope_half_tables:
+            cos, sin = self.rotary(hidden, positions)
+            return {None: (torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))}
         if self.family not in ROPE_PER_LAYER_TYPE:
             return {None: self.rotary(hidden, positions)}
         return {kind: self.rotary(hidden, positions, kind) for kind in sorted(set(self.rotary.layer_types))}
@@ -276,10 +301,19 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         rope_interleaved=family.rope_interleaved,
         rope_in_float32=family.rope_in_float32,
         residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
-        router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
+        router=_router(layer.mlp),
         qk_norm_whole=config.model_type in WHOLE_QK_NORM,
         mla=mla,
+        sink_module=attn if isinstance(getattr(attn, "sinks", None), Tensor) else None,
+        mlp_returns_scores=family.mlp_returns_scores,
     )
+
+
+def _router(mlp: nn.Module) -> nn.Module | None:
+    """The router of a mixture-of-experts MLP (its `gate`, gpt-oss's `router`: logits first), or None."""
+    if not hasattr(mlp, "experts"):
+        return None
+    return mlp.gate if hasattr(mlp, "gate") else mlp.router
 
 
 def _mla_parts(attn: nn.Module) -> MlaParts | None:

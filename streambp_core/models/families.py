@@ -36,6 +36,14 @@ class Family:
     global_nope: bool = False
     """Whether the full-attention layers of a model with a sliding window leave Q and K unrotated
     (EXAONE 4's hybrid attention)."""
+    rope_half_tables: bool = False
+    """Whether its rotary embedding returns cos/sin for half the rotated features (each pair's angle
+    once), which it applies to both halves (gpt-oss)."""
+    mlp_returns_scores: bool = False
+    """Whether its MLP module returns (output, router scores) rather than the output alone (gpt-oss)."""
+    sdpa: bool = True
+    """Whether transformers runs its attention through SDPA; gpt-oss's has none (its sinks need eager
+    attention or a kernel that takes them), so its models are built with eager attention."""
 
     @property
     def experts(self) -> bool:
@@ -74,6 +82,7 @@ FAMILIES = (
     Family("qwen2_moe", "qwen2-moe", None),
     Family("glm4_moe", "glm4-moe", None),
     Family("deepseek_v3", "deepseek-v3", None),
+    Family("gpt_oss", "gpt-oss", None, rope_half_tables=True, mlp_returns_scores=True, sdpa=False),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

@@ -15,7 +15,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from streambp_core.config import PRESET_DIR, ConfigError, preset_names
-from streambp_core.models.adapters import MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, model_family
+from streambp_core.models.adapters import (
+    MOE_FAMILIES,
+    SUPPORTED_FAMILIES,
+    TINY_FAMILIES,
+    family_of,
+    model_family,
+)
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.precision import norms_in_at_least_float32, routers_in_at_least_float32
 
@@ -138,9 +144,18 @@ def build_model(
     config = copy.copy(config_or_name) if checked else checked_config(config_or_name)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **experts_options(config, dtype))
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_for(config, attn_implementation),
+            **experts_options(config, dtype))
     return _prepare_for_training(model)
+
+
+def attention_for(config: PretrainedConfig, attn_implementation: str) -> str:
+    """The attention implementation a model of `config` is built with: the one asked for, except SDPA for
+    a family transformers runs without it (gpt-oss: eager, which carries its attention sinks)."""
+    if attn_implementation == "sdpa" and not family_of(config.model_type).sdpa:
+        return "eager"
+    return attn_implementation
 
 
 def experts_options(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, str]:
@@ -170,7 +185,8 @@ def load_model(
         raise ConfigError(f"{path} has no *.safetensors weights")
     config = check_supported(load_config(str(path)), str(path))
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+        str(path), dtype=dtype, local_files_only=True,
+        attn_implementation=attention_for(config, attn_implementation),
         **experts_options(config, dtype),
     )
     return _prepare_for_training(model.to(device))

@@ -1,10 +1,10 @@
 """Norms that keep a float64 model in float64.
 
-Gemma 3's RMSNorm computes in `x.float()`, meant as an upcast for bfloat16; on a float64 model it rounds
-every norm to float32, and its weight gradient becomes a float32 sum over all tokens, so the model's own
-backward is float32-accurate and no float64 comparison of methods can reach 1e-10 on those weights.
-`norms_in_at_least_float32` makes each such norm compute in the wider of float32 and its input precision:
-for float32, float16 and bfloat16 inputs nothing changes; float64 stays float64.
+Gemma 3's RMSNorm (and gpt-oss's) computes in `x.float()`, meant as an upcast for bfloat16; on a float64
+model it rounds every norm to float32, and its weight gradient becomes a float32 sum over all tokens, so
+the model's own backward is float32-accurate and no float64 comparison of methods can reach 1e-10 on those
+weights. `norms_in_at_least_float32` makes each such norm compute in the wider of float32 and its input
+precision: for float32, float16 and bfloat16 inputs nothing changes; float64 stays float64.
 
 GLM-4.5's router keeps its weight in float32 (`_keep_in_fp32_modules_strict`) and computes its logits from
 `.type(torch.float32)` of input and weight: the same float32 island, whose weight gradient is a float32
@@ -21,13 +21,23 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-FLOAT32_NORMS = ("Gemma3RMSNorm",)
-"""Class names of norms that compute in `x.float()`."""
-
 
 def _norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     work = torch.promote_types(x.dtype, torch.float32)
     return (self._norm(x.to(work)) * (1.0 + self.weight.to(work))).type_as(x)
+
+
+def _weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
+    """gpt-oss's RMSNorm, weight * x / rms(x), in the wider of float32 and x's precision."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    wide = x.to(work)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight * wide).to(x.dtype)
+
+
+FLOAT32_NORMS = {"Gemma3RMSNorm": _norm_in_at_least_float32,
+                 "GptOssRMSNorm": _weight_norm_in_at_least_float32}
+"""Class names of norms that compute in `x.float()`, and their at-least-float32 forwards."""
 
 
 def norms_in_at_least_float32(model: nn.Module) -> int:
@@ -35,8 +45,9 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
     untouched); returns how many norms changed."""
     changed = 0
     for module in model.modules():
-        if type(module).__name__ in FLOAT32_NORMS and "forward" not in vars(module):
-            module.forward = types.MethodType(_norm_in_at_least_float32, module)
+        wide = FLOAT32_NORMS.get(type(module).__name__)
+        if wide is not None and "forward" not in vars(module):
+            module.forward = types.MethodType(wide, module)
             changed += 1
     return changed
 

@@ -27,6 +27,9 @@ Kernels:
   one forward over the chunk, keeping its log-sum-exp; in backward one flash backward per tile with that
   log-sum-exp, dQ summed in (at least) float32. `cuda_attention.blocked_applies` says when it runs (unpadded
   half-precision chunks with a long prefix); shorter prefixes keep the faster unblocked kernels.
+- Attention sinks (gpt-oss): the forward's output and log-sum-exp are rescaled by the sinks
+  (`sinks.fold_sinks`); every tile's backward then takes that log-sum-exp and output (`sinks`' step 2), and
+  the sinks' gradient comes from the rows' D once per chunk (`sinks.sink_grad`).
 - CPU reference (`reference_blocked_backward`): the same tiles, exact math in at least float32 (float64
   stays float64), with the full mask (padding too); the tests hold it to the unblocked backward.
 """
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from streambp_core.engine.attention.sinks import fold_sinks, sink_grad
 from streambp_core.engine.chunks import allowed_mask, chunk_bounds, window_start
 
 BLOCK_TOKENS = 16384
@@ -155,20 +159,24 @@ def blocked_flash_backward(grad_out, q, k, v, out, lse, rng_state, unused, scale
 
 class BlockedFlashAttention(torch.autograd.Function):
     """Lower-right causal attention of (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values whose
-    backward runs tile by tile (module docstring). `apply(q, k, v, scale, window, block_tokens)`."""
+    backward runs tile by tile (module docstring). `apply(q, k, v, scale, window, block_tokens, sinks)`,
+    `sinks` (H,) each head's attention-sink logit, or None."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None,
-                block_tokens: int) -> Tensor:
+                block_tokens: int, sinks: Tensor | None = None) -> Tensor:
         out, lse, rng_state, unused = flash_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                     scale, window)
-        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused)
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused, sinks)
         ctx.scale, ctx.window, ctx.block_tokens = scale, window, block_tokens
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, rng_state, unused = ctx.saved_tensors
+        q, k, v, out, lse, rng_state, unused, sinks = ctx.saved_tensors
         grads = blocked_flash_backward(grad_out, q, k, v, out, lse, rng_state, unused, ctx.scale, ctx.window,
                                        ctx.block_tokens)
-        return (*grads, None, None, None)
+        d_sinks = None if sinks is None else sink_grad(grad_out, out.transpose(1, 2), lse, sinks)
+        return (*grads, None, None, None, d_sinks)

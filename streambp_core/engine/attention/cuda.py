@@ -19,6 +19,10 @@ Kernel choice (`choose_kernel`), the same for every method because all of them a
   `blocked_attention.BLOCKED_MIN_KEYS` (and not square) takes `BlockedFlashAttention`: torch's
   FlashAttention-2 with a backward over tiles of keys, whose buffers do not grow with the prefix
   (`blocked_applies`); below that the kernels above, faster there, and their buffers are small.
+- Attention sinks (gpt-oss, `attention.sinks`): flash-attn's and SDPA's kernels take none, so a chunk with
+  sinks never reaches them: unpadded and in half precision it takes `BlockedFlashAttention` with the sinks
+  folded into its log-sum-exp (`sink_blocked_applies`, whatever the prefix), otherwise the exact math of
+  the engine's own op (`prefix.py`).
 `plan_kernel` names the path a chunk takes; the simulator sizes each path's own buffers from it
 (`kernel_workspace.py`).
 Whenever the choice is not flash-attn although flash-attn was asked for (or `auto` finds it missing),
@@ -85,8 +89,17 @@ def blocked_applies(q: Tensor, k: Tensor, key_valid: Tensor | None) -> bool:
             and (q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 8))
 
 
+def sink_blocked_applies(q: Tensor, key_valid: Tensor | None) -> bool:
+    """Whether a chunk with attention sinks takes `BlockedFlashAttention` (sinks folded in): unpadded, in a
+    precision and head size torch's flash kernel takes, on a GPU it runs on; any prefix length."""
+    head_dim = q.shape[-1]
+    flash_gpu = q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 8
+    return (key_valid is None and q.dtype in FLASH_DTYPES and head_dim <= FLASH_MAX_HEAD_DIM
+            and head_dim % 8 == 0 and flash_gpu)
+
+
 def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, window: int | None,
-                simulated: bool = False, blocking: bool = True) -> str:
+                simulated: bool = False, blocking: bool = True, sinks: Tensor | None = None) -> str:
     """The path `cuda_attention` takes for this chunk: 'blocked' (`BlockedFlashAttention`), 'flash' or
     'flash-varlen' (flash-attn), 'sdpa-cudnn' (a square half-precision chunk: SDPA's own causal
     dispatch, cuDNN on Hopper GPUs), 'sdpa-flash' (torch's lower-right bias: its FlashAttention-2 kernel
@@ -96,8 +109,11 @@ def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, wi
     `simulated` (meta tensors, the simulator): `auto` means sdpa, the kernels every torch build has, so a
     simulation does not depend on whether flash-attn is installed where it runs; padding is taken to
     leave each row's real tokens contiguous (a meta mask has no values); no warning. `blocking` False:
-    never 'blocked'.
+    never 'blocked'. With `sinks`: 'blocked' (`sink_blocked_applies`) or 'sinks-math' (the engine op's
+    exact math: the chunk's scores held whole).
     """
+    if sinks is not None:
+        return "blocked" if blocking and sink_blocked_applies(q, key_valid) else "sinks-math"
     if blocking and blocked_applies(q, k, key_valid):
         return "blocked"
     asked = "sdpa" if simulated and backend == "auto" else backend

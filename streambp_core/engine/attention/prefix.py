@@ -14,6 +14,15 @@ Kernels:
   memory a GPU step would. On meta the backward also holds, while it runs, the buffers the CUDA path
   this chunk would take allocates inside its kernels (`cuda_attention.plan_kernel`,
   `kernel_workspace.py`), filed under the `kernel_workspace` category.
+
+Attention sinks (gpt-oss): one learned logit per query head, `sinks` (H,), joins every query row's softmax
+denominator and attends to nothing: p_j = exp(s_j - L), L = log(exp(sink) + sum_j exp(s_j)). The ops
+return that L; their backward is softmax attention's with it (dS = P * (dP - D), D = rowsum(dO * O)), and
+the sink's gradient is -sum over rows of exp(sink - L) * D, taken from the saved L (`sinks.sink_grad`). On
+CUDA an unpadded half-precision chunk with sinks takes `BlockedFlashAttention` (torch's flash kernel, the
+sink folded into its log-sum-exp: `sinks.fold_sinks`), any other (padded, packed rows, float32) these ops'
+exact math, which holds the chunk's (B, H, c, e) scores as transformers' eager attention holds the whole
+T x T; flash-attn's and SDPA's kernels take no sinks and are never used for them.
 """
 
 from __future__ import annotations
@@ -21,7 +30,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from streambp_core.engine.attention.cuda import cuda_attention, flash_attn_available, plan_kernel
+from streambp_core.engine.attention import blocked
+from streambp_core.engine.attention.cuda import (
+    cuda_attention,
+    flash_attn_available,
+    plan_kernel,
+    sink_blocked_applies,
+)
+from streambp_core.engine.attention.sinks import sink_grad
 from streambp_core.engine.attention.varlen import packed_cuda_attention
 from streambp_core.engine.attention.workspace import backward_workspace_bytes
 from streambp_core.engine.chunks import allowed_mask
@@ -39,6 +55,7 @@ def prefix_attention(
     backend: str = "auto",
     window: int | None = None,
     blocking: bool = True,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention output (B, H, c, hd) of queries q (B, H, c, hd) against keys/values (B, Hkv, e, hd).
 
@@ -47,19 +64,26 @@ def prefix_attention(
     sees no valid key outputs zeros, as torch SDPA does for a fully masked row. `window` (sliding-window
     attention): a query sees only itself and the `window - 1` keys before it; None: the whole prefix.
     `blocking` False: never the blocked backward (`cuda_attention.blocked_applies`), whatever the prefix.
+    `sinks` (H,): each head's attention-sink logit in every row's denominator (module docstring), or None.
     """
     if window is not None and window >= k.shape[2]:
         window = None  # the band covers every key: plain causal attention
+    if sinks is not None and q.device.type == "cuda":
+        if blocking and sink_blocked_applies(q, key_valid):
+            return blocked.BlockedFlashAttention.apply(q, k, v, scale, window, blocked.BLOCK_TOKENS, sinks)
+        out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window, sinks)
+        return out
     if q.device.type == "cuda" and key_valid is not None and key_valid.dim() == 3:
         return packed_cuda_attention(q, k, v, key_valid, scale, backend, window)
     if q.device.type == "cuda":
         return cuda_attention(q, k, v, key_valid, scale, backend, window, blocking)
     if q.device.type == "meta":
-        kernel = plan_kernel(backend, q, k, key_valid, window, simulated=True, blocking=blocking)
+        kernel = plan_kernel(backend, q, k, key_valid, window, simulated=True, blocking=blocking, sinks=sinks)
         workspace = backward_workspace_bytes(kernel, q, k, window)
-        return _SimulatedAttention.apply(q, k, v, key_valid, scale, window, workspace)
-    out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)
+        return _SimulatedAttention.apply(q, k, v, key_valid, scale, window, workspace, sinks)
+    out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window, sinks)
     return out
+
 
 
 class _SimulatedAttention(torch.autograd.Function):
@@ -67,21 +91,22 @@ class _SimulatedAttention(torch.autograd.Function):
     filed under kernel_workspace) while the backward op allocates its gradients, as the kernel does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, scale, window, workspace_bytes):
-        out, _ = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window)
-        ctx.save_for_backward(q, k, v, out, key_valid)
+    def forward(ctx, q, k, v, key_valid, scale, window, workspace_bytes, sinks=None):
+        out, lse = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window, sinks)
+        ctx.save_for_backward(q, k, v, out, key_valid, lse, sinks)
         ctx.scale, ctx.window, ctx.workspace_bytes = scale, window, workspace_bytes
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, key_valid = ctx.saved_tensors
+        q, k, v, out, key_valid, lse, sinks = ctx.saved_tensors
         with memory_category(KERNEL_WORKSPACE):  # none for a path not modelled
             workspace = q.new_empty(ctx.workspace_bytes, dtype=torch.uint8) if ctx.workspace_bytes else None
         d_q, d_k, d_v = torch.ops.streambp.prefix_attn_bwd(
-            grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window)
+            grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window, sinks)
         del workspace  # freed when the kernel returns
-        return d_q, d_k, d_v, None, None, None, None
+        d_sinks = None if sinks is None else sink_grad(grad_out, out, lse, sinks)
+        return d_q, d_k, d_v, None, None, None, None, d_sinks
 
 
 def _grouped(q: Tensor, num_kv_heads: int) -> Tensor:
@@ -90,30 +115,34 @@ def _grouped(q: Tensor, num_kv_heads: int) -> Tensor:
     return q.reshape(b, num_kv_heads, h // num_kv_heads, c, hd)
 
 
-def _probabilities(q, k, key_valid, scale, window):
-    """Softmax probabilities (B, Hkv, g, c, e) and log-sum-exp, in at least float32."""
+def _probabilities(q, k, key_valid, scale, window, sinks=None):
+    """Softmax probabilities (B, Hkv, g, c, e) and log-sum-exp, in at least float32; with `sinks` (H,),
+    each head's sink logit joins every row's denominator (the log-sum-exp includes it)."""
     work = torch.promote_types(q.dtype, torch.float32)
     qg = _grouped(q, k.shape[1]).to(work)
     scores = qg @ k.to(work)[:, :, None].transpose(-1, -2) * scale
     allowed = allowed_mask(q.shape[2], key_valid, k.shape[2], window)[:, None, None]  # (B|1, 1, 1, c, e)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:  # (H,) -> (1, Hkv, g, 1), as the query heads are grouped
+        lse = torch.logaddexp(lse, sinks.to(work).reshape(1, k.shape[1], -1, 1))
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # fully masked rows: 0, as SDPA
     return probs, lse
 
 
 @torch.library.custom_op("streambp::prefix_attn_fwd", mutates_args=())
 def _prefix_attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, window: int | None
+    q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, window: int | None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    probs, lse = _probabilities(q, k, key_valid, scale, window)
+    probs, lse = _probabilities(q, k, key_valid, scale, window, sinks)
     out = probs @ v.to(probs.dtype)[:, :, None]  # (B, Hkv, g, c, hd)
     laid_out_like_q = torch.empty_like(q).copy_(out.reshape(q.shape))  # the fake kernel's layout
     return laid_out_like_q, lse.reshape(q.shape[:3]).to(_lse_dtype(q))
 
 
 @_prefix_attn_fwd.register_fake
-def _(q, k, v, key_valid, scale, window):
+def _(q, k, v, key_valid, scale, window, sinks=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
 
@@ -127,8 +156,9 @@ def _prefix_attn_bwd(
     key_valid: Tensor | None,
     scale: float,
     window: int | None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    probs, _ = _probabilities(q, k, key_valid, scale, window)
+    probs, _ = _probabilities(q, k, key_valid, scale, window, sinks)
     work = probs.dtype
     hkv = k.shape[1]
     d_out = _grouped(grad_out, hkv).to(work)  # (B, Hkv, g, c, hd)
@@ -144,7 +174,7 @@ def _prefix_attn_bwd(
 
 
 @_prefix_attn_bwd.register_fake
-def _(grad_out, q, k, v, out, key_valid, scale, window):
+def _(grad_out, q, k, v, out, key_valid, scale, window, sinks=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -153,18 +183,19 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_valid, scale, window = inputs
-    out, _ = output
-    ctx.save_for_backward(q, k, v, out, key_valid)
+    q, k, v, key_valid, scale, window, sinks = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, key_valid, lse, sinks)
     ctx.scale, ctx.window = scale, window
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, key_valid = ctx.saved_tensors
+    q, k, v, out, key_valid, lse, sinks = ctx.saved_tensors
     d_q, d_k, d_v = torch.ops.streambp.prefix_attn_bwd(
-        grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window
+        grad_out, q, k, v, out, key_valid, ctx.scale, ctx.window, sinks
     )
-    return d_q, d_k, d_v, None, None, None
+    d_sinks = None if sinks is None else sink_grad(grad_out, out, lse, sinks)
+    return d_q, d_k, d_v, None, None, None, d_sinks
 
 
 _prefix_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -27,6 +27,10 @@ c queries, e keys, d head dim, s bytes per element of the inputs:
   (4 * B * e * H * d * s with GQA), the mask's additive form (B, 1, c, r(e, 16)) in the input dtype, and
   the memory-efficient kernel's fp32 buffers (`kernel_backward.h`: delta (B, H, c) and the dQ
   accumulator (B, H, r(c, 64), d); its dK/dV accumulators are not needed for d <= 128).
+- sinks-math (a chunk with attention sinks that the blocked kernel does not take: padded, packed rows or
+  float32; the engine op's exact math): the op's backward holds the chunk's probabilities, their gradient,
+  the scores' gradient and one temporary, (B, H, c, e) each in at least float32, and the mask's boolean
+  (B, c, e).
 - sdpa-other (SDPA outside half precision): not modelled, 0.
 Forward buffers are left out: FlashAttention-2's split-KV forward (`set_params_splitkv`) allocates
 fp32 partial outputs only when B * H * ceil(c / 64) is under 0.8 x twice the SM count, bounded by about
@@ -117,12 +121,20 @@ def sdpa_masked_backward_bytes(batch: int, heads: int, kv_heads: int, queries: i
     return expanded + bias + efficient
 
 
+def sinks_math_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int,
+                              head_dim: int, element_bytes: int) -> int:
+    """The engine op's backward with attention sinks: four (B, H, c, e) score-sized buffers in at least
+    float32 and the boolean mask (module docstring)."""
+    return 4 * max(FP32, element_bytes) * batch * heads * queries * keys + batch * queries * keys
+
+
 _PER_KERNEL = {
     "flash": flash_backward_bytes,
     "flash-varlen": flash_varlen_backward_bytes,
     "sdpa-flash": flash_backward_bytes,
     "sdpa-cudnn": cudnn_backward_bytes,
     "sdpa-masked": sdpa_masked_backward_bytes,
+    "sinks-math": sinks_math_backward_bytes,
 }
 
 

@@ -16,6 +16,9 @@ Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) fo
 A sliding-window (local) layer attends each chunk s..e to the keys of its band only, max(0, s - window + 1)
 ..e (views of the same caches), so its attention work per chunk is bounded by the window; a routed
 (mixture-of-experts) layer under the load-balancing loss also returns its routing sums (`engine.router`).
+A layer with attention sinks (gpt-oss) passes them to every chunk's attention: each query row's softmax
+denominator takes its head's sink once, in the one chunk the row is in, and the sinks' gradient is the
+sum of every recomputed chunk's share (`engine.attention.sinks`).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
         attn = plan.attention(q, k, v, valid)
     else:
         attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn,  # (B, H, c, hd)
-                                parts.sliding_window, blocking=plan.attn_blocking)
+                                parts.sliding_window, blocking=plan.attn_blocking, sinks=parts.sinks)
     b, heads, c, hd = attn.shape
     attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(b, c, heads * hd))
     return residual_add(parts, h, attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
@@ -121,7 +124,7 @@ def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, va
     """Layer output for the chunk whose input is h (B, c, d), given its queries and its K/V prefix."""
     parts = plan.parts
     h = attend(plan, h, q, k, v, valid)
-    mlp = parts.mlp(parts.post_norm(h))
+    mlp = parts.mlp_output(parts.post_norm(h))
     return residual_add(parts, h, mlp if parts.mlp_out_norm is None else parts.mlp_out_norm(mlp))
 
 

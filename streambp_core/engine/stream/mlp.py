@@ -2,7 +2,9 @@
 
 Forward keeps only the MLP input; backward recomputes one chunk at a time, so the (c, intermediate)
 activations of only one chunk are alive. Weight gradients accumulate in `.grad`. A chunk reaches the MLP
-as a dense (B, c, d) tensor (a mixture-of-experts block views its input as (B * c, d)).
+as a dense (B, c, d) tensor (a mixture-of-experts block views its input as (B * c, d)). An MLP that
+returns (output, router scores) (gpt-oss's) is chunked on its output; the chunked module then returns
+(output, None), the scores being what its decoder layer discards.
 """
 
 from __future__ import annotations
@@ -48,15 +50,19 @@ class ChunkedMLP(torch.autograd.Function):
         return (grad_x, None, None, None, None, *([None] * len(ctx.params)))
 
 
-def chunk_mlp(mlp: nn.Module, chunk: int, keep_chunks: int | None = None) -> None:
+def chunk_mlp(mlp: nn.Module, chunk: int, keep_chunks: int | None = None,
+              returns_scores: bool = False) -> None:
     """Make `mlp` run in chunks (instance-level override of `forward`); undo with `unchunk_mlp`.
-    `keep_chunks`: simulation only (see `StreamConfig.keep_chunks`)."""
+    `keep_chunks`: simulation only (see `StreamConfig.keep_chunks`); `returns_scores`: `mlp` returns
+    (output, router scores) (module docstring)."""
     original = mlp.forward
+    output = (lambda x: original(x)[0]) if returns_scores else original
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor):
         if not torch.is_grad_enabled():
             return original(x)
-        return ChunkedMLP.apply(x, self, original, chunk, keep_chunks, *trainable_parameters([self]))
+        out = ChunkedMLP.apply(x, self, output, chunk, keep_chunks, *trainable_parameters([self]))
+        return (out, None) if returns_scores else out
 
     mlp.forward = types.MethodType(forward, mlp)
 
