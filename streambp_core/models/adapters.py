@@ -55,6 +55,7 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
     GATED_MLP_CLASSES,
     MOE_FAMILIES,
     SUPPORTED_FAMILIES,
+    TEXT_MODEL_CLASSES,
     TINY_FAMILIES,
     Family,
     family_of,
@@ -214,6 +215,10 @@ def model_family(config) -> str:
     """The decoder family of a transformers config, or ConfigError naming the supported ones or the
     feature of this config that the engine cannot run exactly."""
     family = getattr(config, "model_type", None)
+    if family in TEXT_MODEL_CLASSES:
+        text = TEXT_MODEL_CLASSES[family]
+        raise ConfigError(f"{family}: the multimodal model is not run by the engine; load its text model "
+                          f"instead: {text}(config.text_config), or streambp_core.models.load_model(<dir>)")
     if family not in SUPPORTED_FAMILIES:
         raise ConfigError(
             f"unsupported architecture {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"

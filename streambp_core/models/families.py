@@ -87,6 +87,14 @@ GATED_MLP_CLASSES = tuple(family.gated_mlp for family in FAMILIES if family.gate
 Phi-3's)."""
 
 
+TEXT_WRAPPERS = (("gemma3", "gemma3_text"),)
+"""(model_type, its text model's model_type) of multimodal configs whose `text_config` is a family the engine
+runs: a directory with such a config.json loads as that text model (Gemma 3's `Gemma3Config`); the
+multimodal model itself is refused by name."""
+TEXT_MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
+"""The `*ForCausalLM` class of each wrapper's text model (what a user loads instead of the multimodal one)."""
+
+
 def family_of(model_type: str) -> Family:
     """The row of `FAMILIES` of a supported `model_type` (KeyError for another)."""
     for family in FAMILIES:
