@@ -16,7 +16,8 @@ The contract, on every rank of the group:
   gives that sum divided by its world size: multiply the loss by the group's size there.
 
 Refused by name: packed rows (position_ids), the params tier, DeepSpeed ZeRO, the router load-balancing
-loss, TRL's baseline loss, and heads that cannot split over the ranks (`kv_replication`).
+loss, TRL's baseline loss, multi-head latent attention, soft-capped attention scores (Gemma 2), and heads
+that cannot split over the ranks (`kv_replication`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "baseline_loss trl (TRL's own GRPO/DPO loss over full logits)"
     elif layer_parts(run.parts.layers[0]).mla is not None:
         what = "multi-head latent attention (DeepSeek-V3)"
+    elif layer_parts(run.parts.layers[0]).attn_softcap is not None:
+        what = "attention logit soft-capping (Gemma 2's attn_logit_softcapping)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

@@ -63,7 +63,8 @@ class StreamBPRun(Run):
             for layer in self.parts.layers
         ]
         self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks,
-                              logits_scaling=self.parts.logits_scaling)
+                              logits_scaling=self.parts.logits_scaling,
+                              final_softcap=self.parts.final_softcap)
         fused = cfg.head_mode == "fused"  # resolved against the objective by StreamConfig
         self._head_function = FusedHead if fused else StreamedHead
 

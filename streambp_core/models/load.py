@@ -18,7 +18,11 @@ from streambp_core.config import PRESET_DIR, ConfigError, preset_names
 from streambp_core.models.adapters import MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, model_family
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.families import TEXT_WRAPPERS
-from streambp_core.models.precision import norms_in_at_least_float32, routers_in_at_least_float32
+from streambp_core.models.precision import (
+    attention_in_at_least_float32,
+    norms_in_at_least_float32,
+    routers_in_at_least_float32,
+)
 from streambp_core.models.wrapped import load_wrapped_weights
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
@@ -129,6 +133,7 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     model to float32 compute in at least float32 (see `models.precision`)."""
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)
+    attention_in_at_least_float32(model)
     return model.train()
 
 
@@ -151,9 +156,23 @@ def build_model(
     config = copy.copy(config_or_name) if checked else checked_config(config_or_name)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+        attention = attention_for(config, attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention,
                                                  **experts_options(config, dtype))
     return _prepare_for_training(model)
+
+
+EAGER_FOR_SDPA = ("gemma2",)
+"""Families whose transformers model refuses SDPA (Gemma 2: SDPA has no attention soft-cap), built with
+eager attention when SDPA is asked for."""
+
+
+def attention_for(config: PretrainedConfig, attn_implementation: str) -> str:
+    """The attention implementation a model of `config` is built with: `attn_implementation`, or eager
+    where it is sdpa and the family refuses SDPA (`EAGER_FOR_SDPA`)."""
+    if attn_implementation == "sdpa" and config.model_type in EAGER_FOR_SDPA:
+        return "eager"
+    return attn_implementation
 
 
 def experts_options(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, str]:
@@ -188,7 +207,8 @@ def load_model(
                             checked=True)
         return load_wrapped_weights(model, path)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+        str(path), dtype=dtype, local_files_only=True,
+        attn_implementation=attention_for(config, attn_implementation),
         **experts_options(config, dtype),
     )
     return _prepare_for_training(model.to(device))

@@ -74,9 +74,9 @@ def test_baselines_take_the_kernel_choice(monkeypatch):
     seen = []
     real = hf_attention.prefix_attention
 
-    def spy(q, k, v, key_valid, scale, backend="auto", window=None):
+    def spy(q, k, v, key_valid, scale, backend="auto", window=None, **options):
         seen.append(backend)
-        return real(q, k, v, key_valid, scale, backend, window)
+        return real(q, k, v, key_valid, scale, backend, window, **options)
 
     monkeypatch.setattr(hf_attention, "prefix_attention", spy)
     model = build_model(tiny_config("llama"), dtype=torch.float64)

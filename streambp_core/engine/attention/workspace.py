@@ -27,6 +27,9 @@ c queries, e keys, d head dim, s bytes per element of the inputs:
   (4 * B * e * H * d * s with GQA), the mask's additive form (B, 1, c, r(e, 16)) in the input dtype, and
   the memory-efficient kernel's fp32 buffers (`kernel_backward.h`: delta (B, H, c) and the dQ
   accumulator (B, H, r(c, 64), d); its dK/dV accumulators are not needed for d <= 128).
+- softcap-math (a soft-capped chunk flash-attn does not take: the engine's custom ops on the GPU,
+  `prefix.math_attention`): its backward's score-sized tensors, in at least float32: the probabilities,
+  the cap's slope, dP and dS, 4 * B * H * c * e * max(s, 4) (the forward holds fewer at once).
 - sdpa-other (SDPA outside half precision): not modelled, 0.
 Forward buffers are left out: FlashAttention-2's split-KV forward (`set_params_splitkv`) allocates
 fp32 partial outputs only when B * H * ceil(c / 64) is under 0.8 x twice the SM count, bounded by about
@@ -117,12 +120,19 @@ def sdpa_masked_backward_bytes(batch: int, heads: int, kv_heads: int, queries: i
     return expanded + bias + efficient
 
 
+def softcap_math_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int,
+                                head_dim: int, element_bytes: int) -> int:
+    """The engine's custom ops' score-sized buffers in a soft-capped backward (module docstring)."""
+    return 4 * batch * heads * queries * keys * max(element_bytes, FP32)
+
+
 _PER_KERNEL = {
     "flash": flash_backward_bytes,
     "flash-varlen": flash_varlen_backward_bytes,
     "sdpa-flash": flash_backward_bytes,
     "sdpa-cudnn": cudnn_backward_bytes,
     "sdpa-masked": sdpa_masked_backward_bytes,
+    "softcap-math": softcap_math_backward_bytes,
 }
 
 
