@@ -19,7 +19,7 @@ from streambp_core.models.adapters import MOE_FAMILIES, SUPPORTED_FAMILIES, TINY
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.families import TEXT_WRAPPERS
 from streambp_core.models.precision import (
-    attention_in_at_least_float32,
+    eager_in_at_least_float32,
     norms_in_at_least_float32,
     routers_in_at_least_float32,
 )
@@ -133,7 +133,7 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     model to float32 compute in at least float32 (see `models.precision`)."""
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)
-    attention_in_at_least_float32(model)
+    eager_in_at_least_float32(model)
     return model.train()
 
 

@@ -13,13 +13,14 @@ widen exactly) and float64 logits; the routing that follows is transformers' ste
 another precision keeps transformers' router untouched.
 
 Gemma 2 attends through transformers' eager attention (SDPA has no soft-cap), whose softmax is
-`dtype=torch.float32` whatever the scores' precision. `attention_in_at_least_float32` gives a float64
-Gemma 2 the same attention, step for step, with the softmax in float64 (`WIDE_EAGER`, a named
-implementation set on that model only); a model of another precision keeps transformers' eager. One
-more difference: a query that sees no real key (a padding position before a row's first real token, left
-padding) outputs zeros, as transformers' SDPA and flash-attention paths and the engine give it, where
-eager averages every value of the row, later real tokens included; that position's output reaches the
-loss through its prediction of the row's first real token.
+`dtype=torch.float32` whatever the scores' precision. `eager_in_at_least_float32` gives a Gemma 2 that
+attends eagerly the same attention, step for step, with the softmax in the wider of float32 and the
+scores' precision (`WIDE_EAGER`, a named implementation set on that model only: float64 stays float64,
+other precisions compute as eager does). One more difference: a query that sees no real key (a padding
+position before a row's first real token, left padding) outputs zeros, as transformers' SDPA and
+flash-attention paths and the engine give it, where eager averages every value of the row, later real
+tokens included; that position's output reaches the loss through its prediction of the row's first real
+token (streambp refuses left padding on a model that still attends eagerly: `guards.check_eager_padding`).
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
     return changed
 
 
-WIDE_EAGER = "streambp_eager_wide"
-"""The attention implementation of a float64 Gemma 2: transformers' eager, softmax in float64."""
+WIDE_EAGER = "streambp_eager"
+"""The attention implementation of a Gemma 2 the package builds: transformers' eager, its softmax in at
+least float32 (float64 in a float64 model), zeros for a query that sees no key (module docstring)."""
 WIDE_EAGER_FAMILIES = ("gemma2",)
 """Families whose eager attention (scale, soft-cap, additive mask, float32 softmax) `WIDE_EAGER` repeats."""
 
@@ -125,13 +127,12 @@ def _eager_in_at_least_float32(module: nn.Module, query: Tensor, key: Tensor, va
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def attention_in_at_least_float32(model: nn.Module) -> bool:
-    """Give a float64 model of `WIDE_EAGER_FAMILIES` that attends through transformers' eager attention
-    the `WIDE_EAGER` implementation (this model's setting only; registered under its own name, with
-    eager's mask); returns whether it changed."""
+def eager_in_at_least_float32(model: nn.Module) -> bool:
+    """Give a model of `WIDE_EAGER_FAMILIES` that attends through transformers' eager attention the
+    `WIDE_EAGER` implementation (this model's setting only; registered under its own name, with eager's
+    mask); returns whether it changed."""
     config = model.config
-    if (config.model_type not in WIDE_EAGER_FAMILIES or config._attn_implementation != "eager"
-            or model.dtype != torch.float64):
+    if config.model_type not in WIDE_EAGER_FAMILIES or config._attn_implementation != "eager":
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask

@@ -13,7 +13,7 @@ from streambp_core.models.adapters import decoder_parts, layer_parts
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.models.precision import (
     WIDE_EAGER,
-    attention_in_at_least_float32,
+    eager_in_at_least_float32,
     norms_in_at_least_float32,
 )
 from tests.unit.test_exactness import assert_matches_plain, batch
@@ -37,8 +37,8 @@ def test_tiny_gemma2_reaches_the_engine() -> None:
     assert parts[0].mlp_out_norm is model.model.layers[0].post_feedforward_layernorm
     assert parts[0].post_norm is model.model.layers[0].pre_feedforward_layernorm
     assert decoder_parts(model).final_softcap == FINAL_CAP
-    assert model.config._attn_implementation == WIDE_EAGER  # float64: eager with a float64 softmax
-    assert build_model("tiny/gemma2", dtype=torch.float32).config._attn_implementation == "eager"
+    assert model.config._attn_implementation == WIDE_EAGER  # eager with a float64 softmax in float64
+    assert build_model("tiny/gemma2", dtype=torch.float32).config._attn_implementation == WIDE_EAGER
 
 
 @pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
@@ -71,9 +71,26 @@ def test_the_users_model_matches_plain(padding) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("gemma2"), dtype=torch.float64)
     assert type(model).__name__ == "Gemma2ForCausalLM" and model.config._attn_implementation == "eager"
-    assert norms_in_at_least_float32(model) == 2 * 4 + 1 and attention_in_at_least_float32(model)
+    assert norms_in_at_least_float32(model) == 2 * 4 + 1 and eager_in_at_least_float32(model)
     ids, mask = batch(model.config.vocab_size, 2, 32, padding)
     assert_matches_plain(model.train(), ids, mask, partition_size=8, head_partition_size=8)
+
+
+def test_left_padding_under_the_users_eager_attention_is_refused_by_name() -> None:
+    """transformers' eager gives a padding position before a row's first token the mean of every value,
+    which the loss reads where it predicts the first token; the engine gives it zeros, as SDPA does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma2"), dtype=torch.float64)
+    ids, mask = batch(model.config.vocab_size, 2, 16, "left")
+    with streambp_core.prepare(model, "streambp", partition_size=8, head_partition_size=8) as run:
+        with pytest.raises(ConfigError, match="left padding .* eager attention") as refused:
+            run.loss(ids, attention_mask=mask)
+        assert "\n" not in str(refused.value)
+        run.loss(*batch(model.config.vocab_size, 2, 16, "right")).backward()  # right padding runs
+    assert eager_in_at_least_float32(model)
+    with streambp_core.prepare(model, "streambp", partition_size=8, head_partition_size=8) as run:
+        run.loss(ids, attention_mask=mask).backward()
 
 
 @pytest.mark.slow
