@@ -66,7 +66,8 @@ class MstRun(CheckpointRun):
         outputs = self.parts.backbone(input_ids=input_ids, **inputs, use_cache=False)
         hidden = outputs.last_hidden_state
         plan = HeadPlan(norm=None, lm_head=self.parts.lm_head, partition_size=self.config.head_partition_size,
-                        keep_chunks=self.config.keep_chunks, logits_scaling=self.parts.logits_scaling)
+                        keep_chunks=self.config.keep_chunks, logits_scaling=self.parts.logits_scaling,
+                        final_softcap=self.parts.final_softcap)
         params = trainable_parameters([self.parts.lm_head])
         brackets = self.unit_brackets()  # lm_head is each one's last unit; its chunks run inside the head
         for bracket in brackets:

@@ -16,7 +16,8 @@ The contract, on every rank of the group:
   gives that sum divided by its world size: multiply the loss by the group's size there.
 
 Refused by name: packed rows (position_ids), the params tier, DeepSpeed ZeRO, the router load-balancing
-loss, TRL's baseline loss, multi-head latent attention (DeepSeek-V3), attention sinks (gpt-oss), and heads
+loss, TRL's baseline loss, multi-head latent attention (DeepSeek-V3), attention sinks (gpt-oss),
+soft-capped attention scores (Gemma 2), and heads
 that cannot split over the ranks (`kv_replication`).
 """
 
@@ -52,6 +53,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "multi-head latent attention (DeepSeek-V3)"
     elif layer_parts(run.parts.layers[0]).sinks is not None:
         what = "attention sinks (gpt-oss)"
+    elif layer_parts(run.parts.layers[0]).attn_softcap is not None:
+        what = "attention logit soft-capping (Gemma 2's attn_logit_softcapping)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

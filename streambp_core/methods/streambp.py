@@ -63,11 +63,13 @@ class StreamBPRun(Run):
             for layer in self.parts.layers
         ]
         self._head = HeadPlan(self.parts.norm, self.parts.lm_head, cfg.head_partition_size, cfg.keep_chunks,
-                              logits_scaling=self.parts.logits_scaling)
+                              logits_scaling=self.parts.logits_scaling,
+                              final_softcap=self.parts.final_softcap)
         fused = cfg.head_mode == "fused"  # resolved against the objective by StreamConfig
         self._head_function = FusedHead if fused else StreamedHead
 
     def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
+        guards.check_eager_padding(self.parts.backbone.config, attention_mask, self.method)
         objective = self.make_objective(labels, **objective_inputs)
         loss = partial(self._streamed_loss, objective, packed)
         return sharded_forward(self.model, loss, input_ids, attention_mask)
@@ -98,6 +100,7 @@ class StreamBPRun(Run):
         if self.sequence_group is not None:
             raise ConfigError("hidden_states under sequence parallelism: use loss (each rank computes its "
                               "shard of the whole batch)")
+        guards.check_eager_padding(self.parts.backbone.config, attention_mask, self.method)
         packed = self.packed_rows(input_ids, attention_mask, position_ids)
         return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids), packed)[0]
 

@@ -3,6 +3,10 @@
 Every supported family has one layer shape in transformers 5: norm, attention with RoPE, residual, norm,
 MLP, residual. The differences are data in `LayerParts`:
 - Qwen3, Qwen3-MoE and Gemma 3 add per-head RMSNorm on Q and K;
+- Gemma 2 has Gemma 3's sandwich norms, query scale, embedding scale and GELU-tanh, one RoPE table, no q/k
+  norms, sliding and full layers alternating (`layer_types`), and soft-caps the attention scores
+  (cap * tanh(scores / cap) before the softmax, `attn_logit_softcapping`: `LayerParts.attn_softcap`) and
+  the logits (`final_logit_softcapping`: `DecoderParts.final_softcap`);
 - Gemma 3 adds sandwich norms (the attention and MLP outputs are normed before each residual), its own
   query scale (`query_pre_attn_scalar`), an embedding scale (inside its embedding module), GELU-tanh
   (inside its MLP), and separate RoPE tables for local and global layers;
@@ -61,6 +65,7 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
     GATED_MLP_CLASSES,
     MOE_FAMILIES,
     SUPPORTED_FAMILIES,
+    TEXT_MODEL_CLASSES,
     TINY_FAMILIES,
     Family,
     family_of,
@@ -70,6 +75,10 @@ SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
 """Families whose rotary embedding keeps one RoPE table per `config.layer_types` entry."""
+SOFTCAPPED = ("gemma2",)
+"""Families whose transformers code soft-caps the attention scores and the logits as their config says
+(`attn_logit_softcapping`, `final_logit_softcapping`); the engine caps them likewise. Another family's
+config that sets either is refused (Gemma 3's attention, for one, never passes its cap to the kernel)."""
 WHOLE_QK_NORM = ("olmo2", "olmo3")
 """Families whose q/k norms act on the whole projection (all heads at once), not on each head."""
 
@@ -176,6 +185,9 @@ class LayerParts:
     """The attention module holding per-head attention sinks (gpt-oss's `sinks`), or None."""
     mlp_returns_scores: bool = False
     """Whether `mlp` returns (output, router scores) (gpt-oss): `mlp_output` keeps the output."""
+    attn_softcap: float | None = None
+    """The attention scores' soft-cap: scaled scores s become cap * tanh(s / cap) before the mask and the
+    softmax (Gemma 2's `attn_logit_softcapping`); None: uncapped."""
 
     @property
     def sinks(self) -> Tensor | None:
@@ -209,6 +221,8 @@ class DecoderParts:
     """Scale of the embeddings before the first layer (Granite's `embedding_multiplier`)."""
     logits_scaling: float = 1.0
     """The logits are the LM head's output divided by it (Granite's `logits_scaling`)."""
+    final_softcap: float | None = None
+    """The logits' soft-cap, cap * tanh(logits / cap) (Gemma 2's `final_logit_softcapping`); None: none."""
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         """The first layer's input (B, T, d): the embeddings of `input_ids`, scaled as the model does."""
@@ -227,24 +241,30 @@ class DecoderParts:
 
 
 _REFUSED = (
-    ("attn_logit_softcapping", "attention logit soft-capping"),
-    ("final_logit_softcapping", "final logit soft-capping"),
-    ("use_bidirectional_attention", "bidirectional attention"),
-    ("router_jitter_noise", "router jitter noise (random in training, so a recomputed chunk would differ)"),
+    ("attn_logit_softcapping", "attention logit soft-capping", SOFTCAPPED),
+    ("final_logit_softcapping", "final logit soft-capping", SOFTCAPPED),
+    ("use_bidirectional_attention", "bidirectional attention", ()),
+    ("router_jitter_noise", "router jitter noise (random in training, so a recomputed chunk would differ)",
+     ()),
 )
-"""Config features the engine cannot compute exactly: (attribute, what it is), refused when set."""
+"""Config features the engine cannot compute exactly: (attribute, what it is, the families it runs them
+for), refused when set in any other family."""
 
 
 def model_family(config) -> str:
     """The decoder family of a transformers config, or ConfigError naming the supported ones or the
     feature of this config that the engine cannot run exactly."""
     family = getattr(config, "model_type", None)
+    if family in TEXT_MODEL_CLASSES:
+        text = TEXT_MODEL_CLASSES[family]
+        raise ConfigError(f"{family}: the multimodal model is not run by the engine; load its text model "
+                          f"instead: {text}(config.text_config), or streambp_core.models.load_model(<dir>)")
     if family not in SUPPORTED_FAMILIES:
         raise ConfigError(
             f"unsupported architecture {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
-    for attribute, feature in _REFUSED:
-        if getattr(config, attribute, None):
+    for attribute, feature, runs_it in _REFUSED:
+        if family not in runs_it and getattr(config, attribute, None):
             raise ConfigError(f"{family}: {feature} is not supported by the engine ({attribute} is set)")
     return family
 
@@ -264,6 +284,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         family=family,
         embedding_multiplier=getattr(inner, "embedding_multiplier", 1.0),
         logits_scaling=getattr(base.config, "logits_scaling", 1.0) if family == "granite" else 1.0,
+        final_softcap=base.config.final_logit_softcapping if family in SOFTCAPPED else None,
     )
 
 
@@ -306,6 +327,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         mla=mla,
         sink_module=attn if isinstance(getattr(attn, "sinks", None), Tensor) else None,
         mlp_returns_scores=family.mlp_returns_scores,
+        attn_softcap=attn.attn_logit_softcapping if config.model_type in SOFTCAPPED else None,
     )
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from streambp_core.config import PRESET_DIR, ConfigError, check_model, preset_names
-from streambp_core.models.families import SUPPORTED_FAMILIES
+from streambp_core.models.families import SUPPORTED_FAMILIES, TEXT_WRAPPERS
 from streambp_core.models.known_names import ACTIVATIONS, ROPE_TYPES, rope_types, transformers_names
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ def config_from_values(values: dict, source: str) -> PretrainedConfig:
     """A transformers config from config.json's values, or ConfigError naming `source` and the problem."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    values = text_model_values(values, source)
     model_type = values.get("model_type")
     if model_type is None:
         raise ConfigError(f"{source}: no model_type (config.json must name its architecture)")
@@ -74,6 +75,26 @@ def config_from_values(values: dict, source: str) -> PretrainedConfig:
         raise ConfigError(f"{source}: invalid {model_type} config: {' '.join(str(error).split())}") from None
     check_geometry(config, source)
     return config
+
+
+def text_model_values(values: dict, source: str) -> dict:
+    """config.json's values of the model the engine runs: a multimodal wrapper's text model (`TEXT_WRAPPERS`:
+    gemma3's `text_config`, its model_type filled in, tied to the embeddings as the wrapper says, as
+    transformers ties the wrapper's head), else `values` themselves; ConfigError naming `source` when the
+    wrapper has no text_config of its text family."""
+    wrapper = values.get("model_type")
+    text_type = dict(TEXT_WRAPPERS).get(wrapper) if isinstance(wrapper, str) else None
+    if text_type is None:
+        return values
+    text = values.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: a {wrapper} config.json needs a text_config object (its {text_type} "
+                          "text model is what the engine runs)")
+    text = {"model_type": text_type, **text}
+    if text["model_type"] != text_type:
+        raise ConfigError(f"{source}: the text_config of a {wrapper} config.json must be {text_type}, got "
+                          f"{text['model_type']!r}")
+    return {**text, "tie_word_embeddings": values.get("tie_word_embeddings", True)}
 
 
 def precheck_model(name: str) -> str:
@@ -93,7 +114,9 @@ def precheck_model(name: str) -> str:
 
 def precheck_values(values: dict, source: str) -> None:
     """The geometry checks that need no transformers (so bad input is refused in well under a second),
-    on config.json's raw values: `check_geometry` runs in full once the config is built."""
+    on config.json's raw values (a multimodal wrapper's text model's, `text_model_values`): `check_geometry`
+    runs in full once the config is built."""
+    values = text_model_values(values, source)
     _check_model_type(values.get("model_type"), source)
     raw = SimpleNamespace(**values)
     for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):

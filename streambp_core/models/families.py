@@ -43,7 +43,8 @@ class Family:
     """Whether its MLP module returns (output, router scores) rather than the output alone (gpt-oss)."""
     sdpa: bool = True
     """Whether transformers runs its attention through SDPA; gpt-oss's has none (its sinks need eager
-    attention or a kernel that takes them), so its models are built with eager attention."""
+    attention or a kernel that takes them), nor Gemma 2's (SDPA has no soft-cap), so their models are built
+    with eager attention."""
 
     @property
     def experts(self) -> bool:
@@ -61,6 +62,9 @@ FAMILIES = (
     Family("qwen2", "qwen2", "Qwen2MLP"),
     Family("qwen3", "qwen3", "Qwen3MLP"),
     Family("gemma3_text", "gemma3", "Gemma3MLP",
+           norms=("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                  "post_feedforward_layernorm")),
+    Family("gemma2", "gemma2", "Gemma2MLP", sdpa=False,
            norms=("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
                   "post_feedforward_layernorm")),
     Family("seed_oss", "seed-oss", "SeedOssMLP"),
@@ -94,6 +98,14 @@ MOE_FAMILIES = tuple(family.model_type for family in FAMILIES if family.experts)
 GATED_MLP_CLASSES = tuple(family.gated_mlp for family in FAMILIES if family.gated_mlp is not None)
 """MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (gate and up fused in
 Phi-3's)."""
+
+
+TEXT_WRAPPERS = (("gemma3", "gemma3_text"),)
+"""(model_type, its text model's model_type) of multimodal configs whose `text_config` is a family the engine
+runs: a directory with such a config.json loads as that text model (Gemma 3's `Gemma3Config`); the
+multimodal model itself is refused by name."""
+TEXT_MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
+"""The `*ForCausalLM` class of each wrapper's text model (what a user loads instead of the multimodal one)."""
 
 
 def family_of(model_type: str) -> Family:

@@ -23,7 +23,13 @@ from streambp_core.models.adapters import (
     model_family,
 )
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
-from streambp_core.models.precision import norms_in_at_least_float32, routers_in_at_least_float32
+from streambp_core.models.families import TEXT_WRAPPERS
+from streambp_core.models.precision import (
+    eager_in_at_least_float32,
+    norms_in_at_least_float32,
+    routers_in_at_least_float32,
+)
+from streambp_core.models.wrapped import load_wrapped_weights
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
 """`model_type`s of the decoder families the engine supports (`adapters.FAMILIES`)."""
@@ -110,9 +116,20 @@ def checked_config(config_or_name: PretrainedConfig | str) -> PretrainedConfig:
     """The named config loaded (`load_config`), or a validated copy of a given config (geometry, family,
     features; ConfigError otherwise): what `build_model` may trust (`checked=True`)."""
     if isinstance(config_or_name, PretrainedConfig):
-        check_geometry(config_or_name, "config")
-        return check_supported(copy.deepcopy(config_or_name))
+        config = text_model_config(config_or_name)
+        check_geometry(config, "config")
+        return check_supported(config)
     return load_config(config_or_name)
+
+
+def text_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of the config of the model the engine runs: a multimodal wrapper's text model (gemma3's
+    `text_config`, tied to the embeddings as the wrapper says), else of `config` itself."""
+    if config.model_type not in dict(TEXT_WRAPPERS):
+        return copy.deepcopy(config)
+    text = copy.deepcopy(config.text_config)
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+    return text
 
 
 def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
@@ -122,6 +139,7 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     model to float32 compute in at least float32 (see `models.precision`)."""
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)
+    eager_in_at_least_float32(model)
     return model.train()
 
 
@@ -152,7 +170,7 @@ def build_model(
 
 def attention_for(config: PretrainedConfig, attn_implementation: str) -> str:
     """The attention implementation a model of `config` is built with: the one asked for, except SDPA for
-    a family transformers runs without it (gpt-oss: eager, which carries its attention sinks)."""
+    a family transformers runs without it (`Family.sdpa`: gpt-oss, Gemma 2): eager."""
     if attn_implementation == "sdpa" and not family_of(config.model_type).sdpa:
         return "eager"
     return attn_implementation
@@ -180,10 +198,15 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """Load a local directory's config and safetensors weights (never the network), in train mode with
-    its configured dropout."""
+    its configured dropout. A multimodal wrapper's directory (gemma3) loads as its text model, with the
+    text model's weights (`models.wrapped`)."""
     if not has_weights(path):
         raise ConfigError(f"{path} has no *.safetensors weights")
     config = check_supported(load_config(str(path)), str(path))
+    if read_config_file(Path(path) / "config.json").get("model_type") in dict(TEXT_WRAPPERS):
+        model = build_model(config, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                            checked=True)
+        return load_wrapped_weights(model, path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, local_files_only=True,
         attn_implementation=attention_for(config, attn_implementation),

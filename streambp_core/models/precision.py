@@ -11,6 +11,16 @@ GLM-4.5's router keeps its weight in float32 (`_keep_in_fp32_modules_strict`) an
 sum. `routers_in_at_least_float32` gives such a router of a float64 model a float64 weight (float32 values
 widen exactly) and float64 logits; the routing that follows is transformers' step for step. A model of
 another precision keeps transformers' router untouched.
+
+Gemma 2 attends through transformers' eager attention (SDPA has no soft-cap), whose softmax is
+`dtype=torch.float32` whatever the scores' precision. `eager_in_at_least_float32` gives a Gemma 2 that
+attends eagerly the same attention, step for step, with the softmax in the wider of float32 and the
+scores' precision (`WIDE_EAGER`, a named implementation set on that model only: float64 stays float64,
+other precisions compute as eager does). One more difference: a query that sees no real key (a padding
+position before a row's first real token, left padding) outputs zeros, as transformers' SDPA and
+flash-attention paths and the engine give it, where eager averages every value of the row, later real
+tokens included; that position's output reaches the loss through its prediction of the row's first real
+token (streambp refuses left padding on a model that still attends eagerly: `guards.check_eager_padding`).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ def _weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     return (self.weight * wide).to(x.dtype)
 
 
-FLOAT32_NORMS = {"Gemma3RMSNorm": _norm_in_at_least_float32,
+FLOAT32_NORMS = {"Gemma3RMSNorm": _norm_in_at_least_float32, "Gemma2RMSNorm": _norm_in_at_least_float32,
                  "GptOssRMSNorm": _weight_norm_in_at_least_float32}
 """Class names of norms that compute in `x.float()`, and their at-least-float32 forwards."""
 
@@ -95,3 +105,50 @@ def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
             module.forward = types.MethodType(_router_in_at_least_float32, module)
             changed += 1
     return changed
+
+
+WIDE_EAGER = "streambp_eager"
+"""The attention implementation of a Gemma 2 the package builds: transformers' eager, its softmax in at
+least float32 (float64 in a float64 model), zeros for a query that sees no key (module docstring)."""
+WIDE_EAGER_FAMILIES = ("gemma2",)
+"""Families whose eager attention (scale, soft-cap, additive mask, float32 softmax) `WIDE_EAGER` repeats."""
+
+
+def _eager_in_at_least_float32(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                               attention_mask: Tensor | None, dropout: float = 0.0,
+                               scaling: float | None = None, softcap: float | None = None,
+                               **kwargs) -> tuple[Tensor, Tensor]:
+    """transformers' Gemma 2 `eager_attention_forward` with the softmax in the wider of float32 and the
+    queries' precision: K/V repeated to the query heads, scaled scores, soft-capped
+    (cap * tanh(s / cap)), plus the additive mask, softmax (zero for a query that sees no key), dropout,
+    times V; returns (B, T, H, hd)."""
+    groups = module.num_key_value_groups
+    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+    scale = module.head_dim ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    work = torch.promote_types(query.dtype, torch.float32)
+    weights = F.softmax(scores, dim=-1, dtype=work).to(query.dtype)
+    if attention_mask is not None:  # a query that sees no key: zeros, as SDPA (module docstring)
+        weights = weights * (attention_mask == 0).any(dim=-1, keepdim=True)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def eager_in_at_least_float32(model: nn.Module) -> bool:
+    """Give a model of `WIDE_EAGER_FAMILIES` that attends through transformers' eager attention the
+    `WIDE_EAGER` implementation (this model's setting only; registered under its own name, with eager's
+    mask); returns whether it changed."""
+    config = model.config
+    if config.model_type not in WIDE_EAGER_FAMILIES or config._attn_implementation != "eager":
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(WIDE_EAGER, _eager_in_at_least_float32)
+    AttentionMaskInterface.register(WIDE_EAGER, eager_mask)
+    model.set_attn_implementation(WIDE_EAGER)
+    return True

@@ -145,7 +145,8 @@ def test_streambp_through_the_varlen_path_is_exact(fake_flash, monkeypatch):
     from streambp_core.models.load import build_model, tiny_config
     from tests.unit.test_exactness import assert_matches_plain, batch
 
-    def through_flash(q, k, v, valid, scale, backend, window, blocking=True):
+    def through_flash(q, k, v, valid, scale, backend, window, blocking=True, sinks=None, softcap=None):
+        assert sinks is None and softcap is None  # qwen3 has neither
         return cuda_attention.cuda_attention(q, k, v, valid, scale, "flash", window)
 
     monkeypatch.setattr(layer, "prefix_attention", through_flash)

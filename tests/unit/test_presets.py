@@ -54,11 +54,15 @@ PUBLISHED_PARAMS_B = {
     "moonshotai/Moonlight-16B-A3B": 15.96,
     "openai/gpt-oss-20b": 20.91,  # the gpt-oss model card: 20.91B and 116.83B in all
     "openai/gpt-oss-120b": 116.83,
+    "google/gemma-2-2b": 2.61,
+    "google/gemma-2-9b": 9.24,
 }
+PUBLISHED_FLOAT32 = {"google/gemma-2-2b", "google/gemma-2-9b"}
+"""Published checkpoints whose config.json says float32 (the others bfloat16)."""
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
-        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss"]
+        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss", "tiny/gemma2"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
@@ -77,7 +81,7 @@ def test_real_preset_has_published_parameter_count(name):
 def test_real_preset_is_bf16_and_in_a_supported_family(name):
     config = load_config(name)
     assert config.model_type in SUPPORTED_MODEL_TYPES
-    assert config.dtype == torch.bfloat16
+    assert config.dtype == (torch.float32 if name in PUBLISHED_FLOAT32 else torch.bfloat16)
 
 
 def test_qwen3_8b_matches_its_published_config():

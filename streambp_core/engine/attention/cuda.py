@@ -23,6 +23,10 @@ Kernel choice (`choose_kernel`), the same for every method because all of them a
   sinks never reaches them: unpadded and in half precision it takes `BlockedFlashAttention` with the sinks
   folded into its log-sum-exp (`sink_blocked_applies`, whatever the prefix), otherwise the exact math of
   the engine's own op (`prefix.py`).
+- A soft-capped chunk (Gemma 2's `attn_logit_softcapping`): flash-attn, which caps inside its kernel
+  (`softcap=`), when it is chosen and takes the inputs; otherwise the engine's exact custom ops
+  (`prefix.math_attention`, 'softcap-math'), since neither SDPA nor torch's flash kernel behind the blocked
+  backward has a cap.
 `plan_kernel` names the path a chunk takes; the simulator sizes each path's own buffers from it
 (`kernel_workspace.py`).
 Whenever the choice is not flash-attn although flash-attn was asked for (or `auto` finds it missing),
@@ -99,7 +103,8 @@ def sink_blocked_applies(q: Tensor, key_valid: Tensor | None) -> bool:
 
 
 def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, window: int | None,
-                simulated: bool = False, blocking: bool = True, sinks: Tensor | None = None) -> str:
+                simulated: bool = False, blocking: bool = True, sinks: Tensor | None = None,
+                softcap: float | None = None) -> str:
     """The path `cuda_attention` takes for this chunk: 'blocked' (`BlockedFlashAttention`), 'flash' or
     'flash-varlen' (flash-attn), 'sdpa-cudnn' (a square half-precision chunk: SDPA's own causal
     dispatch, cuDNN on Hopper GPUs), 'sdpa-flash' (torch's lower-right bias: its FlashAttention-2 kernel
@@ -110,16 +115,20 @@ def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, wi
     simulation does not depend on whether flash-attn is installed where it runs; padding is taken to
     leave each row's real tokens contiguous (a meta mask has no values); no warning. `blocking` False:
     never 'blocked'. With `sinks`: 'blocked' (`sink_blocked_applies`) or 'sinks-math' (the engine op's
-    exact math: the chunk's scores held whole).
+    exact math: the chunk's scores held whole). `softcap`: a soft-capped chunk, flash-attn's or else
+    'softcap-math' (the custom ops with the chunk's score matrix).
     """
     if sinks is not None:
-        return "blocked" if blocking and sink_blocked_applies(q, key_valid) else "sinks-math"
-    if blocking and blocked_applies(q, k, key_valid):
+        capped = softcap is not None
+        return "blocked" if blocking and not capped and sink_blocked_applies(q, key_valid) else "sinks-math"
+    if blocking and softcap is None and blocked_applies(q, k, key_valid):
         return "blocked"
     asked = "sdpa" if simulated and backend == "auto" else backend
     packs = simulated or _band_packs(key_valid, window, backend)
     if choose_kernel(asked, q, warn=not simulated) == "flash" and packs:
         return "flash" if key_valid is None else "flash-varlen"
+    if softcap is not None:
+        return "softcap-math"
     if key_valid is not None or window is not None:
         return "sdpa-masked"
     if q.dtype not in FLASH_DTYPES:
@@ -139,17 +148,35 @@ def _flash_unusable(q: Tensor) -> str | None:
 
 
 def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
-                   backend: str, window: int | None = None, blocking: bool = True) -> Tensor:
+                   backend: str, window: int | None = None, blocking: bool = True,
+                   softcap: float | None = None) -> Tensor:
     """`prefix_attention` on CUDA: (B, H, c, hd) queries against (B, Hkv, e, hd) keys/values; `window`
     narrows each query to itself and the window - 1 keys before it; `blocking` False: never the blocked
-    backward."""
-    if blocking and blocked_applies(q, k, key_valid):
+    backward; `softcap` caps the scores (flash-attn's, else the exact custom ops: module docstring)."""
+    if blocking and softcap is None and blocked_applies(q, k, key_valid):
         return blocked.BlockedFlashAttention.apply(q, k, v, scale, window, blocked.BLOCK_TOKENS)
     if choose_kernel(backend, q) == "flash" and _band_packs(key_valid, window, backend):
         if key_valid is None:
-            return flash_attention(q, k, v, scale, window)
-        return flash_varlen_attention(q, k, v, key_valid, scale, window)
+            return flash_attention(q, k, v, scale, window, softcap)
+        return flash_varlen_attention(q, k, v, key_valid, scale, window, softcap)
+    refuse_uncapped(softcap)
     return sdpa_attention(q, k, v, key_valid, scale, window)
+
+
+def flash_caps(backend: str, q: Tensor, key_valid: Tensor | None, window: int | None) -> bool:
+    """Whether flash-attn takes this chunk (and so can cap its scores): chosen, and for a padded chunk
+    under a window, the band packs (`_band_packs`); a packed rows' (B, c, e) mask always packs. A
+    soft-capped chunk it does not take runs the engine's exact custom ops (`prefix.math_attention`)."""
+    if choose_kernel(backend, q, warn=False) != "flash":
+        return False
+    return key_valid is None or key_valid.dim() == 3 or _band_packs(key_valid, window, backend)
+
+
+def refuse_uncapped(softcap: float | None) -> None:
+    """ValueError for a soft-cap on a kernel without one (SDPA): never silently uncapped scores."""
+    if softcap is not None:
+        raise ValueError("torch SDPA has no attention logit soft-cap: a soft-capped chunk runs flash-attn "
+                         "or the engine's custom ops (prefix_attention chooses)")
 
 
 def _band_packs(key_valid: Tensor | None, window: int | None, backend: str) -> bool:
@@ -168,22 +195,25 @@ def _band_packs(key_valid: Tensor | None, window: int | None, backend: str) -> b
     return False
 
 
-def _window_kwargs(window: int | None) -> dict:
-    """flash-attn's band argument: (left, right) keys around the diagonal; none for a full prefix."""
-    return {} if window is None else {"window_size": (window - 1, 0)}
+def _window_kwargs(window: int | None, softcap: float | None = None) -> dict:
+    """flash-attn's band argument: (left, right) keys around the diagonal; none for a full prefix; and its
+    `softcap` when the scores are capped."""
+    band = {} if window is None else {"window_size": (window - 1, 0)}
+    return band if softcap is None else {**band, "softcap": softcap}
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None) -> Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> Tensor:
     """flash-attn on an unpadded chunk; its causal mask (and band) is lower-right when c < e."""
     from flash_attn import flash_attn_func
 
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          softmax_scale=scale, causal=True, **_window_kwargs(window))  # (B, c, H, hd)
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, c, H, hd)
+                          softmax_scale=scale, causal=True, **_window_kwargs(window, softcap))
     return out.transpose(1, 2)
 
 
 def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, scale: float,
-                           window: int | None = None) -> Tensor:
+                           window: int | None = None, softcap: float | None = None) -> Tensor:
     """flash-attn's varlen kernel on the real tokens of a padded chunk (module docstring, steps 1-4)."""
     from flash_attn import flash_attn_varlen_func
 
@@ -193,7 +223,7 @@ def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, s
     packed_k, cu_k, max_k = _pack(k.transpose(1, 2), key_valid)  # (nk, Hkv, hd)
     packed_v = v.transpose(1, 2)[key_valid]
     packed_out = flash_attn_varlen_func(packed_q, packed_k, packed_v, cu_q, cu_k, max_q, max_k,
-                                        softmax_scale=scale, causal=True, **_window_kwargs(window))
+                                        softmax_scale=scale, causal=True, **_window_kwargs(window, softcap))
     out = q.new_zeros(b, c, h, hd).index_put((query_valid,), packed_out)
     return out.transpose(1, 2)
 

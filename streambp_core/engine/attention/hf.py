@@ -32,6 +32,7 @@ def engine_attention_forward(
     backend: str = "auto",
     sliding_window: int | None = None,
     s_aux: Tensor | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature over `prefix_attention`; returns (B, T, H, hd).
@@ -39,14 +40,15 @@ def engine_attention_forward(
     `backend` is the CUDA kernel choice (auto, sdpa, flash), bound when the function is registered;
     `sliding_window` is the layer's window (None: full causal attention, or for a module that leaves its
     window to the mask builder, Qwen2-MoE's, the window `layer_window` reads from it); `s_aux` the
-    layer's attention sinks (H,), as gpt-oss passes them, or None.
+    layer's attention sinks (H,), as gpt-oss passes them, or None; `softcap` the layer's attention logit
+    soft-cap (Gemma 2), applied as transformers' eager attention applies it.
     """
     if dropout:
         raise ValueError("the engine attention has no dropout; build the model with attention_dropout=0")
     key_valid = _key_valid(attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = layer_window(module) if sliding_window is None else sliding_window
-    out = prefix_attention(query, key, value, key_valid, scale, backend, window, sinks=s_aux)
+    out = prefix_attention(query, key, value, key_valid, scale, backend, window, sinks=s_aux, softcap=softcap)
     return out.transpose(1, 2), None
 
 

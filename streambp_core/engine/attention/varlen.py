@@ -6,21 +6,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from streambp_core.engine.attention.cuda import choose_kernel, sdpa_attention
+from streambp_core.engine.attention.cuda import choose_kernel, refuse_uncapped, sdpa_attention
 
 
 def packed_cuda_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, backend: str,
-                          window: int | None) -> Tensor:
+                          window: int | None, softcap: float | None = None) -> Tensor:
     """`prefix_attention` on CUDA with a per-document (B, c, e) mask (`PackedRows.chunk_keys`, no causality
     in it): flash-attn's varlen kernel when it is chosen (`flash_packed_attention`), else torch SDPA with a
-    boolean mask (the lower-right causal band and the window folded in)."""
+    boolean mask (the lower-right causal band and the window folded in); soft-capped scores through
+    flash-attn only (`prefix_attention` sends the others to the engine's exact custom ops)."""
     if choose_kernel(backend, q) == "flash":
-        return flash_packed_attention(q, k, v, allowed, scale, window)
+        return flash_packed_attention(q, k, v, allowed, scale, window, softcap)
+    refuse_uncapped(softcap)
     return sdpa_attention(q, k, v, allowed, scale, window)
 
 
 def flash_packed_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
-                           window: int | None = None) -> Tensor:
+                           window: int | None = None, softcap: float | None = None) -> Tensor:
     """flash-attn's varlen kernel, one sequence per (row, document) piece of the chunk.
 
     1. A real query's allowed keys are its document's keys in the band, contiguous, ending at the chunk's
@@ -46,5 +48,6 @@ def flash_packed_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sca
     packed_out = flash_attn_varlen_func(
         q.transpose(1, 2)[real], k.transpose(1, 2)[seen], v.transpose(1, 2)[seen], cu_q, cu_k,
         int(q_counts.max()), int(k_counts.max()), softmax_scale=scale, causal=True,
-        **({} if window is None else {"window_size": (window - 1, 0)}))
+        **({} if window is None else {"window_size": (window - 1, 0)}),
+        **({} if softcap is None else {"softcap": softcap}))
     return q.new_zeros(b, c, h, hd).index_put((real,), packed_out).transpose(1, 2)

@@ -31,6 +31,9 @@ c queries, e keys, d head dim, s bytes per element of the inputs:
   float32; the engine op's exact math): the op's backward holds the chunk's probabilities, their gradient,
   the scores' gradient and one temporary, (B, H, c, e) each in at least float32, and the mask's boolean
   (B, c, e).
+- softcap-math (a soft-capped chunk flash-attn does not take: the engine's custom ops on the GPU,
+  `prefix.math_attention`): its backward's score-sized tensors, in at least float32: the probabilities,
+  the cap's slope, dP and dS, 4 * B * H * c * e * max(s, 4) (the forward holds fewer at once).
 - sdpa-other (SDPA outside half precision): not modelled, 0.
 Forward buffers are left out: FlashAttention-2's split-KV forward (`set_params_splitkv`) allocates
 fp32 partial outputs only when B * H * ceil(c / 64) is under 0.8 x twice the SM count, bounded by about
@@ -126,6 +129,10 @@ def sinks_math_backward_bytes(batch: int, heads: int, kv_heads: int, queries: in
     """The engine op's backward with attention sinks: four (B, H, c, e) score-sized buffers in at least
     float32 and the boolean mask (module docstring)."""
     return 4 * max(FP32, element_bytes) * batch * heads * queries * keys + batch * queries * keys
+def softcap_math_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int,
+                                head_dim: int, element_bytes: int) -> int:
+    """The engine's custom ops' score-sized buffers in a soft-capped backward (module docstring)."""
+    return 4 * batch * heads * queries * keys * max(element_bytes, FP32)
 
 
 _PER_KERNEL = {
@@ -135,6 +142,7 @@ _PER_KERNEL = {
     "sdpa-cudnn": cudnn_backward_bytes,
     "sdpa-masked": sdpa_masked_backward_bytes,
     "sinks-math": sinks_math_backward_bytes,
+    "softcap-math": softcap_math_backward_bytes,
 }
 
 

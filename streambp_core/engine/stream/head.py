@@ -42,10 +42,16 @@ class HeadPlan:
     """Keep the hidden states in host memory between forward and backward (`engine.offload`)."""
     logits_scaling: float = 1.0
     """The logits are the lm_head's output divided by it (Granite's `logits_scaling`)."""
+    final_softcap: float | None = None
+    """The logits are soft-capped, cap * tanh(logits / cap) (Gemma 2's `final_logit_softcapping`)."""
 
     def scaled(self, logits: Tensor) -> Tensor:
-        """The lm_head's output as the model's logits: divided by `logits_scaling`, as transformers does."""
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        """The lm_head's output as the model's logits, as transformers computes them: divided by
+        `logits_scaling`, then soft-capped by `final_softcap`, in the head's precision."""
+        logits = logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
 
 def _chunk_terms(plan: HeadPlan, objective, hidden: Tensor, start: int, end: int) -> Tensor:

@@ -114,7 +114,8 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
         attn = plan.attention(q, k, v, valid)
     else:
         attn = prefix_attention(q, k, v, valid, parts.scaling, plan.attn,  # (B, H, c, hd)
-                                parts.sliding_window, blocking=plan.attn_blocking, sinks=parts.sinks)
+                                parts.sliding_window, blocking=plan.attn_blocking, sinks=parts.sinks,
+                                softcap=parts.attn_softcap)
     b, heads, c, hd = attn.shape
     attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(b, c, heads * hd))
     return residual_add(parts, h, attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
