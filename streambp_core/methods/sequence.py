@@ -49,6 +49,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "baseline_loss trl (TRL's own GRPO/DPO loss over full logits)"
     elif layer_parts(run.parts.layers[0]).mla is not None:
         what = "multi-head latent attention (DeepSeek-V3)"
+    elif run.parts.family == "llama4_text":
+        what = "Llama 4 (llama4_text: chunked local attention and query temperature by sequence index)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

@@ -36,6 +36,16 @@ class Family:
     global_nope: bool = False
     """Whether the full-attention layers of a model with a sliding window leave Q and K unrotated
     (EXAONE 4's hybrid attention)."""
+    rope_complex: bool = False
+    """Whether RoPE multiplies adjacent pairs as complex numbers in float32 by a complex table (Llama 4's
+    `apply_rotary_emb` over `freqs_cis`)."""
+    mlp: str = "mlp"
+    """Attribute name of the layer's MLP (Llama 4's `feed_forward`)."""
+    router: str = "gate"
+    """Attribute name of a mixture-of-experts MLP's router (Llama 4's `router`)."""
+    moe_output_pair: bool = False
+    """Whether a mixture-of-experts MLP returns (hidden states, router logits), which its layer unpacks
+    (Llama 4)."""
 
     @property
     def experts(self) -> bool:
@@ -74,6 +84,8 @@ FAMILIES = (
     Family("qwen2_moe", "qwen2-moe", None),
     Family("glm4_moe", "glm4-moe", None),
     Family("deepseek_v3", "deepseek-v3", None),
+    Family("llama4_text", "llama4", None, qk_norms=("qk_norm", "qk_norm"), qk_norm_after_rope=True,
+           rope_complex=True, mlp="feed_forward", router="router", moe_output_pair=True),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

@@ -52,11 +52,14 @@ PUBLISHED_PARAMS_B = {
     "zai-org/GLM-4.5-Air": 106.85,
     "deepseek-ai/DeepSeek-V3": 671.03,
     "moonshotai/Moonlight-16B-A3B": 15.96,
+    # Llama 4: the language model alone (its text_config; Meta's 109B and 400B count the vision encoder too)
+    "meta-llama/Llama-4-Scout-17B-16E": 107.77,
+    "meta-llama/Llama-4-Maverick-17B-128E": 400.71,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
-        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3"]
+        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/llama4"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
