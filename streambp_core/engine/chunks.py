@@ -1,8 +1,10 @@
-"""Small pieces every streamed autograd function shares: chunk bounds and accumulating backward."""
+"""Small pieces every streamed autograd function shares: chunk bounds and accumulating backward, and the
+key bands of chunked local attention (`LocalChunks`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -104,3 +106,56 @@ def _will_execute(node) -> bool:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return False
+
+
+@dataclass(frozen=True)
+class LocalChunks:
+    """Chunked local attention (Llama 4's `attention_chunk_size`): a query sees only the keys of its own chunk
+    of `size` positions. transformers' mask (`masking_utils.chunked_overlay`) numbers the chunks of a row
+    from its first real token, index t in chunk (t - left padding) // size, and in packed rows by each
+    token's position id, position // size (so each document's chunks start with it); `ids` (B, T) holds
+    that number, or is None where every row's chunks start at index 0 (no padding, not packed) and a
+    chunk's keys are host arithmetic."""
+
+    size: int
+    ids: Tensor | None
+    batch: int
+    device: torch.device
+
+    def first_key(self, start: int) -> int:
+        """The earliest key a query chunk starting at `start` can see in any row."""
+        if self.ids is None:
+            return start // self.size * self.size
+        return max(0, start - self.size + 1)
+
+    def narrow(self, allowed: Tensor | None, start: int, end: int, first: int) -> Tensor | None:
+        """The key mask of query chunk start..end over keys first..end, `allowed` ((B, e) key validity,
+        (B, c, e) per query, or None), narrowed to each query's own chunk: (B, c, e), or `allowed`
+        itself when every key in the band shares the queries' one chunk."""
+        if self.ids is None:
+            if (end - 1) // self.size == first // self.size:
+                return allowed
+            queries = torch.arange(start, end, device=self.device) // self.size
+            same = queries[:, None] == torch.arange(first, end, device=self.device)[None] // self.size
+            same = same.expand(self.batch, -1, -1)
+        else:
+            same = self.ids[:, start:end, None] == self.ids[:, None, first:end]
+        if allowed is None:
+            return same
+        return same & (allowed if allowed.dim() == 3 else allowed[:, None, :])
+
+
+def local_chunks(size: int | None, key_valid: Tensor | None, positions: Tensor | None, shape: tuple[int, int],
+                 device) -> LocalChunks | None:
+    """The chunks of rows of `shape` (B, T) for a layer of chunk `size` (None: not chunked): numbered from
+    each row's first real token of `key_valid` (B, T), or by packed rows' `positions` (B, T) when given."""
+    if size is None:
+        return None
+    batch, length = shape
+    if positions is not None:
+        return LocalChunks(size, torch.div(positions, size, rounding_mode="floor"), batch, device)
+    if key_valid is None:
+        return LocalChunks(size, None, batch, device)
+    left_padding = (key_valid.long().cumsum(dim=-1) == 0).sum(dim=-1)  # (B,), transformers' count
+    index = torch.arange(length, device=device)[None] - left_padding[:, None]
+    return LocalChunks(size, torch.div(index, size, rounding_mode="floor"), batch, device)

@@ -15,7 +15,7 @@ from streambp_core.engine.stream.mlp import chunk_mlp, unchunk_mlp
 from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.hook_guards import PARAM_HOOKS, HookScope, above
-from streambp_core.models.adapters import layer_parts
+from streambp_core.models.adapters import layer_mlp, layer_parts
 
 
 class MstRun(CheckpointRun):
@@ -26,7 +26,7 @@ class MstRun(CheckpointRun):
 
     def _check_dropout(self) -> None:
         super()._check_dropout()
-        recomputed = [*(layer.mlp for layer in self.parts.layers), self.parts.lm_head]
+        recomputed = [*(layer_mlp(layer) for layer in self.parts.layers), self.parts.lm_head]
         guards.refuse_dropout(self.method, guards.active_dropout(recomputed),
                               "its chunked MLP and LM head recompute without replaying the forward's masks")
 
@@ -34,7 +34,7 @@ class MstRun(CheckpointRun):
         """Checkpoint's, the modules above the decoder stack (whose forward mst never calls), and each MLP
         and the LM head (run chunk by chunk; the head's parameters' gradients written into `.grad`)."""
         chunked = "it runs each MLP and the LM head chunk by chunk"
-        mlps = tuple(layer.mlp for layer in self.parts.layers)
+        mlps = tuple(layer_mlp(layer) for layer in self.parts.layers)
         return [*super()._hook_scopes(),
                 HookScope(above(self.model, [self.parts.backbone, self.parts.lm_head]),
                           "it never calls the model's own forward", subtree=False),
@@ -47,12 +47,12 @@ class MstRun(CheckpointRun):
                               "a chunked MLP's router logits carry no gradient")
         super()._setup()
         for layer in self.parts.layers:
-            chunk_mlp(layer.mlp, self.config.mlp_chunk_tokens, self.config.keep_chunks,
-                      layer_parts(layer).mlp_returns_scores)
+            chunk_mlp(layer_mlp(layer), self.config.mlp_chunk_tokens, self.config.keep_chunks,
+                      pair=layer_parts(layer).mlp_pair)
 
     def _teardown(self) -> None:
         for layer in self.parts.layers:
-            unchunk_mlp(layer.mlp)
+            unchunk_mlp(layer_mlp(layer))
         super()._teardown()
 
     def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
@@ -80,7 +80,7 @@ class MstRun(CheckpointRun):
     def _tiled_units(self, kind):
         """mst's units as `kind` (`Zero3Units`, `UnitGrads`): each layer's chunked MLP (bracketed by its
         module hooks), then lm_head (bracketed around the chunked head; a tied one is shared)."""
-        mlps = [layer.mlp for layer in self.parts.layers]
+        mlps = [layer_mlp(layer) for layer in self.parts.layers]
         units = kind([*([mlp] for mlp in mlps), [self.parts.lm_head]], shared=self.parts.embed.parameters())
         for index, mlp in enumerate(mlps):
             units.hook(index, mlp)

@@ -55,6 +55,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "attention sinks (gpt-oss)"
     elif layer_parts(run.parts.layers[0]).attn_softcap is not None:
         what = "attention logit soft-capping (Gemma 2's attn_logit_softcapping)"
+    elif run.parts.family == "llama4_text":
+        what = "Llama 4 (llama4_text: chunked local attention and query temperature by sequence index)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

@@ -48,7 +48,17 @@ MLP, residual. The differences are data in `LayerParts`:
   as `layer_types` says, a rotary embedding whose tables hold each pair's angle once (`rope_half_tables`,
   YaRN-scaled), and routes inside its MLP (router `router` with a bias, softmax over the top-k logits,
   experts with an interleaved fused gate_up_proj, biases and a clamped SwiGLU), whose forward returns
-  (output, router scores) (`mlp_returns_scores`).
+  (output, router scores) (`mlp_pair`).
+- Llama 4 (`llama4_text`) rotates adjacent pairs as complex numbers in float32 (`rope_complex`: its rotary
+  embedding returns `freqs_cis`, kept as real and imaginary tables), L2-norms Q and K after RoPE in its
+  RoPE layers (one weightless `qk_norm`), attends within chunks of `attention_chunk_size` positions in
+  those layers (`attention_chunk`: `chunked_attention` in `config.layer_types`, counted from each row's
+  first real token as transformers' mask does, `engine.chunks.LocalChunks`), leaves Q and K unrotated in
+  its NoPE layers (`no_rope_layers[i]` 0), where it scales each query by a function of its index
+  (`query_temperature`, `attn_temperature_tuning`), and names its MLP `feed_forward`: a mixture of experts
+  (a sigmoid top-1 `router`, every token through every expert scaled by its score, a shared expert) that
+  returns (hidden states, router logits) in the `moe_layers`, a dense gated MLP of `intermediate_size_mlp`
+  elsewhere; its causal LM adds no router loss.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -73,6 +83,8 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
 
 SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
+CHUNKED = "chunked_attention"
+"""`config.layer_types` entry of a layer that attends within chunks of positions (Llama 4's)."""
 ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
 """Families whose rotary embedding keeps one RoPE table per `config.layer_types` entry."""
 SOFTCAPPED = ("gemma2",)
@@ -183,8 +195,6 @@ class LayerParts:
     kv_b projections, for reading only), or None."""
     sink_module: nn.Module | None = None
     """The attention module holding per-head attention sinks (gpt-oss's `sinks`), or None."""
-    mlp_returns_scores: bool = False
-    """Whether `mlp` returns (output, router scores) (gpt-oss): `mlp_output` keeps the output."""
     attn_softcap: float | None = None
     """The attention scores' soft-cap: scaled scores s become cap * tanh(s / cap) before the mask and the
     softmax (Gemma 2's `attn_logit_softcapping`); None: uncapped."""
@@ -195,10 +205,22 @@ class LayerParts:
         parameter between steps), or None."""
         return None if self.sink_module is None else self.sink_module.sinks
 
-    def mlp_output(self, x: Tensor) -> Tensor:
-        """The MLP's output (B, c, d) for its input x."""
+    rope_complex: bool = False
+    """Whether RoPE multiplies adjacent pairs as complex numbers in float32 (Llama 4's `freqs_cis`)."""
+    attention_chunk: int | None = None
+    """Positions per chunk of a chunked local attention layer (Llama 4's `attention_chunk_size`): a query
+    sees only the keys of its own chunk; None: no chunks."""
+    query_temperature: tuple[float, float] | None = None
+    """(floor_scale, attn_scale) of Llama 4's attention temperature tuning in a NoPE layer: the query at
+    index t is scaled by log1p(floor((t + 1) / floor_scale)) * attn_scale + 1; None: unscaled."""
+    mlp_pair: bool = False
+    """Whether the MLP returns (hidden states, router logits) rather than hidden states (Llama 4's MoE)."""
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """The MLP's output hidden states (B, c, d) for its input x (B, c, d), as the layer takes them (of a
+        pair, the first, (B * c, d), viewed as x)."""
         out = self.mlp(x)
-        return out[0] if self.mlp_returns_scores else out
+        return out[0].view(x.shape) if self.mlp_pair else out
 
     def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
         """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
@@ -236,8 +258,16 @@ class DecoderParts:
             cos, sin = self.rotary(hidden, positions)
             return {None: (torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))}
         if self.family not in ROPE_PER_LAYER_TYPE:
-            return {None: self.rotary(hidden, positions)}
+            return {None: _cos_sin(self.rotary(hidden, positions))}
         return {kind: self.rotary(hidden, positions, kind) for kind in sorted(set(self.rotary.layer_types))}
+
+
+def _cos_sin(table) -> tuple[Tensor, Tensor]:
+    """A rotary embedding's (cos, sin), or for Llama 4's complex `freqs_cis` (B, T, hd / 2) its real and
+    imaginary parts (`Rope.complex` multiplies by them as that complex number again)."""
+    if isinstance(table, Tensor) and table.is_complex():
+        return table.real, table.imag
+    return table
 
 
 _REFUSED = (
@@ -296,6 +326,8 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     input_norm, post_norm, attn_out_norm, mlp_out_norm = (
         None if name is None else getattr(layer, name) for name in family.norms)
     q_norm, k_norm = (getattr(attn, name, None) for name in family.qk_norms)
+    mlp = layer_mlp(layer)
+    experts = hasattr(mlp, "experts")
     mla = _mla_parts(attn)
     q_proj, k_proj, v_proj = _qkv_projections(attn) if mla is None else (
         mla.q_proj or mla.q_b_proj, mla.kv_a_proj, mla.kv_b_proj)
@@ -308,7 +340,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         o_proj=attn.o_proj,
         q_norm=q_norm,
         k_norm=k_norm,
-        mlp=layer.mlp,
+        mlp=mlp,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=getattr(attn, "qk_head_dim", None) or attn.head_dim,
@@ -322,20 +354,39 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         rope_interleaved=family.rope_interleaved,
         rope_in_float32=family.rope_in_float32,
         residual_multiplier=getattr(layer, "residual_multiplier", 1.0),
-        router=_router(layer.mlp),
+        router=getattr(mlp, family.router) if experts else None,
         qk_norm_whole=config.model_type in WHOLE_QK_NORM,
         mla=mla,
+        rope_complex=family.rope_complex,
+        attention_chunk=layer_chunk(attn),
+        query_temperature=query_temperature(attn),
+        mlp_pair=family.moe_output_pair and experts,
         sink_module=attn if isinstance(getattr(attn, "sinks", None), Tensor) else None,
-        mlp_returns_scores=family.mlp_returns_scores,
         attn_softcap=attn.attn_logit_softcapping if config.model_type in SOFTCAPPED else None,
     )
 
 
-def _router(mlp: nn.Module) -> nn.Module | None:
-    """The router of a mixture-of-experts MLP (its `gate`, gpt-oss's `router`: logits first), or None."""
-    if not hasattr(mlp, "experts"):
+def layer_mlp(layer: nn.Module) -> nn.Module:
+    """A decoder layer's MLP module (`mlp`, or the family's name for it: Llama 4's `feed_forward`)."""
+    return getattr(layer, family_of(layer.self_attn.config.model_type).mlp)
+
+
+def layer_chunk(attn: nn.Module) -> int | None:
+    """Positions per chunk of an attention module that attends within chunks (a `chunked_attention` layer
+    of `config.layer_types`, Llama 4's RoPE layers: `attention_chunk_size`), else None."""
+    config = attn.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or layer_types[attn.layer_idx] != CHUNKED:
         return None
-    return mlp.gate if hasattr(mlp, "gate") else mlp.router
+    return config.attention_chunk_size
+
+
+def query_temperature(attn: nn.Module) -> tuple[float, float] | None:
+    """(floor_scale, attn_scale) of an attention module that scales its queries by their index (Llama 4's
+    NoPE layers under `attn_temperature_tuning`), else None."""
+    if not getattr(attn, "attn_temperature_tuning", False) or attn.use_rope:
+        return None
+    return attn.floor_scale, attn.attn_scale
 
 
 def _mla_parts(attn: nn.Module) -> MlaParts | None:

@@ -27,6 +27,8 @@ except ImportError:  # huggingface_hub before strict dataclasses: transformers r
     _VALIDATION_ERRORS = ()
 
 ENGINE_LAYER_TYPES = ("full_attention", "sliding_attention")
+CHUNKED_LAYER_FAMILIES = ("llama4_text",)
+"""Families whose `chunked_attention` layers the engine runs (Llama 4's chunked local attention)."""
 """`config.layer_types` entries the engine has an attention for (which windows a family may use is
 decided by `streambp_core.models.adapters`)."""
 
@@ -254,12 +256,18 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
     layer_types = getattr(config, "layer_types", None)
     if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
         return
-    unknown = sorted({str(kind) for kind in layer_types} - set(ENGINE_LAYER_TYPES))
+    chunked = getattr(config, "model_type", None) in CHUNKED_LAYER_FAMILIES
+    runs = (*ENGINE_LAYER_TYPES, "chunked_attention") if chunked else ENGINE_LAYER_TYPES
+    unknown = sorted({str(kind) for kind in layer_types} - set(runs))
     if unknown:
         raise ConfigError(
             f"{source}: layer_types {', '.join(unknown)} not supported by the engine "
-            f"(it runs {' and '.join(ENGINE_LAYER_TYPES)})"
+            f"(it runs {' and '.join(runs)})"
         )
+    size = getattr(config, "attention_chunk_size", None)
+    if chunked and "chunked_attention" in layer_types and not _is_positive_int(size):
+        raise ConfigError(f"{source}: layer_types names chunked_attention but attention_chunk_size is "
+                          f"{size!r}, not a positive integer")
     if "sliding_attention" in layer_types and (window is None or switched_off):
         why = " (use_sliding_window is false)" if switched_off else ""
         raise ConfigError(

@@ -39,12 +39,20 @@ class Family:
     rope_half_tables: bool = False
     """Whether its rotary embedding returns cos/sin for half the rotated features (each pair's angle
     once), which it applies to both halves (gpt-oss)."""
-    mlp_returns_scores: bool = False
-    """Whether its MLP module returns (output, router scores) rather than the output alone (gpt-oss)."""
     sdpa: bool = True
     """Whether transformers runs its attention through SDPA; gpt-oss's has none (its sinks need eager
     attention or a kernel that takes them), nor Gemma 2's (SDPA has no soft-cap), so their models are built
     with eager attention."""
+    rope_complex: bool = False
+    """Whether RoPE multiplies adjacent pairs as complex numbers in float32 by a complex table (Llama 4's
+    `apply_rotary_emb` over `freqs_cis`)."""
+    mlp: str = "mlp"
+    """Attribute name of the layer's MLP (Llama 4's `feed_forward`)."""
+    router: str = "gate"
+    """Attribute name of a mixture-of-experts MLP's router (Llama 4's and gpt-oss's `router`)."""
+    moe_output_pair: bool = False
+    """Whether a mixture-of-experts MLP returns (hidden states, router logits), which its layer unpacks
+    (Llama 4, gpt-oss)."""
 
     @property
     def experts(self) -> bool:
@@ -86,7 +94,10 @@ FAMILIES = (
     Family("qwen2_moe", "qwen2-moe", None),
     Family("glm4_moe", "glm4-moe", None),
     Family("deepseek_v3", "deepseek-v3", None),
-    Family("gpt_oss", "gpt-oss", None, rope_half_tables=True, mlp_returns_scores=True, sdpa=False),
+    Family("gpt_oss", "gpt-oss", None, rope_half_tables=True, router="router", moe_output_pair=True,
+           sdpa=False),
+    Family("llama4_text", "llama4", None, qk_norms=("qk_norm", "qk_norm"), qk_norm_after_rope=True,
+           rope_complex=True, mlp="feed_forward", router="router", moe_output_pair=True),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

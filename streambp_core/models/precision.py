@@ -21,6 +21,12 @@ position before a row's first real token, left padding) outputs zeros, as transf
 flash-attention paths and the engine give it, where eager averages every value of the row, later real
 tokens included; that position's output reaches the loss through its prediction of the row's first real
 token (streambp refuses left padding on a model that still attends eagerly: `guards.check_eager_padding`).
+
+Llama 4's router takes the sigmoid of its scores in `.float()`: on a float64 model each token's expert
+weight is rounded to float32, and torch's float32 sigmoid rounds an element differently in the vectorised
+body than in a loop's tail, so its bits depend on how many tokens a call holds, and a chunked recompute
+moves weights by one float32 step. `routers_in_at_least_float32` gives it the sigmoid in the wider of
+float32 and the scores' precision too.
 """
 
 from __future__ import annotations
@@ -92,6 +98,20 @@ def _router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Te
     return router_logits, topk_weights, topk_indices
 
 
+FLOAT32_SIGMOID_ROUTERS = ("Llama4Router",)
+"""Class names of routers whose sigmoid is float32 whatever the model's precision (their weight is not)."""
+
+
+def _sigmoid_router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers' `Llama4Router.forward` with its sigmoid in the wider of float32 and the scores'
+    precision: logits; the top-k logits kept, the others -inf; their sigmoid are the scores."""
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    top_value, top_index = torch.topk(router_logits, self.top_k, dim=1)
+    scores = torch.full_like(router_logits, float("-inf")).scatter_(1, top_index, top_value)
+    work = torch.promote_types(scores.dtype, torch.float32)
+    return torch.sigmoid(scores.to(work)).to(scores.dtype), router_logits
+
+
 def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
     """In a model of precision float64 (`dtype`), give every float32-only router a float64 weight and the
     at-least-float32 forward (instance-level, the class is untouched); a model of another precision is left
@@ -100,9 +120,13 @@ def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
         return 0
     changed = 0
     for module in model.modules():
-        if type(module).__name__ in FLOAT32_ROUTERS and "forward" not in vars(module):
+        name = type(module).__name__
+        if name in FLOAT32_ROUTERS and "forward" not in vars(module):
             module.weight.data = module.weight.data.to(dtype)
             module.forward = types.MethodType(_router_in_at_least_float32, module)
+            changed += 1
+        elif name in FLOAT32_SIGMOID_ROUTERS and "forward" not in vars(module):
+            module.forward = types.MethodType(_sigmoid_router_in_at_least_float32, module)
             changed += 1
     return changed
 

@@ -8,20 +8,21 @@ import pytest
 from streambp_core.config import PRESET_DIR
 from streambp_core.engine.stream.linear_grads import gated_mlp
 from streambp_core.models import build_model, load_config
-from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES
+from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, layer_mlp
 
 
 def test_every_tiny_preset_is_one_familys() -> None:
     shipped = sorted(path.stem.removeprefix("tiny--") for path in PRESET_DIR.glob("tiny--*.json"))
     assert shipped == sorted(TINY_FAMILIES)
-    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 23
-    assert MOE_FAMILIES == ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 24
+    assert MOE_FAMILIES == ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
+                            "llama4_text")
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.model_type)
 def test_a_familys_tiny_model_has_its_model_type_and_mlp(family) -> None:
     assert load_config(f"tiny/{family.tiny}").model_type == family.model_type
-    mlp = build_model(f"tiny/{family.tiny}", device="meta").model.layers[0].mlp
+    mlp = layer_mlp(build_model(f"tiny/{family.tiny}", device="meta").model.layers[0])
     if family.experts:
         assert not gated_mlp(mlp)
     elif family.other_mlp is not None:

@@ -169,7 +169,7 @@ def test_its_layers_reach_the_engine() -> None:
     assert [p.sliding_window for p in parts] == [16, None]
     assert all(p.sinks is layer.self_attn.sinks for p, layer in zip(parts, model.model.layers, strict=True))
     assert all(p.q_proj.bias is not None and p.o_proj.bias is not None for p in parts)
-    assert parts[0].router is model.model.layers[0].mlp.router and parts[0].mlp_returns_scores
+    assert parts[0].router is model.model.layers[0].mlp.router and parts[0].mlp_pair
     experts = model.model.layers[0].mlp.experts
     x = torch.randn(256, 64, dtype=torch.float64)
     gate_up = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]

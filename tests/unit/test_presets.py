@@ -56,13 +56,16 @@ PUBLISHED_PARAMS_B = {
     "openai/gpt-oss-120b": 116.83,
     "google/gemma-2-2b": 2.61,
     "google/gemma-2-9b": 9.24,
+    # Llama 4: the language model alone (its text_config; Meta's 109B and 400B count the vision encoder too)
+    "meta-llama/Llama-4-Scout-17B-16E": 107.77,
+    "meta-llama/Llama-4-Maverick-17B-128E": 400.71,
 }
 PUBLISHED_FLOAT32 = {"google/gemma-2-2b", "google/gemma-2-9b"}
 """Published checkpoints whose config.json says float32 (the others bfloat16)."""
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
-        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss", "tiny/gemma2"]
+        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss", "tiny/gemma2", "tiny/llama4"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():

@@ -4,7 +4,8 @@ same kernel as StreamBP (fair comparisons) and run on the meta device (simulatio
 Under it, a baseline passes the attention mask as the key validity shaped (B, 1, 1, T): every transformers
 mask builder returns a 4D mask unchanged, for full and sliding layers alike, so each layer receives it
 (or None) and no T x T mask is ever built. A sliding layer's window arrives as transformers'
-`sliding_window` argument.
+`sliding_window` argument. A chunked local layer (Llama 4's) attends one chunk of queries at a time
+(`local_attention`), so it too builds no T x T mask.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.engine.attention.prefix import prefix_attention
-from streambp_core.models.adapters import layer_window
+from streambp_core.engine.chunks import chunk_bounds, local_chunks
+from streambp_core.models.adapters import layer_chunk, layer_window
 
 ENGINE_ATTENTION = "streambp_prefix"
 
@@ -48,8 +50,35 @@ def engine_attention_forward(
     key_valid = _key_valid(attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = layer_window(module) if sliding_window is None else sliding_window
+    chunk = layer_chunk(module)
+    if chunk is not None:
+        return local_attention(query, key, value, key_valid, scale, backend, chunk).transpose(1, 2), None
     out = prefix_attention(query, key, value, key_valid, scale, backend, window, sinks=s_aux, softcap=softcap)
     return out.transpose(1, 2), None
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, backend: str,
+                    size: int) -> Tensor:
+    """Chunked local attention (B, H, T, hd) of a whole sequence, one chunk of `size` queries at a time
+    against the keys their chunks reach (`chunks.LocalChunks`: counted from each row's first real token,
+    or in packed rows from each document's start, as transformers' mask counts them)."""
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("the engine attention's chunked local layers take the whole sequence (no cache)")
+    packed = key_valid is not None and key_valid.dim() == 3
+    positions = None
+    if packed:  # a packed row's position counts from its document's first key
+        positions = torch.arange(q.shape[2], device=q.device) - key_valid.int().argmax(dim=-1)
+    local = local_chunks(size, None if packed else key_valid, positions, (q.shape[0], q.shape[2]), q.device)
+    outs = []
+    for start, end in chunk_bounds(q.shape[2], size):
+        first = local.first_key(start)
+        if key_valid is None:
+            valid = None
+        else:
+            valid = key_valid[:, start:end, first:end] if packed else key_valid[:, first:end]
+        outs.append(prefix_attention(q[:, :, start:end], k[:, :, first:end], v[:, :, first:end],
+                                     local.narrow(valid, start, end, first), scale, backend))
+    return torch.cat(outs, dim=2)
 
 
 def _key_valid(attention_mask: Tensor | None) -> Tensor | None:

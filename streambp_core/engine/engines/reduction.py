@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
+from streambp_core.models.adapters import layer_mlp
 
 R = TypeVar("R")
 
@@ -110,7 +111,8 @@ def check_experts(layers: Sequence[nn.Module], method: str, drives_modules: bool
     hands every expert over itself, marked or not.)"""
     if drives_modules:
         return
-    marks = [bool(getattr(layer.mlp, "_z3_leaf", False)) for layer in layers if hasattr(layer.mlp, "experts")]
+    mlps = [layer_mlp(layer) for layer in layers]
+    marks = [bool(getattr(mlp, "_z3_leaf", False)) for mlp in mlps if hasattr(mlp, "experts")]
     if marks and not all(marks):
         raise ConfigError(f"{method} under deepspeed zero3 on a mixture-of-experts model needs its MoE "
                           "blocks marked as leaf modules (deepspeed.utils.set_z3_leaf_modules, before "

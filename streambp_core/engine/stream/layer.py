@@ -14,7 +14,9 @@ Backward, per layer:
    in `.grad` (in place, by hand, for every plain linear projection: `linear_grads.hand_linear`).
 Extra memory over the checkpoints: one chunk's activations plus O(T * kv_dim) for K, V and their grads.
 A sliding-window (local) layer attends each chunk s..e to the keys of its band only, max(0, s - window + 1)
-..e (views of the same caches), so its attention work per chunk is bounded by the window; a routed
+..e (views of the same caches), so its attention work per chunk is bounded by the window; a chunked local
+layer (Llama 4's) to the keys from the earliest start of its queries' chunks, masked to each query's own
+chunk (`chunks.LocalChunks`) where the band crosses a chunk boundary; a routed
 (mixture-of-experts) layer under the load-balancing loss also returns its routing sums (`engine.router`).
 A layer with attention sinks (gpt-oss) passes them to every chunk's attention: each query row's softmax
 denominator takes its head's sink once, in the one chunk the row is in, and the sinks' gradient is the
@@ -32,11 +34,13 @@ from torch import Tensor
 
 from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.engine.chunks import (
+    LocalChunks,
     backward_into,
     check_accumulates,
     chunk_bounds,
     grad_or_zeros,
     leaf,
+    local_chunks,
     window_start,
 )
 from streambp_core.engine.host.checkpoints import HostChain
@@ -49,7 +53,7 @@ from streambp_core.engine.stream.linear_grads import (
     mlp_inner,
     plain_linear,
 )
-from streambp_core.engine.stream.rope import Rope, rotate
+from streambp_core.engine.stream.rope import Rope, rotate, scale_queries
 from streambp_core.engine.stream.router import ChunkRouting, RouterAux
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import LayerParts
@@ -93,7 +97,8 @@ def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tenso
     q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
     k = hand_linear(parts.k_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = hand_linear(parts.v_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    return embed(parts, q, parts.q_norm, rope), embed(parts, k, parts.k_norm, rope), v.transpose(1, 2)
+    q = scale_queries(embed(parts, q, parts.q_norm, rope), rope)
+    return q, embed(parts, k, parts.k_norm, rope), v.transpose(1, 2)
 
 
 def embed(parts: LayerParts, t: Tensor, norm, rope: Rope) -> Tensor:
@@ -125,7 +130,7 @@ def finish_chunk(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, va
     """Layer output for the chunk whose input is h (B, c, d), given its queries and its K/V prefix."""
     parts = plan.parts
     h = attend(plan, h, q, k, v, valid)
-    mlp = parts.mlp_output(parts.post_norm(h))
+    mlp = parts.feed_forward(parts.post_norm(h))
     return residual_add(parts, h, mlp if parts.mlp_out_norm is None else parts.mlp_out_norm(mlp))
 
 
@@ -135,10 +140,10 @@ def residual_add(parts: LayerParts, h: Tensor, out: Tensor) -> Tensor:
 
 
 def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
-    """Normed input x (B, c, d) -> rotated q (B, H, c, hd)."""
+    """Normed input x (B, c, d) -> rotated q (B, H, c, hd) (scaled by a NoPE layer's temperature)."""
     b, c, _ = x.shape
     q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
-    return embed(parts, q, parts.q_norm, rope)
+    return scale_queries(embed(parts, q, parts.q_norm, rope), rope)
 
 
 def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,13 +162,25 @@ def _valid(key_valid: Tensor | None, first: int, end: int) -> Tensor | None:
     return None if key_valid is None else key_valid[:, first:end]
 
 
-def _chunk_keys(plan: LayerPlan, key_valid: Tensor | None, start: int, end: int) -> tuple[int, Tensor | None]:
+def _chunk_keys(plan: LayerPlan, key_valid: Tensor | None, start: int, end: int,
+                local: LocalChunks | None = None) -> tuple[int, Tensor | None]:
     """First key of the band chunk start..end attends to, and its key mask: (B, e) key validity, or for
-    packed rows (B, c, e), each query's own document."""
+    packed rows (B, c, e), each query's own document; in a chunked local layer (`local`) narrowed to each
+    query's own chunk."""
     first = window_start(end, end - start, plan.parts.sliding_window)
+    if local is not None:
+        first = max(first, local.first_key(start))
     if plan.packed is None:
-        return first, _valid(key_valid, first, end)
-    return plan.packed.chunk_keys(start, end, first)
+        valid = _valid(key_valid, first, end)
+    else:
+        first, valid = plan.packed.chunk_keys(start, end, first)
+    return first, valid if local is None else local.narrow(valid, start, end, first)
+
+
+def layer_chunks(plan: LayerPlan, key_valid: Tensor | None, h_in: Tensor) -> LocalChunks | None:
+    """The local chunks of this step's rows in a chunked local layer (None in any other layer)."""
+    positions = None if plan.packed is None else plan.packed.positions
+    return local_chunks(plan.parts.attention_chunk, key_valid, positions, tuple(h_in.shape[:2]), h_in.device)
 
 
 def _kv_cache(plan: LayerPlan, h_in: Tensor, rope: Rope):
@@ -205,11 +222,12 @@ def streamed_forward(plan: LayerPlan, h_in: Tensor, cos: Tensor, sin: Tensor, ke
         keys, values = h_in.new_empty(shape), h_in.new_empty(shape)
     with memory_category("checkpoints"):
         h_out = torch.empty_like(h_in)
+    local = layer_chunks(plan, key_valid, h_in)
     for start, end in chunk_bounds(t, plan.partition_size, plan.keep_chunks):
         h = h_in[:, start:end]
         q, k, v = project_qkv(parts, parts.input_norm(h), rope.chunk(start, end))
         keys[:, :, start:end], values[:, :, start:end] = k, v
-        first, valid = _chunk_keys(plan, key_valid, start, end)
+        first, valid = _chunk_keys(plan, key_valid, start, end, local)
         with _routed(routing, _valid(key_valid, start, end)):
             h_out[:, start:end] = finish_chunk(plan, h, q, keys[:, :, first:end], values[:, :, first:end],
                                                valid)
@@ -229,8 +247,9 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    local = layer_chunks(plan, key_valid, h_in)
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
-        first, valid = _chunk_keys(plan, key_valid, start, end)
+        first, valid = _chunk_keys(plan, key_valid, start, end, local)
         band = slice(first, end)
         kv = _KVState(keys[:, :, band], values[:, :, band], d_keys[:, :, band], d_values[:, :, band],
                       None if raw_keys is None else raw_keys[:, start:end])

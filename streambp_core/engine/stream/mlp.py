@@ -50,19 +50,19 @@ class ChunkedMLP(torch.autograd.Function):
         return (grad_x, None, None, None, None, *([None] * len(ctx.params)))
 
 
-def chunk_mlp(mlp: nn.Module, chunk: int, keep_chunks: int | None = None,
-              returns_scores: bool = False) -> None:
+def chunk_mlp(mlp: nn.Module, chunk: int, keep_chunks: int | None = None, pair: bool = False) -> None:
     """Make `mlp` run in chunks (instance-level override of `forward`); undo with `unchunk_mlp`.
-    `keep_chunks`: simulation only (see `StreamConfig.keep_chunks`); `returns_scores`: `mlp` returns
-    (output, router scores) (module docstring)."""
+    `keep_chunks`: simulation only (see `StreamConfig.keep_chunks`). `pair`: the MLP returns (hidden states,
+    router logits) (Llama 4's mixture of experts, its hidden states flattened to (B * c, d)); chunked, it
+    returns (hidden states (B, T, d), None), as its layer unpacks the pair and uses only the hidden states."""
     original = mlp.forward
-    output = (lambda x: original(x)[0]) if returns_scores else original
+    hidden = (lambda x: original(x)[0].view(x.shape)) if pair else original
 
     def forward(self, x: Tensor):
         if not torch.is_grad_enabled():
             return original(x)
-        out = ChunkedMLP.apply(x, self, output, chunk, keep_chunks, *trainable_parameters([self]))
-        return (out, None) if returns_scores else out
+        out = ChunkedMLP.apply(x, self, hidden, chunk, keep_chunks, *trainable_parameters([self]))
+        return (out, None) if pair else out
 
     mlp.forward = types.MethodType(forward, mlp)
 

@@ -18,7 +18,11 @@ class Rope:
     (rd < hd, the `partial_rotary_factor` of Phi-3 and GLM) rotates the first rd features and passes the rest.
     `interleaved`: pairs (2i, 2i + 1) rotate together (GLM-4, ERNIE 4.5: the tables repeat each of their
     first half's entries twice, as transformers' interleaved `apply_rotary_pos_emb` does); `in_float32`:
-    the rotation computes in float32 and rounds back to the input's precision (ERNIE 4.5)."""
+    the rotation computes in float32 and rounds back to the input's precision (ERNIE 4.5). `as_complex`: cos
+    and sin are the real and imaginary parts of Llama 4's `freqs_cis` (B, 1, T, hd / 2), and each pair
+    (2i, 2i + 1) of a head, as a complex number in float32, is multiplied by it (`apply_rotary_emb`, in its
+    own layout, so the same kernels give the same bits). `query_scale` (1, 1, T, 1) float32, or None:
+    Llama 4's attention temperature of a NoPE layer's queries (`scale_queries`)."""
 
     cos: Tensor
     sin: Tensor
@@ -26,23 +30,29 @@ class Rope:
     on: bool = True
     interleaved: bool = False
     in_float32: bool = False
+    as_complex: bool = False
+    query_scale: Tensor | None = None
 
     @classmethod
     def of(cls, cos: Tensor, sin: Tensor, on: bool = True, *, interleaved: bool = False,
-           in_float32: bool = False) -> Rope:
+           in_float32: bool = False, as_complex: bool = False) -> Rope:
         """From transformers' (B, T, rd) tables; `on`: whether the layer rotates Q and K at all."""
         if interleaved:
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
         sign = cos.new_ones(cos.shape[-1])
         sign[: cos.shape[-1] // 2] = -1
-        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign, on, interleaved, in_float32)
+        return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign, on, interleaved, in_float32, as_complex)
 
     @classmethod
     def of_layer(cls, cos: Tensor, sin: Tensor, parts) -> Rope:
-        """The tables as the layer of `parts` (`LayerParts`) applies them."""
-        return cls.of(cos, sin, parts.rotary, interleaved=parts.rope_interleaved,
-                      in_float32=parts.rope_in_float32)
+        """The tables as the layer of `parts` (`LayerParts`) applies them (with its query temperature)."""
+        rope = cls.of(cos, sin, parts.rotary, interleaved=parts.rope_interleaved,
+                      in_float32=parts.rope_in_float32, as_complex=parts.rope_complex)
+        if parts.query_temperature is None:
+            return rope
+        scale = temperature_table(cos.shape[1], *parts.query_temperature, cos.device)
+        return replace(rope, query_scale=scale)
 
     @property
     def rotary_dim(self) -> int:
@@ -51,7 +61,25 @@ class Rope:
 
     def chunk(self, start: int, end: int) -> Rope:
         """The tables of positions start..end."""
-        return replace(self, cos=self.cos[:, :, start:end], sin=self.sin[:, :, start:end])
+        scale = None if self.query_scale is None else self.query_scale[:, :, start:end]
+        return replace(self, cos=self.cos[:, :, start:end], sin=self.sin[:, :, start:end], query_scale=scale)
+
+
+def temperature_table(length: int, floor_scale: float, attn_scale: float, device) -> Tensor:
+    """(1, 1, T, 1) float32: log1p(floor((t + 1) / floor_scale)) * attn_scale + 1 at each index t of the
+    sequence (not its position id, padded or packed alike), as Llama 4's NoPE layers compute it (their
+    temperature tuning after arXiv 2501.19399)."""
+    positions = torch.arange(length, device=device)
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return scales.view(1, 1, length, 1)
+
+
+def scale_queries(q: Tensor, rope: Rope) -> Tensor:
+    """Queries (B, H, c, hd) scaled by the chunk's attention temperature, rounded back to their precision as
+    transformers does; q itself without one."""
+    if rope.query_scale is None:
+        return q
+    return (q * rope.query_scale).to(q.dtype)
 
 
 def rotate_half(t: Tensor, rope: Rope) -> Tensor:
@@ -66,10 +94,22 @@ def rotate(t: Tensor, rope: Rope) -> Tensor:
     features; t in a layer without RoPE."""
     if not rope.on:
         return t
+    if rope.as_complex:
+        return _complex_product(t, rope, conjugate=False)
     dim = rope.cos.shape[-1]
     if dim < t.shape[-1]:
         return torch.cat([_rotate(t[..., :dim], rope), t[..., dim:]], dim=-1)
     return _rotate(t, rope)
+
+
+def _complex_product(t: Tensor, rope: Rope, conjugate: bool) -> Tensor:
+    """t (B, heads, c, hd) with each pair (2i, 2i + 1) times the complex table (or its conjugate: the
+    rotation's transpose, as autograd takes it), in float32 and in transformers' layout (B, c, heads, hd)."""
+    freqs = torch.complex(rope.cos, rope.sin).transpose(1, 2)  # (B, c, 1, hd / 2)
+    work = t.transpose(1, 2)
+    pairs = torch.view_as_complex(work.float().reshape(*work.shape[:-1], -1, 2))
+    out = torch.view_as_real(pairs * (freqs.conj() if conjugate else freqs)).flatten(3)
+    return out.type_as(t).transpose(1, 2)
 
 
 def _rotate(t: Tensor, rope: Rope) -> Tensor:
@@ -84,6 +124,8 @@ def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
     takes the float32 rotation's backward."""
     if not rope.on:
         return grad
+    if rope.as_complex:
+        return _complex_product(grad, rope, conjugate=True)
     dim = rope.cos.shape[-1]
     if dim < grad.shape[-1]:
         return torch.cat([_transpose(grad[..., :dim], rope), grad[..., dim:]], dim=-1)

@@ -28,10 +28,17 @@ class RouterAux:
     coef: float
 
 
+NO_ROUTER_LOSS = ("llama4_text",)
+"""`model_type`s whose causal LM adds no load-balancing loss though their config has its settings."""
+
+
 def router_aux(config) -> RouterAux | None:
     """The settings when the config enables the loss (`output_router_logits`) and its causal LM adds it
-    (a config with `router_aux_loss_coef`; GLM-4.5's sigmoid routers have no such loss), else None."""
+    (a config with `router_aux_loss_coef`; GLM-4.5's sigmoid routers have no such loss, and Llama 4's
+    causal LM never adds it), else None."""
     if not getattr(config, "output_router_logits", False) or not hasattr(config, "router_aux_loss_coef"):
+        return None
+    if getattr(config, "model_type", None) in NO_ROUTER_LOSS:
         return None
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     return RouterAux(num_experts=experts, top_k=config.num_experts_per_tok, coef=config.router_aux_loss_coef)
