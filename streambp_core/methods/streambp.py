@@ -24,8 +24,8 @@ from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.engine.host.unit_grads import UnitGrads
 from streambp_core.engine.sequence.layer import SequenceShard, SequenceStreamedLayer
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
-from streambp_core.engine.stream.layer import LayerPlan, StreamedLayer
-from streambp_core.engine.stream.mla import MlaStreamedLayer
+from streambp_core.engine.stream.layer import STREAMED, LayerPlan, StreamedLayer
+from streambp_core.engine.stream.mla import MLA_STEPS
 from streambp_core.engine.stream.router import aux_loss
 from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
@@ -174,8 +174,8 @@ def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden,
     params = trainable_parameters([layer])
     if shard is not None:
         return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, *params)
-    function = StreamedLayer if plan.parts.mla is None else MlaStreamedLayer
-    return function.apply(hidden, cos, sin, valid, plan, *params)
+    steps = STREAMED if plan.parts.mla is None else MLA_STEPS
+    return StreamedLayer.apply(hidden, cos, sin, valid, plan, steps, *params)
 
 
 def _offloaded(plan, chain: HostChain | None):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -338,21 +339,31 @@ def _overwritable(grad_out: Tensor, h_in: Tensor) -> bool:
     return grad_out.shape == h_in.shape and grad_out.dtype == h_in.dtype and grad_out.is_contiguous()
 
 
+class LayerSteps(NamedTuple):
+    """A streamed layer's two passes: `forward(plan, h_in, cos, sin, key_valid, routing)` -> h_out (no
+    grad), and `backward(plan, h_in, cos, sin, key_valid, grad_out, params, chunk_done, routing)` ->
+    grad_in (chunked recompute). `STREAMED` is the decoder layer's; `mla.MLA_STEPS` an MLA layer's."""
+
+    forward: Callable
+    backward: Callable
+
+
 class StreamedLayer(torch.autograd.Function):
-    """autograd.Function: forward = no-grad layer + keep H_in; backward = chunked recompute.
+    """autograd.Function: forward = no-grad layer + keep H_in; backward = chunked recompute, by the
+    layer's `LayerSteps` (`STREAMED` for every layer but an MLA one).
 
     The layer's trainable parameters are passed as inputs only so that the output requires grad (a LoRA
     model's frozen embedding would otherwise cut the graph); their gradients go straight into `.grad`.
     """
 
     @staticmethod
-    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, *params):
-        ctx.plan, ctx.params = plan, params
+    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, steps: LayerSteps, *params):
+        ctx.plan, ctx.steps, ctx.params = plan, steps, params
         ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
         ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
         routing = plan.routing()
         with torch.no_grad():
-            h_out = streamed_forward(plan, h_in, cos, sin, key_valid, routing)
+            h_out = steps.forward(plan, h_in, cos, sin, key_valid, routing)
         if routing is None:
             return h_out
         ctx.mark_non_differentiable(routing.picks)
@@ -367,6 +378,10 @@ class StreamedLayer(torch.autograd.Function):
             h_in = host.load()
         routing_grad = routing_grads[0] if routing_grads else None
         routing = None if routing_grad is None else ctx.plan.routing(routing_grad)
-        grad_in = streamed_backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                                    None if host is None else host.chunk_done, routing)
-        return (grad_in, None, None, None, None, *([None] * len(ctx.params)))
+        grad_in = ctx.steps.backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params,
+                                     None if host is None else host.chunk_done, routing)
+        return (grad_in, None, None, None, None, None, *([None] * len(ctx.params)))
+
+
+STREAMED = LayerSteps(streamed_forward, streamed_backward)
+"""The decoder layer's passes (`streamed_forward`, `streamed_backward`)."""

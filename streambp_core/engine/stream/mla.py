@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from streambp_core.engine.attention.prefix import prefix_attention
-from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.packing import query_rows
 from streambp_core.engine.stream.layer import (
     LayerPlan,
+    LayerSteps,
     _chunk_keys,
     _chunk_outputs,
     _output_grads,
@@ -170,32 +171,6 @@ def _chunk_backward(plan, h_in_chunk, tables, valid, keys, d_keys, grad_chunk, p
     return grad_or_zeros(h)
 
 
-class MlaStreamedLayer(torch.autograd.Function):
-    """`layer.StreamedLayer` for an MLA layer: forward = no-grad layer + keep H_in; backward = chunked
-    recompute against the latent (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, *params):
-        ctx.plan, ctx.params = plan, params
-        ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
-        ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
-        routing = plan.routing()
-        with torch.no_grad():
-            h_out = mla_forward(plan, h_in, cos, sin, key_valid, routing)
-        if routing is None:
-            return h_out
-        ctx.mark_non_differentiable(routing.picks)
-        return h_out, routing.prob_sum, routing.picks
-
-    @staticmethod
-    def backward(ctx, grad_out, *routing_grads):
-        check_accumulates(ctx, "streambp's chunked decoder layer")
-        h_in, cos, sin, key_valid = ctx.saved_tensors
-        host = ctx.host_input
-        if host is not None:
-            h_in = host.load()
-        routing_grad = routing_grads[0] if routing_grads else None
-        routing = None if routing_grad is None else ctx.plan.routing(routing_grad)
-        grad_in = mla_backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                               None if host is None else host.chunk_done, routing)
-        return (grad_in, None, None, None, None, *([None] * len(ctx.params)))
+MLA_STEPS = LayerSteps(mla_forward, mla_backward)
+"""An MLA layer's passes for `layer.StreamedLayer`: chunked recompute against the latent (module
+docstring)."""
