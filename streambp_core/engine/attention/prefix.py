@@ -112,7 +112,7 @@ class _SimulatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_valid, scale, window, workspace_bytes, sinks=None, softcap=None):
         out, lse = torch.ops.streambp.prefix_attn_fwd(q, k, v, key_valid, scale, window, sinks, softcap)
-        ctx.save_for_backward(q, k, v, out, key_valid, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, key_valid, None if sinks is None else lse, sinks)  # L: d sinks
         ctx.scale, ctx.window, ctx.workspace_bytes, ctx.softcap = scale, window, workspace_bytes, softcap
         return out
 
@@ -211,7 +211,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def _setup_context(ctx, inputs, output):
     q, k, v, key_valid, scale, window, sinks, softcap = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, key_valid, lse, sinks)
+    ctx.save_for_backward(q, k, v, out, key_valid, None if sinks is None else lse, sinks)  # L: d sinks
     ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
 
 
