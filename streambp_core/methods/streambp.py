@@ -23,6 +23,7 @@ from streambp_core.engine.engines.zero3 import Zero3Units
 from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.engine.host.unit_grads import UnitGrads
 from streambp_core.engine.sequence.layer import SequenceShard, SequenceStreamedLayer
+from streambp_core.engine.stream.delta import DeltaStreamedLayer
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.engine.stream.layer import LayerPlan, StreamedLayer
 from streambp_core.engine.stream.mla import MlaStreamedLayer
@@ -172,6 +173,8 @@ def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden,
     if shard is not None:
         return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, *params)
     function = StreamedLayer if plan.parts.mla is None else MlaStreamedLayer
+    if plan.parts.delta is not None:
+        function = DeltaStreamedLayer
     return function.apply(hidden, cos, sin, valid, plan, *params)
 
 

@@ -39,11 +39,19 @@ MLP, residual. The differences are data in `LayerParts`:
   kv_a_layernorm, kv_b_proj, plus one rotated key head shared by every head, qk head dim != v head dim;
   the engine keeps the latent, `engine.stream.mla`), and routes as GLM-4.5 does (sigmoid router,
   group-limited top-k, shared experts, dense first `first_k_dense_replace` layers).
+- Qwen3.5 alternates Gated DeltaNet linear-attention layers (`DeltaParts`: `config.layer_types` marks
+  them `linear_attention`; a causal depthwise conv over the q/k/v projection, a gated delta-rule state
+  per value head, a gated RMSNorm; the engine carries the state across chunks, `engine.stream.delta`)
+  with gated full-attention layers (q_proj projects [query, gate] per head, the output is multiplied by
+  the gate's sigmoid before o_proj: `attn_output_gate`), q/k norms and partial RoPE; its RMSNorms scale by
+  (1 + weight).
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +129,30 @@ class MlaParts:
 
 
 @dataclass(frozen=True)
+class DeltaParts:
+    """A Gated DeltaNet linear attention (Qwen3.5's `Qwen3_5GatedDeltaNet`): its module (projections
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, the depthwise `conv1d`, `A_log`, `dt_bias`, the
+    gated `norm`, `out_proj`), and transformers' own functions for its conv and delta rule, read from the
+    module's modeling file (so the same dispatch: the torch path, or a kernel package where one runs)."""
+
+    module: nn.Module
+    chunk_rule: Callable
+    """transformers' `torch_chunk_gated_delta_rule` (q, k, v, g, beta, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel) -> (output, final state)."""
+    conv: Callable
+    """transformers' `causal_conv1d_fn` (x (B, C, L), weight (C, K), bias, activation) -> (B, C, L)."""
+
+    @property
+    def kernel_size(self) -> int:
+        return self.module.conv_kernel_size
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v features of a position."""
+        return self.module.conv_dim
+
+
+@dataclass(frozen=True)
 class LayerParts:
     """The sub-modules of one decoder layer that the engine calls, plus its attention geometry."""
 
@@ -166,6 +198,12 @@ class LayerParts:
     mla: MlaParts | None = None
     """A multi-head latent attention's modules (DeepSeek-V3; q/k/v_proj then name its query, kv_a and
     kv_b projections, for reading only), or None."""
+    attn_output_gate: bool = False
+    """Whether q_proj projects [query, gate] per head and the output is multiplied by sigmoid(gate) before
+    o_proj (Qwen3.5)."""
+    delta: DeltaParts | None = None
+    """A Gated DeltaNet linear-attention layer's modules (Qwen3.5's `linear_attention` layers; q/k/v_proj
+    then all name its in_proj_qkv, o_proj its out_proj, for reading only), or None."""
 
     def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
         """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
@@ -244,6 +282,8 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
 
 def layer_parts(layer: nn.Module) -> LayerParts:
     """The sub-modules and attention geometry of one decoder layer."""
+    if hasattr(layer, "linear_attn"):
+        return _delta_layer_parts(layer)
     attn = layer.self_attn
     config = attn.config
     family = family_of(config.model_type)
@@ -279,7 +319,20 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None,
         qk_norm_whole=config.model_type in WHOLE_QK_NORM,
         mla=mla,
+        attn_output_gate=family.attn_output_gate,
     )
+
+
+def _delta_layer_parts(layer: nn.Module) -> LayerParts:
+    """A Gated DeltaNet layer's parts: its norms and MLP as any layer's, its token mixer `DeltaParts`."""
+    attn = layer.linear_attn
+    modeling = sys.modules[type(attn).__module__]
+    delta = DeltaParts(attn, modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn)
+    return LayerParts(
+        input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+        q_proj=attn.in_proj_qkv, k_proj=attn.in_proj_qkv, v_proj=attn.in_proj_qkv, o_proj=attn.out_proj,
+        q_norm=None, k_norm=None, mlp=layer.mlp, num_heads=attn.num_v_heads, num_kv_heads=attn.num_k_heads,
+        head_dim=attn.head_k_dim, scaling=attn.head_k_dim ** -0.5, rotary=False, delta=delta)
 
 
 def _mla_parts(attn: nn.Module) -> MlaParts | None:

@@ -29,6 +29,8 @@ except ImportError:  # huggingface_hub before strict dataclasses: transformers r
 ENGINE_LAYER_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries the engine has an attention for (which windows a family may use is
 decided by `streambp_core.models.adapters`)."""
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5_text",)
+"""`model_type`s whose `linear_attention` layers the engine runs (Qwen3.5's Gated DeltaNet)."""
 
 POSITIVE_SIZES = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
@@ -231,11 +233,13 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
     layer_types = getattr(config, "layer_types", None)
     if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
         return
-    unknown = sorted({str(kind) for kind in layer_types} - set(ENGINE_LAYER_TYPES))
+    runs = (*ENGINE_LAYER_TYPES, "linear_attention") \
+        if getattr(config, "model_type", None) in LINEAR_ATTENTION_FAMILIES else ENGINE_LAYER_TYPES
+    unknown = sorted({str(kind) for kind in layer_types} - set(runs))
     if unknown:
         raise ConfigError(
             f"{source}: layer_types {', '.join(unknown)} not supported by the engine "
-            f"(it runs {' and '.join(ENGINE_LAYER_TYPES)})"
+            f"(it runs {' and '.join(runs)})"
         )
     if "sliding_attention" in layer_types and (window is None or switched_off):
         why = " (use_sliding_window is false)" if switched_off else ""

@@ -36,6 +36,9 @@ class Family:
     global_nope: bool = False
     """Whether the full-attention layers of a model with a sliding window leave Q and K unrotated
     (EXAONE 4's hybrid attention)."""
+    attn_output_gate: bool = False
+    """Whether q_proj also projects a gate per head, [query, gate] per head, and the attention output is
+    multiplied by its sigmoid before o_proj (Qwen3.5's gated attention)."""
 
     @property
     def experts(self) -> bool:
@@ -74,6 +77,7 @@ FAMILIES = (
     Family("qwen2_moe", "qwen2-moe", None),
     Family("glm4_moe", "glm4-moe", None),
     Family("deepseek_v3", "deepseek-v3", None),
+    Family("qwen3_5_text", "qwen3.5", "Qwen3_5MLP", attn_output_gate=True),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

@@ -17,7 +17,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from streambp_core.config import PRESET_DIR, ConfigError, preset_names
 from streambp_core.models.adapters import MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, model_family
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
-from streambp_core.models.precision import norms_in_at_least_float32, routers_in_at_least_float32
+from streambp_core.models.precision import (
+    hybrid_in_at_least_float32,
+    norms_in_at_least_float32,
+    routers_in_at_least_float32,
+)
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
 """`model_type`s of the decoder families the engine supports (`adapters.FAMILIES`)."""
@@ -114,6 +118,7 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     recompute replays the forward's random masks, run it exactly; streambp and mst, which recompute
     without replaying them, refuse it by name when prepared); norms and routers that would round a float64
     model to float32 compute in at least float32 (see `models.precision`)."""
+    hybrid_in_at_least_float32(model, model.dtype)
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)
     return model.train()

@@ -11,17 +11,29 @@ GLM-4.5's router keeps its weight in float32 (`_keep_in_fp32_modules_strict`) an
 sum. `routers_in_at_least_float32` gives such a router of a float64 model a float64 weight (float32 values
 widen exactly) and float64 logits; the routing that follows is transformers' step for step. A model of
 another precision keeps transformers' router untouched.
+
+Qwen3.5 has three such islands: its RMSNorm (Gemma 3's form), the gated RMSNorm of its linear attention,
+and the linear attention's decay and delta rule (`A_log.float()`, `a.float()`, and transformers'
+`torch_chunk_gated_delta_rule` casting q, k, v, g and beta to float32). A float32 recurrence whose
+weight gradients are float32 sums cannot be compared chunk by chunk to 1e-10 either, so
+`hybrid_in_at_least_float32` gives each Gated DeltaNet of a float64 model a forward that runs
+transformers' own forward under `WideFloat32Casts`: a cast of a float64 tensor to float32 keeps it
+float64 (the math is transformers', step for step, only in float64). `build_model` applies it; every
+prepared run applies it too for its duration (a user's own float64 model), and the engine's chunked
+linear attention computes under the same casts exactly when the module does (`delta_casts`).
 """
 
 from __future__ import annotations
 
 import types
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
-FLOAT32_NORMS = ("Gemma3RMSNorm",)
+FLOAT32_NORMS = ("Gemma3RMSNorm", "Qwen3_5RMSNorm")
 """Class names of norms that compute in `x.float()`."""
 
 
@@ -84,3 +96,64 @@ def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
             module.forward = types.MethodType(_router_in_at_least_float32, module)
             changed += 1
     return changed
+
+
+FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet",)
+"""Class names of linear attentions whose decay, delta rule and gated norm compute in float32."""
+
+
+class WideFloat32Casts(TorchFunctionMode):
+    """Inside it, `t.float()` and `t.to(torch.float32, ...)` of a float64 tensor t keep float64; every
+    other op (and every other cast) runs as it is. No effect on float32, float16 and bfloat16 tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (Tensor.float, Tensor.to) and args and isinstance(args[0], Tensor) \
+                and args[0].dtype == torch.float64:
+            if func is Tensor.float:
+                return args[0]
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def _delta_in_at_least_float32(self, *args, **kwargs):
+    """transformers' forward of the linear attention, under `WideFloat32Casts`."""
+    with WideFloat32Casts():
+        return type(self).forward(self, *args, **kwargs)
+
+
+def delta_casts(module: nn.Module) -> AbstractContextManager:
+    """The casts a linear attention module's forward computes under: `WideFloat32Casts` once
+    `hybrid_in_at_least_float32` gave it the at-least-float32 forward, else transformers' own."""
+    forward = vars(module).get("forward")
+    widened = getattr(forward, "__func__", None) is _delta_in_at_least_float32
+    return WideFloat32Casts() if widened else nullcontext()
+
+
+def hybrid_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    """In a model of precision float64 (`dtype`), give every float32-only norm (`FLOAT32_NORMS`) and linear
+    attention (`FLOAT32_DELTA_NETS`) of a hybrid model (one with a linear attention) its at-least-float32
+    forward (instance-level, the class is untouched); a model of another precision, or without a linear
+    attention, is left as it is. Returns the modules changed (`restore_forwards` undoes it)."""
+    if dtype != torch.float64:
+        return []
+    modules = list(model.modules())
+    if not any(type(m).__name__ in FLOAT32_DELTA_NETS for m in modules):
+        return []
+    changed = []
+    for module in modules:
+        name = type(module).__name__
+        if "forward" in vars(module) or name not in (*FLOAT32_NORMS, *FLOAT32_DELTA_NETS):
+            continue
+        forward = _delta_in_at_least_float32 if name in FLOAT32_DELTA_NETS else _norm_in_at_least_float32
+        module.forward = types.MethodType(forward, module)
+        changed.append(module)
+    return changed
+
+
+def restore_forwards(modules: list[nn.Module]) -> None:
+    """Give `modules` their class's forward again (undo `hybrid_in_at_least_float32`)."""
+    for module in modules:
+        vars(module).pop("forward", None)
