@@ -49,6 +49,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "baseline_loss trl (TRL's own GRPO/DPO loss over full logits)"
     elif layer_parts(run.parts.layers[0]).mla is not None:
         what = "multi-head latent attention (DeepSeek-V3)"
+    elif any(layer_parts(layer).delta is not None for layer in run.parts.layers):
+        what = "Gated DeltaNet linear attention (Qwen3.5: its recurrent state runs along the whole sequence)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

@@ -96,37 +96,42 @@ def _zero_halo(delta: DeltaParts, h_in: Tensor) -> Tensor:
 
 def delta_forward(plan: LayerPlan, h_in: Tensor, key_valid: Tensor | None):
     """Layer output without grad, chunk by chunk, and each chunk's initial state and halo: (h_out, states
-    (n - 1, B, Hv, dk, dv) for the chunks after the first, halos (n, B, conv_dim, K - 1))."""
-    parts = plan.parts
-    bounds = chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)
+    (n - 1, B, Hv, dk, dv) for the chunks after the first, halos (n, B, conv_dim, K - 1)), n the chunks of
+    the whole sequence (in a simulation that runs only some of them, `keep_chunks`, still every one's)."""
+    parts, size = plan.parts, plan.partition_size
+    count = _chunk_count(h_in, size)
     with memory_category("checkpoints"):
         h_out = torch.empty_like(h_in)
-        halos = h_in.new_empty((len(bounds), *_zero_halo(parts.delta, h_in).shape))
+        halos = h_in.new_empty((count, *_zero_halo(parts.delta, h_in).shape))
     halos[0].zero_()
     state, states = None, None
-    for index, (start, end) in enumerate(bounds):
+    for start, end in chunk_bounds(h_in.shape[1], size, plan.keep_chunks):
+        index = start // size
         if index > 0:
             states[index - 1] = state
         outputs, state, halo = _chunk(plan, h_in[:, start:end], _valid(key_valid, start, end), state,
                                       halos[index], False)
         h_out[:, start:end] = outputs[0]
-        if index + 1 < len(bounds):
+        if index + 1 < count:
             halos[index + 1] = halo
         if states is None:
             with memory_category("checkpoints"):  # the boundaries' states: one per chunk after the first
-                states = state.new_empty((len(bounds) - 1, *state.shape))
+                states = state.new_empty((count - 1, *state.shape))
     return h_out, states, halos
+
+
+def _chunk_count(h_in: Tensor, size: int) -> int:
+    return -(-h_in.shape[1] // size)
 
 
 def delta_backward(plan: LayerPlan, h_in, key_valid, states, halos, grad_out, params,
                    chunk_done: Callable[[int, int], None] | None = None) -> Tensor:
     """Accumulate the layer's weight gradients in `.grad` and return dL/dH_in (module docstring, step 2);
     with `plan.reuse_grad_out` written over dL/dH_out chunk by chunk, as `layer.streamed_backward`."""
-    bounds = chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     d_state = d_halo = None  # gradients of the final state and next halo of the chunk being taken
-    for index in reversed(range(len(bounds))):
-        start, end = bounds[index]
+    for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
+        index = start // plan.partition_size
         state = None if index == 0 else states[index - 1]
         grad_in[:, start:end], d_state, d_halo = _chunk_backward(
             plan, h_in[:, start:end], _valid(key_valid, start, end), state, halos[index], index > 0,
