@@ -57,6 +57,10 @@ class StreamBPRun(Run):
 
     def _setup(self) -> None:
         cfg = self.config
+        if self.router_aux is not None and any(layer_parts(layer).delta for layer in self.parts.layers):
+            raise ConfigError("streambp: the router load-balancing loss (output_router_logits) is not "
+                              "supported with Gated DeltaNet layers (Qwen3.5-MoE): their chunked layer "
+                              "returns no routing sums")
         self._layers = [
             (layer, LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
                               keep_chunks=cfg.keep_chunks, router_aux=self.router_aux,

@@ -44,7 +44,8 @@ MLP, residual. The differences are data in `LayerParts`:
   per value head, a gated RMSNorm; the engine carries the state across chunks, `engine.stream.delta`)
   with gated full-attention layers (q_proj projects [query, gate] per head, the output is multiplied by
   the gate's sigmoid before o_proj: `attn_output_gate`), q/k norms and partial RoPE; its RMSNorms scale by
-  (1 + weight).
+  (1 + weight). Qwen3.5-MoE's layers are the same, with Qwen2-MoE's routed MLP (a shared expert behind a
+  sigmoid gate).
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -332,7 +333,8 @@ def _delta_layer_parts(layer: nn.Module) -> LayerParts:
         input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
         q_proj=attn.in_proj_qkv, k_proj=attn.in_proj_qkv, v_proj=attn.in_proj_qkv, o_proj=attn.out_proj,
         q_norm=None, k_norm=None, mlp=layer.mlp, num_heads=attn.num_v_heads, num_kv_heads=attn.num_k_heads,
-        head_dim=attn.head_k_dim, scaling=attn.head_k_dim ** -0.5, rotary=False, delta=delta)
+        head_dim=attn.head_k_dim, scaling=attn.head_k_dim ** -0.5, rotary=False, delta=delta,
+        router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None)
 
 
 def _mla_parts(attn: nn.Module) -> MlaParts | None:

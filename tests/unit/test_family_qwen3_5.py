@@ -13,8 +13,8 @@ from streambp_core.models.load import build_model, load_config, tiny_config
 from tests.unit.test_exactness import assert_matches_plain, batch
 
 
-def model_of(**overrides):
-    return build_model(tiny_config("qwen3.5", **overrides), dtype=torch.float64, seed=0)
+def model_of(family: str = "qwen3.5", **overrides):
+    return build_model(tiny_config(family, **overrides), dtype=torch.float64, seed=0)
 
 
 def test_the_tiny_preset_has_a_linear_and_a_gated_full_layer() -> None:
@@ -26,15 +26,18 @@ def test_the_tiny_preset_has_a_linear_and_a_gated_full_layer() -> None:
     assert linear.delta.kernel_size == 4 and linear.delta.module.num_k_heads < linear.delta.module.num_v_heads
 
 
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe"])
 @pytest.mark.parametrize("padding", ["right", "left"])
-def test_every_method_matches_plain_with_padding(padding) -> None:
+def test_every_method_matches_plain_with_padding(padding, family) -> None:
     """Several chunks per layer (23 tokens in chunks of 5): the state, its gradient and the halo cross
-    four boundaries; padding on either side is masked before the projections, as transformers does."""
-    model = model_of()
+    four boundaries; padding on either side is masked before the projections, as transformers does.
+    Qwen3.5-MoE: the same layers with a routed MLP (a shared expert behind a sigmoid gate)."""
+    model = model_of(family)
     ids, mask = batch(model.config.vocab_size, 2, 23, padding)
     assert_matches_plain(model, ids, mask, partition_size=5, head_partition_size=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partition_size", [1, 2, 3, 40], ids=["one", "two", "kernel-1", "larger"])
 def test_chunks_shorter_than_the_conv_halo(partition_size) -> None:
     """Chunks of fewer than K - 1 = 3 tokens: a halo spans several chunks before it, and its gradient
@@ -119,3 +122,9 @@ def test_sequence_parallelism_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="sequence parallelism does not run with Gated DeltaNet"):
         streambp_core.prepare(model, "streambp", sequence_group=SequenceGroup.simulated(2))
 
+
+
+def test_the_router_loss_with_gated_deltanet_layers_is_refused_by_name() -> None:
+    model = build_model(tiny_config("qwen3.5-moe", output_router_logits=True), device="meta")
+    with pytest.raises(ConfigError, match="load-balancing loss .* Gated DeltaNet"):
+        streambp_core.prepare(model, "streambp")

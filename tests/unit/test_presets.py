@@ -52,12 +52,14 @@ PUBLISHED_PARAMS_B = {
     "zai-org/GLM-4.5-Air": 106.85,
     "deepseek-ai/DeepSeek-V3": 671.03,
     "moonshotai/Moonlight-16B-A3B": 15.96,
-    "Qwen/Qwen3.5-0.8B": 0.75,  # the language model alone (its config.json's text_config), no vision tower
+    "Qwen/Qwen3.5-0.8B": 0.75,  # the language models alone (their config.json's text_config), no vision tower
+    "Qwen/Qwen3.5-35B-A3B": 34.66,
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
-        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/qwen3.5"]
+        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/qwen3.5",
+        "tiny/qwen3.5-moe"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
