@@ -45,7 +45,8 @@ MLP, residual. The differences are data in `LayerParts`:
   with gated full-attention layers (q_proj projects [query, gate] per head, the output is multiplied by
   the gate's sigmoid before o_proj: `attn_output_gate`), q/k norms and partial RoPE; its RMSNorms scale by
   (1 + weight). Qwen3.5-MoE's layers are the same, with Qwen2-MoE's routed MLP (a shared expert behind a
-  sigmoid gate).
+  sigmoid gate); Qwen3-Next's too, its linear attention projecting q, k, v, z and b, a through two fused
+  projections (`in_proj_qkvz`, `in_proj_ba`), and its `mlp_only_layers` dense.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
@@ -329,9 +330,10 @@ def _delta_layer_parts(layer: nn.Module) -> LayerParts:
     attn = layer.linear_attn
     modeling = sys.modules[type(attn).__module__]
     delta = DeltaParts(attn, modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn)
+    qkv = getattr(attn, "in_proj_qkv", None) or attn.in_proj_qkvz  # Qwen3-Next fuses z in
     return LayerParts(
         input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-        q_proj=attn.in_proj_qkv, k_proj=attn.in_proj_qkv, v_proj=attn.in_proj_qkv, o_proj=attn.out_proj,
+        q_proj=qkv, k_proj=qkv, v_proj=qkv, o_proj=attn.out_proj,
         q_norm=None, k_norm=None, mlp=layer.mlp, num_heads=attn.num_v_heads, num_kv_heads=attn.num_k_heads,
         head_dim=attn.head_k_dim, scaling=attn.head_k_dim ** -0.5, rotary=False, delta=delta,
         router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None)

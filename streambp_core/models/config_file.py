@@ -29,8 +29,8 @@ except ImportError:  # huggingface_hub before strict dataclasses: transformers r
 ENGINE_LAYER_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries the engine has an attention for (which windows a family may use is
 decided by `streambp_core.models.adapters`)."""
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
-"""`model_type`s whose `linear_attention` layers the engine runs (Qwen3.5's Gated DeltaNet, dense and MoE)."""
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""`model_type`s whose `linear_attention` layers the engine runs (Gated DeltaNet: Qwen3.5, Qwen3-Next)."""
 
 POSITIVE_SIZES = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",

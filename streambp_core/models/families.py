@@ -79,6 +79,7 @@ FAMILIES = (
     Family("deepseek_v3", "deepseek-v3", None),
     Family("qwen3_5_text", "qwen3.5", "Qwen3_5MLP", attn_output_gate=True),
     Family("qwen3_5_moe_text", "qwen3.5-moe", None, attn_output_gate=True),
+    Family("qwen3_next", "qwen3-next", None, attn_output_gate=True),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-FLOAT32_NORMS = ("Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+FLOAT32_NORMS = ("Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 """Class names of norms that compute in `x.float()`."""
 
 
@@ -98,7 +98,7 @@ def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
     return changed
 
 
-FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
 """Class names of linear attentions whose decay, delta rule and gated norm compute in float32."""
 
 

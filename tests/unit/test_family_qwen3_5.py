@@ -1,5 +1,6 @@
-"""Qwen3.5 (`qwen3_5_text`): Gated DeltaNet linear-attention layers streamed through their recurrent
-state and conv halo, gated full attention; every parameter's gradient equals plain's in float64."""
+"""Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe_text`) and Qwen3-Next (`qwen3_next`): Gated DeltaNet
+linear-attention layers streamed through their recurrent state and conv halo, gated full attention;
+every parameter's gradient equals plain's in float64."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ def test_the_tiny_preset_has_a_linear_and_a_gated_full_layer() -> None:
     assert linear.delta.kernel_size == 4 and linear.delta.module.num_k_heads < linear.delta.module.num_v_heads
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe", "qwen3-next"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_every_method_matches_plain_with_padding(padding, family) -> None:
     """Several chunks per layer (23 tokens in chunks of 5): the state, its gradient and the halo cross
     four boundaries; padding on either side is masked before the projections, as transformers does.
-    Qwen3.5-MoE: the same layers with a routed MLP (a shared expert behind a sigmoid gate)."""
+    Qwen3.5-MoE: the same layers with a routed MLP (a shared expert behind a sigmoid gate); Qwen3-Next:
+    fused projections of the linear attention, and a dense MLP in its `mlp_only_layers`."""
     model = model_of(family)
     ids, mask = batch(model.config.vocab_size, 2, 23, padding)
     assert_matches_plain(model, ids, mask, partition_size=5, head_partition_size=4)

@@ -54,12 +54,13 @@ PUBLISHED_PARAMS_B = {
     "moonshotai/Moonlight-16B-A3B": 15.96,
     "Qwen/Qwen3.5-0.8B": 0.75,  # the language models alone (their config.json's text_config), no vision tower
     "Qwen/Qwen3.5-35B-A3B": 34.66,
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": 79.67,  # without its multi-token-prediction layer
 }
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
         "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/qwen3.5",
-        "tiny/qwen3.5-moe"]
+        "tiny/qwen3.5-moe", "tiny/qwen3-next"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():

@@ -1,8 +1,9 @@
-"""StreamBP for a Gated DeltaNet linear-attention layer (Qwen3.5's `linear_attention` layers), whose token
-mixer is a recurrence rather than attention over a key/value prefix.
+"""StreamBP for a Gated DeltaNet linear-attention layer (the `linear_attention` layers of Qwen3.5, dense and
+MoE, and Qwen3-Next), whose token mixer is a recurrence rather than attention over a key/value prefix.
 
 transformers' `Qwen3_5GatedDeltaNet`, per position t of the normed (and padding-masked) input x:
-qkv = in_proj_qkv(x), z = in_proj_z(x), b = in_proj_b(x), a = in_proj_a(x); a causal depthwise conv of
+qkv = in_proj_qkv(x), z = in_proj_z(x), b = in_proj_b(x), a = in_proj_a(x) (Qwen3-Next: the same from
+two fused projections, in_proj_qkvz and in_proj_ba, grouped per key head); a causal depthwise conv of
 kernel K over qkv (its output at t reads the inputs t - K + 1..t), SiLU, split into q, k (l2-normed in the
 rule) and v per head; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
 S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}^T k_t))^T, o_t = S_t^T q_t / sqrt(dk), one state S
@@ -53,10 +54,8 @@ def delta_mix(delta: DeltaParts, x: Tensor, valid: Tensor | None, state: Tensor 
         x = (x * valid[:, :, None]).to(x.dtype)
     b, c, _ = x.shape
     with delta_casts(m):
-        mixed = hand_linear(m.in_proj_qkv, x).transpose(1, 2)  # (B, conv_dim, c)
-        z = hand_linear(m.in_proj_z, x).reshape(b, c, -1, m.head_v_dim)
-        beta = hand_linear(m.in_proj_b, x).sigmoid()
-        a = hand_linear(m.in_proj_a, x)
+        mixed, z, beta, a = _projections(m, x)
+        beta = beta.sigmoid()
         window = torch.cat([halo, mixed], dim=-1)  # (B, conv_dim, K - 1 + c)
         conv = delta.conv(window, m.conv1d.weight.squeeze(1), m.conv1d.bias, activation=m.activation)
         conv = conv[:, :, delta.kernel_size - 1:].transpose(1, 2)  # (B, c, conv_dim)
@@ -69,6 +68,21 @@ def delta_mix(delta: DeltaParts, x: Tensor, valid: Tensor | None, state: Tensor 
         out = m.norm(out.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(b, c, -1)
         out = hand_linear(m.out_proj, out)
     return out, final, window[:, :, window.shape[-1] - (delta.kernel_size - 1):]
+
+
+def _projections(m, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The conv's input (B, conv_dim, c), z (B, c, Hv, dv), b and a (B, c, Hv) of the normed input x, as
+    the module projects them: Qwen3.5's four projections, or Qwen3-Next's two fused ones, regrouped by
+    its own `fix_query_key_value_ordering`."""
+    b, c, _ = x.shape
+    if not hasattr(m, "in_proj_qkvz"):
+        z = hand_linear(m.in_proj_z, x).reshape(b, c, -1, m.head_v_dim)
+        mixed = hand_linear(m.in_proj_qkv, x).transpose(1, 2)
+        return mixed, z, hand_linear(m.in_proj_b, x), hand_linear(m.in_proj_a, x)
+    q, k, v, z, beta, a = m.fix_query_key_value_ordering(hand_linear(m.in_proj_qkvz, x),
+                                                          hand_linear(m.in_proj_ba, x))
+    mixed = torch.cat([t.reshape(b, c, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+    return mixed, z, beta, a
 
 
 def _chunk(plan: LayerPlan, h: Tensor, valid, state, halo, by_hand_mlp: bool):
