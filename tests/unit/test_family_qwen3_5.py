@@ -130,3 +130,18 @@ def test_the_router_loss_with_gated_deltanet_layers_is_refused_by_name() -> None
     model = build_model(tiny_config("qwen3.5-moe", output_router_logits=True), device="meta")
     with pytest.raises(ConfigError, match="load-balancing loss .* Gated DeltaNet"):
         streambp_core.prepare(model, "streambp")
+
+
+@pytest.mark.parametrize("method", ["plain", "checkpoint"])
+def test_the_baselines_under_the_engine_attention_mask_the_linear_layers(method) -> None:
+    """Under the engine attention (the CLI's baselines, the simulator's) the attention layers take a
+    (B, 1, 1, T) mask, for which transformers builds no padding mask for the linear layers: they get the
+    (B, T) one, so the baseline computes transformers' own model on a padded batch."""
+    from tests.unit.test_exactness import relative_errors, step
+
+    model = model_of()
+    ids, mask = batch(model.config.vocab_size, 2, 23, "left")
+    ref_loss, ref = step(model, "plain", ids, mask)
+    loss, grads = step(model, method, ids, mask, baseline_attention="engine")
+    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
+    assert max(relative_errors(grads, ref).values()) <= 1e-12
