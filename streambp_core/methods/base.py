@@ -29,7 +29,8 @@ from streambp_core.engine.stream.router import RouterAux, aux_loss, router_aux, 
 from streambp_core.methods import guards, hook_guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
-from streambp_core.models.adapters import DecoderParts
+from streambp_core.models.adapters import DecoderParts, layer_parts
+from streambp_core.models.precision import hybrid_in_at_least_float32, restore_forwards
 from streambp_core.tiers import offload_tiers
 
 
@@ -82,6 +83,8 @@ class Run:
         """With the optimizer tier, the units whose backward adds to a parameter's gradient chunk by chunk,
         each handing its gradients to the host once, as its backward ends (`engine.unit_grads`)."""
         try:
+            self._widened = hybrid_in_at_least_float32(model, self.parts.embed.weight.dtype)
+            """A float64 hybrid model's float32 islands, widened while the run is open (`precision`)."""
             self._kv_copies = 1
             """Copies of each KV head so they split over the sequence group (`methods.sequence`)."""
             if sequence_group is not None:
@@ -100,6 +103,7 @@ class Run:
                     and not any(is_sharded(layer) for layer in self.parts.layers):
                 self.host_grads = self._host_grads()
         except BaseException:
+            restore_forwards(getattr(self, "_widened", []))
             guards.release(self.parts, self)
             raise
 
@@ -158,6 +162,10 @@ class Run:
         ConfigError for position_ids that cannot be, and for an objective other than sft (GRPO and DPO
         score whole sequences, and TRL's trainers for them do not pack)."""
         packed = packed_rows(position_ids, attention_mask, tuple(input_ids.shape))
+        if packed is not None and any(layer_parts(layer).delta is not None for layer in self.parts.layers):
+            raise ConfigError("packed rows (position_ids restarting per document) are not supported with "
+                              "Gated DeltaNet linear attention (Qwen3.5): its conv and recurrent state run "
+                              "across a row's documents (transformers' torch path does not reset them)")
         if packed is not None and self.objective_name != "sft":
             raise ConfigError(f"packed rows (position_ids restarting per document) cannot train the "
                               f"{self.objective_name} objective: it scores whole sequences; pack for sft")
@@ -197,6 +205,7 @@ class Run:
                     self._reduction.disarm()
             finally:
                 self._closed = True
+                restore_forwards(self._widened)
                 guards.release(self.parts, self)
 
     def __enter__(self) -> Run:

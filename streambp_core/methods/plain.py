@@ -26,7 +26,7 @@ class PlainRun(Run):
 
     def _check_dropout(self) -> None:
         if self.uses_engine_attention or self.sequence_group is not None:
-            attention = (layer.self_attn for layer in self.parts.layers)
+            attention = (layer.self_attn for layer in self.parts.layers if hasattr(layer, "self_attn"))
             guards.refuse_dropout(self.method, guards.attention_dropout(attention),
                                   "the engine's attention kernel has no dropout")
 
@@ -58,10 +58,17 @@ class PlainRun(Run):
         return self.parts.lm_head.weight.dtype == torch.float64
 
     def mask_argument(self, attention_mask):
-        """The attention mask in the form the model's attention implementation expects."""
-        if self.uses_engine_attention:
-            return engine_mask_argument(key_padding(attention_mask))
-        return attention_mask
+        """The attention mask in the form the model's attention implementation expects. Under the engine
+        attention, a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet) get the (B, T)
+        padding mask transformers builds for them, the attention layers the engine's (B, 1, 1, T) one."""
+        if not self.uses_engine_attention:
+            return attention_mask
+        key_valid = key_padding(attention_mask)
+        mask = engine_mask_argument(key_valid)
+        layer_types = getattr(self.parts.backbone.config, "layer_types", None) or ()
+        if key_valid is None or "linear_attention" not in layer_types:
+            return mask
+        return {kind: key_valid if kind == "linear_attention" else mask for kind in set(layer_types)}
 
     def model_inputs(self, attention_mask, packed: PackedRows | None) -> dict:
         """The attention mask and position_ids arguments of the model's forward. Packed rows go through

@@ -57,6 +57,8 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "attention logit soft-capping (Gemma 2's attn_logit_softcapping)"
     elif run.parts.family == "llama4_text":
         what = "Llama 4 (llama4_text: chunked local attention and query temperature by sequence index)"
+    elif any(layer_parts(layer).delta is not None for layer in run.parts.layers):
+        what = "Gated DeltaNet linear attention (Qwen3.5: its recurrent state runs along the whole sequence)"
     if what is not None:
         raise ConfigError(f"sequence parallelism does not run with {what}")
     parts = layer_parts(run.parts.layers[0])

@@ -23,6 +23,7 @@ from streambp_core.engine.engines.zero3 import Zero3Units
 from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.engine.host.unit_grads import UnitGrads
 from streambp_core.engine.sequence.layer import SequenceShard, SequenceStreamedLayer
+from streambp_core.engine.stream.delta import DeltaStreamedLayer
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.engine.stream.layer import STREAMED, LayerPlan, StreamedLayer
 from streambp_core.engine.stream.mla import MLA_STEPS
@@ -56,6 +57,10 @@ class StreamBPRun(Run):
 
     def _setup(self) -> None:
         cfg = self.config
+        if self.router_aux is not None and any(layer_parts(layer).delta for layer in self.parts.layers):
+            raise ConfigError("streambp: the router load-balancing loss (output_router_logits) is not "
+                              "supported with Gated DeltaNet layers (Qwen3.5-MoE): their chunked layer "
+                              "returns no routing sums")
         self._layers = [
             (layer, LayerPlan(layer_parts(layer), cfg.partition_size, cfg.attn, reuse_grad_out=True,
                               keep_chunks=cfg.keep_chunks, router_aux=self.router_aux,
@@ -174,6 +179,8 @@ def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden,
     params = trainable_parameters([layer])
     if shard is not None:
         return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, *params)
+    if plan.parts.delta is not None:
+        return DeltaStreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
     steps = STREAMED if plan.parts.mla is None else MLA_STEPS
     return StreamedLayer.apply(hidden, cos, sin, valid, plan, steps, *params)
 

@@ -59,11 +59,21 @@ MLP, residual. The differences are data in `LayerParts`:
   (a sigmoid top-1 `router`, every token through every expert scaled by its score, a shared expert) that
   returns (hidden states, router logits) in the `moe_layers`, a dense gated MLP of `intermediate_size_mlp`
   elsewhere; its causal LM adds no router loss.
+- Qwen3.5 alternates Gated DeltaNet linear-attention layers (`DeltaParts`: `config.layer_types` marks
+  them `linear_attention`; a causal depthwise conv over the q/k/v projection, a gated delta-rule state
+  per value head, a gated RMSNorm; the engine carries the state across chunks, `engine.stream.delta`)
+  with gated full-attention layers (q_proj projects [query, gate] per head, the output is multiplied by
+  the gate's sigmoid before o_proj: `attn_output_gate`), q/k norms and partial RoPE; its RMSNorms scale by
+  (1 + weight). Qwen3.5-MoE's layers are the same, with Qwen2-MoE's routed MLP (a shared expert behind a
+  sigmoid gate); Qwen3-Next's too, its linear attention projecting q, k, v, z and b, a through two fused
+  projections (`in_proj_qkvz`, `in_proj_ba`), and its `mlp_only_layers` dense.
 The engine reads modules through `LayerParts`, so LoRA-wrapped projections (peft) work unchanged.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +158,30 @@ class MlaParts:
 
 
 @dataclass(frozen=True)
+class DeltaParts:
+    """A Gated DeltaNet linear attention (Qwen3.5's `Qwen3_5GatedDeltaNet`): its module (projections
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, the depthwise `conv1d`, `A_log`, `dt_bias`, the
+    gated `norm`, `out_proj`), and transformers' own functions for its conv and delta rule, read from the
+    module's modeling file (so the same dispatch: the torch path, or a kernel package where one runs)."""
+
+    module: nn.Module
+    chunk_rule: Callable
+    """transformers' `torch_chunk_gated_delta_rule` (q, k, v, g, beta, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel) -> (output, final state)."""
+    conv: Callable
+    """transformers' `causal_conv1d_fn` (x (B, C, L), weight (C, K), bias, activation) -> (B, C, L)."""
+
+    @property
+    def kernel_size(self) -> int:
+        return self.module.conv_kernel_size
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v features of a position."""
+        return self.module.conv_dim
+
+
+@dataclass(frozen=True)
 class LayerParts:
     """The sub-modules of one decoder layer that the engine calls, plus its attention geometry."""
 
@@ -221,6 +255,12 @@ class LayerParts:
         pair, the first, (B * c, d), viewed as x)."""
         out = self.mlp(x)
         return out[0].view(x.shape) if self.mlp_pair else out
+    attn_output_gate: bool = False
+    """Whether q_proj projects [query, gate] per head and the output is multiplied by sigmoid(gate) before
+    o_proj (Qwen3.5)."""
+    delta: DeltaParts | None = None
+    """A Gated DeltaNet linear-attention layer's modules (Qwen3.5's `linear_attention` layers; q/k/v_proj
+    then all name its in_proj_qkv, o_proj its out_proj, for reading only), or None."""
 
     def norm_heads(self, norm: nn.Module, t: Tensor) -> Tensor:
         """`norm` (q_norm or k_norm) applied to the heads t (B, c, heads, hd), as the family applies it."""
@@ -320,6 +360,8 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
 
 def layer_parts(layer: nn.Module) -> LayerParts:
     """The sub-modules and attention geometry of one decoder layer."""
+    if hasattr(layer, "linear_attn"):
+        return _delta_layer_parts(layer)
     attn = layer.self_attn
     config = attn.config
     family = family_of(config.model_type)
@@ -363,11 +405,15 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         mlp_pair=family.moe_output_pair and experts,
         sink_module=attn if isinstance(getattr(attn, "sinks", None), Tensor) else None,
         attn_softcap=attn.attn_logit_softcapping if config.model_type in SOFTCAPPED else None,
+        attn_output_gate=family.attn_output_gate,
     )
 
 
 def layer_mlp(layer: nn.Module) -> nn.Module:
-    """A decoder layer's MLP module (`mlp`, or the family's name for it: Llama 4's `feed_forward`)."""
+    """A decoder layer's MLP module (`mlp`, or the family's name for it: Llama 4's `feed_forward`; a
+    Gated DeltaNet layer's, which has no `self_attn` to read the family from, is its `mlp`)."""
+    if not hasattr(layer, "self_attn"):
+        return layer.mlp
     return getattr(layer, family_of(layer.self_attn.config.model_type).mlp)
 
 
@@ -387,6 +433,20 @@ def query_temperature(attn: nn.Module) -> tuple[float, float] | None:
     if not getattr(attn, "attn_temperature_tuning", False) or attn.use_rope:
         return None
     return attn.floor_scale, attn.attn_scale
+
+
+def _delta_layer_parts(layer: nn.Module) -> LayerParts:
+    """A Gated DeltaNet layer's parts: its norms and MLP as any layer's, its token mixer `DeltaParts`."""
+    attn = layer.linear_attn
+    modeling = sys.modules[type(attn).__module__]
+    delta = DeltaParts(attn, modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn)
+    qkv = getattr(attn, "in_proj_qkv", None) or attn.in_proj_qkvz  # Qwen3-Next fuses z in
+    return LayerParts(
+        input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+        q_proj=qkv, k_proj=qkv, v_proj=qkv, o_proj=attn.out_proj,
+        q_norm=None, k_norm=None, mlp=layer.mlp, num_heads=attn.num_v_heads, num_kv_heads=attn.num_k_heads,
+        head_dim=attn.head_k_dim, scaling=attn.head_k_dim ** -0.5, rotary=False, delta=delta,
+        router=layer.mlp.gate if hasattr(layer.mlp, "experts") else None)
 
 
 def _mla_parts(attn: nn.Module) -> MlaParts | None:

@@ -31,6 +31,8 @@ CHUNKED_LAYER_FAMILIES = ("llama4_text",)
 """Families whose `chunked_attention` layers the engine runs (Llama 4's chunked local attention)."""
 """`config.layer_types` entries the engine has an attention for (which windows a family may use is
 decided by `streambp_core.models.adapters`)."""
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""`model_type`s whose `linear_attention` layers the engine runs (Gated DeltaNet: Qwen3.5, Qwen3-Next)."""
 
 POSITIVE_SIZES = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
@@ -256,8 +258,9 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
     layer_types = getattr(config, "layer_types", None)
     if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
         return
-    chunked = getattr(config, "model_type", None) in CHUNKED_LAYER_FAMILIES
-    runs = (*ENGINE_LAYER_TYPES, "chunked_attention") if chunked else ENGINE_LAYER_TYPES
+    model_type = getattr(config, "model_type", None)
+    runs = (*ENGINE_LAYER_TYPES, *(("chunked_attention",) if model_type in CHUNKED_LAYER_FAMILIES else ()),
+            *(("linear_attention",) if model_type in LINEAR_ATTENTION_FAMILIES else ()))
     unknown = sorted({str(kind) for kind in layer_types} - set(runs))
     if unknown:
         raise ConfigError(
@@ -265,7 +268,7 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
             f"(it runs {' and '.join(runs)})"
         )
     size = getattr(config, "attention_chunk_size", None)
-    if chunked and "chunked_attention" in layer_types and not _is_positive_int(size):
+    if "chunked_attention" in layer_types and not _is_positive_int(size):  # only where `runs` has it
         raise ConfigError(f"{source}: layer_types names chunked_attention but attention_chunk_size is "
                           f"{size!r}, not a positive integer")
     if "sliding_attention" in layer_types and (window is None or switched_off):

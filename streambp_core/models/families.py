@@ -53,6 +53,9 @@ class Family:
     moe_output_pair: bool = False
     """Whether a mixture-of-experts MLP returns (hidden states, router logits), which its layer unpacks
     (Llama 4, gpt-oss)."""
+    attn_output_gate: bool = False
+    """Whether q_proj also projects a gate per head, [query, gate] per head, and the attention output is
+    multiplied by its sigmoid before o_proj (Qwen3.5's gated attention)."""
 
     @property
     def experts(self) -> bool:
@@ -98,6 +101,9 @@ FAMILIES = (
            sdpa=False),
     Family("llama4_text", "llama4", None, qk_norms=("qk_norm", "qk_norm"), qk_norm_after_rope=True,
            rope_complex=True, mlp="feed_forward", router="router", moe_output_pair=True),
+    Family("qwen3_5_text", "qwen3.5", "Qwen3_5MLP", attn_output_gate=True),
+    Family("qwen3_5_moe_text", "qwen3.5-moe", None, attn_output_gate=True),
+    Family("qwen3_next", "qwen3-next", None, attn_output_gate=True),
 )
 """The one table of decoder families: every other list of families derives from it."""
 SUPPORTED_FAMILIES = tuple(family.model_type for family in FAMILIES)

@@ -26,6 +26,7 @@ from streambp_core.models.config_file import check_geometry, config_from_values,
 from streambp_core.models.families import TEXT_WRAPPERS
 from streambp_core.models.precision import (
     eager_in_at_least_float32,
+    hybrid_in_at_least_float32,
     norms_in_at_least_float32,
     routers_in_at_least_float32,
 )
@@ -137,6 +138,7 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     recompute replays the forward's random masks, run it exactly; streambp and mst, which recompute
     without replaying them, refuse it by name when prepared); norms and routers that would round a float64
     model to float32 compute in at least float32 (see `models.precision`)."""
+    hybrid_in_at_least_float32(model, model.dtype)
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)
     eager_in_at_least_float32(model)

@@ -27,15 +27,27 @@ weight is rounded to float32, and torch's float32 sigmoid rounds an element diff
 body than in a loop's tail, so its bits depend on how many tokens a call holds, and a chunked recompute
 moves weights by one float32 step. `routers_in_at_least_float32` gives it the sigmoid in the wider of
 float32 and the scores' precision too.
+
+Qwen3.5 has three such islands: its RMSNorm (Gemma 3's form), the gated RMSNorm of its linear attention,
+and the linear attention's decay and delta rule (`A_log.float()`, `a.float()`, and transformers'
+`torch_chunk_gated_delta_rule` casting q, k, v, g and beta to float32). A float32 recurrence whose
+weight gradients are float32 sums cannot be compared chunk by chunk to 1e-10 either, so
+`hybrid_in_at_least_float32` gives each Gated DeltaNet of a float64 model a forward that runs
+transformers' own forward under `WideFloat32Casts`: a cast of a float64 tensor to float32 keeps it
+float64 (the math is transformers', step for step, only in float64). `build_model` applies it; every
+prepared run applies it too for its duration (a user's own float64 model), and the engine's chunked
+linear attention computes under the same casts exactly when the module does (`delta_casts`).
 """
 
 from __future__ import annotations
 
 import types
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 
 def _norm_in_at_least_float32(self, x: Tensor) -> Tensor:
@@ -51,8 +63,11 @@ def _weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     return (self.weight * wide).to(x.dtype)
 
 
-FLOAT32_NORMS = {"Gemma3RMSNorm": _norm_in_at_least_float32, "Gemma2RMSNorm": _norm_in_at_least_float32,
-                 "GptOssRMSNorm": _weight_norm_in_at_least_float32}
+FLOAT32_NORMS = {
+    **dict.fromkeys(("Gemma3RMSNorm", "Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm",
+                     "Qwen3NextRMSNorm"), _norm_in_at_least_float32),
+    "GptOssRMSNorm": _weight_norm_in_at_least_float32,
+}
 """Class names of norms that compute in `x.float()`, and their at-least-float32 forwards."""
 
 
@@ -176,3 +191,62 @@ def eager_in_at_least_float32(model: nn.Module) -> bool:
     AttentionMaskInterface.register(WIDE_EAGER, eager_mask)
     model.set_attn_implementation(WIDE_EAGER)
     return True
+FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+"""Class names of linear attentions whose decay, delta rule and gated norm compute in float32."""
+
+
+class WideFloat32Casts(TorchFunctionMode):
+    """Inside it, `t.float()` and `t.to(torch.float32, ...)` of a float64 tensor t keep float64; every
+    other op (and every other cast) runs as it is. No effect on float32, float16 and bfloat16 tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (Tensor.float, Tensor.to) and args and isinstance(args[0], Tensor) \
+                and args[0].dtype == torch.float64:
+            if func is Tensor.float:
+                return args[0]
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def _delta_in_at_least_float32(self, *args, **kwargs):
+    """transformers' forward of the linear attention, under `WideFloat32Casts`."""
+    with WideFloat32Casts():
+        return type(self).forward(self, *args, **kwargs)
+
+
+def delta_casts(module: nn.Module) -> AbstractContextManager:
+    """The casts a linear attention module's forward computes under: `WideFloat32Casts` once
+    `hybrid_in_at_least_float32` gave it the at-least-float32 forward, else transformers' own."""
+    forward = vars(module).get("forward")
+    widened = getattr(forward, "__func__", None) is _delta_in_at_least_float32
+    return WideFloat32Casts() if widened else nullcontext()
+
+
+def hybrid_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    """In a model of precision float64 (`dtype`), give every float32-only norm (`FLOAT32_NORMS`) and linear
+    attention (`FLOAT32_DELTA_NETS`) of a hybrid model (one with a linear attention) its at-least-float32
+    forward (instance-level, the class is untouched); a model of another precision, or without a linear
+    attention, is left as it is. Returns the modules changed (`restore_forwards` undoes it)."""
+    if dtype != torch.float64:
+        return []
+    modules = list(model.modules())
+    if not any(type(m).__name__ in FLOAT32_DELTA_NETS for m in modules):
+        return []
+    changed = []
+    for module in modules:
+        name = type(module).__name__
+        if "forward" in vars(module) or name not in (*FLOAT32_NORMS, *FLOAT32_DELTA_NETS):
+            continue
+        forward = _delta_in_at_least_float32 if name in FLOAT32_DELTA_NETS else _norm_in_at_least_float32
+        module.forward = types.MethodType(forward, module)
+        changed.append(module)
+    return changed
+
+
+def restore_forwards(modules: list[nn.Module]) -> None:
+    """Give `modules` their class's forward again (undo `hybrid_in_at_least_float32`)."""
+    for module in modules:
+        vars(module).pop("forward", None)

@@ -14,9 +14,9 @@ from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMI
 def test_every_tiny_preset_is_one_familys() -> None:
     shipped = sorted(path.stem.removeprefix("tiny--") for path in PRESET_DIR.glob("tiny--*.json"))
     assert shipped == sorted(TINY_FAMILIES)
-    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 24
+    assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 27
     assert MOE_FAMILIES == ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
-                            "llama4_text")
+                            "llama4_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.model_type)

@@ -59,13 +59,17 @@ PUBLISHED_PARAMS_B = {
     # Llama 4: the language model alone (its text_config; Meta's 109B and 400B count the vision encoder too)
     "meta-llama/Llama-4-Scout-17B-16E": 107.77,
     "meta-llama/Llama-4-Maverick-17B-128E": 400.71,
+    "Qwen/Qwen3.5-0.8B": 0.75,  # the language models alone (their config.json's text_config), no vision tower
+    "Qwen/Qwen3.5-35B-A3B": 34.66,
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": 79.67,  # without its multi-token-prediction layer
 }
 PUBLISHED_FLOAT32 = {"google/gemma-2-2b", "google/gemma-2-9b"}
 """Published checkpoints whose config.json says float32 (the others bfloat16)."""
 TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3", "tiny/qwen3-moe",
         "tiny/mixtral", "tiny/seed-oss", "tiny/smollm3", "tiny/granite", "tiny/olmo2", "tiny/olmo3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
-        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss", "tiny/gemma2", "tiny/llama4"]
+        "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss", "tiny/gemma2", "tiny/llama4",
+        "tiny/qwen3.5", "tiny/qwen3.5-moe", "tiny/qwen3-next"]
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():

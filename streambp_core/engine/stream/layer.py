@@ -95,11 +95,9 @@ class LayerPlan:
 def project_qkv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
     """Normed input x (B, c, d) -> rotated q (B, H, c, hd), rotated k and v (B, Hkv, c, hd)."""
     b, c, _ = x.shape
-    q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
     k = hand_linear(parts.k_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
     v = hand_linear(parts.v_proj, x).view(b, c, parts.num_kv_heads, parts.head_dim)
-    q = scale_queries(embed(parts, q, parts.q_norm, rope), rope)
-    return q, embed(parts, k, parts.k_norm, rope), v.transpose(1, 2)
+    return project_q(parts, x, rope), embed(parts, k, parts.k_norm, rope), v.transpose(1, 2)
 
 
 def embed(parts: LayerParts, t: Tensor, norm, rope: Rope) -> Tensor:
@@ -116,6 +114,9 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
     """The chunk's hidden states after attention and its residual (B, c, d), given its K/V prefix (or, in
     a sliding-window layer, at least the keys its band reaches)."""
     parts = plan.parts
+    gate = None
+    if isinstance(q, GatedQuery):
+        q, gate = q
     if plan.attention is not None:
         attn = plan.attention(q, k, v, valid)
     else:
@@ -123,7 +124,8 @@ def attend(plan: LayerPlan, h: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: T
                                 parts.sliding_window, blocking=plan.attn_blocking, sinks=parts.sinks,
                                 softcap=parts.attn_softcap)
     b, heads, c, hd = attn.shape
-    attn = hand_linear(parts.o_proj, attn.transpose(1, 2).reshape(b, c, heads * hd))
+    attn = attn.transpose(1, 2).reshape(b, c, heads * hd)
+    attn = hand_linear(parts.o_proj, attn if gate is None else attn * torch.sigmoid(gate))
     return residual_add(parts, h, attn if parts.attn_out_norm is None else parts.attn_out_norm(attn))
 
 
@@ -140,11 +142,23 @@ def residual_add(parts: LayerParts, h: Tensor, out: Tensor) -> Tensor:
     return h + (out if parts.residual_multiplier == 1.0 else out * parts.residual_multiplier)
 
 
-def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor:
-    """Normed input x (B, c, d) -> rotated q (B, H, c, hd) (scaled by a NoPE layer's temperature)."""
+class GatedQuery(NamedTuple):
+    """A gated attention's queries (B, H, c, hd) and output gate (B, c, H * hd) (Qwen3.5)."""
+
+    q: Tensor
+    gate: Tensor
+
+
+def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor | GatedQuery:
+    """Normed input x (B, c, d) -> rotated q (B, H, c, hd) (scaled by a NoPE layer's temperature); for a
+    gated attention (`attn_output_gate`) with its gate, split from each head's [query, gate] as
+    transformers' Qwen3.5 attention splits it."""
     b, c, _ = x.shape
-    q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
-    return scale_queries(embed(parts, q, parts.q_norm, rope), rope)
+    if not parts.attn_output_gate:
+        q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
+        return scale_queries(embed(parts, q, parts.q_norm, rope), rope)
+    q, gate = torch.chunk(hand_linear(parts.q_proj, x).view(b, c, -1, 2 * parts.head_dim), 2, dim=-1)
+    return GatedQuery(scale_queries(embed(parts, q, parts.q_norm, rope), rope), gate.reshape(b, c, -1))
 
 
 def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
