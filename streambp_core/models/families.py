@@ -117,11 +117,12 @@ GATED_MLP_CLASSES = tuple(family.gated_mlp for family in FAMILIES if family.gate
 Phi-3's)."""
 
 
-TEXT_WRAPPERS = (("gemma3", "gemma3_text"),)
+TEXT_WRAPPERS = (("gemma3", "gemma3_text"), ("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text"))
 """(model_type, its text model's model_type) of multimodal configs whose `text_config` is a family the engine
-runs: a directory with such a config.json loads as that text model (Gemma 3's `Gemma3Config`); the
-multimodal model itself is refused by name."""
-TEXT_MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
+runs: a directory with such a config.json loads as that text model (Gemma 3's `Gemma3Config`, Qwen3.5's
+published `Qwen3_5Config` and `Qwen3_5MoeConfig`); the multimodal model itself is refused by name."""
+TEXT_MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                      "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 """The `*ForCausalLM` class of each wrapper's text model (what a user loads instead of the multimodal one)."""
 
 

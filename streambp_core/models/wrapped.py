@@ -1,12 +1,13 @@
-"""Weights of a multimodal wrapper's checkpoint (Gemma 3's `Gemma3ForConditionalGeneration`) read into its
-text model, the `*ForCausalLM` the engine runs (`families.TEXT_WRAPPERS`).
+"""Weights of a multimodal wrapper's checkpoint (Gemma 3's `Gemma3ForConditionalGeneration`, Qwen3.5's
+`Qwen3_5ForConditionalGeneration`) read into its text model, the `*ForCausalLM` the engine runs
+(`families.TEXT_WRAPPERS`).
 
 The wrapper's safetensors name the text model's weights `language_model.model.*` and
-`language_model.lm_head.*` (the published checkpoints, and what transformers saves) or
-`model.language_model.*` and `lm_head.*` (transformers' own module names); the vision tower's and the
-projector's are left out. A weight of any other name, or one the text model misses, is a ConfigError
-naming it, never a silently random weight (transformers' `Gemma3ForCausalLM.from_pretrained` on such a
-directory initialises every weight afresh).
+`language_model.lm_head.*` (Gemma 3's published checkpoints) or `model.language_model.*` and `lm_head.*`
+(transformers' own module names, what it saves); the vision tower's and the projector's (Qwen3.5's
+`model.visual.*` and its multi-token-prediction `mtp.*`) are left out. A weight of any other name, or one
+the text model misses, is a ConfigError naming it, never a silently random weight (transformers'
+`Gemma3ForCausalLM.from_pretrained` on such a directory initialises every weight afresh).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ TEXT_PREFIXES = (
 """(prefix in the wrapper's checkpoint, the same weight's prefix in the text model)."""
 OTHER_PREFIXES = (
     "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+    "model.visual.", "visual.", "mtp.",
 )  # fmt: skip
-"""Prefixes of the wrapper's weights that are not the text model's (left out)."""
+"""Prefixes of the wrapper's weights that are not the text model's (left out): Gemma 3's vision tower and
+projector, Qwen3.5's vision model and its multi-token-prediction layer (which the text model has not)."""
 
 
 def text_key(key: str, source: str) -> str | None:
