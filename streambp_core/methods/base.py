@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError, StreamConfig
+from streambp_core.dtypes import at_least_float32
 from streambp_core.engine.engines.deepspeed_tiers import check_deepspeed_tiers
 from streambp_core.engine.engines.fsdp_unit import is_sharded
 from streambp_core.engine.engines.reduction import (
@@ -284,5 +285,5 @@ def full_logits_loss(run: Run, logits: Tensor, labels: Tensor, **objective_input
     """Loss of an objective from full (B, T, V) logits, for methods that materialise them."""
     objective = run.make_objective(labels, **objective_inputs)
     terms = objective.token_terms(logits.to(objective.logits_dtype(logits.dtype)), 0, logits.shape[1])
-    stats_dtype = torch.promote_types(logits.dtype, torch.float32)
+    stats_dtype = at_least_float32(logits.dtype)
     return objective.reduce(terms.sum(dim=1).to(stats_dtype))

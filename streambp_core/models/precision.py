@@ -49,15 +49,17 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from streambp_core.dtypes import at_least_float32
+
 
 def _norm_in_at_least_float32(self, x: Tensor) -> Tensor:
-    work = torch.promote_types(x.dtype, torch.float32)
+    work = at_least_float32(x.dtype)
     return (self._norm(x.to(work)) * (1.0 + self.weight.to(work))).type_as(x)
 
 
 def _weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     """gpt-oss's RMSNorm, weight * x / rms(x), in the wider of float32 and x's precision."""
-    work = torch.promote_types(x.dtype, torch.float32)
+    work = at_least_float32(x.dtype)
     wide = x.to(work)
     wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return (self.weight * wide).to(x.dtype)
@@ -92,7 +94,7 @@ def _router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Te
     wider of float32 and the input's precision: sigmoid scores; top-k experts of scores +
     e_score_correction_bias within the `topk_group` best groups (a group's score: its two best); their
     scores, normalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`, are the weights."""
-    work = torch.promote_types(hidden_states.dtype, torch.float32)
+    work = at_least_float32(hidden_states.dtype)
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.to(work), self.weight.to(work))  # (n, E)
     scores = router_logits.sigmoid()
@@ -123,7 +125,7 @@ def _sigmoid_router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Te
     router_logits = F.linear(hidden_states, self.weight, self.bias)
     top_value, top_index = torch.topk(router_logits, self.top_k, dim=1)
     scores = torch.full_like(router_logits, float("-inf")).scatter_(1, top_index, top_value)
-    work = torch.promote_types(scores.dtype, torch.float32)
+    work = at_least_float32(scores.dtype)
     return torch.sigmoid(scores.to(work)).to(scores.dtype), router_logits
 
 
@@ -169,7 +171,7 @@ def _eager_in_at_least_float32(module: nn.Module, query: Tensor, key: Tensor, va
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask
-    work = torch.promote_types(query.dtype, torch.float32)
+    work = at_least_float32(query.dtype)
     weights = F.softmax(scores, dim=-1, dtype=work).to(query.dtype)
     if attention_mask is not None:  # a query that sees no key: zeros, as SDPA (module docstring)
         weights = weights * (attention_mask == 0).any(dim=-1, keepdim=True)

@@ -13,6 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from streambp_core.config import StepSpec
+from streambp_core.dtypes import at_least_float32
 from streambp_core.step.optim import make_optimizer
 from streambp_core.tiers import offload_tiers
 
@@ -56,7 +57,7 @@ def host_resident_bytes(spec: StepSpec, config: PretrainedConfig) -> dict[str, i
     if spec.lora_rank:
         model = apply_lora(model, spec.lora_rank)
     params = list(model.parameters())
-    master = sum(p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
+    master = sum(p.numel() * at_least_float32(p.dtype).itemsize
                  for p in params if p.requires_grad)
     return {"weights": sum(p.nbytes for p in params) if "params" in tiers else 0,
             "optimizer": 3 * master if "optimizer" in tiers and spec.optimizer != "none" else 0}

@@ -37,7 +37,8 @@ def test_the_contracts_count_every_import() -> None:
     assert not any(c.get("ignore_imports") for c in contracts)
     floors = next(c for c in contracts if c.get("containers") == [CORE])
     assert floors["exhaustive"] and floors["layers"][-2].startswith("config")
-    assert floors["layers"][-1] == "tiers"  # the offload tiers' rules, which config validates with
+    # the bottom floor: the offload tiers' rules, which config validates with, and the precision rule
+    assert floors["layers"][-1] == "tiers | dtypes"
 
 
 def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> None:

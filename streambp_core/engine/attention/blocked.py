@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from streambp_core.dtypes import at_least_float32
 from streambp_core.engine.attention.sinks import fold_sinks, sink_grad
 from streambp_core.engine.chunks import allowed_mask, chunk_bounds, window_start
 
@@ -94,7 +95,7 @@ def reference_blocked_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) laid out as q, k, v: the chunk's attention backward tile by tile (module docstring,
     steps 1-4), from its output `out` (B, H, c, hd) and log-sum-exp `lse` (B, H, c)."""
-    work = torch.promote_types(q.dtype, torch.float32)
+    work = at_least_float32(q.dtype)
     hkv, c, e = k.shape[1], q.shape[2], k.shape[2]
     allowed = allowed_mask(c, key_valid, e, window)[:, None, None]  # (B|1, 1, 1, c, e)
     qg, dog = _grouped(q, hkv).to(work), _grouped(grad_out, hkv).to(work)  # (B, Hkv, g, c, hd)
@@ -144,7 +145,7 @@ def blocked_flash_backward(grad_out, q, k, v, out, lse, rng_state, unused, scale
     forward's (B, c, H, hd) output and `lse` its (B, H, c) log-sum-exp."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, heads, hd) views
     grad_t = grad_out.transpose(1, 2).contiguous()  # a view of the o_proj input's gradient: no copy
-    d_q = torch.zeros(qt.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    d_q = torch.zeros(qt.shape, dtype=at_least_float32(q.dtype), device=q.device)
     d_k, d_v = torch.zeros_like(kt), torch.zeros_like(vt)
     for tile in attention_tiles(q.shape[2], k.shape[2], window, block_tokens):
         rows, keys = slice(tile.q_start, tile.q_stop), slice(tile.k_start, tile.k_stop)

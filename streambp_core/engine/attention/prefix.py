@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from streambp_core.dtypes import at_least_float32
 from streambp_core.engine.attention import blocked
 from streambp_core.engine.attention.cuda import (
     cuda_attention,
@@ -138,7 +139,7 @@ def _probabilities(q, k, key_valid, scale, window, sinks=None, softcap=None):
     """Softmax probabilities (B, Hkv, g, c, e), log-sum-exp, and, under a soft-cap, the derivative of the
     capped scores by the scaled ones, 1 - tanh^2 (None without), in at least float32; with `sinks` (H,),
     each head's sink logit joins every row's denominator (the log-sum-exp includes it)."""
-    work = torch.promote_types(q.dtype, torch.float32)
+    work = at_least_float32(q.dtype)
     qg = _grouped(q, k.shape[1]).to(work)
     scores = qg @ k.to(work)[:, :, None].transpose(-1, -2) * scale
     cap_slope = None
@@ -205,7 +206,7 @@ def _(grad_out, q, k, v, out, key_valid, scale, window, sinks=None, softcap=None
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
-    return torch.promote_types(q.dtype, torch.float32)
+    return at_least_float32(q.dtype)
 
 
 def _setup_context(ctx, inputs, output):

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from streambp_core.dtypes import at_least_float32
 from streambp_core.engine.host.checkpoints import host_copy
 from streambp_core.engine.host.unit_grads import grad_held
 from streambp_core.measure.tags import OFFLOADED, memory_category
@@ -157,5 +158,5 @@ class HostAdamW(torch.optim.Optimizer):
 def _master_of(param: nn.Parameter) -> Tensor:
     """A host copy of `param` in its dtype promoted to at least float32 (filed as offloaded; pinned for a
     CUDA parameter, so running out of pinned memory is `PinnedHostOutOfMemory`)."""
-    dtype = torch.promote_types(param.dtype, torch.float32)
+    dtype = at_least_float32(param.dtype)
     return host_copy(param.detach(), dtype).copy_(param.detach())

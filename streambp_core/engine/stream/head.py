@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
+from streambp_core.dtypes import at_least_float32
 from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.measure.tags import GRADS, memory_category
@@ -68,7 +69,7 @@ def stats_dtype(objective, dtype: torch.dtype) -> torch.dtype:
     linear in them (dpo: a sigmoid of the difference of two sequences' sums, each about T * ln(vocab), so
     float32's rounding of a long sequence's running sum moves the weight of every token's gradient), the
     working precision (at least float32) where it is (sft, grpo: dL/dS does not depend on S)."""
-    work = torch.promote_types(dtype, torch.float32)
+    work = at_least_float32(dtype)
     return work if objective.linear_reduce else torch.promote_types(work, torch.float64)
 
 
@@ -100,7 +101,7 @@ class StreamedHead(torch.autograd.Function):
         ctx.host_input = None if plan.offload is None else plan.offload.save(hidden)
         stats = sequence_stats(plan, objective, hidden)
         ctx.save_for_backward(hidden if ctx.host_input is None else None, stats)
-        return objective.reduce(stats).to(torch.promote_types(hidden.dtype, torch.float32))
+        return objective.reduce(stats).to(at_least_float32(hidden.dtype))
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -109,7 +110,7 @@ class StreamedHead(torch.autograd.Function):
         if ctx.host_input is not None:
             hidden = ctx.host_input.load()
         plan, objective = ctx.plan, ctx.objective
-        d_stats = stats_grad(objective, stats, grad_loss).to(torch.promote_types(hidden.dtype, torch.float32))
+        d_stats = stats_grad(objective, stats, grad_loss).to(at_least_float32(hidden.dtype))
         grad_hidden = torch.empty_like(hidden)
         chunk_backward = _linear_chunk_backward if _plain_linear(plan.lm_head) else _autograd_chunk_backward
         for start, end in chunk_bounds(hidden.shape[1], plan.partition_size, plan.keep_chunks):
@@ -167,7 +168,7 @@ class FusedHead(torch.autograd.Function):
         if not objective.linear_reduce:
             raise ConfigError(f"the fused head cannot serve {objective.name}; use head_mode='recompute'")
         ctx.params = params
-        stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        stats_dtype = at_least_float32(hidden.dtype)
         d_stats = stats_grad(objective, hidden.new_zeros(hidden.shape[0], dtype=stats_dtype),
                              hidden.new_ones((), dtype=stats_dtype))
         stats, grad_hidden, param_grads = fused_pass(plan, objective, hidden, d_stats, params)
@@ -203,7 +204,7 @@ memory than one chunk's logits. Blocks lie on the unthinned chunk grid, so a thi
 def fused_pass(plan: HeadPlan, objective, hidden: Tensor, d_stats: Tensor, params):
     """Per-sequence sums S (B,), dL/dhidden and one gradient per parameter, for dL/dS = d_stats, chunk by
     chunk: each chunk's logits are computed once and serve both its loss terms and its gradients."""
-    stats = hidden.new_zeros(hidden.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32))
+    stats = hidden.new_zeros(hidden.shape[0], dtype=at_least_float32(hidden.dtype))
     grad_hidden = torch.empty_like(hidden)
     with memory_category(GRADS):
         param_grads = [torch.zeros_like(p) for p in params]

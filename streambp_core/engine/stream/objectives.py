@@ -15,13 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from streambp_core.dtypes import at_least_float32
+
 IGNORE_INDEX = -100
 """Label value that no loss counts (transformers' causal-LM loss ignores it too): padding, prompts."""
-
-
-def at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """Loss precision for low-precision logits: float32, or the logits' own when wider."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def shifted_targets(labels: Tensor) -> Tensor:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from streambp_core.dtypes import at_least_float32
+
 
 @dataclass(frozen=True)
 class RouterAux:
@@ -54,7 +56,7 @@ def routing_sums(logits: Tensor, valid: Tensor | None, aux: RouterAux) -> tuple[
     weight = torch.ones(logits.shape[0], device=logits.device) if valid is None else valid.float()
     picks = logits.new_zeros(aux.num_experts, dtype=torch.float32)
     picks.scatter_add_(0, selected.reshape(-1), weight.repeat_interleave(aux.top_k))
-    work = torch.promote_types(logits.dtype, torch.float32)
+    work = at_least_float32(logits.dtype)
     return (probs.float() * weight[:, None]).to(work).sum(dim=0), picks
 
 
