@@ -71,6 +71,7 @@ def test_a_node_budget_below_the_ranks_optimizer_states_is_refused(runner):
     one_line_error(runner.invoke(app, args), "per node", "optimizer's states", "one rank's shard of 2")
 
 
+@pytest.mark.slow
 def test_a_sequence_parallel_rank_gets_a_step_time_with_its_collectives_and_copies(runner):
     """`--gpu-model` with `--sp`: the rank's estimated step time, its all-to-alls and the offload copies
     read from the same fields as one GPU's step."""

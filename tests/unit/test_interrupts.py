@@ -3,6 +3,7 @@ one-line exit 130 inside one, and SIGINT held back from the fork server and its 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -100,6 +101,8 @@ def test_the_fork_server_and_its_workers_never_see_sigint_and_the_parent_loses_n
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
+    # a server another test left running (started under its signal settings) is not the one under test
+    workers.stop_server(multiprocessing.get_context("forkserver"))
     monkeypatch.setattr(forkserver, "ensure_running", interrupted_while_starting)
     context = None
     try:
