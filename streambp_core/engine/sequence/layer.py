@@ -42,6 +42,8 @@ from streambp_core.engine.stream.layer import (
     _output_grads,
     _overwritable,
     finish_chunk,
+    keep_input,
+    kept_input,
     project_kv,
     project_q,
 )
@@ -205,18 +207,15 @@ class SequenceStreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, shard: SequenceShard, *params):
         ctx.plan, ctx.shard, ctx.params = plan, shard, params
-        ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
-        ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
+        ctx.save_for_backward(keep_input(ctx, plan, h_in), cos, sin, key_valid)
         with torch.no_grad():
             return sequence_forward(plan, shard, h_in, cos, sin, key_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
         check_accumulates(ctx, "streambp's chunked decoder layer")
-        h_in, cos, sin, key_valid = ctx.saved_tensors
-        host = ctx.host_input
-        if host is not None:
-            h_in = host.load()
+        saved, cos, sin, key_valid = ctx.saved_tensors
+        h_in, chunk_done = kept_input(ctx, saved)
         grad_in = sequence_backward(ctx.plan, ctx.shard, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                                    None if host is None else host.chunk_done)
+                                    chunk_done)
         return (grad_in, None, None, None, None, None, *([None] * len(ctx.params)))

@@ -34,7 +34,14 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
-from streambp_core.engine.stream.layer import LayerPlan, _output_grads, _overwritable, residual_add
+from streambp_core.engine.stream.layer import (
+    LayerPlan,
+    _output_grads,
+    _overwritable,
+    keep_input,
+    kept_input,
+    residual_add,
+)
 from streambp_core.engine.stream.linear_grads import gated_mlp, hand_linear, mlp_inner
 from streambp_core.measure.tags import memory_category
 from streambp_core.models.adapters import DeltaParts
@@ -182,19 +189,16 @@ class DeltaStreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, *params):
         ctx.plan, ctx.params = plan, params
-        ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
+        kept = keep_input(ctx, plan, h_in)
         with torch.no_grad():
             h_out, states, halos = delta_forward(plan, h_in, key_valid)
-        ctx.save_for_backward(h_in if ctx.host_input is None else None, key_valid, states, halos)
+        ctx.save_for_backward(kept, key_valid, states, halos)
         return h_out
 
     @staticmethod
     def backward(ctx, grad_out):
         check_accumulates(ctx, "streambp's chunked decoder layer")
-        h_in, key_valid, states, halos = ctx.saved_tensors
-        host = ctx.host_input
-        if host is not None:
-            h_in = host.load()
-        grad_in = delta_backward(ctx.plan, h_in, key_valid, states, halos, grad_out, ctx.params,
-                                 None if host is None else host.chunk_done)
+        saved, key_valid, states, halos = ctx.saved_tensors
+        h_in, chunk_done = kept_input(ctx, saved)
+        grad_in = delta_backward(ctx.plan, h_in, key_valid, states, halos, grad_out, ctx.params, chunk_done)
         return (grad_in, None, None, None, None, *([None] * len(ctx.params)))

@@ -353,6 +353,20 @@ def _overwritable(grad_out: Tensor, h_in: Tensor) -> bool:
     return grad_out.shape == h_in.shape and grad_out.dtype == h_in.dtype and grad_out.is_contiguous()
 
 
+def keep_input(ctx, plan: LayerPlan, h_in: Tensor) -> Tensor | None:
+    """A streamed layer's forward keeps its input: on the host when the plan offloads it (`ctx.host_input`),
+    else for `save_for_backward` (what to save there: h_in, or None when it went to the host)."""
+    ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
+    return h_in if ctx.host_input is None else None
+
+
+def kept_input(ctx, saved: Tensor | None) -> tuple[Tensor, Callable[[int, int], None] | None]:
+    """The input `keep_input` kept (`saved`, or loaded back from the host) and the host's per-chunk
+    release callback (None without offload)."""
+    host = ctx.host_input
+    return (saved, None) if host is None else (host.load(), host.chunk_done)
+
+
 class LayerSteps(NamedTuple):
     """A streamed layer's two passes: `forward(plan, h_in, cos, sin, key_valid, routing)` -> h_out (no
     grad), and `backward(plan, h_in, cos, sin, key_valid, grad_out, params, chunk_done, routing)` ->
@@ -373,8 +387,7 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, steps: LayerSteps, *params):
         ctx.plan, ctx.steps, ctx.params = plan, steps, params
-        ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
-        ctx.save_for_backward(h_in if ctx.host_input is None else None, cos, sin, key_valid)
+        ctx.save_for_backward(keep_input(ctx, plan, h_in), cos, sin, key_valid)
         routing = plan.routing()
         with torch.no_grad():
             h_out = steps.forward(plan, h_in, cos, sin, key_valid, routing)
@@ -386,14 +399,12 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *routing_grads):
         check_accumulates(ctx, "streambp's chunked decoder layer")
-        h_in, cos, sin, key_valid = ctx.saved_tensors
-        host = ctx.host_input
-        if host is not None:
-            h_in = host.load()
+        saved, cos, sin, key_valid = ctx.saved_tensors
+        h_in, chunk_done = kept_input(ctx, saved)
         routing_grad = routing_grads[0] if routing_grads else None
         routing = None if routing_grad is None else ctx.plan.routing(routing_grad)
-        grad_in = ctx.steps.backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                                     None if host is None else host.chunk_done, routing)
+        grad_in = ctx.steps.backward(ctx.plan, h_in, cos, sin, key_valid, grad_out, ctx.params, chunk_done,
+                                     routing)
         return (grad_in, None, None, None, None, None, *([None] * len(ctx.params)))
 
 
