@@ -42,6 +42,7 @@ from streambp_bench.results import (
     row_head_mode,
     spec_fields,
 )
+from streambp_bench.selfcheck.families import FAMILY_MODELS
 from streambp_bench.selfcheck.owed import measured_step
 from streambp_core.config import StepSpec
 from streambp_core.measure.cuda import cuda_available, device_info
@@ -97,8 +98,9 @@ class CheckPlan:
     """The search's layer partition (few chunks: each measured probe runs the live-tensor tracker)."""
     tier_length: int = 4096
     """Length of the host-tier steps (optimizer, then optimizer and parameters in pinned host memory)."""
-    gpu_tests: str = "tests/gpu"
-    """The pytest folder the plan runs last (in a subprocess)."""
+    family_models: tuple[str, ...] = ()
+    """Tiny presets whose every method is verified as the plan's model is (`families.family_rows`)."""
+    family_seq_len: int = 256
 
     @property
     def timed_lengths(self) -> tuple[int, ...]:
@@ -109,11 +111,12 @@ GPU_PLAN = CheckPlan(device="cuda", verify_model="Qwen/Qwen3-0.6B", verify_dtype
                      verify_seq_len=1024, memory_model="Qwen/Qwen3-1.7B", dtype="bfloat16",
                      lengths=(4096, 8192, 16384), time_lengths=(16384,),
                      workspace_lengths=(65536, 131072), offload_lengths=(65536, 262144),
-                     max_len_partition_size=8192)
+                     max_len_partition_size=8192, family_models=FAMILY_MODELS)
 CPU_PLAN = CheckPlan(device="cpu", verify_model="tiny/qwen3", verify_dtype="float32", verify_seq_len=32,
                      memory_model="tiny/qwen3", dtype="float32", lengths=(48, 96, 144),
                      partition_size=32, head_partition_size=16, timed_head_partitions=(16, AUTO),
-                     budget_gib=1.0, workspace_lengths=(96, 144))
+                     budget_gib=1.0, workspace_lengths=(96, 144),
+                     family_models=("tiny/gpt-oss", "tiny/qwen3.5"), family_seq_len=48)
 
 
 def default_plan() -> CheckPlan:
@@ -141,18 +144,24 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
                                  dtype=plan.verify_dtype, padding="right", device=plan.device,
                                  objective=objective, attn=attn, partition_size=256, head_partition_size=100,
                                  head_mode="auto")  # the fused head where the objective allows it (sft, grpo)
-            report = verify_spec(spec)
-            for result in report.results:
-                yield ResultRow(
-                    method=result.method, model=plan.verify_model, objective=objective,
-                    seq_len_tokens=plan.verify_seq_len, batch_size=2, partition_size=256,
-                    head_partition_size=100, dtype=plan.verify_dtype, attn=attn,
-                    head_mode=row_head_mode(spec.step_of(result.method)),
-                    status="ok" if result.ok else "error",
-                    metric="grad_rel_err", value=result.max_rel_err,
-                    error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
-                    **provenance(f"measured-{plan.device}", where),
-                )
+            yield from grad_rows(spec, where)
+
+
+def grad_rows(spec: VerifySpec, where: str) -> Iterator[ResultRow]:
+    """`spec` verified (`verify_spec`): one row per method, metric grad_rel_err, status error beyond the
+    method's bound."""
+    step = spec.step
+    for result in verify_spec(spec).results:
+        yield ResultRow(
+            method=result.method, model=step.model, objective=step.objective,
+            seq_len_tokens=step.seq_len_tokens, batch_size=step.batch_size,
+            partition_size=step.stream.partition_size, head_partition_size=step.stream.head_partition_size,
+            dtype=step.dtype, attn=step.stream.attn, head_mode=row_head_mode(spec.step_of(result.method)),
+            status="ok" if result.ok else "error",
+            metric="grad_rel_err", value=result.max_rel_err,
+            error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
+            **provenance(f"measured-{spec.device}", where),
+        )
 
 
 def memory_spec(plan: CheckPlan, method: str, seq_len: int) -> StepSpec:

@@ -1,14 +1,15 @@
 """The self-check's items in the order they run, each with its estimate on an H200 (`estimate`).
 
-Order: the cheap checks every later row leans on first (bf16 gradients, memory), then the rows owed since
-the first H200 run, the longest (checkpoint offload at 256k tokens) last but the GPU tests, so a run cut
-short keeps the most. Processes of their own (the FSDP2 rank, `max-len`'s probes, pytest) start after
-`Context.release_gpu` has handed the cached device memory back.
+Order: the cheap checks every later row leans on first (bf16 gradients, the families' and the attention
+kernels' since the first H200 run, memory), then the other rows owed since that run, the longest
+(checkpoint offload at 256k tokens) last, so a run cut short keeps the most. Processes of their own (the
+FSDP2 rank, `max-len`'s probes) start after `Context.release_gpu` has handed the cached device memory
+back. Every item runs from the installed package: none needs a checkout.
 """
 
 from __future__ import annotations
 
-from streambp_bench.selfcheck import check, estimate, owed
+from streambp_bench.selfcheck import check, estimate, families, owed
 from streambp_bench.selfcheck.estimate import OVERHEAD_S, SIM_S, step_seconds
 from streambp_bench.selfcheck.plan import Item
 
@@ -24,10 +25,9 @@ streambp at 4k, 8k and 16k, ps 500, took 13, 18 and 32 s under the tracker)."""
 MAX_LEN_PROBES = (4, 6, 32768)
 """The measured probes of the `max-len` item, its simulated ones, and the longest length a probe is
 assumed to run (the simulated answer at 6 GiB is 22k tokens; the guided search probes near it)."""
-GPU_TESTS_S = 45.0
-"""tests/gpu's own time: two tracked 4k steps of Qwen3-0.6B (~13 s each, as the committed tracked rows),
-three bf16 verifications (~1 s each, the committed bf16 rows took 3 s for nine), the blocked backward's
-bf16 and memory checks (one more tracked step)."""
+KERNEL_CASE_S = 1.0
+"""One attention path's check (`families.kernel_rows`): three bf16 and float32 backward passes of 500
+queries over at most 20,000 keys, the written-out ones holding the score matrix."""
 
 
 class Context:
@@ -188,18 +188,20 @@ def _tiers_s(ctx: Context) -> float:
                 + SIM_S)
 
 
-def _gpu_tests(ctx: Context):
-    """pytest on the plan's GPU tests, from the checkout this package runs from (whatever the current
-    folder), so pytest finds the tests' conftest."""
-    from pathlib import Path
-
-    ctx.release_gpu()
-    checkout = Path(__file__).resolve().parents[2]
-    yield owed.pytest_row(ctx.plan.gpu_tests, ctx.where, ctx.device, timeout_s=600, cwd=str(checkout))
+def _families(ctx: Context):
+    return families.family_rows(ctx.plan, ctx.where)
 
 
-def _gpu_tests_s(ctx: Context) -> float:
-    return OVERHEAD_S["pytest"] + GPU_TESTS_S
+def _families_s(ctx: Context) -> float:
+    return len(ctx.plan.family_models) * (OVERHEAD_S["model"] + 1.0)
+
+
+def _kernels(ctx: Context):
+    return families.kernel_rows(ctx.plan, ctx.where)
+
+
+def _kernels_s(ctx: Context) -> float:
+    return len(families.KERNEL_CASES) * KERNEL_CASE_S
 
 
 def plan_items(plan: check.CheckPlan) -> list[Item]:
@@ -209,6 +211,10 @@ def plan_items(plan: check.CheckPlan) -> list[Item]:
     items = [
         Item("verify", f"bf16 gradients of every method and objective, {p.verify_model}, "
              f"{p.verify_seq_len} tokens, vs the 2x-plain-bf16 rule", _verify, _verify_s, cuda_only=False),
+        Item("families", f"{p.verify_dtype} gradients of every method on {', '.join(p.family_models)}, "
+             f"{p.family_seq_len} tokens", _families, _families_s, cuda_only=False),
+        Item("kernels", "bf16 input gradients of the blocked attention (with sinks and windows) and the "
+             "soft-capped paths vs written-out attention, by the 2x rule", _kernels, _kernels_s),
         Item("memory", f"allocator peak vs simulated, every method, {p.memory_model}, "
              f"{', '.join(str(n) for n in p.lengths)} tokens",
              _memory, _memory_s, cuda_only=False),
@@ -230,7 +236,5 @@ def plan_items(plan: check.CheckPlan) -> list[Item]:
         Item("profile", f"kernel time by class of one step per timed variant, {max(p.timed_lengths)} tokens",
              _profile, _profile_s, cuda_only=False),
         *(_offload_item(n, warmup=0) for n in p.offload_lengths[1:]),
-        Item("gpu-tests", f"pytest {p.gpu_tests} in a subprocess: its summary as a row", _gpu_tests,
-             _gpu_tests_s),
     ]
     return [item for item in items if item is not None]

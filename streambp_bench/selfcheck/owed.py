@@ -213,35 +213,3 @@ def tier_rows(specs: tuple[StepSpec, ...], resolved_model, where: str, device: s
         del setup, network, optimizer
         yield peak_row(spec, figures.probe, where, figures.step_ms)
         yield peak_row(spec, simulated_probe(spec, resolved_model), where)
-
-
-def pytest_row(folder: str, where: str, device: str, timeout_s: float, cwd: str | None = None) -> ResultRow:
-    """Run `pytest -q <folder>` in a subprocess (in `cwd`); its summary line as one row (metric
-    tests_failed: the failed and errored count; status error when any failed, none ran, or it timed out)."""
-    import subprocess
-    import sys
-
-    fields = {"method": "pytest", "model": folder, "seq_len_tokens": 0, "metric": "tests_failed",
-              **provenance(_source(device), where)}
-    try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", folder],
-                              capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return ResultRow(**fields, status="error", error=f"pytest {folder} ran past {timeout_s:g} s")
-    summary = next((line.strip("= ") for line in reversed(done.stdout.splitlines()) if line.strip()), "")
-    counts = pytest_counts(summary)
-    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-    ran = failed + counts.get("passed", 0)
-    ok = done.returncode == 0 and ran > 0
-    return ResultRow(**fields, value=float(failed), status="ok" if ok else "error",
-                     error="" if ok else f"exit {done.returncode}: {summary or done.stderr[-200:]}"[:300])
-
-
-def pytest_counts(summary: str) -> dict[str, int]:
-    """{'passed': 3, 'failed': 1, ...} from pytest's summary line ('3 passed, 1 failed in 2.0s')."""
-    counts = {}
-    for part in summary.split(" in ")[0].split(","):
-        words = part.split()
-        if len(words) == 2 and words[0].isdigit():
-            counts[words[1]] = int(words[0])
-    return counts

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from streambp_bench.results import ResultRow, provenance
 
-ITEM_NAMES = ("verify", "memory", "offload-64k", "fsdp", "host-tiers", "max-len-cuda", "workspace", "time",
-              "profile", "offload-256k", "gpu-tests")
+ITEM_NAMES = ("verify", "families", "kernels", "memory", "offload-64k", "fsdp", "host-tiers", "max-len-cuda",
+              "workspace", "time", "profile", "offload-256k")
 """The GPU plan's items in order (`items.plan_items`; a test holds the two equal): the names --skip and
 --fail take, known before torch is imported."""
 ITEM_METRIC = "item_minutes"

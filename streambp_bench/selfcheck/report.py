@@ -9,7 +9,8 @@ from rich.table import Table
 
 
 def print_summary(console: Console, frame: pd.DataFrame | None, where: str) -> bool:
-    """Summary tables of the self-check's rows (None: no file yet); True when a bf16 verification failed."""
+    """Summary tables of the self-check's rows (None: no file yet); True when a bf16 verification or an
+    attention path failed."""
     if frame is None or frame.empty:
         return False
     failed = False
@@ -19,18 +20,34 @@ def print_summary(console: Console, frame: pd.DataFrame | None, where: str) -> b
         reference = "fp32 plain (2x plain-bf16 rule)" if dtype == "bfloat16" else "plain"
         title = f"{dtype} gradients vs {reference}"
         table = Table(title=f"{title}, {_sources(grads)} ({where})", title_justify="left")
-        for column in ("objective", "attn", "method", "max rel err", "status"):
+        for column in ("model", "objective", "attn", "method", "max rel err", "status"):
             table.add_column(column)
         for row in grads.itertuples():
-            table.add_row(row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
+            table.add_row(row.model, row.objective, row.attn, row.method, f"{row.value:.3e}", row.status)
         failed = bool((grads.status != "ok").any())
         console.print(table)
+    kernels = frame[frame.metric == "grad_err_ratio"]
+    if not kernels.empty:
+        failed = failed or bool((kernels.status != "ok").any())
+        console.print(_kernel_table(kernels, where))
     tables = (_memory_table(frame, where), _owed_table(frame, where), _max_len_table(frame, where),
               _time_table(frame, where), _profile_table(frame, where), _workspace_table(frame, where))
     for table in tables:
         if table.row_count:  # a skipped step (--skip-*) has no rows: no empty table
             console.print(table)
     return failed
+
+
+def _kernel_table(kernels: pd.DataFrame, where: str) -> Table:
+    """Each attention path's bf16 gradient error over the written-out bf16 attention's (ok at most 2)."""
+    title = f"bf16 attention paths: error / written-out bf16 error, {_sources(kernels)} ({where})"
+    table = Table(title=title, title_justify="left")
+    for column in ("path", "queries", "keys", "ratio", "status"):
+        table.add_column(column, justify="left" if column in ("path", "status") else "right")
+    for row in kernels.itertuples():
+        table.add_row(row.model.removeprefix("attention "), str(row.partition_size), str(row.seq_len_tokens),
+                      f"{row.value:.2f}", row.status)
+    return table
 
 
 def _memory_table(frame: pd.DataFrame, where: str) -> Table:

@@ -24,10 +24,14 @@ def test_cpu_dry_run_writes_every_kind_of_row(tmp_path):
     assert "No CUDA device" in result.output
     frame = ResultsFile(tmp_path / "selfcheck-cpu-dry-run.csv").load()
     plan = check.CPU_PLAN
-    grads = frame[frame.metric == "grad_rel_err"]
+    checked = frame[frame.metric == "grad_rel_err"]
+    assert (checked.status == "ok").all()
+    assert (checked.value < 1e-4).all()  # float32 on CPU: exact up to rounding
+    grads = checked[checked.model == plan.verify_model]
     assert set(grads.objective) == set(plan.objectives)
-    assert (grads.status == "ok").all()
-    assert (grads.value < 1e-4).all()  # float32 on CPU: exact up to rounding
+    families = checked[checked.model != plan.verify_model]
+    assert set(zip(families.model, families.method, strict=True)) == {
+        (model, method) for model in plan.family_models for method in check.METHODS[1:]}
     memory = frame[frame.metric == "peak_memory"]
     assert set(memory.source) == {"measured-cpu", "simulated"}
     assert len(memory) == 2 * len(check.METHODS) * len(plan.lengths)
