@@ -92,14 +92,7 @@ def rotate_half(t: Tensor, rope: Rope) -> Tensor:
 def rotate(t: Tensor, rope: Rope) -> Tensor:
     """RoPE as transformers applies it: t * cos + rotate_half(t) * sin (heads on dim 1) on the first rd
     features; t in a layer without RoPE."""
-    if not rope.on:
-        return t
-    if rope.as_complex:
-        return _complex_product(t, rope, conjugate=False)
-    dim = rope.cos.shape[-1]
-    if dim < t.shape[-1]:
-        return torch.cat([_rotate(t[..., :dim], rope), t[..., dim:]], dim=-1)
-    return _rotate(t, rope)
+    return _on_rotary_features(t, rope, transpose=False)
 
 
 def _complex_product(t: Tensor, rope: Rope, conjugate: bool) -> Tensor:
@@ -122,14 +115,20 @@ def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
     """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1); grad in a layer without RoPE.
     In float32 each of the two terms is rounded back to grad's precision before their sum, as autograd
     takes the float32 rotation's backward."""
+    return _on_rotary_features(grad, rope, transpose=True)
+
+
+def _on_rotary_features(t: Tensor, rope: Rope, transpose: bool) -> Tensor:
+    """The rotation (or its transpose) of t's first rd features, the rest as they are; t without RoPE."""
     if not rope.on:
-        return grad
+        return t
     if rope.as_complex:
-        return _complex_product(grad, rope, conjugate=True)
+        return _complex_product(t, rope, conjugate=transpose)
+    turn = _transpose if transpose else _rotate
     dim = rope.cos.shape[-1]
-    if dim < grad.shape[-1]:
-        return torch.cat([_transpose(grad[..., :dim], rope), grad[..., dim:]], dim=-1)
-    return _transpose(grad, rope)
+    if dim < t.shape[-1]:
+        return torch.cat([turn(t[..., :dim], rope), t[..., dim:]], dim=-1)
+    return turn(t, rope)
 
 
 def _transpose(grad: Tensor, rope: Rope) -> Tensor:
