@@ -47,6 +47,17 @@ def test_the_bare_verify_is_the_single_process_check_of_the_readme(runner):
     assert report["ok"] and all(row["max_rel_err"] <= 1e-10 for row in report["results"])
 
 
+def test_verify_trainer_trains_as_plain_in_one_process(runner):
+    args = ["verify", "trainer", "sft", *TINY, "-T", "24", "--ps", "8", "--ps-head", "8", "--method",
+            "streambp", "--set", "max_steps=1", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    (row,) = document["results"]
+    assert (document["trainer"], document["source"], row["method"]) == ("sft", "measured-cpu", "streambp")
+    assert row["ok"] and row["max_rel_error"] <= 1e-10
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["--nproc", "2"], "streambp-bench verify fsdp --nproc N"),
     (["--nproc=2", "--shard", "zero3"], "streambp-bench verify fsdp --nproc N"),
