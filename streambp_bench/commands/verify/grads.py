@@ -166,9 +166,9 @@ def verify_with_progress(spec) -> VerifyReport:
         return verify_spec(spec, on_stage)
 
 
-def verify_spec(*, model: str, method: str, seq_len: int, batch_size: int, ps: int, ps_head: int,
-                dtype: opt.Dtype, seed: int, device: opt.Device = opt.Device.cpu,
-                nproc: int | None = None, **fields: object) -> VerifySpec:
+def spec_from_options(*, model: str, method: str, seq_len: int, batch_size: int, ps: int, ps_head: int,
+                      dtype: opt.Dtype, seed: int, device: opt.Device = opt.Device.cpu,
+                      nproc: int | None = None, **fields: object) -> VerifySpec:
     """The `VerifySpec` of a verify command's options (`fields`: padding, objective, lora_rank, attn,
     head_mode, offload, packing where it takes them); ConfigError, before torch, for a model that is not
     there, an unknown method, a step that cannot run, --device sim, or fewer than 1 rank of `nproc` (whose
@@ -207,7 +207,7 @@ def verify(*, ctx: typer.Context, **options) -> None:
         _refuse_options_before(ctx)
         return
     as_json = options.pop("as_json")
-    report = verify_with_progress(verify_spec(**options))
+    report = verify_with_progress(spec_from_options(**options))
     print_report(report, as_json=as_json)
     if not report.ok:
         raise typer.Exit(code=1)

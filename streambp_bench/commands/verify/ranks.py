@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from streambp_bench.commands.verify.grads import verify_spec
+from streambp_bench.commands.verify.grads import spec_from_options
 from streambp_bench.commands.verify.options import STEP, Nproc, choices, takes
 from streambp_bench.errors import user_errors
 from streambp_bench.verify.deepspeed import DEEPSPEED_DEFAULT, sharded_stages
@@ -78,7 +78,8 @@ def fsdp(
 
     as_json = options.pop("as_json")
     stages = (shard.value,) if shard else FSDP_STAGES
-    _exit_on_failure(run_sharded(verify_spec(nproc=nproc, **options), nproc, stages, as_json=as_json))
+    spec = spec_from_options(nproc=nproc, **options)
+    _exit_on_failure(run_sharded(spec, nproc, stages, as_json=as_json))
 
 
 @user_errors
@@ -100,7 +101,7 @@ def sp(
 
     check_sequence_options(sp, nproc)
     as_json = options.pop("as_json")
-    spec = verify_spec(nproc=nproc, **options)
+    spec = spec_from_options(nproc=nproc, **options)
     from streambp_bench.verify.sequence import run_sequence
 
     _exit_on_failure(run_sequence(spec, nproc, sp, shard.value if shard else None, as_json=as_json))
@@ -120,7 +121,7 @@ def deepspeed(
     """DeepSpeed ZeRO across `nproc` CPU ranks (help text: `DEEPSPEED_HELP`)."""
     as_json = options.pop("as_json")
     stages = sharded_stages("deepspeed", shard.value if shard else None)
-    spec = verify_spec(nproc=nproc, **options)
+    spec = spec_from_options(nproc=nproc, **options)
     from streambp_bench.verify.deepspeed import run_deepspeed
 
     _exit_on_failure(run_deepspeed(spec, nproc, stages, as_json=as_json))
