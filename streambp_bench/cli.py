@@ -51,7 +51,7 @@ def _main(
 
 
 app.command("max-len", help=max_len.HELP, epilog=max_len.EPILOG)(max_len.max_len)
-app.command("verify", help=verify.HELP, epilog=verify.EPILOG)(verify.verify)
+app.add_typer(verify.app, name="verify")
 app.command("presets", help=presets.HELP, epilog=presets.EPILOG)(presets.presets)
 app.command("plot")(plot.plot)
 app.command("sweep", help=sweep.HELP, epilog=sweep.EPILOG)(sweep.sweep)

@@ -39,7 +39,7 @@ def sequence_fields(sp: int | None, gpus: int | None, device: str) -> dict[str, 
             raise ConfigError(f"--sp {sp} on --device cpu needs {sp} rank processes, one per core; this "
                               f"machine has {cores} cores")
         raise ConfigError("--sp is simulated (one rank of N on meta tensors); a measured sequence-parallel "
-                          "search does not exist: use --device sim (verify --sp checks the ranks on CPU)")
+                          "search does not exist: use --device sim (verify sp checks the ranks on CPU)")
     if device == "cuda":
         raise ConfigError("--sp is simulated (one rank of N on meta tensors): use --device sim")
     if gpus is None:

@@ -1,1 +1,1 @@
-"""`verify` beyond the command's own table: the sharded check across ranks."""
+"""`verify`'s subcommands beyond the single-process table: the checks across ranks and of trainers."""

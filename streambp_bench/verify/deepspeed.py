@@ -1,4 +1,4 @@
-"""`streambp-bench verify --nproc N --engine deepspeed`: DeepSpeed ZeRO across N CPU ranks, as a table.
+"""`streambp-bench verify deepspeed --nproc N`: DeepSpeed ZeRO across N CPU ranks, as a table.
 
 The work is `streambp_core.verify.deepspeed.verify_deepspeed`; this module checks the engine,
 its version, the stages and the ranks before any process starts, and prints each (stage, method)'s
@@ -22,13 +22,11 @@ ENGINES = ("fsdp2", "deepspeed")
 DEEPSPEED_DEFAULT = ("zero1", "zero2", "zero3")
 
 
-def sharded_stages(engine: str, shard: str | None, nproc: int | None) -> tuple[str, ...]:
-    """The stages a sharded verify runs on `engine`; ConfigError for a bad engine/stage combination or a
-    missing or too old DeepSpeed (before any rank starts)."""
+def sharded_stages(engine: str, shard: str | None) -> tuple[str, ...]:
+    """The stages a sharded check runs on `engine`: `shard`, else every stage of the engine; ConfigError
+    for a stage the engine has not, or a missing or too old DeepSpeed (before any rank starts)."""
     if engine not in ENGINES:
         raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine != "fsdp2" and nproc is None:
-        raise ConfigError(f"--engine {engine} needs --nproc N: the ranks to shard the model across")
     if engine == "fsdp2":
         if shard is not None and shard not in FSDP_STAGES:
             raise ConfigError(f"--shard for fsdp2 must be one of {', '.join(FSDP_STAGES)}, got {shard!r}")
@@ -46,8 +44,6 @@ def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_j
     from streambp_core.parallel.launch import check_nproc
     from streambp_core.verify.deepspeed import check_spec, report, verify_deepspeed
 
-    if spec.device != "cpu":
-        raise ConfigError("--engine deepspeed: the sharded verify runs on cpu ranks (gloo); use --device cpu")
     check_nproc(nproc, spec.device)
     check_spec(spec, stages)
     with stderr_console().status(f"verifying on {nproc} deepspeed ranks (gloo): {', '.join(stages)} ..."):

@@ -1,8 +1,8 @@
-"""`streambp-bench verify --nproc N --sp S`: sequence parallelism (Ulysses) across N ranks, as a table.
+"""`streambp-bench verify sp --nproc N --sp S`: sequence parallelism (Ulysses) across N ranks, as a table.
 
 The work is `streambp_core.verify.sequence.verify_sequence`; this module refuses bad input
 before any rank starts (S not dividing N, more ranks than the cores or GPUs, heads that cannot split over
-S ranks, DeepSpeed) and prints each method's error against single-process plain over the whole sequence
+S ranks) and prints each method's error against single-process plain over the whole sequence
 and the all-to-alls of its step.
 """
 
@@ -14,25 +14,19 @@ from rich.table import Table
 
 from streambp_bench.output import emit
 from streambp_bench.verify.sharded import on_ranks
-from streambp_core.config import FSDP_STAGES, SP_UNDER_DEEPSPEED, ConfigError
+from streambp_core.config import ConfigError
 from streambp_core.measure.units import format_size
 
 if TYPE_CHECKING:
     from streambp_core.verify.methods import VerifySpec
 
 
-def check_sequence_options(sp: int, nproc: int | None, engine: str, shard: str | None) -> None:
-    """ConfigError for --sp with options it does not combine with (before torch is needed)."""
-    if nproc is None:
-        raise ConfigError("--sp needs --nproc N: the ranks that share each sequence in groups of sp")
+def check_sequence_options(sp: int, nproc: int) -> None:
+    """ConfigError for an --sp that cannot group the --nproc ranks (before torch is needed)."""
     if sp < 1:
         raise ConfigError(f"--sp must be at least 1, got {sp}")
     if nproc % sp:
         raise ConfigError(f"--sp {sp} does not divide --nproc {nproc}: the ranks form groups of sp")
-    if engine != "fsdp2":
-        raise ConfigError(f"--sp with --engine {engine}: {SP_UNDER_DEEPSPEED} (--shard)")
-    if shard is not None and shard not in FSDP_STAGES:
-        raise ConfigError(f"--shard with --sp must be one of {', '.join(FSDP_STAGES)}, got {shard!r}")
 
 
 def run_sequence(spec: VerifySpec, nproc: int, sp: int, shard: str | None, *, as_json: bool) -> bool:

@@ -1,4 +1,4 @@
-"""`streambp-bench verify --nproc N`: the sharded check across N ranks, printed as a table.
+"""`streambp-bench verify fsdp --nproc N`: the sharded check across N ranks, printed as a table.
 
 The work is `streambp_core.verify.sharded.verify_sharded`; this module checks the ranks and the backend
 before any process starts, shows progress while the ranks run, and prints the gradients' errors and each

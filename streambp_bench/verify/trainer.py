@@ -1,9 +1,9 @@
-"""`streambp-bench verify --trainer KIND`: a trainer's updates with `stream_trainer` against plain, per group.
+"""`streambp-bench verify trainer KIND`: a trainer's updates with `stream_trainer` against plain, per group.
 
 The work is `streambp_core.verify.trainer_setup.run_parity` (one process) or, with `--nproc N
 --engine fsdp2|deepspeed [--shard ...]`, `streambp_bench.verify.trainer_ranks.run_sharded_parity`
 (N CPU ranks under accelerate's plugin); this module reads the trainer settings (`--set NAME=VALUE`),
-refuses the verify options that do not apply to a trainer, and prints the table.
+refuses what a trainer check cannot run, and prints the table.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from rich.table import Table
 
 from streambp_bench.output import emit, stderr_console
 from streambp_core.config import ConfigError
-
-NOT_FOR_TRAINERS = ("--padding", "--objective", "--head-mode", "--offload")
-"""verify options a trainer check does not read: the trainer pads its batches and picks its loss."""
-
 
 POSITIVE_INT_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations")
 """--set fields that must be whole numbers of at least 1."""
@@ -62,19 +58,14 @@ def _checked(name: str, value: object, text: str) -> object:
 
 def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dtype: str, seq_len: int,
                        batch_size: int, ps: int, ps_head: int, seed: int, device: str, lora_rank: int,
-                       attn: str, data: str, settings: list[str] | None, unused: dict[str, bool],
-                       as_json: bool, nproc: int | None = None, shard: str | None = None,
-                       engine: str = "fsdp2") -> bool:
+                       attn: str, data: str, settings: list[str] | None, as_json: bool,
+                       nproc: int | None = None, shard: str | None = None, engine: str = "fsdp2") -> bool:
     """Train `trainer` plain and with each method on `model` (on `nproc` ranks of `engine` when given);
     print each group's update error; whether every method is within tolerance."""
     import torch
 
     from streambp_core.verify.trainer_setup import GRPO_SETTINGS, ParitySetup, run_parity
 
-    given = [name for name, is_set in unused.items() if is_set]
-    if given:
-        raise ConfigError(f"{given[0]} does not apply to --trainer (the trainer pads its batches and "
-                          "computes its own loss)")
     stages = _sharded_stages(nproc, shard, engine, device)
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device}: a trainer check trains for real; use --device cpu or cuda")
@@ -142,8 +133,8 @@ def _sharded_stages(nproc: int | None, shard: str | None, engine: str, device: s
     from streambp_bench.verify.deepspeed import sharded_stages
 
     if device != "cpu":
-        raise ConfigError("--trainer with --nproc runs cpu ranks (gloo); use --device cpu")
-    return sharded_stages(engine, shard, nproc)
+        raise ConfigError("verify trainer with --nproc runs cpu ranks (gloo); use --device cpu")
+    return sharded_stages(engine, shard)
 
 
 def _run_sharded(setup, methods, stream: dict, nproc: int, engine: str, stages, as_json: bool) -> bool:

@@ -1,4 +1,4 @@
-"""`verify --trainer KIND --nproc N --engine fsdp2|deepspeed`: the ranks of a sharded trainer check.
+"""`verify trainer KIND --nproc N --engine fsdp2|deepspeed`: the ranks of a sharded trainer check.
 
     results = run_sharded_parity(ParitySetup(trainer="sft"), engine="fsdp2", shard="zero3", nproc=2,
                                  methods=("streambp",), partition_size=8)

@@ -9,7 +9,7 @@ The engine is read from the trainer's own accelerator (`trainer_engine`):
   their own; the streamed head reads those weights outside any unit's forward, where they are still
   sharded. So `stream_trainer` shards the model itself, as the plugin says (`reshard_after_forward`:
   zero3 when true, zero2 when false), with one unit per decoder layer and the root holding the
-  embedding, the final norm and the head (the layout `verify --nproc` checks), and accelerate, seeing
+  embedding, the final norm and the head (the layout `verify fsdp` checks), and accelerate, seeing
   an FSDP2 model, keeps it. The wrap policy must name exactly the decoder layer class
   (`TRANSFORMER_BASED_WRAP`); any other policy, CPU offload, FSDP's own activation checkpointing,
   a mixed-precision policy, ignored modules or `cpu_ram_efficient_loading` is refused by name.

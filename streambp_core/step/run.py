@@ -195,7 +195,7 @@ def sequence_group(spec, device: str) -> SequenceGroup | None:
         return None
     if device != "meta":
         raise ConfigError(f"a sequence-parallel step (sp {spec.sp}) is simulated here: one rank on meta "
-                          "tensors; real ranks run under verify --sp")
+                          "tensors; real ranks run under verify sp")
     return SequenceGroup.simulated(spec.sp)
 
 

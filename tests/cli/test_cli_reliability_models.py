@@ -39,7 +39,7 @@ BROKEN = {
 
 COMMANDS = {
     "verify": ["verify", "-T", "8"],
-    "verify-nproc": ["verify", "-T", "8", "--nproc", "2"],
+    "verify-nproc": ["verify", "fsdp", "-T", "8", "--nproc", "2"],
     "max-len": ["max-len", "--budget-gib", "1"],
     "sweep": ["sweep", "--seq-len", "64", "--device", "sim", "--budget-gib", "1"],
 }

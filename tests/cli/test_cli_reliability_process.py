@@ -47,7 +47,7 @@ def test_a_failed_rank_is_one_line_naming_it(monkeypatch) -> None:
         raise RankError("rank 1 failed: died (signal SIGKILL)")
 
     monkeypatch.setattr("streambp_bench.verify.sharded.verify_sharded", failed)
-    result = CliRunner().invoke(app, ["verify", "-m", "tiny/qwen3", "-T", "8", "--nproc", "2",
+    result = CliRunner().invoke(app, ["verify", "fsdp", "-m", "tiny/qwen3", "-T", "8", "--nproc", "2",
                                       "--dtype", "float64"])
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code == 1 and lines == ["error: rank 1 failed: died (signal SIGKILL)"], result.output

@@ -74,8 +74,8 @@ def test_reproduce_quick_never_writes_into_results_by_default(tmp_path: Path, mo
 def test_sharded_verify_judges_by_the_single_process_criterion() -> None:
     """At 2 tokens a query sees one key, so some gradients are zero up to rounding: pure relative error
     would call that a failure, the documented criterion does not."""
-    args = ["verify", "-m", "tiny/qwen3", "-T", "2", "--dtype", "float64", "--nproc", "2", "--shard", "zero2",
-            "--method", "streambp", "--json"]
+    args = ["verify", "fsdp", "-m", "tiny/qwen3", "-T", "2", "--dtype", "float64", "--nproc", "2", "--shard",
+            "zero2", "--method", "streambp", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)["results"]

@@ -1,4 +1,4 @@
-"""`verify --nproc N --sp S`: bad input is one `error:` line and exit 2 before any rank starts; two gloo
+"""`verify sp --nproc N --sp S`: bad input is one `error:` line and exit 2 before any rank starts; two gloo
 ranks sharing each sequence, their weights sharded with FSDP2 zero3 across them, print every method's error
 against single-process plain."""
 
@@ -14,7 +14,7 @@ from streambp_core.config import PRESET_DIR
 from streambp_core.engine.sequence.attention import KV_PIECES
 from tests.cli.errors import one_line_error
 
-TINY = ["verify", "--model", "tiny/llama", "--dtype", "float64", "--seq-len", "23", "--ps", "5",
+TINY = ["verify", "sp", "--model", "tiny/llama", "--dtype", "float64", "--seq-len", "23", "--ps", "5",
         "--ps-head", "4"]
 
 
@@ -34,11 +34,13 @@ def three_heads(tmp_path) -> str:
 
 @pytest.mark.parametrize(("args", "expected"), [
     (["--nproc", "2", "--sp", "3"], "--sp 3 does not divide --nproc 2"),
-    (["--sp", "2"], "--sp needs --nproc"),
+    (["--sp", "2"], "Missing option '--nproc'"),
+    (["--nproc", "2"], "Missing option '--sp'"),
     (["--nproc", "4096", "--sp", "2"], "more than the"),
     (["--nproc", "2", "--sp", "0"], "--sp must be at least 1"),
-    (["--nproc", "2", "--sp", "2", "--engine", "deepspeed"], "does not run under DeepSpeed"),
-    (["--nproc", "2", "--sp", "2", "--shard", "zero1"], "--shard with --sp must be one of zero2, zero3"),
+    (["--nproc", "2", "--sp", "2", "--engine", "deepspeed"], "No such option: --engine"),
+    (["--nproc", "2", "--sp", "2", "--shard", "zero1"], "'zero1' is not one of 'zero2', 'zero3'"),
+    (["--nproc", "2", "--sp", "2", "--packing", "3"], "No such option: --packing"),
     (["--nproc", "2", "--sp", "2", "--dtype", "bfloat16"], "exact dtypes"),
     (["--nproc", "2", "--sp", "2", "--shard", "zero3", "--lora-rank", "4"], "lora_rank must be 0"),
 ])

@@ -14,6 +14,7 @@ from streambp_core.verify import methods as verify_module
 from tests.cli.errors import one_line_error
 
 TINY_VERIFY = ["verify", "--model", "tiny/qwen3", "--seq-len", "24", "--ps", "7", "--ps-head", "5"]
+TINY_FSDP = ["verify", "fsdp", *TINY_VERIFY[1:]]
 
 
 @pytest.fixture
@@ -117,13 +118,14 @@ def test_main_turns_a_config_error_into_exit_2(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--shard", "zero2"], "--shard needs --nproc"),
+    ([], "Missing option '--nproc'"),
     (["--nproc", "0"], "--nproc must be at least 1"),
     (["--nproc", "4096"], "more than the"),
-    (["--nproc", "2", "--dtype", "float64", "--lora-rank", "4"], "lora_rank must be 0"),
+    (["--nproc", "2", "--shard", "zero1"], "'zero1' is not one of 'zero2', 'zero3'"),
+    (["--nproc", "2", "--dtype", "bfloat16"], "exact dtypes"),
 ])
 def test_sharded_verify_bad_input_is_one_line_before_any_rank_starts(runner, args, expected):
-    result = runner.invoke(app, [*TINY_VERIFY, *args])
+    result = runner.invoke(app, [*TINY_FSDP, *args])
     assert result.exit_code == 2, result.output
     assert expected in one_line_error(result)
 
@@ -132,7 +134,7 @@ def test_sharded_verify_without_the_backend_is_one_line(runner, monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
-    result = runner.invoke(app, [*TINY_VERIFY, "--nproc", "1", "--device", "cpu"])
+    result = runner.invoke(app, [*TINY_FSDP, "--nproc", "1", "--device", "cpu"])
     assert result.exit_code == 2
     assert "backend gloo is not available" in one_line_error(result)
 
@@ -143,7 +145,7 @@ def test_sharded_verify_two_ranks_prints_collectives_per_layer(runner):
 
     if available_cpus() < 2:
         pytest.skip("needs two CPU cores for two ranks")
-    result = runner.invoke(app, [*TINY_VERIFY, "--dtype", "float64", "--nproc", "2", "--shard", "zero2",
+    result = runner.invoke(app, [*TINY_FSDP, "--dtype", "float64", "--nproc", "2", "--shard", "zero2",
                                  "--method", "streambp", "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)

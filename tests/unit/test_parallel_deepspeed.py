@@ -56,19 +56,21 @@ def test_zero3_marks_need_the_engine_itself():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nproc", "2", "--engine", "megatron"], "--engine must be one of fsdp2, deepspeed"),
-    (["--nproc", "2", "--engine", "deepspeed", "--shard", "zero4"], "deepspeed shard must be one of zero1"),
-    (["--nproc", "2", "--shard", "zero1"], "--shard for fsdp2 must be one of zero2, zero3"),
-    (["--engine", "deepspeed"], "--engine deepspeed needs --nproc N"),
-    (["--nproc", "99999", "--engine", "deepspeed", "--shard", "zero2"], "nproc 99999 is more than"),
+    (["deepspeed", "--nproc", "2", "--shard", "zero4"], "'zero4' is not one of 'zero1', 'zero2', 'zero3'"),
+    (["deepspeed"], "Missing option '--nproc'"),
+    (["deepspeed", "--nproc", "2", "--device", "cuda"], "No such option: --device"),
+    (["deepspeed", "--nproc", "99999", "--shard", "zero2"], "nproc 99999 is more than"),
+    (["deepspeed", "--nproc", "2", "--dtype", "bfloat16"], "exact dtypes"),
+    (["fsdp", "--nproc", "2", "--shard", "zero1"], "'zero1' is not one of 'zero2', 'zero3'"),
 ])
 def test_verify_bad_input_is_one_error_line(args, message):
     from typer.testing import CliRunner
 
     from streambp_bench.cli import app
 
-    result = CliRunner().invoke(app, ["verify", "-m", "tiny/llama", "--dtype", "float64", "--method",
-                                      "streambp", *args])
+    subcommand, *options = args
+    result = CliRunner().invoke(app, ["verify", subcommand, "-m", "tiny/llama", "--dtype", "float64",
+                                      "--method", "streambp", *options])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
@@ -84,10 +86,10 @@ def test_a_missing_or_old_deepspeed_is_refused_before_ranks(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
     with pytest.raises(ConfigError, match="engine deepspeed is not installed"):
-        sharded_stages("deepspeed", "zero2", 2)
+        sharded_stages("deepspeed", "zero2")
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.16.0")
     with pytest.raises(ConfigError, match="below 0.17.0"):
-        sharded_stages("deepspeed", "zero2", 2)
+        sharded_stages("deepspeed", "zero2")
 
 
 def _verify(model, methods, shards, objective="sft", micro_steps=2, offload="none", cpu_adam=False, **step):

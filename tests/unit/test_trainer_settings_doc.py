@@ -1,6 +1,6 @@
 """docs/trainers.md's trainer section and `stream_trainer`'s refusals agree: every refused setting it lists is
 refused, naming it, for exactly the methods it lists; every supported setting it lists is accepted; and
-`verify --trainer` checks a trainer from the command line."""
+`verify trainer` checks a trainer from the command line."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_each_supported_setting_is_accepted(name):
 def test_verify_trainer_prints_each_group(cli_runner):
     from streambp_bench.cli import app
 
-    args = ["verify", "-m", "tiny/qwen3", "--dtype", "float64", "--trainer", "sft", "-b", "2",
+    args = ["verify", "trainer", "sft", "-m", "tiny/qwen3", "--dtype", "float64", "-b", "2",
             "--method", "streambp", "--ps", "5", "--ps-head", "7", "--set", "weight_decay=0.1",
             "--set", "max_steps=2", "--json"]
     result = cli_runner.invoke(app, args)
@@ -125,17 +125,18 @@ def test_verify_trainer_prints_each_group(cli_runner):
 
 
 @pytest.mark.parametrize(("args", "named"), [
-    (["--trainer", "sft", "--set", "no_such_setting=1"], "unknown SFTConfig setting(s): no_such_setting"),
-    (["--trainer", "sft", "--set", "weight_decay"], "--set takes NAME=VALUE"),
-    (["--trainer", "dpo", "--objective", "grpo"], "--objective does not apply to --trainer"),
-    (["--trainer", "trainer", "--method", "streambp", "--set", "label_smoothing_factor=0.1"],
+    (["sft", "--set", "no_such_setting=1"], "unknown SFTConfig setting(s): no_such_setting"),
+    (["sft", "--set", "weight_decay"], "--set takes NAME=VALUE"),
+    (["dpo", "--objective", "grpo"], "No such option: --objective"),
+    (["trainer", "--method", "streambp", "--set", "label_smoothing_factor=0.1"],
      "label_smoothing_factor cannot train a streambp model"),
-    (["--trainer", "sft", "--dtype", "bfloat16"], "no parity tolerance for bfloat16"),
+    (["sft", "--dtype", "bfloat16"], "no parity tolerance for bfloat16"),
 ])
 def test_verify_trainer_bad_input_is_one_error_line(cli_runner, args, named):
     from streambp_bench.cli import app
 
-    result = cli_runner.invoke(app, ["verify", "-m", "tiny/llama", *args])
+    kind, *options = args
+    result = cli_runner.invoke(app, ["verify", "trainer", kind, "-m", "tiny/llama", *options])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and named in lines[-1], result.stderr

@@ -330,6 +330,6 @@ def test_cli_refuses_in_one_line_before_any_rank_starts(args, words):
 
     if "deepspeed" in args and not deepspeed_installed():
         pytest.skip("deepspeed is not installed")
-    result = CliRunner().invoke(app, ["verify", "-m", "tiny/qwen3", "--dtype", "float64", "--trainer", "sft",
+    result = CliRunner().invoke(app, ["verify", "trainer", "sft", "-m", "tiny/qwen3", "--dtype", "float64",
                                       *args])
     one_line_error(result, *words)

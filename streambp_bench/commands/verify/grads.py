@@ -1,0 +1,224 @@
+"""`streambp-bench verify`: every method's gradients and loss against plain backprop, on one model, in one
+process (the group's own check; its subcommands check across ranks and trainers)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from streambp_bench import options as opt
+from streambp_bench.commands.verify.options import STEP, takes
+from streambp_bench.errors import user_errors
+from streambp_bench.output import emit, stderr_console
+from streambp_bench.specs import method_list
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.models.config_file import precheck_model
+
+if TYPE_CHECKING:
+    from streambp_core.verify.methods import VerifyReport, VerifySpec
+
+HELP = (
+    "Check that each method's loss and every parameter gradient equal plain backprop's.\n\n"
+    "Builds the model with random weights, runs one step of [bold]plain[/] as the reference and one step "
+    "of each method on the same random tokens, then compares every parameter's gradient: "
+    "grad err = max over parameters of ||g - g_plain|| / (||g_plain|| + sqrt(numel) * rms), rms = RMS of "
+    "plain's gradient over all parameters (a relative and an absolute part, as torch.testing.assert_close)."
+    "\n\n"
+    "Tolerance: 1e-10 in float64, 1e-4 in float32 (the loss too, relative to max(1, |loss|)); the table "
+    "prints both the gradient and the loss tolerance beside the errors. In bfloat16 "
+    "the reference is plain in float32 on the same bf16-rounded weights, and a method passes when its error "
+    "is at most 2x plain bfloat16's. Progress goes to stderr. Exits 1 when a method fails, 2 on bad "
+    "input.\n\n"
+    "[bold]--offload checkpoints[/] runs each method with its checkpoints in host memory, through the real "
+    "offload code path (on a CPU the host is the CPU: copies, no pinning); the check is the same, and "
+    "offloading changes no bit of any gradient.\n\n"
+    "[bold]--head-mode fused[/] checks streambp's fused LM head (each chunk's gradients taken in the "
+    "forward pass; sft and grpo), [bold]auto[/] the head the objective allows (fused for sft and grpo); "
+    "the default is the recomputing head.\n\n"
+    "The subcommands check the same across ranks and trainers, each with the options that apply to it: "
+    "[bold]verify fsdp[/] (torch FSDP2), [bold]verify sp[/] (sequence parallelism), [bold]verify "
+    "deepspeed[/] (DeepSpeed ZeRO) and [bold]verify trainer KIND[/] (transformers' Trainer and TRL's "
+    "trainers); the options above go to this check only, so give a subcommand's options after its name."
+)
+
+EPILOG = """[bold]Examples[/]
+
+[cyan]streambp-bench verify[/]    (Qwen/Qwen3-0.6B, float32, 128 tokens)
+
+[cyan]streambp-bench verify -m tiny/llama --dtype float64 --padding left -b 2[/]
+
+[cyan]streambp-bench verify -m Qwen/Qwen3-8B --device cuda --dtype bfloat16[/]
+
+[cyan]streambp-bench verify -m ./my-model-dir --method streambp --ps 64 --json[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
+
+[cyan]streambp-bench verify -m tiny/llama --dtype float64 --offload checkpoints[/]
+
+[cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective grpo -b 2 --head-mode fused[/]
+
+[cyan]streambp-bench verify -m tiny/mistral --dtype float64 --packing 100,37,250 --seq-len 400 -b 2[/]
+
+[cyan]streambp-bench verify fsdp -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero3[/]
+
+[cyan]streambp-bench verify sp -m tiny/llama --dtype float64 --nproc 2 --sp 2 --padding right[/]
+
+[cyan]streambp-bench verify deepspeed -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero2[/]
+
+[cyan]streambp-bench verify trainer sft -m ./my-model-dir --dtype float64 --set weight_decay=0.1[/]
+"""
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def render_table(report: VerifyReport) -> Table:
+    """The report as a rich table: one row per method."""
+    table = Table(title=f"gradients vs {report.reference} ({report.reference_dtype})", title_justify="left")
+    table.add_column("method")
+    for column in ("grad err", "grad tolerance"):
+        table.add_column(column, justify="right")
+    table.add_column("worst parameter", overflow="fold")
+    for column in ("loss abs err", "loss tolerance"):
+        table.add_column(column, justify="right")
+    table.add_column("ok")
+    for result in report.results:
+        verdict = "[green]pass[/]" if result.ok else "[bold red]FAIL[/]"
+        table.add_row(
+            result.method,
+            _fmt(result.max_rel_err),
+            _fmt(result.tolerance),
+            result.worst_param,
+            _fmt(result.loss_abs_err),
+            _fmt(result.loss_tolerance),
+            verdict,
+        )
+    return table
+
+
+def describe(report: VerifyReport) -> str:
+    """One line saying how the numbers were obtained."""
+    spec, step, stream = report.spec, report.spec.step, report.spec.step.stream
+    head = f", streambp head {stream.head_mode}" if "streambp" in spec.methods else ""
+    text = (
+        f"{spec.source}: {step.model}, {step.dtype}, seq_len {step.seq_len_tokens}, batch {step.batch_size}, "
+        f"ps {stream.partition_size}, ps-head {stream.head_partition_size}, padding {spec.padding}, "
+        f"seed {step.seed}, objective {step.objective}, lora rank {step.lora_rank}, attn {stream.attn}, "
+        f"offload {stream.offload}{head}{_packing(spec)}; "
+        f"reference loss {report.reference_loss:.6f}"
+    )
+    if report.reference_dtype != step.dtype:
+        baseline = report.results[0].baseline_rel_err if report.results else None
+        text += (
+            f". Reference is plain in {report.reference_dtype} on the same bf16-rounded weights; "
+            f"tolerance = 2 x plain-{step.dtype} error ({_fmt(baseline)}) + 1e-6"
+        )
+    return text
+
+
+def _packing(spec) -> str:
+    """The packed rows' documents, as the provenance line names them ('' when unpacked)."""
+    if not spec.packing:
+        return ""
+    rows = "; ".join(",".join(map(str, row)) for row in spec.document_lengths())
+    return f", packed documents {rows}"
+
+
+def print_report(report: VerifyReport, *, as_json: bool) -> None:
+    """Table and provenance line, or the JSON document, on stdout."""
+    emit(report.to_dict(), as_json, lambda console: _print_tables(console, report))
+
+
+def _print_tables(console, report: VerifyReport) -> None:
+    console.print(render_table(report))
+    console.print(describe(report), soft_wrap=True)
+    verdict = (
+        "[green]all methods match plain[/]" if report.ok else "[bold red]some methods do not match plain[/]"
+    )
+    console.print(verdict)
+
+
+def verify_with_progress(spec) -> VerifyReport:
+    """`verify_spec(spec)` under a rich progress line on stderr naming the stage that runs."""
+    from streambp_core.verify.methods import verify_spec
+
+    with Progress(SpinnerColumn(), BarColumn(bar_width=16), MofNCompleteColumn(),
+                  TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=stderr_console(), transient=True) as progress:
+        task = progress.add_task(f"verify {escape(spec.step.model)}", total=None)
+
+        def on_stage(stage: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total,
+                            description=escape(f"verify {spec.step.model}: {stage}"), refresh=True)
+
+        return verify_spec(spec, on_stage)
+
+
+def spec_from_options(*, model: str, method: str, seq_len: int, batch_size: int, ps: int, ps_head: int,
+                      dtype: opt.Dtype, seed: int, device: opt.Device = opt.Device.cpu,
+                      nproc: int | None = None, **fields: object) -> VerifySpec:
+    """The `VerifySpec` of a verify command's options (`fields`: padding, objective, lora_rank, attn,
+    head_mode, offload, packing where it takes them); ConfigError, before torch, for a model that is not
+    there, an unknown method, a step that cannot run, --device sim, or fewer than 1 rank of `nproc` (whose
+    model is loaded, so one that cannot run is refused before any rank starts)."""
+    precheck_model(model)
+    methods = method_list(method)
+    if device.value == "sim":
+        raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+    step = {name: getattr(value, "value", value) for name, value in fields.items()}
+    rows = {name: step.pop(name) for name in ("padding", "packing") if name in step}
+    step.update(seq_len_tokens=seq_len, batch_size=batch_size, partition_size=ps, head_partition_size=ps_head,
+                dtype=dtype.value, seed=seed)
+    StepSpec.of(model=model, method="streambp", **step)  # e.g. a fused head for dpo, before torch
+    from streambp_core.measure.cuda import cuda_available
+    from streambp_core.verify.methods import VerifySpec
+
+    where = device.value
+    if where == "auto":
+        where = "cuda" if cuda_available() else "cpu"
+    spec = VerifySpec.of(model=model, methods=methods, device=where, **rows, **step)
+    if nproc is not None:
+        from streambp_core.models.load import load_config
+
+        load_config(model)
+    return spec
+
+
+@user_errors
+@takes(*STEP, "padding", "device", "objective", "lora_rank", "attn", "head_mode", "offload", "packing")
+def verify(*, ctx: typer.Context, **options) -> None:
+    """The group's own check, when no subcommand is named (help text: `HELP`); with one, only that the
+    options given belong to it (they go after its name)."""
+    if ctx.invoked_subcommand is not None:
+        _refuse_options_before(ctx)
+        return
+    as_json = options.pop("as_json")
+    report = verify_with_progress(spec_from_options(**options))
+    print_report(report, as_json=as_json)
+    if not report.ok:
+        raise typer.Exit(code=1)
+
+
+def _refuse_options_before(ctx: typer.Context) -> None:
+    """ConfigError when an option stands before the subcommand's name, where it would be this check's."""
+    for parameter in ctx.command.params:
+        source = ctx.get_parameter_source(parameter.name)
+        if source is not None and source.name != "DEFAULT":  # typer may ship its own click: by name
+            flag = parameter.opts[0]
+            raise ConfigError(f"{flag} before {ctx.invoked_subcommand!r} is the single-process check's: give "
+                              f"it after the subcommand, streambp-bench verify {ctx.invoked_subcommand} "
+                              f"{flag} ...")
