@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from streambp_bench.output import emit, stderr_console
+from streambp_bench.output import emit
+from streambp_bench.verify.sharded import on_ranks
 from streambp_core.config import FSDP_STAGES, ConfigError
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_j
 
     check_nproc(nproc, spec.device)
     check_spec(spec, stages)
-    with stderr_console().status(f"verifying on {nproc} deepspeed ranks (gloo): {', '.join(stages)} ..."):
-        results = verify_deepspeed((spec,), nproc=nproc, shards=stages)
+    results = on_ranks(f"verifying on {nproc} deepspeed ranks (gloo): {', '.join(stages)} ...",
+                       lambda: verify_deepspeed((spec,), nproc=nproc, shards=stages))
     summary = report(results)
     emit(summary, as_json, lambda console: _print(console, results, spec, nproc))
     return summary["ok"]

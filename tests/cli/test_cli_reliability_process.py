@@ -42,12 +42,19 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(monkeypatch) -> None:
     assert result.exit_code == 130 and lines == ["error: interrupted"], result.output
 
 
-def test_a_failed_rank_is_one_line_naming_it(monkeypatch) -> None:
+@pytest.mark.parametrize(("target", "command"), [
+    ("streambp_bench.verify.sharded.verify_sharded", ["fsdp"]),
+    ("streambp_core.verify.deepspeed.verify_deepspeed", ["deepspeed", "--shard", "zero2"]),
+])
+def test_a_failed_rank_is_one_line_naming_it(monkeypatch, target: str, command: list[str]) -> None:
+    """A rank that dies or times out (`RankError`) is one line and exit 1 under every multi-rank verify."""
     def failed(*args, **kwargs):
         raise RankError("rank 1 failed: died (signal SIGKILL)")
 
-    monkeypatch.setattr("streambp_bench.verify.sharded.verify_sharded", failed)
-    result = CliRunner().invoke(app, ["verify", "fsdp", "-m", "tiny/qwen3", "-T", "8", "--nproc", "2",
+    monkeypatch.setattr(target, failed)
+    if command[0] == "deepspeed":
+        monkeypatch.setattr("streambp_core.parallel.deepspeed.check_installed", lambda: None)  # also without it
+    result = CliRunner().invoke(app, ["verify", *command, "-m", "tiny/qwen3", "-T", "8", "--nproc", "2",
                                       "--dtype", "float64"])
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code == 1 and lines == ["error: rank 1 failed: died (signal SIGKILL)"], result.output
