@@ -53,7 +53,7 @@ def test_a_failed_rank_is_one_line_naming_it(monkeypatch, target: str, command: 
 
     monkeypatch.setattr(target, failed)
     if command[0] == "deepspeed":
-        monkeypatch.setattr("streambp_core.parallel.deepspeed.check_installed", lambda: None)  # also without it
+        monkeypatch.setattr("streambp_core.parallel.deepspeed.check_installed", lambda: None)  # CI has none
     result = CliRunner().invoke(app, ["verify", *command, "-m", "tiny/qwen3", "-T", "8", "--nproc", "2",
                                       "--dtype", "float64"])
     lines = [line for line in result.stderr.splitlines() if line.strip()]
