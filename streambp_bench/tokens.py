@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
-from streambp_core.config import ConfigError
+from streambp_core.config import AUTO, ConfigError
 
 SUFFIXES = {"": 1, "k": 1000, "ki": 1024, "m": 1_000_000, "mi": 2**20}
 """Token-count suffixes (case-insensitive)."""
@@ -80,12 +80,13 @@ PARTITION_FIELDS = {"--ps": "partition_size", "--ps-head": "head_partition_size"
 """The step field each partition option sets."""
 
 
-def parse_partition(text: str, option: str) -> int | None:
-    """A partition option's value: a token count (`parse_tokens`), or None for 'auto' (ConfigError
-    otherwise). `option`: the command line's name of the option (--ps, --ps-head or --at)."""
+def parse_partition(text: str, option: str) -> int | str:
+    """A partition option's value: a token count (`parse_tokens`), or `config.AUTO` for 'auto' (in any
+    case; ConfigError otherwise). `option`: the command line's name of the option (--ps, --ps-head or
+    --at)."""
     value = text.strip().lower()
-    if value == "auto":
-        return None
+    if value == AUTO:
+        return AUTO
     try:
         return parse_tokens(value, option)
     except ConfigError:

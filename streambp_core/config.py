@@ -55,6 +55,14 @@ DEVICES = ("sim", "cpu", "cuda")
 MIN_AUTO_PARTITION = 64
 """The smallest layer and head partition (tokens) the automatic choice considers
 (`streambp_core.step.partitions`)."""
+AUTO = "auto"
+"""A partition size left to the automatic choice: `StreamConfig.partition_size` or `head_partition_size`
+reads AUTO until `step.partitions.resolve_partitions` puts the largest that fit there. A max-length
+search runs an automatic partition at MIN_AUTO_PARTITION (`step.partitions.searched`: the smallest
+candidate, which reaches the longest length). What runs a step takes sizes in tokens only
+(`require_sized`)."""
+PARTITION_FIELDS = ("partition_size", "head_partition_size")
+"""The `StreamConfig` fields that may read AUTO."""
 GPU_MODEL_NAMES = ("h100", "h200", "a100", "a800")
 """GPUs whose datasheet figures the step-time estimate knows (`streambp_core.step.estimate.GPU_MODELS`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
@@ -75,11 +83,12 @@ class StreamConfig:
     objective: str = "sft"
     """sft, grpo or dpo (see `streambp_core.engine.stream.objectives`)."""
 
-    partition_size: int = 500
-    """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward)."""
+    partition_size: int | str = 500
+    """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward); or
+    AUTO (resolved before a step runs)."""
 
-    head_partition_size: int = 100
-    """Tokens per chunk of the streamed LM head and loss."""
+    head_partition_size: int | str = 100
+    """Tokens per chunk of the streamed LM head and loss; or AUTO (resolved before a step runs)."""
 
     head_mode: str = "recompute"
     """streambp's LM head: 'recompute' recomputes each chunk's logits in backward (least memory, every
@@ -130,8 +139,9 @@ class StreamConfig:
         require_choice("baseline_loss", self.baseline_loss, BASELINE_LOSSES)
         if self.keep_chunks is not None:
             require_positive("keep_chunks", self.keep_chunks)
-        for name in ("partition_size", "head_partition_size"):
-            require_positive(name, getattr(self, name))
+        for name in PARTITION_FIELDS:
+            if getattr(self, name) != AUTO:
+                require_positive(name, getattr(self, name))
         if self.mlp_chunk_size is not None:
             require_positive("mlp_chunk_size", self.mlp_chunk_size)
         require_choice("attn", self.attn, ATTN_BACKENDS)
@@ -150,6 +160,20 @@ class StreamConfig:
     @property
     def mlp_chunk_tokens(self) -> int:
         return self.mlp_chunk_size or self.partition_size
+
+    @property
+    def automatic(self) -> tuple[str, ...]:
+        """The partition fields that read AUTO (of `PARTITION_FIELDS`); empty when every size is given."""
+        return tuple(name for name in PARTITION_FIELDS if getattr(self, name) == AUTO)
+
+
+def require_sized(config: StreamConfig) -> None:
+    """Raise ValueError when a partition of `config` still reads AUTO: a step runs sizes in tokens, and
+    an automatic partition is resolved before (`step.partitions.resolve_partitions`), so one that gets
+    here is a caller's mistake, not a user's."""
+    if config.automatic:
+        raise ValueError(f"{' and '.join(config.automatic)} {AUTO}: resolve the automatic partitions "
+                         "before running a step (streambp_core.step.partitions.resolve_partitions)")
 
 
 def check_offload(method: str, offload: str, optimizer: str | None = None) -> None:

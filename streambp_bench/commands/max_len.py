@@ -16,7 +16,7 @@ from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import sharding, step_specs, writable_results
 from streambp_bench.tokens import UNITS, parse_partition
 from streambp_bench.workers import start_server, stop_server, worker_count
-from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, check_budget_gib
+from streambp_core.config import ConfigError, check_budget_gib
 from streambp_core.search import SEARCH_CAP_TOKENS
 
 HELP = (
@@ -153,10 +153,9 @@ def max_len(
     if gpu_model is not None and (gpus or 1) > 1 and (sp or 1) == 1:
         raise ConfigError("--gpu-model estimates a step on one GPU or one sequence-parallel rank (--sp); "
                           "it does not apply with --gpus alone")
-    layer_size, head_size = parse_partition(ps, "--ps"), parse_partition(ps_head, "--ps-head")
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value,
-        partition_size=layer_size or MIN_AUTO_PARTITION, head_partition_size=head_size or MIN_AUTO_PARTITION,
+        partition_size=parse_partition(ps, "--ps"), head_partition_size=parse_partition(ps_head, "--ps-head"),
         grads=grads.value, protocol=protocol.value, attn=attn.value, head_mode=head_mode.value,
         objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload.value,
         **ranks,
@@ -171,8 +170,7 @@ def max_len(
     from streambp_bench.maxlen import auto, report
     from streambp_bench.maxlen.plan import check_refused, check_something_fits, make_plan, run_plan
 
-    extras = auto.Extras(auto_layer=layer_size is None, auto_head=head_size is None, at_lengths=at_lengths,
-                         gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
+    extras = auto.Extras(at_lengths=at_lengths, gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
     try:
         per_node = sequence.ranks_per_node(gpus, gpus_per_node)
         plan = make_plan(specs, where, budget_gib, host_budget_gib, per_node)
@@ -193,12 +191,14 @@ def max_len(
     check_refused(results)
     check_something_fits(plan, results)
     steps: list = []
-    if extras.active:
+    extra = auto.active(plan, extras)
+    if extra:
         with stderr_console().status("partitions and estimated step times"):
             results, steps = auto.finish(plan, results, extras)
     if results_file is not None:
         report.write_rows(plan, results, results_file, extra_rows=auto.estimated_rows(steps, extras))
-    document = report.to_dict(plan, results) | (auto.to_dict(steps, extras) if extras.active else {})
+    automatic = auto.automatic(plan)
+    document = report.to_dict(plan, results) | (auto.to_dict(steps, extras, automatic) if extra else {})
     notes = packing_note.packing_notes(
         packing, [r.spec.at(r.search.max_len_tokens) for r in results if r.search.max_len_tokens >= 2],
         extras.gpu)
@@ -207,8 +207,8 @@ def max_len(
 
     def render(console) -> None:
         report.print_report(plan, results, out)
-        if extras.active:
-            console.print(auto.render_table(steps, extras))
+        if extra:
+            console.print(auto.render_table(steps, extras, automatic))
         if notes:
             console.print(packing_note.render_table(notes))
     emit(document, as_json, render)

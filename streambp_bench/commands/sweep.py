@@ -22,7 +22,7 @@ from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
 from streambp_bench.tokens import UNITS, parse_partition, parse_token_list
-from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec, check_budget_gib
+from streambp_core.config import AUTO, ConfigError, StepSpec, check_budget_gib
 from streambp_core.models.config_file import precheck_model
 
 if TYPE_CHECKING:
@@ -161,16 +161,15 @@ def sweep(
         raise ConfigError("give at least one model")
     for name in models:
         precheck_model(name)
-    auto_layer = ps.strip().lower() == "auto"
+    auto_layer = ps.strip().lower() == AUTO
     if gpu_model is not None and (gpus or 1) > 1:
         raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
-    head_size = parse_partition(ps_head, "--ps-head")
     points = grid.expand_grid(
         methods=method_list(method),
         models=models,
         seq_lens=parse_token_list(seq_len),
-        partition_sizes=(MIN_AUTO_PARTITION,) if auto_layer else parse_token_list(ps, "partition size"),
-        head_partition_size=head_size or MIN_AUTO_PARTITION,
+        partition_sizes=(AUTO,) if auto_layer else parse_token_list(ps, "partition size"),
+        head_partition_size=parse_partition(ps_head, "--ps-head"),
         objective=objective.value,
         batch_size=batch_size,
         dtype=dtype.value,
@@ -193,7 +192,7 @@ def sweep(
     from streambp_core.step.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)
-    resolve = _auto_partitions(target, auto_layer, head_size is None)
+    resolve = _auto_partitions(target, points)
     gpu = None if gpu_model is None else _gpu(gpu_model.value)
     results = ResultsFile(out)
     counts = {"ran": 0, "skipped": 0, "failed": 0}
@@ -241,18 +240,19 @@ def _gpu(name: str):
     return gpu_model(name)
 
 
-def _auto_partitions(target, layer: bool, head: bool):
-    """resolve(point, model) for `run_points`: the largest partitions whose simulated peak fits the
-    target's budget (a point nothing fits keeps the smallest and is written oom); None when not asked."""
-    if not (layer or head):
+def _auto_partitions(target, points: tuple[StepSpec, ...]):
+    """resolve(point, model) for `run_points`: a point's AUTO partitions the largest whose simulated peak
+    fits the target's budget (`resolve_partitions`; a point nothing fits takes the smallest, `searched`,
+    and is written oom); None when no point has any."""
+    if not any(point.stream.automatic for point in points):
         return None
     if target.budget_bytes is None:
         raise ConfigError("--ps auto / --ps-head auto need a budget: give --budget-gib")
-    from streambp_core.step.partitions import fitting_partitions
+    from streambp_core.step.partitions import resolve_partitions, searched
 
     def resolve(point: StepSpec, model) -> StepSpec:
         try:
-            return fitting_partitions(point, target.budget_bytes, model, layer=layer, head=head)
+            return resolve_partitions(point, target.budget_bytes, model)
         except ConfigError:
-            return point
+            return searched(point)
     return resolve

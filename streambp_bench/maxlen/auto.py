@@ -1,9 +1,10 @@
 """What `max-len` adds with `--ps auto` / `--ps-head auto`, `--gpu-model` and `--at`.
 
-- Automatic partitions: a length is reachable when the smallest partitions the automatic choice
-  considers fit (64 tokens: peaks only grow with a partition), so the search runs with those; at each
-  method's maximum the partitions that reach it are the largest that still fit there
-  (`step.partitions.fitting_partitions`). Rows and the trainer call carry those sizes.
+- Automatic partitions: the specs read AUTO (`config.AUTO`). A length is reachable when the smallest
+  partitions the automatic choice considers fit (64 tokens: peaks only grow with a partition), so the
+  search runs with those (`step.partitions.searched`); at each method's maximum the partitions that
+  reach it are the largest that still fit there (`step.partitions.resolve_partitions`). Rows and the
+  trainer call carry those sizes.
 - `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
   paper's advice: fewer and larger chunks), or that nothing fits.
 - `--gpu-model`: the estimated step time (`step.step_estimate.estimate_step`, labelled estimated) at each
@@ -17,22 +18,28 @@ from dataclasses import dataclass, replace
 from rich.table import Table
 
 from streambp_bench.maxlen.plan import MethodResult, Plan
-from streambp_core.config import ConfigError, StepSpec
+from streambp_core.config import MIN_AUTO_PARTITION, ConfigError, StepSpec
 
 
 @dataclass(frozen=True, kw_only=True)
 class Extras:
-    """The options of this module: which partitions are automatic, the GPU model, the `--at` lengths."""
+    """The options of this module beside the specs' own AUTO partitions: the GPU model, the `--at`
+    lengths."""
 
-    auto_layer: bool = False
-    auto_head: bool = False
     gpu: object | None = None
     """A `step.estimate.GpuModel`, or None."""
     at_lengths: tuple[int, ...] = ()
 
-    @property
-    def active(self) -> bool:
-        return self.auto_layer or self.auto_head or self.gpu is not None or bool(self.at_lengths)
+
+def automatic(plan: Plan) -> tuple[str, ...]:
+    """The partition fields the plan's steps leave to the automatic choice (`StreamConfig.automatic`;
+    max-len's options give every step the same partitions)."""
+    return plan.specs[0].stream.automatic
+
+
+def active(plan: Plan, extras: Extras) -> bool:
+    """Whether this module adds to the report: automatic partitions, a GPU model or `--at` lengths."""
+    return bool(automatic(plan)) or extras.gpu is not None or bool(extras.at_lengths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,29 +88,30 @@ def finish(plan: Plan, results: list[MethodResult],
            extras: Extras) -> tuple[list[MethodResult], list[StepAt]]:
     """(results with the partitions reaching each maximum, one StepAt per method at its maximum and at
     each `--at` length)."""
+    from streambp_core.step.partitions import searched
+
     finished, steps = [], []
     for result in results:
         at_max = _step_at(plan, result.spec, result.search.max_len_tokens, extras)
-        finished.append(result if at_max.spec is None else replace(result, spec=at_max.spec))
+        finished.append(replace(result, spec=at_max.spec or searched(result.spec)))
         lengths = [_step_at(plan, result.spec, length, extras) for length in extras.at_lengths]
         steps += [replace(step, label=result.label) for step in (at_max, *lengths)]
     return finished, steps
 
 
 def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt:
-    from streambp_core.step.partitions import fitting_partitions
+    from streambp_core.step.partitions import resolve_partitions
     from streambp_core.step.simulate import simulate
     from streambp_core.step.step_estimate import estimate_step
 
     if seq_len < 2:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
     try:
-        run = fitting_partitions(spec.at(seq_len), plan.budget_bytes, plan.resolved, layer=extras.auto_layer,
-                                 head=extras.auto_head)
+        run = resolve_partitions(spec.at(seq_len), plan.budget_bytes, plan.resolved)
     except ConfigError:  # not even the smallest partitions fit
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
-    automatic = spec.partitioned and (extras.auto_layer or extras.auto_head)
-    full = simulate(run, plan.resolved, depth="full") if not automatic else None
+    chosen = spec.partitioned and bool(spec.stream.automatic)  # checked at full depth by the choice
+    full = simulate(run, plan.resolved, depth="full") if not chosen else None
     if full is not None and full.peak_bytes > plan.budget_bytes:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
     if extras.gpu is None:
@@ -115,19 +123,21 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt
                   interconnect=estimate.interconnect)
 
 
-def to_dict(steps: list[StepAt], extras: Extras) -> dict:
-    """The JSON entries of this module (added to max-len's document)."""
-    return {"partitions": {"layer": "auto" if extras.auto_layer else "given",
-                           "head": "auto" if extras.auto_head else "given"},
+def to_dict(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...] = ()) -> dict:
+    """The JSON entries of this module (added to max-len's document); `automatic`: the partition fields
+    the steps left to the automatic choice (`automatic(plan)`)."""
+    return {"partitions": {"layer": "auto" if "partition_size" in automatic else "given",
+                           "head": "auto" if "head_partition_size" in automatic else "given"},
             "gpu_model": None if extras.gpu is None else extras.gpu.name,
             "steps": [step.to_dict() for step in steps]}
 
 
-def render_table(steps: list[StepAt], extras: Extras) -> Table:
-    """Per method and length: the partitions that run there and the estimated step time."""
+def render_table(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...] = ()) -> Table:
+    """Per method and length: the partitions that run there and the estimated step time; `automatic` as
+    in `to_dict`."""
     gpu = "" if extras.gpu is None else f"; step time estimated for {extras.gpu.name}"
-    searched = " (the search ran with 64-token partitions, which reach furthest)" if (
-        extras.auto_layer or extras.auto_head) else ""
+    searched = f" (the search ran with {MIN_AUTO_PARTITION}-token partitions, which reach furthest)" if (
+        automatic) else ""
     copies = [step.pcie for step in steps if step.pcie is not None]
     if copies:
         gpu += (f"; offload copies over PCIe at {copies[0]['pcie_gb_per_s']:g} GB/s one way (both "

@@ -13,6 +13,7 @@ from streambp_bench.specs import spec_label
 from streambp_core.config import ConfigError, StepSpec, check_budget_gib
 from streambp_core.measure.units import GIB, format_size
 from streambp_core.search import ProbeResult, SearchResult
+from streambp_core.step.partitions import searched
 from streambp_core.step.probe import max_len
 from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import resident_bytes
@@ -21,7 +22,8 @@ from streambp_core.step.target import Target, resolve_target
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What to search: one step spec per method, where, the model (its config resolved once, with the
+    """What to search: one step spec per method (AUTO partitions as asked; each searched as
+    `step.partitions.searched` runs it), where, the model (its config resolved once, with the
     simulation memo its searches share) and what every step holds whatever its length (weights, grads,
     optimizer state)."""
 
@@ -74,6 +76,8 @@ class MethodResult:
     """One method's search."""
 
     spec: StepSpec
+    """The step searched: its AUTO partitions until `maxlen.auto.finish` puts the sizes there that reach
+    the maximum."""
     search: SearchResult
     how: str
     """How the peak at the maximum was obtained, in words."""
@@ -143,7 +147,7 @@ def check_host_budget(plan: Plan) -> None:
 
     for spec in (spec for spec in plan.specs if spec.offload != "none"):
         shortest = max(SHORTEST_PROBE_TOKENS, spec.sp)  # a token per sequence-parallel rank at least
-        need = simulate(spec.at(shortest), plan.resolved).host_peak_bytes
+        need = simulate(searched(spec).at(shortest), plan.resolved).host_peak_bytes
         if need > plan.host_budget_bytes:
             raise ConfigError(
                 f"host budget {plan.host_budget_words} is below what {spec_label(spec)} holds in "
@@ -165,7 +169,7 @@ def check_cpu_ram(plan: Plan) -> None:
     from streambp_core.step.probe import cpu_ram_refusal
 
     for spec in plan.specs:
-        refusal = cpu_ram_refusal(spec.at(SHORTEST_PROBE_TOKENS), plan.resolved)
+        refusal = cpu_ram_refusal(searched(spec).at(SHORTEST_PROBE_TOKENS), plan.resolved)
         if refusal is not None:
             raise ConfigError(f"{spec_label(spec)} at {SHORTEST_PROBE_TOKENS} tokens on the CPU: {refusal}")
 
@@ -233,7 +237,7 @@ def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe) -> SearchResult:
     def report(result: ProbeResult, ok: int, fail: int | None) -> None:
         on_probe(spec_label(spec), result, ok, fail)
 
-    return max_len(spec, plan.budget_bytes, plan.target.device, plan.resolved, on_probe=report,
+    return max_len(searched(spec), plan.budget_bytes, plan.target.device, plan.resolved, on_probe=report,
                    host_budget_bytes=plan.host_budget_bytes)
 
 

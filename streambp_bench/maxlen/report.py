@@ -23,6 +23,7 @@ from streambp_bench.results import (
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB, format_size, memory_unit
 from streambp_core.search import SEARCH_CAP_TOKENS, ProbeResult
+from streambp_core.step.partitions import searched
 
 
 def peak_gib(result: MethodResult) -> float | None:
@@ -67,9 +68,10 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 
 
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
-    """The JSON document: model, budget, source, settings and one entry per method."""
+    """The JSON document: model, budget, source, settings (partitions as searched: AUTO at the size the
+    search runs, `step.partitions.searched`) and one entry per method."""
     first = plan.specs[0]
-    fields = first.to_dict()
+    fields = searched(first).to_dict()
     settings = {k: fields[k] for k in ("batch_size", "dtype", "partition_size", "head_partition_size",
                                        "objective", "lora_rank", "optimizer", "attn", "protocol", "grads")}
     host_budget = None if plan.host_budget_bytes is None else plan.host_budget_bytes / GIB
@@ -253,7 +255,7 @@ def _partitions(plan: Plan, results: list[MethodResult]) -> str:
         return "partitions " + ", ".join(
             f"{r.label} ps {r.spec.stream.partition_size} ps-head {r.spec.stream.head_partition_size}"
             for r in chunked)
-    first = plan.specs[0].stream
+    first = searched(plan.specs[0]).stream
     layer, head = sizes.pop() if sizes else (first.partition_size, first.head_partition_size)
     return f"ps {layer} (streambp, mst), ps-head {head} (streambp, mst)"
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload
+from streambp_core.config import ConfigError, StreamConfig, check_method, check_offload, require_sized
 from streambp_core.engine.engines.reduction import engine_and_module
 from streambp_core.engine.sequence.group import SequenceGroup
 from streambp_core.methods.base import Run
@@ -32,8 +32,9 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
 
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the
-    config's. Preparing never copies the weights; `run.close()` (or leaving a `with` block) undoes it.
-    `sequence_group` (`engine.sequence_group.SequenceGroup`, real or simulated): Ulysses sequence
+    config's; its partitions are sizes in tokens (an AUTO one is resolved first: `step.partitions`,
+    ValueError here). Preparing never copies the weights; `run.close()` (or leaving a `with` block)
+    undoes it. `sequence_group` (`engine.sequence_group.SequenceGroup`, real or simulated): Ulysses sequence
     parallelism over its ranks, each computing its shard of every sequence (`methods.sequence`).
     """
     check_method(method)
@@ -42,6 +43,7 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     except TypeError as err:
         raise ConfigError(f"unknown option for prepare(): {err}") from None
     check_offload(method, config.offload)
+    require_sized(config)
     if config.keep_chunks is not None and any(p.device.type != "meta" for p in model.parameters()):
         raise ConfigError("keep_chunks thins the chunk loops for simulation: only on the meta device")
     engine, module = engine_and_module(model)

@@ -5,6 +5,10 @@ kernel launches and GEMMs that reach the GPU's peak. `auto_partitions` takes the
 `fits(partition_size, head_partition_size) -> bool` (typically: the simulated peak of the step is within
 the budget), so it serves the simulator, a measured probe or a test alike.
 
+A spec asks for the choice with AUTO partitions (`config.AUTO`): `searched` is the spec a max-length
+search runs before the length is known (AUTO at MIN_PARTITION), `resolve_partitions` the spec that runs
+at its length (AUTO replaced by the largest that fit).
+
 Candidates: the layer partition splits the sequence into k equal chunks (ceil(T / k) for k = 1, 2, 3, 4,
 6, 8, 12, 16, ...: the paper's T/3 is among them); the head partition is T or a power of two from
 `min_head` up. Peaks grow with each partition and the two act in different phases of the step (layer
@@ -77,11 +81,24 @@ def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = No
     return layer, head
 
 
-def smallest_partitions(spec):
-    """`spec` (a `StepSpec`) with the smallest partitions the automatic choice considers: the ones that
-    reach the longest length."""
-    return spec.replaced(partition_size=min(MIN_PARTITION, spec.seq_len_tokens),
-                         head_partition_size=MIN_PARTITION)
+def searched(spec):
+    """`spec` (a `StepSpec`) as a max-length search runs it: each AUTO partition at MIN_PARTITION, the
+    smallest candidate (peaks only grow with a partition, so it reaches the longest length), the sizes
+    given as they are. The one rule for an automatic partition before its length is known."""
+    automatic = spec.stream.automatic
+    return spec.replaced(**dict.fromkeys(automatic, MIN_PARTITION)) if automatic else spec
+
+
+def resolve_partitions(spec, budget_bytes: int, model=None):
+    """`spec` (a `StepSpec`) with its AUTO partitions resolved at its length: the largest that fit
+    `budget_bytes` (`fitting_partitions`), the sizes given kept; a method without partitions takes
+    `searched`'s. `spec` itself when nothing reads AUTO. Raises ConfigError when even the smallest
+    candidates do not fit. `model`: as in `fitting_partitions`."""
+    automatic = spec.stream.automatic
+    if not automatic:
+        return spec
+    return fitting_partitions(searched(spec), budget_bytes, model, layer="partition_size" in automatic,
+                              head="head_partition_size" in automatic)
 
 
 def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = True, head: bool = True):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from streambp_core.config import ConfigError, StepSpec
+from streambp_core.config import ConfigError, StepSpec, require_sized
 from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
 from streambp_core.models.load import build_model
 from streambp_core.models.lora import apply_lora
@@ -111,6 +111,7 @@ def build_setup(
 ) -> Setup:
     """The setup of one step of `spec` on `device`; pass `model` (and its `optimizer`) to reuse them
     across lengths (a measured search builds the model once), their gradients reset for this step."""
+    require_sized(spec.stream)
     if model is None:
         model, optimizer = build_training_model(spec, config, device)
     else:

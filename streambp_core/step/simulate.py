@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from streambp_core.config import ConfigError, StepSpec
+from streambp_core.config import ConfigError, StepSpec, require_sized
 from streambp_core.measure.cuda import HostMemoryFailure, is_oom
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
@@ -129,6 +129,7 @@ def simulate(
     """
     if depth not in DEPTHS:
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
+    require_sized(spec.stream)
     model = resolved(spec.model, model)
     config = model.config
     if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":

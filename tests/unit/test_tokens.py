@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from streambp_bench import tokens
-from streambp_core.config import ConfigError
+from streambp_core.config import AUTO, ConfigError
 
 
 def test_token_lists_take_k_as_1000_as_the_plots_do_and_ki_as_1024() -> None:
@@ -32,7 +32,7 @@ def test_one_count_takes_every_suffix(text: str, expected: int) -> None:
 
 
 def test_a_partition_option_is_a_count_with_the_same_suffixes_or_auto() -> None:
-    assert [tokens.parse_partition(text, "--ps") for text in ("2k", "2ki", "AUTO")] == [2000, 2048, None]
+    assert [tokens.parse_partition(text, "--ps") for text in ("2k", "2ki", "AUTO")] == [2000, 2048, AUTO]
     with pytest.raises(ConfigError, match=r"--ps-head: head_partition_size must be .* \(k = 1000, ki = 1024"):
         tokens.parse_partition("0", "--ps-head")
 
