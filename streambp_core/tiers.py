@@ -8,13 +8,18 @@
 - params: the weights; each decoder layer's is gathered onto the device for its forward and again for its
   backward, one layer prefetched ahead, the embedding and the head when used (`engine.host_params`).
 
-A set of tiers is written as one canonical string, the tiers in the order above joined by commas
-("checkpoints,optimizer,params"), or "none". Pure Python: no torch, so bad input is refused at once.
+A set of tiers is one `Tiers` value, normalised once from whatever a user writes (`Tiers.of`), and read by
+attribute (`tiers.optimizer`). It is written as one canonical string, `str(tiers)`: the tiers in the
+order above joined by commas ("checkpoints,optimizer,params"), or "none". Pure Python: no torch, so bad
+input is refused at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from itertools import combinations
+from typing import ClassVar
 
 OFFLOAD_TIERS = ("checkpoints", "optimizer", "params")
 """Every tier, in canonical order."""
@@ -27,26 +32,77 @@ class TierError(ValueError):
     """A tier set that is not one (the caller turns it into its own error type)."""
 
 
-def canonical_offload(value: str | tuple[str, ...] | list[str] | frozenset[str] | set[str]) -> str:
-    """The canonical string of a tier set given as a comma list or a collection of tier names.
+@dataclass(frozen=True, kw_only=True)
+class Tiers:
+    """A set of offload tiers: one flag per tier. Hashable and compared by its flags; false when empty.
 
-    "none" (or nothing) is the empty set; "all" every tier. Unknown names raise TierError naming them."""
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = [str(name).strip().lower() for name in names if str(name).strip()]
-    if names in ([], ["none"]):
-        return "none"
-    if names == ["all"]:
-        return ALL_TIERS
-    unknown = [name for name in names if name not in OFFLOAD_TIERS]
-    if unknown:
-        raise TierError(f"offload must be one of none, {', '.join(OFFLOAD_TIERS)}, all or a comma list of "
-                        f"tiers; unknown tier {', '.join(map(repr, unknown))}")
-    return ",".join(tier for tier in OFFLOAD_TIERS if tier in names)
+    Built from user input by `Tiers.of`; `str()` gives the canonical string every file and message shows."""
+
+    checkpoints: bool = False
+    """What the method keeps between forward and backward lives in host memory."""
+    optimizer: bool = False
+    """The optimizer's states, fp32 masters and step live in host memory."""
+    params: bool = False
+    """The weights live in host memory, gathered a layer at a time."""
+
+    NONE: ClassVar[Tiers]
+    """No tier: everything on the device."""
+    ALL: ClassVar[Tiers]
+    """Every tier."""
+
+    def __post_init__(self) -> None:
+        flags = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not all(isinstance(flag, bool) for flag in flags.values()):
+            raise TierError(f"a tier is on or off (True or False), got {flags}")
+
+    @classmethod
+    def of(cls, value: Tiers | str | Iterable[str]) -> Tiers:
+        """The tier set of a canonical string, a comma list or a collection of tier names (or a Tiers).
+
+        Names are read without case or surrounding blanks; "none" (or nothing) is the empty set, "all"
+        every tier. Unknown names raise TierError naming them."""
+        if isinstance(value, Tiers):
+            return value
+        if not isinstance(value, str | Iterable):
+            raise TierError(f"offload must be a tier name, a comma list or a collection of names, "
+                            f"got {value!r}")
+        names = value.split(",") if isinstance(value, str) else list(value)
+        names = [str(name).strip().lower() for name in names if str(name).strip()]
+        if names in ([], ["none"]):
+            return cls.NONE
+        if names == ["all"]:
+            return cls.ALL
+        unknown = [name for name in names if name not in OFFLOAD_TIERS]
+        if unknown:
+            raise TierError(f"offload must be one of none, {', '.join(OFFLOAD_TIERS)}, all or a comma list "
+                            f"of tiers; unknown tier {', '.join(map(repr, unknown))}")
+        return cls(**{tier: tier in names for tier in OFFLOAD_TIERS})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tiers that are on, in canonical order (none: ())."""
+        return tuple(tier for tier in OFFLOAD_TIERS if getattr(self, tier))
+
+    def __str__(self) -> str:
+        return ",".join(self.names) or "none"
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+
+Tiers.NONE = Tiers()
+Tiers.ALL = Tiers(checkpoints=True, optimizer=True, params=True)
+
+
+def canonical_offload(value: str | tuple[str, ...] | list[str] | frozenset[str] | set[str]) -> str:
+    """The canonical string of a tier set given as a comma list or a collection of tier names
+    (`Tiers.of`)."""
+    return str(Tiers.of(value))
 
 
 def offload_tiers(value: str) -> tuple[str, ...]:
     """The tiers of a canonical tier string ("none" -> ())."""
-    return () if value == "none" else tuple(value.split(","))
+    return Tiers.of(value).names
 
 
 def tier_problem(method: str, offload: str, optimizer: str | None = None) -> str | None:
