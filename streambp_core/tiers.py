@@ -94,44 +94,32 @@ Tiers.NONE = Tiers()
 Tiers.ALL = Tiers(checkpoints=True, optimizer=True, params=True)
 
 
-def canonical_offload(value: str | tuple[str, ...] | list[str] | frozenset[str] | set[str]) -> str:
-    """The canonical string of a tier set given as a comma list or a collection of tier names
-    (`Tiers.of`)."""
-    return str(Tiers.of(value))
-
-
-def offload_tiers(value: str) -> tuple[str, ...]:
-    """The tiers of a canonical tier string ("none" -> ())."""
-    return Tiers.of(value).names
-
-
-def tier_problem(method: str, offload: str, optimizer: str | None = None) -> str | None:
-    """Why `method` cannot run with the canonical tier set `offload` (and `optimizer`, when known), in
-    one line; None when it can.
+def tier_problem(method: str, tiers: Tiers, optimizer: str | None = None) -> str | None:
+    """Why `method` cannot run with the tier set `tiers` (and `optimizer`, when known), in one line; None
+    when it can.
 
     plain keeps no checkpoints and cannot stream layers (autograd holds every layer's weights from forward
     to backward), so it takes the optimizer tier only. With an optimizer, params needs optimizer: the
     weights the step updates live on the host, so the step runs there. The optimizer tier needs an
     optimizer to offload."""
-    tiers = offload_tiers(offload)
-    if method == "plain" and tiers == ("checkpoints",):
+    if method == "plain" and tiers == Tiers(checkpoints=True):
         return "offload does not apply to plain: it keeps no checkpoints, so there is nothing to offload"
-    if method == "plain" and ("checkpoints" in tiers or "params" in tiers):
-        refused = [tier for tier in tiers if tier != "optimizer"]
+    if method == "plain" and (tiers.checkpoints or tiers.params):
+        refused = [tier for tier in tiers.names if tier != "optimizer"]
         return (f"offload {','.join(refused)} does not apply to plain: it keeps no checkpoints and cannot "
                 "stream layers (autograd holds every layer's weights from forward to backward); use "
                 "checkpoint, mst or streambp, or offload optimizer only")
-    if optimizer == "none" and "optimizer" in tiers:
+    if optimizer == "none" and tiers.optimizer:
         return "offload optimizer needs an optimizer (optimizer adamw): a backprop-only step has none"
-    if optimizer not in (None, "none") and "params" in tiers and "optimizer" not in tiers:
+    if optimizer not in (None, "none") and tiers.params and not tiers.optimizer:
         return ("offload params with an optimizer needs optimizer too: the weights the step updates live "
                 "on the host, so the step runs there (offload optimizer,params)")
     return None
 
 
-def tier_label(offload: str) -> str:
+def tier_label(tiers: Tiers) -> str:
     """How a table names a tier set after the method: '' (none), '+ offload' (checkpoints, the label
     rows had before the other tiers existed), else '+ offload <tiers>'."""
-    if offload == "none":
+    if not tiers:
         return ""
-    return "+ offload" if offload == "checkpoints" else f"+ offload {offload}"
+    return "+ offload" if tiers == Tiers(checkpoints=True) else f"+ offload {tiers}"

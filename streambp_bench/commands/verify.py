@@ -204,7 +204,7 @@ def verify(
     lora_rank: opt.LoraRank = 0,
     attn: opt.AttnOption = opt.Attn.auto,
     head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
-    offload: opt.OffloadOption = opt.Offload.none,
+    offload: opt.OffloadOption = opt.Tiers.NONE,
     nproc: Annotated[
         int | None, typer.Option("--nproc", help="Ranks to start (sharded verify); at most the CPU cores "
                                  "(cpu) or the GPUs (cuda).")
@@ -254,7 +254,7 @@ def verify(
         parse_settings(settings)  # bad values refused before anything trains
 
         unused = {"--padding": padding.value != "none", "--objective": objective.value != "sft",
-                  "--head-mode": head_mode.value != "recompute", "--offload": offload.value != "none"}
+                  "--head-mode": head_mode.value != "recompute", "--offload": bool(offload)}
         if not run_trainer_parity(
                 trainer.value, model=model, methods=method_list(method), dtype=dtype.value, seq_len=seq_len,
                 batch_size=batch_size, ps=ps, ps_head=ps_head, seed=seed, device=device.value,
@@ -273,7 +273,7 @@ def verify(
     if shard is not None and nproc is None:
         raise ConfigError("--shard needs --nproc N: the ranks to shard the model across")
     stages = sharded_stages(engine, shard, nproc)
-    if nproc is not None and sp is None and offload.value != "none":
+    if nproc is not None and sp is None and offload:
         raise ConfigError("--offload with --nproc: the sharded verify runs without offload")
     head = StreamConfig(objective=objective.value, head_mode=head_mode.value).head_mode  # before torch
     if nproc is not None and sp is None and "streambp" in methods and head != "recompute":
@@ -293,7 +293,7 @@ def verify(
         model=model, methods=methods, padding=padding.value, device=where, seq_len_tokens=seq_len,
         batch_size=batch_size, partition_size=ps, head_partition_size=ps_head, dtype=dtype.value, seed=seed,
         objective=objective.value, lora_rank=lora_rank, attn=attn.value, head_mode=head_mode.value,
-        offload=offload.value,
+        offload=offload,
         packing=packing,
     )
     if nproc is not None:

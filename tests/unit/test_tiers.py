@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 
 import pytest
 
-from streambp_core.tiers import ALL_TIERS, OFFLOAD_MODES, TierError, Tiers
+from streambp_core.config import ConfigError, StepSpec, StreamConfig
+from streambp_core.tiers import ALL_TIERS, OFFLOAD_MODES, TierError, Tiers, tier_label, tier_problem
 
 UNKNOWN = ("offload must be one of none, checkpoints, optimizer, params, all or a comma list of tiers; "
            "unknown tier ")
@@ -73,3 +75,33 @@ def test_equal_sets_are_equal_and_hash_alike_and_a_set_is_not_its_string():
     assert Tiers.of("optimizer") != Tiers.of("params")
     assert Tiers.NONE != "none" and str(Tiers.NONE) == "none"  # typed: compare its string, not itself
     assert pickle.loads(pickle.dumps(Tiers.ALL)) == Tiers.ALL  # specs travel to worker processes
+
+
+def test_configs_hold_the_tiers_normalised_once_and_stay_hashable():
+    assert StreamConfig(offload="params , checkpoints").offload == Tiers(checkpoints=True, params=True)
+    assert StreamConfig().offload is Tiers.NONE
+    first = StepSpec.of(model="tiny/llama", method="streambp", offload="checkpoints,params")
+    second = StepSpec.of(model="tiny/llama", method="streambp", offload=("params", "checkpoints"))
+    assert first == second and hash(first) == hash(second) and len({first, second}) == 1
+    assert isinstance(first.offload, Tiers) and first.offload is first.stream.offload
+    assert first != first.replaced(offload="checkpoints")
+    with pytest.raises(ConfigError, match="unknown tier 'disk'"):
+        StreamConfig(offload="disk")
+
+
+def test_a_spec_dict_writes_the_canonical_string_and_reads_back():
+    spec = StepSpec.of(model="tiny/llama", method="streambp", optimizer="adamw", offload="params,optimizer")
+    values = json.loads(json.dumps(spec.to_dict()))
+    assert values["offload"] == "optimizer,params"
+    assert StepSpec.of(**values) == spec
+
+
+def test_tier_problem_and_label_take_a_tiers():
+    assert "nothing to offload" in tier_problem("plain", Tiers(checkpoints=True))
+    assert tier_problem("plain", Tiers.of("checkpoints,params")).startswith("offload checkpoints,params does")
+    assert tier_problem("plain", Tiers(optimizer=True), "adamw") is None
+    assert "needs an optimizer" in tier_problem("streambp", Tiers(optimizer=True), "none")
+    assert "needs optimizer too" in tier_problem("streambp", Tiers(params=True), "adamw")
+    assert tier_problem("streambp", Tiers.ALL, "adamw") is None
+    assert [tier_label(Tiers.of(m)) for m in ("none", "checkpoints", "optimizer,params")] == [
+        "", "+ offload", "+ offload optimizer,params"]
