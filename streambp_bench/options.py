@@ -26,6 +26,7 @@ from streambp_core.config import (
     PROTOCOLS,
     SHARD_MODES,
 )
+from streambp_core.tiers import TierError, Tiers
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
@@ -41,37 +42,28 @@ Attn = _choices("Attn", ATTN_BACKENDS)
 Protocol = _choices("Protocol", PROTOCOLS)
 Grads = _choices("Grads", ("auto", *GRADS_MODES))
 Optimizer = _choices("Optimizer", OPTIMIZERS)
-
-
-class Offload(str):
-    """`--offload`'s text: none, a comma list of tiers (checkpoints, optimizer, params; all) or both;
-    checked by `StepSpec` (one `error:` line for an unknown tier). `.value` as the choice Enums have."""
-
-    none: Offload
-
-    @property
-    def value(self) -> str:
-        return str(self)
-
-
-Offload.none = Offload("none")
-OffloadOrBoth = Offload
-
-
-def _offload(text: str) -> Offload:
-    """`--offload`'s value: both, or a tier set (an unknown tier: typer's one-line bad-parameter error)."""
-    from streambp_core.tiers import TierError, canonical_offload
-
-    if text.strip() == "both":
-        return Offload("both")
-    try:
-        return Offload(canonical_offload(text))
-    except TierError as err:
-        raise typer.BadParameter(str(err)) from None
 Shard = _choices("Shard", SHARD_MODES[1:])
 Stage = _choices("Stage", FSDP_STAGES)
 GpuModelName = _choices("GpuModelName", GPU_MODEL_NAMES)
 HeadMode = _choices("HeadMode", HEAD_MODES)
+
+
+def _tiers(text: str | Tiers) -> Tiers:
+    """`--offload`'s tier set: none, a tier, a comma list of tiers or all (an unknown tier: typer's one-line
+    bad-parameter error); the default comes as a `Tiers` already."""
+    if isinstance(text, Tiers):
+        return text
+    try:
+        return Tiers.of(text)
+    except TierError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def _tiers_or_both(text: str | Tiers) -> Tiers | str:
+    """`--offload` where a command takes both: the literal "both" (each method with and without
+    checkpoints), else a tier set (`_tiers`)."""
+    return "both" if isinstance(text, str) and text.strip() == "both" else _tiers(text)
+
 
 Model = Annotated[
     str,
@@ -176,12 +168,12 @@ _OFFLOAD_HELP = (
     "too); none: on the device"
 )
 OffloadOption = Annotated[
-    Offload, typer.Option("--offload", parser=_offload, metavar="TIERS",
-                          help=_OFFLOAD_HELP + ". plain takes the optimizer tier only.")
+    Tiers, typer.Option("--offload", parser=_tiers, metavar="TIERS",
+                        help=_OFFLOAD_HELP + ". plain takes the optimizer tier only.")
 ]
 OffloadOrBothOption = Annotated[
-    OffloadOrBoth,
-    typer.Option("--offload", parser=_offload, metavar="TIERS",
+    object,  # a Tiers or "both" (typer takes one annotated type; the parser returns either)
+    typer.Option("--offload", parser=_tiers_or_both, metavar="TIERS",
                  help=_OFFLOAD_HELP + "; both: each method with and without checkpoints (plain without "
                  "only). Asking plain for checkpoints or params is refused."),
 ]

@@ -10,7 +10,7 @@ from pathlib import Path
 from streambp_bench import options as opt
 from streambp_core.config import METHODS, ConfigError, StepSpec
 from streambp_core.models.config_file import precheck_model
-from streambp_core.tiers import tier_label
+from streambp_core.tiers import Tiers, tier_label
 
 
 def method_list(methods: str) -> tuple[str, ...]:
@@ -23,7 +23,8 @@ def method_list(methods: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chosen))
 
 
-def step_specs(model: str, methods: str, offload: str = "none", **fields: object) -> tuple[StepSpec, ...]:
+def step_specs(model: str, methods: str, offload: Tiers | str = Tiers.NONE, **fields: object
+               ) -> tuple[StepSpec, ...]:
     """One validated `StepSpec` per method of `methods` on `model` (checked to exist), at `offload`
     (`with_offload`: 'both' gives each method with and without)."""
     precheck_model(model)
@@ -31,22 +32,22 @@ def step_specs(model: str, methods: str, offload: str = "none", **fields: object
     return with_offload(specs, offload, every_method=methods.strip() == "all")
 
 
-def with_offload(specs: tuple[StepSpec, ...], offload: str, *, every_method: bool = False
+def with_offload(specs: tuple[StepSpec, ...], offload: Tiers | str, *, every_method: bool = False
                  ) -> tuple[StepSpec, ...]:
     """`specs` at `offload`: a tier set (a method named that cannot take it refused by name, ConfigError;
     with `every_method`, from `--method all`, such a method is left out instead: plain has nothing to
-    offload), or both: each spec followed by its offloaded twin (plain, with nothing to offload, only
+    offload), or "both": each spec followed by its offloaded twin (plain, with nothing to offload, only
     without)."""
-    if offload != "both":
-        if every_method and offload != "none":
-            specs = tuple(spec for spec in specs if not _method_cannot(spec, offload)) or specs
-        return tuple(spec.replaced(offload=offload) for spec in specs)
-    twins = ((spec, spec.replaced(offload="checkpoints")) if spec.method != "plain" else (spec,)
-             for spec in specs)
-    return tuple(dict.fromkeys(spec for pair in twins for spec in pair))
+    if offload == "both":
+        twins = ((spec, spec.replaced(offload=Tiers(checkpoints=True))) if spec.method != "plain" else (spec,)
+                 for spec in specs)
+        return tuple(dict.fromkeys(spec for pair in twins for spec in pair))
+    if every_method and offload:
+        specs = tuple(spec for spec in specs if not _method_cannot(spec, offload)) or specs
+    return tuple(spec.replaced(offload=offload) for spec in specs)
 
 
-def _method_cannot(spec: StepSpec, offload: str) -> bool:
+def _method_cannot(spec: StepSpec, offload: Tiers) -> bool:
     """Whether `spec`'s method alone keeps it from `offload` (streambp, on the same step, could take it)."""
     def refused(method: str) -> bool:
         try:

@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 
 from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
-from streambp_core.tiers import TierError, canonical_offload, tier_problem
+from streambp_core.tiers import TierError, Tiers, tier_problem
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 VERIFY_METHODS = ("checkpoint", "mst", "streambp")
@@ -124,8 +124,9 @@ class StreamConfig:
     (`methods.trl_loss`: GRPO's logits for the completion only, per-token log-probs row by row in the
     logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
 
-    offload: str = "none"
-    """The tiers in host memory (`streambp_core.tiers`; a comma list or a tuple, stored canonical).
+    offload: Tiers = Tiers.NONE
+    """The tiers in host memory (`streambp_core.tiers`): a `Tiers`, or a comma list or a collection of
+    tier names, stored as the `Tiers` it names (`Tiers.of`).
     checkpoints: what the method saves between forward and backward (layer inputs); checkpoint and mst
     through transformers' checkpoint offload, streambp through `engine.offload.HostChain`. params: the
     weights, gathered a layer at a time (`engine.host_params`). optimizer: `Run.adamw()` gives the host
@@ -135,7 +136,6 @@ class StreamConfig:
         object.__setattr__(self, "offload", offload_choice(self.offload))
         require_choice("objective", self.objective, OBJECTIVES)
         require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
-        require_choice("offload", self.offload, OFFLOAD_MODES)
         require_choice("baseline_loss", self.baseline_loss, BASELINE_LOSSES)
         if self.keep_chunks is not None:
             require_positive("keep_chunks", self.keep_chunks)
@@ -176,7 +176,7 @@ def require_sized(config: StreamConfig) -> None:
                          "before running a step (streambp_core.step.partitions.resolve_partitions)")
 
 
-def check_offload(method: str, offload: str, optimizer: str | None = None) -> None:
+def check_offload(method: str, offload: Tiers, optimizer: str | None = None) -> None:
     """ConfigError when `method` cannot run with the tier set `offload` (and `optimizer`, when known):
     the one rule, `tiers.tier_problem` (plain keeps no checkpoints and streams no layers; params with an
     optimizer needs the optimizer tier; the optimizer tier needs an optimizer)."""
@@ -190,11 +190,10 @@ def require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def offload_choice(value) -> str:
-    """The canonical tier string of `value` (`tiers.canonical_offload`), or ConfigError naming the
-    unknown tier."""
+def offload_choice(value) -> Tiers:
+    """The tier set `value` names (`Tiers.of`), or ConfigError naming the unknown tier."""
     try:
-        return canonical_offload(value)
+        return Tiers.of(value)
     except TierError as err:
         raise ConfigError(str(err)) from None
 
@@ -364,9 +363,11 @@ class StepSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, object]:
-        """Every field, flat (the stream's fields beside the step's): what `of` takes back."""
+        """Every field, flat (the stream's fields beside the step's; the tiers as their canonical string,
+        so the dict is JSON's): what `of` takes back."""
         own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stream"}
-        return {**own, **{name: getattr(self.stream, name) for name in STREAM_FIELDS}}
+        stream = {name: getattr(self.stream, name) for name in STREAM_FIELDS}
+        return {**own, **stream, "offload": str(self.stream.offload)}
 
     def _resolve_stream(self) -> None:
         """The step's stream: engine attention for the baselines (auto), the protocol's baseline loss, and
@@ -396,8 +397,8 @@ class StepSpec:
         return self.stream.objective
 
     @property
-    def offload(self) -> str:
-        """The step's tiers in host memory (`stream.offload`, canonical)."""
+    def offload(self) -> Tiers:
+        """The step's tiers in host memory (`stream.offload`)."""
         return self.stream.offload
 
     @property

@@ -126,7 +126,7 @@ def max_len(
     objective: opt.ObjectiveOption = opt.Objective.sft,
     lora_rank: opt.LoraRank = 0,
     optimizer: opt.OptimizerOption = opt.Optimizer.none,
-    offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
+    offload: opt.OffloadOrBothOption = opt.Tiers.NONE,
     host_budget_gib: Annotated[
         float | None,
         typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take (per "
@@ -157,7 +157,7 @@ def max_len(
         model, method, batch_size=batch_size, dtype=dtype.value,
         partition_size=parse_partition(ps, "--ps"), head_partition_size=parse_partition(ps_head, "--ps-head"),
         grads=grads.value, protocol=protocol.value, attn=attn.value, head_mode=head_mode.value,
-        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload.value,
+        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload,
         **ranks,
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)

@@ -137,7 +137,7 @@ def sweep(
     protocol: opt.ProtocolOption = opt.Protocol.default,
     grads: opt.GradsOption = opt.Grads.auto,
     head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
-    offload: opt.OffloadOrBothOption = opt.OffloadOrBoth.none,
+    offload: opt.OffloadOrBothOption = opt.Tiers.NONE,
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,
     device: opt.DeviceOption = opt.Device.auto,
@@ -181,7 +181,7 @@ def sweep(
         head_mode=head_mode.value,
         **ranks,
     )
-    points = with_offload(tuple(points), offload.value, every_method=method.strip() == "all")
+    points = with_offload(tuple(points), offload, every_method=method.strip() == "all")
     packing = packing_note.check_packing(packing, max(point.seq_len_tokens for point in points), points)
     writable_results(out)
     from streambp_bench.results import ResultsFile

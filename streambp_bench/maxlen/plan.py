@@ -60,7 +60,7 @@ class Plan:
     @property
     def offloads(self) -> bool:
         """Whether any spec keeps its checkpoints in host memory."""
-        return any(spec.stream.offload != "none" for spec in self.specs)
+        return any(spec.stream.offload for spec in self.specs)
 
     @property
     def budget_bytes(self) -> int:
@@ -134,7 +134,7 @@ def check_host_budget(plan: Plan) -> None:
     from streambp_core.step.host_pool import host_resident_bytes
     from streambp_core.step.simulate import simulate
 
-    for spec in (spec for spec in plan.specs if "optimizer" in spec.offload):
+    for spec in (spec for spec in plan.specs if spec.offload.optimizer):
         held = host_resident_bytes(spec, plan.resolved.config)["optimizer"]
         rank = "" if spec.shard == "none" else f", one rank's shard of {spec.gpus}"
         held = held if spec.shard == "none" else round(held * _trainable_fraction(plan, spec))
@@ -145,7 +145,7 @@ def check_host_budget(plan: Plan) -> None:
                 f"{format_size(held)}): no sequence length fits"
             )
 
-    for spec in (spec for spec in plan.specs if spec.offload != "none"):
+    for spec in (spec for spec in plan.specs if spec.offload):
         shortest = max(SHORTEST_PROBE_TOKENS, spec.sp)  # a token per sequence-parallel rank at least
         need = simulate(searched(spec).at(shortest), plan.resolved).host_peak_bytes
         if need > plan.host_budget_bytes:

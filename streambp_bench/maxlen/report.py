@@ -89,7 +89,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
         "results": [
             {
                 "method": r.method,
-                "offload": r.spec.stream.offload,
+                "offload": str(r.spec.stream.offload),
                 "label": r.label,
                 "head_mode": row_head_mode(r.spec) or None,
                 "max_len_tokens": r.search.max_len_tokens,
@@ -240,7 +240,7 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     line = (f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
             f"{trainer_settings_line(best.spec)} before trainer.train().")
-    if "optimizer" in best.spec.offload:  # a trainer makes its own optimizer on the device
+    if best.spec.offload.optimizer:  # a trainer makes its own optimizer on the device
         line += (" For the optimizer tier give the trainer streambp_core.engine.host.optimizer.HostAdamW "
                  "as its optimizer: optimizers=(HostAdamW(model.parameters(), lr=...), None).")
     return [line]
@@ -270,8 +270,8 @@ def offload_notes(results: list[MethodResult]) -> list[str]:
     """Why a method reaches fewer tokens with its checkpoints offloaded than without: the categories that
     hold more device memory at the offloaded peak (e.g. LoRA + AdamW: gradients live at that peak)."""
     lines = []
-    for with_offload in (r for r in results if r.spec.offload != "none"):
-        plain = next((r for r in results if r.method == with_offload.method and r.spec.offload == "none"
+    for with_offload in (r for r in results if r.spec.offload):
+        plain = next((r for r in results if r.method == with_offload.method and not r.spec.offload
                       and r.spec.stream.partition_size == with_offload.spec.stream.partition_size), None)
         if plain is None or with_offload.search.max_len_tokens >= plain.search.max_len_tokens:
             continue

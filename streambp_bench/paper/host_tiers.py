@@ -27,7 +27,7 @@ from streambp_bench.paper.shared import Settings, frame_of, max_len_row
 from streambp_bench.specs import spec_label
 from streambp_core.config import METHODS, StepSpec
 from streambp_core.step.resolved import ResolvedModel
-from streambp_core.tiers import ALL_TIERS, OFFLOAD_MODES, tier_problem
+from streambp_core.tiers import ALL_TIERS, OFFLOAD_MODES, Tiers, tier_problem
 
 GPUS_GIB = {"H100 80GB": 81_559 / 1024, "H200 141GB": 143_771 / 1024}
 """Each GPU's whole memory in GiB (nvidia-smi's MiB totals: 81,559 and 143,771)."""
@@ -55,7 +55,7 @@ def cells(quick: bool) -> list[tuple[StepSpec, float]]:
     gpus, tier_sets = (QUICK_GPUS_GIB, QUICK_TIER_SETS) if quick else (GPUS_GIB, TIER_SETS)
     return [(StepSpec.of(model=model, method=method, optimizer="adamw", offload=tiers, **sizes), budget)
             for model in models for budget in gpus.values() for method in METHODS for tiers in tier_sets
-            if tier_problem(method, tiers, "adamw") is None]
+            if tier_problem(method, Tiers.of(tiers), "adamw") is None]
 
 
 def run(settings: Settings, select: Callable[[StepSpec], bool] | None = None) -> None:
@@ -68,7 +68,7 @@ def run(settings: Settings, select: Callable[[StepSpec], bool] | None = None) ->
     grid = [(spec, budget) for spec, budget in cells(settings.quick) if select is None or select(spec)]
     models = {name: ResolvedModel(name) for name in dict.fromkeys(spec.model for spec, _ in grid)}
     tasks = [Task(spec_label(spec), max_len_row, (spec, budget, models[spec.model]),
-                  SEARCH_COST.get(spec.method, 0) + spec.offload.count(","))
+                  SEARCH_COST.get(spec.method, 0) + max(0, len(spec.offload.names) - 1))
              for spec, budget in grid]
     rows = run_tasks(tasks, settings.jobs, settings.context, settings.note)
     for name in {CSV_NAMES[_gpu(budget)] for _, budget in grid}:
@@ -87,12 +87,12 @@ def readme_lines(out_dir: Path) -> list[str]:
     return section(pd.concat(frames, ignore_index=True)) if frames else []
 
 
-def refused(methods: tuple[str, ...] = METHODS) -> list[tuple[tuple[str, ...], str, str]]:
+def refused(methods: tuple[str, ...] = METHODS) -> list[tuple[tuple[str, ...], Tiers, str]]:
     """(methods, tier set, why) of every tier set some of `methods` cannot run with AdamW, as
     `tiers.tier_problem` refuses it (so does `max-len`): the grid's cells not run, the methods sharing
     one reason together."""
-    grouped: dict[tuple[str, str], list[str]] = {}
-    for tiers in OFFLOAD_MODES:
+    grouped: dict[tuple[Tiers, str], list[str]] = {}
+    for tiers in map(Tiers.of, OFFLOAD_MODES):
         for method in methods:
             if (problem := tier_problem(method, tiers, "adamw")) is not None:
                 grouped.setdefault((tiers, problem), []).append(method)

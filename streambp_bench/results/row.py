@@ -24,7 +24,7 @@ from streambp_core.config import (
     SHARD_MODES,
     StepSpec,
 )
-from streambp_core.tiers import OFFLOAD_TIERS, offload_tiers
+from streambp_core.tiers import OFFLOAD_TIERS, Tiers
 
 if TYPE_CHECKING:  # pandas is imported where a frame is built: writing rows does not need it
     import pandas as pd
@@ -146,8 +146,9 @@ class ResultRow:
         for name, allowed in _CHOICES.items():
             require_one_of(name, getattr(self, name), allowed)
         object.__setattr__(self, "head_mode", _head_mode_cell(self.method, self.head_mode))
+        tiers = Tiers.of(self.offload)  # the cell's text, a canonical tier set (checked above)
         for tier in OFFLOAD_TIERS:  # one column per tier, read from the tier set
-            object.__setattr__(self, f"offload_{tier}", int(tier in offload_tiers(self.offload)))
+            object.__setattr__(self, f"offload_{tier}", int(getattr(tiers, tier)))
         for name in ("method", "model", "metric", "device_name"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
@@ -265,7 +266,7 @@ def spec_fields(spec: StepSpec, seq_len_tokens: int | None = None) -> dict[str, 
         "head_partition_size": spec.stream.head_partition_size if spec.partitioned else None,
         "dtype": spec.dtype, "lora_rank": spec.lora_rank or None, "optimizer": spec.optimizer,
         "attn": spec.stream.attn, "protocol": spec.protocol, "grads": spec.grads,
-        "offload": spec.stream.offload,
+        "offload": str(spec.stream.offload),
         "gpus": spec.gpus, "sp": spec.sp, "shard": spec.shard, "head_mode": row_head_mode(spec),
     }  # fmt: skip
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from streambp_core.config import StreamConfig, check_method
+from streambp_core.tiers import Tiers
 
 METHOD_OPTIONS = {
     "plain": (),
@@ -33,7 +34,8 @@ def trainer_settings(spec_or_method, **options) -> dict[str, object]:
     `spec_or_method` is a method name (options as keywords), a step spec (its `stream`), or any object with
     a `method` attribute and StreamConfig fields as attributes. Fields a method does not read are left out;
     so are fields at their default, except the partition sizes, which are always shown for the methods
-    that read them. StreamConfig fields added later (e.g. offload) are passed on when set.
+    that read them. StreamConfig fields added later (e.g. offload) are passed on when set (a tier set as
+    its canonical string).
     """
     if isinstance(spec_or_method, str):
         method, values = spec_or_method, dict(options)
@@ -50,10 +52,15 @@ def trainer_settings(spec_or_method, **options) -> dict[str, object]:
         value = getattr(config, field.name)
         if field.name in read:
             if value != field.default or field.name.endswith("partition_size"):
-                settings[field.name] = value
+                settings[field.name] = _setting(value)
         elif field.name not in KNOWN_OPTIONS and value != field.default:
-            settings[field.name] = value
+            settings[field.name] = _setting(value)
     return settings
+
+
+def _setting(value: object) -> object:
+    """A setting as `stream_trainer` takes it: a tier set as its canonical string, anything else as is."""
+    return str(value) if isinstance(value, Tiers) else value
 
 
 def trainer_settings_line(spec_or_method, **options) -> str:

@@ -32,7 +32,6 @@ from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
 from streambp_core.models.adapters import DecoderParts, layer_parts
 from streambp_core.models.precision import hybrid_in_at_least_float32, restore_forwards
-from streambp_core.tiers import offload_tiers
 
 
 class Run:
@@ -94,13 +93,13 @@ class Run:
             stage = zero_stage_of(model)
             if stage is not None:  # DeepSpeed's offload sections hold the optimizer and params tiers
                 check_deepspeed_tiers(self.method, config.offload, stage, engine)
-            elif "params" in offload_tiers(config.offload):
+            elif config.offload.params:
                 self.host_params = self._host_params(next(model.parameters()).device)
             if is_zero3(model):
                 check_experts(self.parts.layers, self.method, self.drives_modules)
             if self.drives_modules and stage is not None:
                 self.zero3 = self._zero3_units()
-            if "optimizer" in offload_tiers(config.offload) and self.zero3 is None \
+            if config.offload.optimizer and self.zero3 is None \
                     and not any(is_sharded(layer) for layer in self.parts.layers):
                 self.host_grads = self._host_grads()
         except BaseException:
@@ -220,7 +219,7 @@ class Run:
         tier, else torch's on the device. Options as torch.optim.AdamW's (lr, betas, eps, weight_decay)."""
         from streambp_core.engine.host.optimizer import adamw
 
-        return adamw(self.model, "optimizer" in offload_tiers(self.config.offload), lr=lr, **options)
+        return adamw(self.model, self.config.offload.optimizer, lr=lr, **options)
 
     def _host_params(self, device) -> HostParams:
         """The params tier for this method: units bracketed by module hooks (`host_tier.hooked_params`)."""

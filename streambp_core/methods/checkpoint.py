@@ -19,7 +19,6 @@ from streambp_core.config import ConfigError
 from streambp_core.engine.host.checkpoints import offloaded_checkpoint
 from streambp_core.methods.hook_guards import FORWARD_HOOKS, HookScope
 from streambp_core.methods.plain import PlainRun
-from streambp_core.tiers import offload_tiers
 
 
 class CheckpointRun(PlainRun):
@@ -34,8 +33,7 @@ class CheckpointRun(PlainRun):
         self._attributes_before = {m: set(vars(m)) for m in self.model.modules()}
         self._functions_before = {m: vars(m)["_gradient_checkpointing_func"] for m in self.model.modules()
                                   if "_gradient_checkpointing_func" in vars(m)}
-        offload = "checkpoints" in offload_tiers(self.config.offload)
-        enable_activation_checkpointing(self.model, offload=offload)
+        enable_activation_checkpointing(self.model, offload=self.config.offload.checkpoints)
         self._eval_layers = [layer for layer in self.parts.layers if not layer.training]
         for layer in self._eval_layers:
             layer.training = True  # the layer's own flag only: transformers' checkpoint gate

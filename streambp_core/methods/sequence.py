@@ -33,7 +33,6 @@ from streambp_core.engine.sequence.attention import kv_replication
 from streambp_core.engine.sequence.group import SequenceGroup, group_sum
 from streambp_core.engine.sequence.layer import SequenceShard
 from streambp_core.models.adapters import layer_parts
-from streambp_core.tiers import offload_tiers
 
 
 def check_sequence_run(run, group: SequenceGroup) -> int:
@@ -41,7 +40,7 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
     if not isinstance(group, SequenceGroup):
         raise ConfigError(f"sequence_group must be a SequenceGroup, got {type(group).__name__}")
     what = None
-    if "params" in offload_tiers(run.config.offload):
+    if run.config.offload.params:
         what = "the params offload tier (weights in host memory)"
     elif run._reduction is not None:
         what = "DeepSpeed ZeRO"

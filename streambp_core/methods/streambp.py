@@ -33,7 +33,6 @@ from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
 from streambp_core.methods.hook_guards import HookScope, above
 from streambp_core.models.adapters import layer_parts
-from streambp_core.tiers import offload_tiers
 
 
 class StreamBPRun(Run):
@@ -111,7 +110,7 @@ class StreamBPRun(Run):
 
     def _host_chain(self, input_ids) -> HostChain | None:
         """This step's host chain when offloading checkpoints, else None."""
-        return HostChain(input_ids.device) if "checkpoints" in offload_tiers(self.config.offload) else None
+        return HostChain(input_ids.device) if self.config.offload.checkpoints else None
 
     def _streamed_layers(self, input_ids, attention_mask, chain: HostChain | None, packed=None):
         """The last layer's output and the (probability sums, picks) of each routed layer under the

@@ -61,7 +61,7 @@ under `prepare(engine.module)`, whose config cannot be read), params below ZeRO-
 
 from __future__ import annotations
 
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, offload_choice
 from streambp_core.engine.engines.deepspeed_tiers import OFFLOAD_SECTIONS
 from streambp_core.engine.engines.reduction import (
     MIN_VERSION,
@@ -71,7 +71,7 @@ from streambp_core.engine.engines.reduction import (
     version_tuple,
     zero_stage_of,
 )
-from streambp_core.tiers import offload_tiers
+from streambp_core.tiers import Tiers
 
 __all__ = ["MIN_VERSION", "OneReduction", "STAGES", "check_engine", "check_installed", "check_stage",
            "version_tuple", "zero_config", "zero_stage_of"]
@@ -113,7 +113,7 @@ def check_engine(engine) -> int:
 
 
 def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: float = 1e-3,
-                offload: str = "none", cpu_adam: bool = False) -> dict:
+                offload: Tiers | str = Tiers.NONE, cpu_adam: bool = False) -> dict:
     """A DeepSpeed config for ZeRO `stage` in the parameters' own dtype (no fp16/bf16 section: float32
     or float64 master weights), Adam without weight decay (DeepSpeed's Adam is AdamW, whose torch default
     decays by 0.01) and without clipping (DeepSpeed clips at norm 1.0 unless told). ZeRO keeps float32
@@ -121,11 +121,12 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
     (`stage3_param_persistence_threshold` 0: by default it keeps those under 1e5 elements whole on every
     rank, which would be all of a tiny model's).
 
-    `offload`: the project's tiers as DeepSpeed's sections (`offload_sections`). The optimizer is torch's
+    `offload`: the project's tiers (a `Tiers` or what `Tiers.of` reads) as DeepSpeed's sections
+    (`offload_sections`). The optimizer is torch's
     Adam (no compiled op; with `offload_optimizer` DeepSpeed is told to accept it,
     `zero_force_ds_cpu_optimizer` false), or with `cpu_adam` and the optimizer tier DeepSpeed's own
     `DeepSpeedCPUAdam` (compiled on first use), what a user of `offload_optimizer` runs."""
-    zero = {"stage": stage, **offload_sections(offload, stage)}
+    zero = {"stage": stage, **offload_sections(offload_choice(offload), stage)}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     cpu_adam = cpu_adam and "offload_optimizer" in zero
@@ -138,12 +139,11 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
     return config
 
 
-def offload_sections(offload: str, stage: int) -> dict:
-    """DeepSpeed's `zero_optimization` sections for the project's tier set `offload` (canonical): the
+def offload_sections(offload: Tiers, stage: int) -> dict:
+    """DeepSpeed's `zero_optimization` sections for the project's tier set `offload`: the
     optimizer tier is `offload_optimizer`, params is `offload_param` (ZeRO-3 only), both on the CPU; the
     checkpoints tier has none (the methods offload their checkpoints themselves: `prepare(engine, ...,
     offload="checkpoints")`). ConfigError for params below ZeRO-3."""
-    tiers = offload_tiers(offload)
-    if "params" in tiers and stage != 3:
+    if offload.params and stage != 3:
         raise ConfigError(f"deepspeed offloads parameters under zero3 only (offload_param), got zero{stage}")
-    return {OFFLOAD_SECTIONS[tier]: {"device": "cpu"} for tier in tiers if tier in OFFLOAD_SECTIONS}
+    return {OFFLOAD_SECTIONS[tier]: {"device": "cpu"} for tier in offload.names if tier in OFFLOAD_SECTIONS}

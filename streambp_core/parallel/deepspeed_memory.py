@@ -42,6 +42,7 @@ from streambp_core.config import ConfigError, StepSpec
 from streambp_core.parallel.deepspeed import offload_sections
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
 from streambp_core.parallel.memory import RankMemory
+from streambp_core.tiers import Tiers
 
 STAGES = {"deepspeed-zero2": 2, "deepspeed-zero3": 3}
 """The layouts measured, by ZeRO stage."""
@@ -56,7 +57,7 @@ class HostPool:
     to_device_bytes: int
 
 
-def deepspeed_config(stage: int, offload: str = "none") -> dict:
+def deepspeed_config(stage: int, offload: Tiers = Tiers.NONE) -> dict:
     """DeepSpeed's config for a measured rank: bf16, ZeRO `stage` with its default buckets, AdamW (fp32
     master weights and moments), no clipping; with the optimizer or params tier DeepSpeed's offload
     sections for them (`deepspeed.offload_sections`) and its CPU Adam, else torch's AdamW."""

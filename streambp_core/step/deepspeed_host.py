@@ -30,7 +30,7 @@ from __future__ import annotations
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.engine.engines.deepspeed_tiers import OFFLOAD_SECTIONS
 from streambp_core.step.shards import FP32_BYTES, ShardLayout
-from streambp_core.tiers import offload_tiers
+from streambp_core.tiers import Tiers
 
 DEEPSPEED_SECTIONS = tuple(OFFLOAD_SECTIONS)
 """The tiers DeepSpeed holds itself under ZeRO-3 (its `offload_optimizer` and `offload_param`)."""
@@ -39,7 +39,7 @@ DEEPSPEED_SECTIONS = tuple(OFFLOAD_SECTIONS)
 def check_deepspeed_offload(spec: StepSpec) -> None:
     """ConfigError for DeepSpeed offload that is not laid out: ZeRO-2's `offload_optimizer` (its own
     buffers, not simulated) and params below ZeRO-3 (DeepSpeed has no `offload_param` there)."""
-    tiers = set(offload_tiers(spec.offload)) & set(DEEPSPEED_SECTIONS)
+    tiers = [tier for tier in spec.offload.names if tier in DEEPSPEED_SECTIONS]
     if spec.shard == "deepspeed-zero2" and tiers:
         why = ("DeepSpeed offloads parameters under ZeRO-3 only" if "params" in tiers
                else "ZeRO-2's offload_optimizer buffers are not laid out")
@@ -50,11 +50,9 @@ def check_deepspeed_offload(spec: StepSpec) -> None:
 def engine_spec(spec: StepSpec) -> StepSpec:
     """The step the methods run under DeepSpeed ZeRO-3 with its offload: `spec` with its checkpoints tier
     only (DeepSpeed holds the optimizer and the parameters itself); any other spec, `spec` itself."""
-    tiers = offload_tiers(spec.offload)
-    if spec.shard != "deepspeed-zero3" or not set(tiers) & set(DEEPSPEED_SECTIONS):
+    if spec.shard != "deepspeed-zero3" or not set(spec.offload.names) & set(DEEPSPEED_SECTIONS):
         return spec
-    own = "checkpoints" if "checkpoints" in tiers else "none"
-    return spec.replaced(offload=own)
+    return spec.replaced(offload=Tiers(checkpoints=spec.offload.checkpoints))
 
 
 def deepspeed_host(spec: StepSpec, layout: ShardLayout, checkpoints: tuple[int, int, int]
@@ -62,17 +60,17 @@ def deepspeed_host(spec: StepSpec, layout: ShardLayout, checkpoints: tuple[int, 
     """(host peak, bytes to host, bytes to device) of one ZeRO-3 rank with DeepSpeed's offload sections
     (module docstring), over one step; `checkpoints`: the same three figures of the simulated step's own
     host pool (the checkpoints tier), added on top."""
-    tiers = offload_tiers(spec.offload)
+    tiers = spec.offload
     element = layout.grad_element_bytes
     part = layout.partition_numel
     host = to_host = to_device = 0
-    if "params" in tiers:
+    if tiers.params:
         host += layout.total("shard")
         to_device += 2 * layout.total("shard")  # each unit gathered for its forward and its backward
-    if "optimizer" in tiers and spec.optimizer != "none":
+    if tiers.optimizer and spec.optimizer != "none":
         master = 0 if element == FP32_BYTES else FP32_BYTES
         host += (master + 2 * FP32_BYTES) * part + element * part + FP32_BYTES * part
         to_host += (element + FP32_BYTES) * part
-        to_device += element * part + (0 if "params" in tiers else element * part)
+        to_device += element * part + (0 if tiers.params else element * part)
     peak, out, back = checkpoints
     return host + peak, to_host + out, to_device + back

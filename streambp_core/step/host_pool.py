@@ -15,7 +15,6 @@ from transformers import PretrainedConfig
 from streambp_core.config import StepSpec
 from streambp_core.dtypes import at_least_float32
 from streambp_core.step.optim import make_optimizer
-from streambp_core.tiers import offload_tiers
 
 STEP_LR = 1e-5
 """The learning rate of a step's optimizer (`streambp_core.step.optim.make_optimizer`'s)."""
@@ -23,7 +22,7 @@ STEP_LR = 1e-5
 
 def step_optimizer(model: torch.nn.Module, spec: StepSpec) -> torch.optim.Optimizer | None:
     """The step's optimizer (`optim.make_optimizer`): in host memory (`HostAdamW`) with the optimizer tier."""
-    on_host = "optimizer" in offload_tiers(spec.offload)
+    on_host = spec.offload.optimizer
     return make_optimizer(model, "adamw" if on_host else spec.optimizer, lr=STEP_LR, on_host=on_host)
 
 
@@ -39,9 +38,9 @@ def host_pool_tensors(run, optimizer) -> list[torch.Tensor]:
 def device_resident(spec: StepSpec, held: dict[str, int]) -> dict[str, int]:
     """`held` (weights, grads, optimizer bytes a step holds whatever its length) less what the tiers keep
     on the host: weights with params; gradients (sent as each is complete) and states with optimizer."""
-    tiers = offload_tiers(spec.offload)
-    return {name: 0 if (name == "weights" and "params" in tiers)
-            or (name in ("grads", "optimizer") and "optimizer" in tiers) else nbytes
+    tiers = spec.offload
+    return {name: 0 if (name == "weights" and tiers.params)
+            or (name in ("grads", "optimizer") and tiers.optimizer) else nbytes
             for name, nbytes in held.items()}
 
 
@@ -52,12 +51,12 @@ def host_resident_bytes(spec: StepSpec, config: PretrainedConfig) -> dict[str, i
     from streambp_core.models.load import build_model
     from streambp_core.models.lora import apply_lora
 
-    tiers = offload_tiers(spec.offload)
+    tiers = spec.offload
     model = build_model(config, dtype=getattr(torch, spec.dtype), device="meta", seed=spec.seed)
     if spec.lora_rank:
         model = apply_lora(model, spec.lora_rank)
     params = list(model.parameters())
     master = sum(p.numel() * at_least_float32(p.dtype).itemsize
                  for p in params if p.requires_grad)
-    return {"weights": sum(p.nbytes for p in params) if "params" in tiers else 0,
-            "optimizer": 3 * master if "optimizer" in tiers and spec.optimizer != "none" else 0}
+    return {"weights": sum(p.nbytes for p in params) if tiers.params else 0,
+            "optimizer": 3 * master if tiers.optimizer and spec.optimizer != "none" else 0}

@@ -113,9 +113,8 @@ def sharded_host(host_bytes: tuple[int, int, int], spec: StepSpec, config: Pretr
     the updated weights it gets back, where the simulated one-GPU layout counts all of them. Without
     that tier, unchanged."""
     from streambp_core.step.host_pool import host_resident_bytes
-    from streambp_core.tiers import offload_tiers
 
-    if "optimizer" not in offload_tiers(spec.offload) or spec.optimizer == "none":
+    if not spec.offload.optimizer or spec.optimizer == "none":
         return host_bytes
     state = host_resident_bytes(spec, config)["optimizer"]  # 3 float32 copies of the trainable weights
     weights = state // 6 if spec.dtype in ("bfloat16", "float16") else state // 3

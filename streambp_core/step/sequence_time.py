@@ -95,7 +95,7 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate
     model = resolved(spec.model, model)
     compute = fitted_estimate(spec, gpu, model)
     compute_s = compute.step_time_ms / 1e3
-    if spec.offload != "none":
+    if spec.offload:
         sim = simulate(spec, model)
         compute = replace(compute, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
                           pcie_bytes_per_s=gpu.pcie_bytes_per_s)

@@ -57,7 +57,7 @@ from torch import nn
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec, require_choice
 from streambp_core.models.adapters import decoder_parts
-from streambp_core.tiers import offload_tiers
+from streambp_core.tiers import Tiers
 
 PREFETCHED_LAYERS = 2
 """zero3: decoder layers gathered at once (the one running and the one FSDP prefetches)."""
@@ -209,14 +209,13 @@ def deepspeed_breakdown(
 
 def deepspeed_zero3_breakdown(
     breakdown_bytes: dict[str, int], layout: ShardLayout, phase: str = "backward", *,
-    optimizer_state: bool = True, offload: str = "none",
+    optimizer_state: bool = True, offload: Tiers = Tiers.NONE,
 ) -> dict[str, int]:
     """One rank's bytes by category under DeepSpeed ZeRO-3 with bf16 (module docstring), at the peak of a
     step phase whose single-rank breakdown is given; `optimizer_state` False: a backprop-only step;
     `offload` the tiers DeepSpeed holds on the host (`offload_optimizer`, `offload_param`:
     `deepspeed_host`)."""
-    tiers = offload_tiers(offload)
-    host_optimizer = optimizer_state and "optimizer" in tiers
+    host_optimizer = optimizer_state and offload.optimizer
     part = layout.partition_numel
     element = layout.grad_element_bytes
     rank = dict(breakdown_bytes)
@@ -224,7 +223,7 @@ def deepspeed_zero3_breakdown(
     layers = sorted((unit.full for unit in layout.units[1:]), reverse=True) or [0]
     prefetch = min(DEEPSPEED_PREFETCH_ELEMENTS * element, layers[0])
     gathered = layout.units[0].full + layers[0] + prefetch if phase != "optimizer" else 0
-    shards = 0 if "params" in tiers else layout.total("shard")
+    shards = 0 if offload.params else layout.total("shard")
     rank["weights"] = buffers + shards + layout.persistent_bytes + gathered
     master = 0 if element == FP32_BYTES else FP32_BYTES
     rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state and not host_optimizer else 0

@@ -30,7 +30,7 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     estimate = estimate_by_depth(
         lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
         model.num_layers, gpu)
-    if spec.stream.offload == "none":
+    if not spec.stream.offload:
         return estimate
     from streambp_core.step.simulate import simulate
 

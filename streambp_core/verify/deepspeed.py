@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import streambp_core
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, offload_choice
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.deepspeed import (
@@ -53,6 +53,7 @@ from streambp_core.parallel.deepspeed import (
 )
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.tiers import Tiers
 from streambp_core.verify.compare import max_grad_err, max_rel_err
 from streambp_core.verify.methods import DTYPES, TOLERANCE, VerifySpec
 
@@ -96,8 +97,8 @@ class DeepSpeedResult:
     """Reported, not judged (module docstring): the applied update against plain's gradient stepped by
     torch's Adam from float32 masters."""
     offload: str = "none"
-    """The project's tiers DeepSpeed held on the host (`deepspeed.offload_sections`): optimizer is its
-    `offload_optimizer`, params its `offload_param`."""
+    """The project's tiers DeepSpeed held on the host, as their canonical string
+    (`deepspeed.offload_sections`): optimizer is its `offload_optimizer`, params its `offload_param`."""
     offload_err: float | None = None
     """With `offload`: the reduced gradient against the same method's on the same engine without it."""
     grad_tolerance: float = GRAD_TOLERANCE
@@ -122,17 +123,19 @@ class EngineStep:
 
 def verify_deepspeed(
     specs: tuple[VerifySpec, ...], *, nproc: int, shards: tuple[str, ...] = ("zero1", "zero2"),
-    micro_steps: int = 1, offload: str = "none", cpu_adam: bool = False,
+    micro_steps: int = 1, offload: Tiers | str = Tiers.NONE, cpu_adam: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[DeepSpeedResult]:
     """Verify every spec's methods under every ZeRO stage across `nproc` ranks (module docstring), with
-    DeepSpeed's offload sections for the tiers `offload` (canonical; "none": none) and, with `cpu_adam`,
+    DeepSpeed's offload sections for the tiers `offload` (a `Tiers` or what `Tiers.of` reads) and, with
+    `cpu_adam`,
     DeepSpeed's CPU Adam stepping the offloaded optimizer (`deepspeed.zero_config`)."""
     check_installed()
     if not specs:
         raise ConfigError("give at least one spec")
     for spec in specs:
         check_spec(spec, shards)
+    offload = offload_choice(offload)
     for shard in shards:
         offload_sections(offload, STAGES[shard])
     per_rank = run_ranks(rank_verify, nproc, args=(specs, shards, micro_steps, offload, cpu_adam),
@@ -151,7 +154,7 @@ def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
         raise ConfigError("deepspeed verify runs on cpu ranks")
 
 
-def rank_verify(rank: int, world: int, specs, shards, micro_steps: int, offload: str = "none",
+def rank_verify(rank: int, world: int, specs, shards, micro_steps: int, offload: Tiers = Tiers.NONE,
                 cpu_adam: bool = False) -> list[DeepSpeedResult]:
     """Body of each rank (module docstring); every rank checks, rank 0's results are returned."""
     import deepspeed
@@ -171,7 +174,7 @@ def rank_verify(rank: int, world: int, specs, shards, micro_steps: int, offload:
                 run = _engine_step(model, method, shard, spec, batches[rank], offload, cpu_adam)
                 result = _result(method, shard, spec, world, len(batches[rank]), run, plain_grads,
                                  plain_update)
-                if offload != "none":
+                if offload:
                     kept = _engine_step(model, method, shard, spec, batches[rank])
                     result = _with_offload(result, offload, max_grad_err(run.grads, kept.grads)[0])
                 results.append(result)
@@ -210,7 +213,7 @@ def _adam_update(model, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return _as_update(_stepped(torch.optim.Adam, {"lr": LR}, masters, grads), params)
 
 
-def _engine_step(model, method, shard, spec: VerifySpec, batches, offload: str = "none",
+def _engine_step(model, method, shard, spec: VerifySpec, batches, offload: Tiers = Tiers.NONE,
                  cpu_adam: bool = False) -> EngineStep:
     """The user's DeepSpeed loop on a copy of `model` over this rank's micro-steps (module docstring,
     step 2); reductions are tallied 0, 1, 2+ per micro-step on ZeRO-2/3, which reduce every micro-step,
@@ -287,9 +290,9 @@ def _result(method, shard, spec, world, micro_steps, run: EngineStep, plain_grad
                            and set(run.reductions) == {"1"})
 
 
-def _with_offload(result: DeepSpeedResult, offload: str, offload_err: float) -> DeepSpeedResult:
+def _with_offload(result: DeepSpeedResult, offload: Tiers, offload_err: float) -> DeepSpeedResult:
     """`result` with its offload figure, held to the gradient's bound too."""
-    return replace(result, offload=offload, offload_err=offload_err,
+    return replace(result, offload=str(offload), offload_err=offload_err,
                    ok=result.ok and offload_err <= GRAD_TOLERANCE)
 
 

@@ -36,6 +36,7 @@ from streambp_core.step.batch import (
     pack_rows,
     random_batch,
 )
+from streambp_core.tiers import Tiers
 from streambp_core.verify.compare import Gradients, max_grad_err
 from streambp_core.verify.ram import check_ram
 
@@ -122,7 +123,7 @@ class VerifySpec:
     @property
     def reference(self) -> StepSpec:
         """The reference's step: plain, its tensors on the device (offload never applies to it)."""
-        return replace(self.step, method="plain", stream=replace(self.step.stream, offload="none"))
+        return replace(self.step, method="plain", stream=replace(self.step.stream, offload=Tiers.NONE))
 
     def to_dict(self) -> dict[str, object]:
         """The spec, flat: the step's fields (but its method) and the stream's, methods, padding, device."""
@@ -371,7 +372,7 @@ def verify_methods(
     padding: str = "none",
     seed: int = 0,
     device: str = "cpu",
-    offload: str = "none",
+    offload: Tiers | str = Tiers.NONE,
 ) -> VerifyReport:
     """Verify `methods` against plain on `model_name` (preset or local directory); see `VerifySpec`."""
     spec = VerifySpec.of(

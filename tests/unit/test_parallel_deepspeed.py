@@ -22,6 +22,7 @@ from streambp_core.engine.engines.reduction import (
 )
 from streambp_core.models import build_model, load_config
 from streambp_core.parallel.launch import available_cpus
+from streambp_core.tiers import Tiers
 from streambp_core.verify.methods import VerifySpec
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -190,10 +191,10 @@ def test_the_offload_tiers_map_onto_deepspeeds_sections():
     cpu_adam = zero_config(3, micro_batch=1, offload="optimizer", cpu_adam=True)
     assert "zero_force_ds_cpu_optimizer" not in cpu_adam and not cpu_adam["optimizer"]["params"]["torch_adam"]
     assert "offload_param" not in cpu_adam["zero_optimization"]
-    assert offload_sections("checkpoints", 2) == {} and offload_sections("none", 3) == {}
+    assert offload_sections(Tiers(checkpoints=True), 2) == {} and offload_sections(Tiers.NONE, 3) == {}
     assert "offload_optimizer" not in zero_config(3, micro_batch=1)["zero_optimization"]
     with pytest.raises(ConfigError, match="offloads parameters under zero3 only"):
-        offload_sections("optimizer,params", 2)
+        offload_sections(Tiers(optimizer=True, params=True), 2)
 
 
 def test_a_tier_under_deepspeed_is_its_section_or_refused_by_name():
@@ -216,13 +217,13 @@ def test_a_tier_under_deepspeed_is_its_section_or_refused_by_name():
 
     assert engine_tiers(Engine("optimizer", "params")) == ("optimizer", "params")
     assert engine_tiers(Engine()) == ()
-    check_deepspeed_tiers("streambp", "checkpoints,optimizer,params", 3, Engine("optimizer", "params"))
-    check_deepspeed_tiers("streambp", "checkpoints", 3, None)
+    check_deepspeed_tiers("streambp", Tiers.ALL, 3, Engine("optimizer", "params"))
+    check_deepspeed_tiers("streambp", Tiers(checkpoints=True), 3, None)
     with pytest.raises(ConfigError, match=r"offload params under deepspeed is DeepSpeed's own: set "
                                           r"zero_optimization.offload_param to \{device: cpu\}"):
-        check_deepspeed_tiers("mst", "optimizer,params", 3, Engine("optimizer"))
+        check_deepspeed_tiers("mst", Tiers(optimizer=True, params=True), 3, Engine("optimizer"))
     with pytest.raises(ConfigError, match="prepare the engine itself"):
-        check_deepspeed_tiers("checkpoint", "optimizer", 2, None)
+        check_deepspeed_tiers("checkpoint", Tiers(optimizer=True), 2, None)
     model = build_model(load_config("tiny/llama"), dtype=torch.float64, device="cpu", seed=0)
     for param in model.parameters():
         param._hp_mapping = None  # the mark ZeRO-1/2 leave on a parameter

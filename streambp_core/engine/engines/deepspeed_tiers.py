@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from streambp_core.config import ConfigError
-from streambp_core.tiers import offload_tiers
+from streambp_core.tiers import Tiers
 
 OFFLOAD_SECTIONS = {"optimizer": "offload_optimizer", "params": "offload_param"}
 """The project's tiers DeepSpeed holds itself, by the name of its `zero_optimization` section."""
@@ -32,12 +32,12 @@ def engine_tiers(engine: nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
-def check_deepspeed_tiers(method: str, offload: str, stage: int, engine: nn.Module | None) -> None:
+def check_deepspeed_tiers(method: str, offload: Tiers, stage: int, engine: nn.Module | None) -> None:
     """ConfigError (one line) when the tier set `offload` asks under DeepSpeed ZeRO `stage` (3, or 2 for
     ZeRO-1/2: `engine.reduction.zero_stage_of`) for a tier
     DeepSpeed does not hold: params below ZeRO-3 (DeepSpeed has no `offload_param` there), optimizer or
     params without the engine (its config cannot be read) or without its section on in the config."""
-    wanted = [tier for tier in offload_tiers(offload) if tier in OFFLOAD_SECTIONS]
+    wanted = [tier for tier in offload.names if tier in OFFLOAD_SECTIONS]
     if not wanted:
         return
     if "params" in wanted and stage != 3:
