@@ -18,12 +18,12 @@ The contract, on every rank of the group:
 Per-family attention runs on the shards as it does in one process (`engine.sequence_attention`): Gemma 2's
 soft-capped scores, gpt-oss's attention sinks (each rank its heads' slice), Llama 4's chunked local
 attention (chunks counted over the whole sequence) and its NoPE layers' query temperature (at each token's
-global index).
+global index), and DeepSeek-V3's multi-head latent attention (streambp gathers the one latent key head to
+every rank, `engine.sequence.mla`; the transformers-driven methods pad the narrower value heads).
 
 Refused by name: packed rows (position_ids), the params tier, DeepSpeed ZeRO, the router load-balancing
-loss, TRL's baseline loss, multi-head latent attention (DeepSeek-V3), Gated DeltaNet linear attention
-(Qwen3.5: its recurrence runs along the whole sequence), and heads that cannot split over the ranks
-(`kv_replication`).
+loss, TRL's baseline loss, Gated DeltaNet linear attention (Qwen3.5: its recurrence runs along the whole
+sequence), and heads that cannot split over the ranks (`kv_replication`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "the router load-balancing loss (output_router_logits)"
     elif run.config.baseline_loss == "trl" and run.objective_name != "sft":
         what = "baseline_loss trl (TRL's own GRPO/DPO loss over full logits)"
-    elif layer_parts(run.parts.layers[0]).mla is not None:
-        what = "multi-head latent attention (DeepSeek-V3)"
     elif any(layer_parts(layer).delta is not None for layer in run.parts.layers):
         what = "Gated DeltaNet linear attention (Qwen3.5: its recurrent state runs along the whole sequence)"
     if what is not None:

@@ -20,8 +20,10 @@ temperature (Llama 4) take the shard's global positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -225,21 +227,36 @@ def _kv_chunk_backward(plan: LayerPlan, h_in_chunk, rope: Rope, kv_grads, grad_n
     return grad_or_zeros(h)
 
 
+class ShardSteps(NamedTuple):
+    """A streamed layer's two passes on a shard: `forward(plan, shard, h_in, cos, sin, key_valid)` -> h_out
+    (no grad), `backward(plan, shard, h_in, cos, sin, key_valid, grad_out, params, chunk_done)` -> grad_in.
+    `SEQUENCE_STEPS` is the decoder layer's; `sequence.mla.MLA_SEQUENCE_STEPS` an MLA layer's."""
+
+    forward: Callable
+    backward: Callable
+
+
 class SequenceStreamedLayer(torch.autograd.Function):
-    """`layer.StreamedLayer` on this rank's shard under sequence parallelism (module docstring)."""
+    """`layer.StreamedLayer` on this rank's shard under sequence parallelism (module docstring), by the
+    layer's `ShardSteps`."""
 
     @staticmethod
-    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, shard: SequenceShard, *params):
-        ctx.plan, ctx.shard, ctx.params = plan, shard, params
+    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, shard: SequenceShard, steps: ShardSteps,
+                *params):
+        ctx.plan, ctx.shard, ctx.steps, ctx.params = plan, shard, steps, params
         ctx.save_for_backward(keep_input(ctx, plan, h_in), cos, sin, key_valid)
         with torch.no_grad():
-            return sequence_forward(plan, shard, h_in, cos, sin, key_valid)
+            return steps.forward(plan, shard, h_in, cos, sin, key_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
         check_accumulates(ctx, "streambp's chunked decoder layer")
         saved, cos, sin, key_valid = ctx.saved_tensors
         h_in, chunk_done = kept_input(ctx, saved)
-        grad_in = sequence_backward(ctx.plan, ctx.shard, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                                    chunk_done)
-        return (grad_in, None, None, None, None, None, *([None] * len(ctx.params)))
+        grad_in = ctx.steps.backward(ctx.plan, ctx.shard, h_in, cos, sin, key_valid, grad_out, ctx.params,
+                                     chunk_done)
+        return (grad_in, None, None, None, None, None, None, *([None] * len(ctx.params)))
+
+
+SEQUENCE_STEPS = ShardSteps(sequence_forward, sequence_backward)
+"""The decoder layer's passes on a shard (`sequence_forward`, `sequence_backward`)."""
