@@ -28,15 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from streambp_core.engine.chunks import (
-    LocalChunks,
-    backward_into,
-    check_accumulates,
-    chunk_bounds,
-    grad_or_zeros,
-    leaf,
-    local_chunks,
-)
+from streambp_core.engine import chunks
+from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.sequence.attention import (
     KV_PIECES,
     BlockAttention,
@@ -81,7 +74,7 @@ class SequenceShard:
         return self.group.shard_bounds(self.total_tokens)
 
 
-def _chunk_plan(plan: LayerPlan, blocks: SequenceBlocks, local: LocalChunks | None) -> LayerPlan:
+def _chunk_plan(plan: LayerPlan, blocks: SequenceBlocks, local: chunks.LocalChunks | None) -> LayerPlan:
     """`plan` attending over every rank's chunk `blocks` (the whole sequence's key mask as `valid`), with
     the layer's soft-cap, sinks and, in a chunked local layer, its chunks over the whole sequence
     (`local`)."""
@@ -96,11 +89,11 @@ def _blocks_attention(q, k, v, valid, *, blocks, how, prefix=None):
 
 
 def _whole_chunks(plan: LayerPlan, shard: SequenceShard, key_valid: Tensor | None,
-                  h_in: Tensor) -> LocalChunks | None:
+                  h_in: Tensor) -> chunks.LocalChunks | None:
     """A chunked local layer's chunks over the whole sequence, numbered as the single-process layer numbers
     them (from each row's first real token); None in any other layer."""
     shape = (h_in.shape[0], shard.total_tokens)
-    return local_chunks(plan.parts.attention_chunk, key_valid, None, shape, h_in.device)
+    return chunks.local_chunks(plan.parts.attention_chunk, key_valid, None, shape, h_in.device)
 
 
 @dataclass(frozen=True)
