@@ -100,3 +100,14 @@ def test_gated_deltanet_is_refused_by_name(method) -> None:
     with pytest.raises(ConfigError, match=f"sequence parallelism does not run with {reason}"):
         streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))
     streambp_core.prepare(model, method).close()  # the refused run released the model
+
+
+def test_the_transformers_driven_methods_take_over_the_query_temperature_while_open() -> None:
+    """transformers would scale a shard's queries from index 0: the sequence-parallel attention applies the
+    temperature at the global indices instead, and the module's own is back on when the run closes."""
+    model = build_model("tiny/llama4", dtype=torch.float64, device="meta", seed=0)
+    nope = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
+    assert nope and all(attn.attn_temperature_tuning for attn in nope)
+    with streambp_core.prepare(model, "checkpoint", sequence_group=SequenceGroup.simulated(2)):
+        assert not any(attn.attn_temperature_tuning for attn in nope)
+    assert all(attn.attn_temperature_tuning for attn in nope)
