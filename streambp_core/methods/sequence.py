@@ -15,10 +15,15 @@ The contract, on every rank of the group:
   gradient (`sequence_group.sum_gradients`). An engine that averages over its ranks (FSDP2, DeepSpeed)
   gives that sum divided by its world size: multiply the loss by the group's size there.
 
+Per-family attention runs on the shards as it does in one process (`engine.sequence_attention`): Gemma 2's
+soft-capped scores, gpt-oss's attention sinks (each rank its heads' slice), Llama 4's chunked local
+attention (chunks counted over the whole sequence) and its NoPE layers' query temperature (at each token's
+global index), and DeepSeek-V3's multi-head latent attention (streambp gathers the one latent key head to
+every rank, `engine.sequence.mla`; the transformers-driven methods pad the narrower value heads).
+
 Refused by name: packed rows (position_ids), the params tier, DeepSpeed ZeRO, the router load-balancing
-loss, TRL's baseline loss, multi-head latent attention (DeepSeek-V3), attention sinks (gpt-oss),
-soft-capped attention scores (Gemma 2), and heads
-that cannot split over the ranks (`kv_replication`).
+loss, TRL's baseline loss, Gated DeltaNet linear attention (Qwen3.5: its recurrence runs along the whole
+sequence), and heads that cannot split over the ranks (`kv_replication`).
 """
 
 from __future__ import annotations
@@ -48,14 +53,6 @@ def check_sequence_run(run, group: SequenceGroup) -> int:
         what = "the router load-balancing loss (output_router_logits)"
     elif run.config.baseline_loss == "trl" and run.objective_name != "sft":
         what = "baseline_loss trl (TRL's own GRPO/DPO loss over full logits)"
-    elif layer_parts(run.parts.layers[0]).mla is not None:
-        what = "multi-head latent attention (DeepSeek-V3)"
-    elif layer_parts(run.parts.layers[0]).sinks is not None:
-        what = "attention sinks (gpt-oss)"
-    elif layer_parts(run.parts.layers[0]).attn_softcap is not None:
-        what = "attention logit soft-capping (Gemma 2's attn_logit_softcapping)"
-    elif run.parts.family == "llama4_text":
-        what = "Llama 4 (llama4_text: chunked local attention and query temperature by sequence index)"
     elif any(layer_parts(layer).delta is not None for layer in run.parts.layers):
         what = "Gated DeltaNet linear attention (Qwen3.5: its recurrent state runs along the whole sequence)"
     if what is not None:

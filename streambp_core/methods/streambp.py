@@ -22,7 +22,8 @@ from streambp_core.engine.engines.fsdp_unit import sharded_forward
 from streambp_core.engine.engines.zero3 import Zero3Units
 from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.engine.host.unit_grads import UnitGrads
-from streambp_core.engine.sequence.layer import SequenceShard, SequenceStreamedLayer
+from streambp_core.engine.sequence.layer import SEQUENCE_STEPS, SequenceShard, SequenceStreamedLayer
+from streambp_core.engine.sequence.mla import MLA_SEQUENCE_STEPS
 from streambp_core.engine.stream.delta import DeltaStreamedLayer
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.engine.stream.layer import STREAMED, LayerPlan, StreamedLayer
@@ -177,7 +178,8 @@ def _streamed_layer(layer, plan: LayerPlan, shard: SequenceShard | None, hidden,
     with the parameters the layer holds now (gathered ones when it is a sharded unit)."""
     params = trainable_parameters([layer])
     if shard is not None:
-        return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, *params)
+        steps = SEQUENCE_STEPS if plan.parts.mla is None else MLA_SEQUENCE_STEPS
+        return SequenceStreamedLayer.apply(hidden, cos, sin, valid, plan, shard, steps, *params)
     if plan.parts.delta is not None:
         return DeltaStreamedLayer.apply(hidden, cos, sin, valid, plan, *params)
     steps = STREAMED if plan.parts.mla is None else MLA_STEPS

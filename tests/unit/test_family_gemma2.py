@@ -175,15 +175,6 @@ def test_a_simulated_step_runs() -> None:
         assert result.peak_bytes > 0
 
 
-@pytest.mark.parametrize("method", ["streambp", "plain"])
-def test_sequence_parallelism_is_refused_by_name(method) -> None:
-    from streambp_core.engine.sequence.group import SequenceGroup
-
-    model = build_model("tiny/gemma2", dtype=torch.float64, device="meta", seed=0)
-    with pytest.raises(ConfigError, match="attention logit soft-capping"):
-        streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))
-
-
 @pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
 def test_a_cap_in_another_family_stays_refused(cap) -> None:
     """Gemma 3's attention never passes its cap to the kernel: a cap there is refused, not guessed."""

@@ -8,8 +8,6 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
-import streambp_core
-from streambp_core.config import ConfigError
 from streambp_core.engine.attention.cuda import plan_kernel
 from streambp_core.engine.attention.hf import engine_attention_forward
 from streambp_core.engine.attention.prefix import prefix_attention
@@ -212,12 +210,3 @@ def test_a_simulated_streambp_step_of_gpt_oss_answers() -> None:
     result = simulate(StepSpec.of(model="tiny/gpt-oss", method="streambp", seq_len_tokens=128,
                                   partition_size=32, head_partition_size=16, dtype="bfloat16"))
     assert result.breakdown_bytes["kv"] > 0
-
-
-@pytest.mark.parametrize("method", ["streambp", "plain"])
-def test_gpt_oss_under_sequence_parallelism_is_refused_by_name(method) -> None:
-    from streambp_core.engine.sequence.group import SequenceGroup
-
-    model = build_model("tiny/gpt-oss", dtype=torch.float64, device="meta", seed=0)
-    with pytest.raises(ConfigError, match="attention sinks"):
-        streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import streambp_core
-from streambp_core.config import ConfigError
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import layer_parts
 from streambp_core.models.load import tiny_config
@@ -149,15 +148,6 @@ def test_the_router_loss_is_not_added() -> None:
     ids, mask = batch(model.config.vocab_size, 2, 24, "right")
     assert_matches_plain(model, ids, mask, methods=("streambp", "mst"), partition_size=5,
                          head_partition_size=4)
-
-
-@pytest.mark.parametrize("method", ["streambp", "plain"])
-def test_sequence_parallelism_is_refused_by_name(method) -> None:
-    from streambp_core.engine.sequence.group import SequenceGroup
-
-    model = build_model("tiny/llama4", dtype=torch.float64, device="meta", seed=0)
-    with pytest.raises(ConfigError, match="Llama 4"):
-        streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))
 
 
 def test_a_simulated_step_runs_the_chunked_layers() -> None:

@@ -8,6 +8,11 @@ backward) goes `seq_to_heads`, so this rank holds its query heads of every rank'
 sub-block attends to the keys 0..its last global position (views of the gathered keys, lower-right causal
 as `prefix_attention` aligns), and the outputs go back with `heads_to_seq` (`gathered_attention`).
 
+Per-head and per-position attention settings follow the layout (`BlockAttention`): a soft-cap (Gemma 2)
+is elementwise on the scores; attention sinks (gpt-oss) are per query head, so each rank takes its heads'
+slice; a chunked local layer's chunks (Llama 4) are counted over the whole sequence, so each rank block
+attends to the keys from its queries' earliest chunk start, at their global positions.
+
 GQA: the KV heads must split over the ranks as the query heads do. When they do not (fewer KV heads than
 ranks, e.g. 8 KV heads on 16 ranks), each KV head is repeated `kv_replication` times first, as DeepSpeed's
 Ulysses does (into the all-to-all's send buffer, never as a repeated tensor): query head h still meets the
@@ -25,6 +30,7 @@ from torch import Tensor
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.attention.prefix import prefix_attention
+from streambp_core.engine.chunks import LocalChunks
 from streambp_core.engine.sequence.group import SequenceGroup, heads_to_seq, parts_to_heads, seq_to_heads
 
 
@@ -120,33 +126,72 @@ def scatter_kv_grads(d_kv: Tensor, group: SequenceGroup, total_tokens: int, copi
     return kv_views(heads_to_seq(d_kv, group, total_tokens, copies=copies, pieces=pieces))
 
 
-KeyPrefix = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
-"""(keys, values, last) -> the keys and values of positions 0..last - 1 that a block attends to."""
+KeyPrefix = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
+"""(keys, values, first, last) -> the keys and values of positions first..last - 1 that a block attends to."""
 
 
-def _views(keys: Tensor, values: Tensor, last: int) -> tuple[Tensor, Tensor]:
-    return keys[:, :, :last], values[:, :, :last]
+def _views(keys: Tensor, values: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
+    return keys[:, :, first:last], values[:, :, first:last]
+
+
+@dataclass(frozen=True)
+class BlockAttention:
+    """How every rank block of queries attends, besides its keys: `prefix_attention`'s settings, the layer's
+    attention sinks over all its heads (each rank takes its heads' slice, `rank_sinks`) and a chunked local
+    layer's chunks over the whole sequence (global positions)."""
+
+    scale: float
+    backend: str = "auto"
+    window: int | None = None
+    blocking: bool = True
+    sinks: Tensor | None = None
+    """Every query head's sink logit (H,) (gpt-oss), or None."""
+    softcap: float | None = None
+    """The scores' soft-cap (Gemma 2), or None."""
+    local: LocalChunks | None = None
+    """The chunks of a chunked local layer over the whole sequence (Llama 4's), or None."""
+
+
+def rank_sinks(sinks: Tensor | None, group: SequenceGroup) -> Tensor | None:
+    """This rank's query heads' slice of the sinks (H,): `seq_to_heads` gives rank r the heads
+    r x H / size .. (r + 1) x H / size - 1 (KV heads are replicated, never query heads)."""
+    if sinks is None:
+        return None
+    local = sinks.shape[0] // group.size
+    return sinks[group.rank * local:(group.rank + 1) * local]
+
+
+def _block_keys(how: BlockAttention, key_valid: Tensor | None, start: int, last: int):
+    """First key of the block of global query positions start..last - 1, and its key mask: `key_valid`
+    over first..last, in a chunked local layer narrowed to each query's own chunk."""
+    if how.local is None:
+        return 0, None if key_valid is None else key_valid[:, :last]
+    first = how.local.first_key(start)
+    valid = None if key_valid is None else key_valid[:, first:last]
+    return first, how.local.narrow(valid, start, last, first)
 
 
 def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor | None,
-                       blocks: SequenceBlocks, scale: float, backend: str = "auto", window: int | None = None,
-                       blocking: bool = True, prefix: KeyPrefix | None = None) -> Tensor:
+                       blocks: SequenceBlocks, how: BlockAttention,
+                       prefix: KeyPrefix | None = None) -> Tensor:
     """Output (B, H, c, hd) of this rank's block of queries q (B, H, c, hd) against every position's keys
     of this rank's heads, `keys`/`values` (B, Hkv', >= last key, hd) from `gather_kv`. `key_valid` (B, T)
-    marks real keys over the whole sequence (None: all). `prefix(keys, values, last)`: the K/V prefix a
+    marks real keys over the whole sequence (None: all). `prefix(keys, values, first, last)`: the K/V a
     block attends to (default: views). Two all-to-alls; differentiable."""
     prefix = prefix or _views
     group, sizes = blocks.group, blocks.sizes
     total = sum(sizes)
     heads = seq_to_heads(q.transpose(1, 2), group, total).transpose(1, 2)  # (B, H / size, total, hd)
+    sinks = rank_sinks(how.sinks, group)
     outputs, offset = [], 0
     for rank, (start, end) in enumerate(blocks.bounds):
         if end > start:  # a rank whose shard has run out of chunks sends an empty block
-            last = blocks.shard_starts[rank] + end
-            valid = None if key_valid is None else key_valid[:, :last]
-            block_k, block_v = prefix(keys, values, last)
+            shard_start = blocks.shard_starts[rank]
+            first, valid = _block_keys(how, key_valid, shard_start + start, shard_start + end)
+            block_k, block_v = prefix(keys, values, first, shard_start + end)
             block = heads[:, :, offset:offset + end - start]
-            outputs.append(prefix_attention(block, block_k, block_v, valid, scale, backend, window, blocking))
+            outputs.append(prefix_attention(block, block_k, block_v, valid, how.scale, how.backend,
+                                            how.window, how.blocking, sinks, how.softcap))
         offset += end - start
     out = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, total, H / size, hd)
     return heads_to_seq(out, group, total).transpose(1, 2)

@@ -13,19 +13,26 @@ As `engine.layer`, but attention sees every rank's tokens (`engine.sequence_atte
   projections and input norm, chunk by chunk.
 Per layer and step: 3 K/V swaps of `KV_PIECES` all-to-alls each (fewer when a shard is shorter) plus 6
 all-to-alls per chunk, whatever the sequence's padding or the ranks' shards.
+Every rank block attends with the layer's soft-cap, its heads' sinks and, in a chunked local layer, the
+chunks of the whole sequence (`sequence_attention.BlockAttention`); RoPE and a NoPE layer's query
+temperature (Llama 4) take the shard's global positions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from streambp_core.engine import chunks
 from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.sequence.attention import (
     KV_PIECES,
+    BlockAttention,
     SequenceBlocks,
     gather_kv,
     gathered_attention,
@@ -67,16 +74,26 @@ class SequenceShard:
         return self.group.shard_bounds(self.total_tokens)
 
 
-def _chunk_plan(plan: LayerPlan, blocks: SequenceBlocks) -> LayerPlan:
-    """`plan` attending over every rank's chunk `blocks` (the whole sequence's key mask as `valid`)."""
+def _chunk_plan(plan: LayerPlan, blocks: SequenceBlocks, local: chunks.LocalChunks | None) -> LayerPlan:
+    """`plan` attending over every rank's chunk `blocks` (the whole sequence's key mask as `valid`), with
+    the layer's soft-cap, sinks and, in a chunked local layer, its chunks over the whole sequence
+    (`local`)."""
     parts = plan.parts
-    attention = partial(_blocks_attention, blocks=blocks, scale=parts.scaling, backend=plan.attn,
-                        window=parts.sliding_window, blocking=plan.attn_blocking)
-    return replace(plan, attention=attention)
+    how = BlockAttention(parts.scaling, plan.attn, parts.sliding_window, plan.attn_blocking, parts.sinks,
+                         parts.attn_softcap, local)
+    return replace(plan, attention=partial(_blocks_attention, blocks=blocks, how=how))
 
 
-def _blocks_attention(q, k, v, valid, *, blocks, scale, backend, window, blocking, prefix=None):
-    return gathered_attention(q, k, v, valid, blocks, scale, backend, window, blocking, prefix)
+def _blocks_attention(q, k, v, valid, *, blocks, how, prefix=None):
+    return gathered_attention(q, k, v, valid, blocks, how, prefix)
+
+
+def _whole_chunks(plan: LayerPlan, shard: SequenceShard, key_valid: Tensor | None,
+                  h_in: Tensor) -> chunks.LocalChunks | None:
+    """A chunked local layer's chunks over the whole sequence, numbered as the single-process layer numbers
+    them (from each row's first real token); None in any other layer."""
+    shape = (h_in.shape[0], shard.total_tokens)
+    return chunks.local_chunks(plan.parts.attention_chunk, key_valid, None, shape, h_in.device)
 
 
 @dataclass(frozen=True)
@@ -89,12 +106,12 @@ class _KVGradSink:
     d_values: Tensor
     leaves: list
 
-    def prefix(self, keys: Tensor, values: Tensor, last: int) -> tuple[Tensor, Tensor]:
-        """Leaves of keys and values 0..last - 1 (views), summing into the accumulators."""
+    def prefix(self, keys: Tensor, values: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
+        """Leaves of keys and values first..last - 1 (views), summing into the accumulators."""
         pair = []
         for tensor, target in ((keys, self.d_keys), (values, self.d_values)):
-            prefix = leaf(tensor[:, :, :last])
-            prefix.register_post_accumulate_grad_hook(partial(_accumulate, target[:, :, :last]))
+            prefix = leaf(tensor[:, :, first:last])
+            prefix.register_post_accumulate_grad_hook(partial(_accumulate, target[:, :, first:last]))
             pair.append(prefix)
         self.leaves.extend(pair)
         return pair[0], pair[1]
@@ -116,15 +133,16 @@ def _gathered_kv(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, rope: Rope
 def sequence_forward(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, cos: Tensor, sin: Tensor,
                      key_valid: Tensor | None) -> Tensor:
     """Layer output of this rank's shard without grad, chunk by chunk in lockstep with every rank."""
-    parts, rope = plan.parts, Rope.of_layer(cos, sin, plan.parts)
+    parts, rope = plan.parts, Rope.of_layer(cos, sin, plan.parts, offset=shard.bounds[0])
     keys, values, _ = _gathered_kv(plan, shard, h_in, rope)
     with memory_category("checkpoints"):
         h_out = torch.empty_like(h_in)
+    local = _whole_chunks(plan, shard, key_valid, h_in)
     for blocks in lockstep_chunks(shard.group, shard.total_tokens, plan.partition_size, plan.keep_chunks):
         start, end = blocks.mine
         h = h_in[:, start:end]
         q = project_q(parts, parts.input_norm(h), rope.chunk(start, end))
-        h_out[:, start:end] = finish_chunk(_chunk_plan(plan, blocks), h, q, keys, values, key_valid)
+        h_out[:, start:end] = finish_chunk(_chunk_plan(plan, blocks, local), h, q, keys, values, key_valid)
     return h_out
 
 
@@ -132,7 +150,7 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
                       chunk_done=None) -> Tensor:
     """Accumulate the layer's weight gradients (this rank's tokens' share) and return dL/dH_in of the
     shard (module docstring). `chunk_done(start, end)` as `layer.streamed_backward`'s."""
-    rope = Rope.of_layer(cos, sin, plan.parts)
+    rope = Rope.of_layer(cos, sin, plan.parts, offset=shard.bounds[0])
     keys, values, raw_keys = _gathered_kv(plan, shard, h_in, rope)
     with memory_category("kv"):  # dK and dV side by side, as `scatter_kv_grads` sends them
         b, heads, t, hd = keys.shape
@@ -140,11 +158,12 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     with memory_category("temporaries"):
         grad_normed = torch.empty_like(h_in)  # dL/d(input norm's output) through the queries, per position
+    local = _whole_chunks(plan, shard, key_valid, h_in)
     for blocks in reversed(lockstep_chunks(shard.group, shard.total_tokens, plan.partition_size,
                                            plan.keep_chunks)):
         start, end = blocks.mine
         grad_in[:, start:end], grad_normed[:, start:end] = _query_chunk_backward(
-            _chunk_plan(plan, blocks), h_in[:, start:end], rope.chunk(start, end), key_valid,
+            _chunk_plan(plan, blocks, local), h_in[:, start:end], rope.chunk(start, end), key_valid,
             (keys, values, d_kv), grad_out[:, start:end], params)
     del keys, values  # the gathered K/V: every chunk's attention is done
     with memory_category("kv"):
@@ -201,21 +220,36 @@ def _kv_chunk_backward(plan: LayerPlan, h_in_chunk, rope: Rope, kv_grads, grad_n
     return grad_or_zeros(h)
 
 
+class ShardSteps(NamedTuple):
+    """A streamed layer's two passes on a shard: `forward(plan, shard, h_in, cos, sin, key_valid)` -> h_out
+    (no grad), `backward(plan, shard, h_in, cos, sin, key_valid, grad_out, params, chunk_done)` -> grad_in.
+    `SEQUENCE_STEPS` is the decoder layer's; `sequence.mla.MLA_SEQUENCE_STEPS` an MLA layer's."""
+
+    forward: Callable
+    backward: Callable
+
+
 class SequenceStreamedLayer(torch.autograd.Function):
-    """`layer.StreamedLayer` on this rank's shard under sequence parallelism (module docstring)."""
+    """`layer.StreamedLayer` on this rank's shard under sequence parallelism (module docstring), by the
+    layer's `ShardSteps`."""
 
     @staticmethod
-    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, shard: SequenceShard, *params):
-        ctx.plan, ctx.shard, ctx.params = plan, shard, params
+    def forward(ctx, h_in, cos, sin, key_valid, plan: LayerPlan, shard: SequenceShard, steps: ShardSteps,
+                *params):
+        ctx.plan, ctx.shard, ctx.steps, ctx.params = plan, shard, steps, params
         ctx.save_for_backward(keep_input(ctx, plan, h_in), cos, sin, key_valid)
         with torch.no_grad():
-            return sequence_forward(plan, shard, h_in, cos, sin, key_valid)
+            return steps.forward(plan, shard, h_in, cos, sin, key_valid)
 
     @staticmethod
     def backward(ctx, grad_out):
         check_accumulates(ctx, "streambp's chunked decoder layer")
         saved, cos, sin, key_valid = ctx.saved_tensors
         h_in, chunk_done = kept_input(ctx, saved)
-        grad_in = sequence_backward(ctx.plan, ctx.shard, h_in, cos, sin, key_valid, grad_out, ctx.params,
-                                    chunk_done)
-        return (grad_in, None, None, None, None, None, *([None] * len(ctx.params)))
+        grad_in = ctx.steps.backward(ctx.plan, ctx.shard, h_in, cos, sin, key_valid, grad_out, ctx.params,
+                                     chunk_done)
+        return (grad_in, None, None, None, None, None, None, *([None] * len(ctx.params)))
+
+
+SEQUENCE_STEPS = ShardSteps(sequence_forward, sequence_backward)
+"""The decoder layer's passes on a shard (`sequence_forward`, `sequence_backward`)."""

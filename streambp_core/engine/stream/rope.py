@@ -45,13 +45,14 @@ class Rope:
         return cls(cos.unsqueeze(1), sin.unsqueeze(1), sign, on, interleaved, in_float32, as_complex)
 
     @classmethod
-    def of_layer(cls, cos: Tensor, sin: Tensor, parts) -> Rope:
-        """The tables as the layer of `parts` (`LayerParts`) applies them (with its query temperature)."""
+    def of_layer(cls, cos: Tensor, sin: Tensor, parts, offset: int = 0) -> Rope:
+        """The tables as the layer of `parts` (`LayerParts`) applies them (with its query temperature, at
+        sequence indices offset.. : a sequence-parallel shard's global ones)."""
         rope = cls.of(cos, sin, parts.rotary, interleaved=parts.rope_interleaved,
                       in_float32=parts.rope_in_float32, as_complex=parts.rope_complex)
         if parts.query_temperature is None:
             return rope
-        scale = temperature_table(cos.shape[1], *parts.query_temperature, cos.device)
+        scale = temperature_table(cos.shape[1], *parts.query_temperature, cos.device, offset)
         return replace(rope, query_scale=scale)
 
     @property
@@ -65,11 +66,11 @@ class Rope:
         return replace(self, cos=self.cos[:, :, start:end], sin=self.sin[:, :, start:end], query_scale=scale)
 
 
-def temperature_table(length: int, floor_scale: float, attn_scale: float, device) -> Tensor:
+def temperature_table(length: int, floor_scale: float, attn_scale: float, device, offset: int = 0) -> Tensor:
     """(1, 1, T, 1) float32: log1p(floor((t + 1) / floor_scale)) * attn_scale + 1 at each index t of the
     sequence (not its position id, padded or packed alike), as Llama 4's NoPE layers compute it (their
-    temperature tuning after arXiv 2501.19399)."""
-    positions = torch.arange(length, device=device)
+    temperature tuning after arXiv 2501.19399); t from `offset` (a sequence-parallel shard's first index)."""
+    positions = torch.arange(offset, offset + length, device=device)
     scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
     return scales.view(1, 1, length, 1)
 

@@ -1,0 +1,113 @@
+"""Sequence parallelism (Ulysses) over each kind of family's attention: on two real ranks (gloo), every
+method's gradients, summed over the ranks, equal single-process plain's over the whole sequence in float64
+with several chunks per layer, for one tiny family of each kind: dense (Llama), routed (Qwen3-MoE),
+soft-capped scores (Gemma 2), attention sinks (gpt-oss), chunked local attention with a NoPE query
+temperature (Llama 4) and multi-head latent attention with a value head dim below the query/key one
+(DeepSeek-V3); a simulated rank of each runs; Gated DeltaNet (Qwen3.5) is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import streambp_core
+from streambp_core.config import METHODS, PRESET_DIR, ConfigError, StepSpec
+from streambp_core.engine.sequence.group import SequenceGroup
+from streambp_core.models import build_model, load_config
+from streambp_core.parallel.launch import available_cpus
+from streambp_core.verify.methods import VerifySpec
+
+two_ranks = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
+
+SEQ_LEN = 37
+"""Shards of 19 and 18 tokens, chunks of 8: rank 1 starts past Llama 4's first local chunk (16 positions)
+and two of its temperature steps (every 8 indices), so a shard counted from its own index 0 would differ."""
+assert SEQ_LEN // 2 > load_config("tiny/llama4").attention_chunk_size
+
+FAMILIES = [
+    pytest.param("tiny/llama", "right", id="dense"),
+    pytest.param("tiny/qwen3-moe", "right", id="moe"),
+    pytest.param("tiny/gemma2", "right", id="softcap"),
+    pytest.param("tiny/gpt-oss", "left", id="sinks"),
+    pytest.param("tiny/llama4", "left", id="chunked-local-and-temperature"),
+    pytest.param("mla", "right", id="latent"),
+]
+
+
+def _model(name: str, directory) -> str:
+    """`name`, or for "mla" tiny/deepseek-v3 with value heads narrower than its query/key heads (8 against
+    8 + 8), as DeepSeek-V3's 128 against 192: the transformers-driven methods' values are padded to attend.
+    (Its single-process reference attends through transformers' own attention, `baseline_attention`
+    model: the engine's one-process attention takes equal head dims.)"""
+    if name != "mla":
+        return name
+    config = json.loads((PRESET_DIR / "tiny--deepseek-v3.json").read_text())
+    config["v_head_dim"] = 8
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def _verify(model: str, padding: str, methods: tuple[str, ...], **step):
+    from streambp_core.verify.sequence import verify_sequence
+
+    spec = VerifySpec.of(model=model, methods=methods, seq_len_tokens=SEQ_LEN, batch_size=2, partition_size=8,
+                         head_partition_size=8, dtype="float64", padding=padding, **step)
+    return verify_sequence((spec,), nproc=2, sp=2).results
+
+
+def _assert_exact(results, methods: tuple[str, ...]) -> None:
+    assert [r.method for r in results] == list(methods)
+    bad = [(r.method, r.max_rel_err, r.worst_param, r.loss_abs_err) for r in results
+           if not (r.ok and r.max_rel_err <= 1e-12 and r.loss_abs_err <= 1e-12)]
+    assert not bad
+    assert all(r.chunks == 3 for r in results)  # the 19-token shard in chunks of 8
+
+
+@two_ranks
+def test_llama4_under_two_ranks_matches_single_process_plain() -> None:
+    """The cheap cell: Llama 4 with left padding (each row's local chunks start at its first real token),
+    through transformers' forward (plain) and streambp's own layers."""
+    methods = ("plain", "streambp")
+    _assert_exact(_verify("tiny/llama4", "left", methods), methods)
+
+
+@pytest.mark.slow
+@two_ranks
+@pytest.mark.parametrize(("model", "padding"), FAMILIES)
+def test_every_method_of_each_kind_matches_single_process_plain(model, padding, tmp_path) -> None:
+    step = {"baseline_attention": "model"} if model == "mla" else {}
+    _assert_exact(_verify(_model(model, tmp_path), padding, METHODS, **step), METHODS)
+
+
+@pytest.mark.parametrize("model", ["tiny/gemma2", "tiny/gpt-oss", "tiny/llama4", "mla"])
+@pytest.mark.parametrize("method", ["plain", "streambp"])
+def test_a_simulated_rank_runs(model, method, tmp_path) -> None:
+    from streambp_core.step.simulate import simulate
+
+    result = simulate(StepSpec.of(model=_model(model, tmp_path), method=method, seq_len_tokens=128,
+                                  partition_size=32, head_partition_size=16, dtype="bfloat16", gpus=2, sp=2))
+    assert result.peak_bytes > 0
+
+
+@pytest.mark.parametrize("method", ["plain", "streambp"])
+def test_gated_deltanet_is_refused_by_name(method) -> None:
+    """Its recurrent state runs along the whole sequence: a shard would need the state of every token
+    before it."""
+    model = build_model("tiny/qwen3.5", dtype=torch.float64, device="meta", seed=0)
+    reason = "Gated DeltaNet linear attention .*recurrent state runs along the whole sequence"
+    with pytest.raises(ConfigError, match=f"sequence parallelism does not run with {reason}"):
+        streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))
+    streambp_core.prepare(model, method).close()  # the refused run released the model
+
+
+def test_the_transformers_driven_methods_take_over_the_query_temperature_while_open() -> None:
+    """transformers would scale a shard's queries from index 0: the sequence-parallel attention applies the
+    temperature at the global indices instead, and the module's own is back on when the run closes."""
+    model = build_model("tiny/llama4", dtype=torch.float64, device="meta", seed=0)
+    nope = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
+    assert nope and all(attn.attn_temperature_tuning for attn in nope)
+    with streambp_core.prepare(model, "checkpoint", sequence_group=SequenceGroup.simulated(2)):
+        assert not any(attn.attn_temperature_tuning for attn in nope)
+    assert all(attn.attn_temperature_tuning for attn in nope)
