@@ -90,7 +90,7 @@ def step_shard(group: SequenceGroup, copies: int, input_ids: Tensor, key_valid: 
         device = input_ids.device.type
         raise ConfigError(f"a simulated sequence group runs on meta tensors only (got {device} input_ids): "
                           "its all-to-alls move nothing, so the loss would be read from unfilled buffers; "
-                          "run real ranks with SequenceGroup.of_process_group (verify --sp)")
+                          "run real ranks with SequenceGroup.of_process_group (verify sp)")
     shard = SequenceShard(group=group, total_tokens=total, kv_copies=copies)
     start, end = shard.bounds
     positions = torch.arange(start, end, device=input_ids.device)[None]
