@@ -173,12 +173,25 @@ def test_close_restores_the_model(method):
         run.loss(ids)
 
 
-def test_engine_attention_matches_model_attention():
-    """The baselines through the engine kernel give plain's gradients too."""
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_the_engine_attention_is_the_models(family):
+    """plain with transformers' layers attending through the engine kernel (the baselines' attention in
+    every simulation) is plain with the model's own attention, for every family: soft caps, sinks, chunked
+    local layers, latent attention's narrower values, left padding, 40 tokens."""
+    model = model_of(family)
+    ids, mask = batch(model.config.vocab_size, 2, 40, "left")
+    ref_loss, ref = step(model, "plain", ids, mask)
+    loss, grads = step(model, "plain", ids, mask, baseline_attention="engine")
+    assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss)
+    assert max(relative_errors(grads, ref).values()) <= GRAD_RTOL
+
+
+def test_the_baselines_through_the_engine_attention_match_plain():
+    """checkpoint and mst through the engine kernel, in chunks, give plain's gradients too."""
     model = model_of("qwen2")
     ids, mask = batch(model.config.vocab_size, 2, 17, "left")
     ref_loss, ref = step(model, "plain", ids, mask)
-    for method in ("plain", "checkpoint", "mst"):
+    for method in ("checkpoint", "mst"):
         loss, grads = step(model, method, ids, mask, baseline_attention="engine", partition_size=5)
         assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss)
         assert max(relative_errors(grads, ref).values()) <= GRAD_RTOL

@@ -106,19 +106,6 @@ def test_grpo_and_dpo_match_plain(padding) -> None:
     assert_all_methods_match(model, "dpo", ids, mask, labels, **inputs)
 
 
-def test_the_engine_attention_under_transformers_caps_the_scores() -> None:
-    """plain with transformers' layers attending through the engine kernel (as on the meta device) is
-    plain with eager attention: the kernel takes the layer's `softcap`."""
-    from tests.unit.test_exactness import relative_errors, step
-
-    model = model_of()
-    ids, mask = batch(model.config.vocab_size, 2, 24, "left")
-    ref_loss, ref = step(model, "plain", ids, mask)
-    loss, grads = step(model, "plain", ids, mask, baseline_attention="engine")
-    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
-    assert max(relative_errors(grads, ref).values()) <= 1e-12
-
-
 @pytest.mark.parametrize("window", [None, 5])
 def test_the_kernels_soft_cap_is_eager_attentions(window) -> None:
     """`prefix_attention` with a soft-cap, output and gradients, against transformers' eager order of

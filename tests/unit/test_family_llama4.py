@@ -90,16 +90,6 @@ def test_a_model_built_by_transformers_matches_plain() -> None:
                              head_partition_size=5)
 
 
-def test_the_engine_attention_baseline_matches_transformers() -> None:
-    """plain through the engine kernel (the baselines' attention in a simulation) chunks as sdpa does."""
-    model = model_of()
-    ids, mask = batch(model.config.vocab_size, 2, 40, "left")
-    ref_loss, ref = step(model, "plain", ids, mask)
-    loss, grads = step(model, "plain", ids, mask, baseline_attention="engine")
-    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
-    assert max(relative_errors(grads, ref).values()) <= 1e-12
-
-
 def test_packed_rows_chunk_each_document_from_its_start() -> None:
     from streambp_core.engine.packing import position_ids_from_lengths
 

@@ -162,14 +162,25 @@ def _prefix_attn_fwd(
     sinks: Tensor | None = None, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     probs, lse, _ = _probabilities(q, k, key_valid, scale, window, sinks, softcap)
-    out = probs @ v.to(probs.dtype)[:, :, None]  # (B, Hkv, g, c, hd)
-    laid_out_like_q = torch.empty_like(q).copy_(out.reshape(q.shape))  # the fake kernel's layout
+    out = probs @ v.to(probs.dtype)[:, :, None]  # (B, Hkv, g, c, hd_v)
+    laid_out_like_q = _output_like(q, v).copy_(out.reshape(*q.shape[:3], v.shape[-1]))  # the fake's layout
     return laid_out_like_q, lse.reshape(q.shape[:3]).to(_lse_dtype(q))
 
 
 @_prefix_attn_fwd.register_fake
 def _(q, k, v, key_valid, scale, window, sinks=None, softcap=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return _output_like(q, v), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+
+
+def _output_like(q: Tensor, v: Tensor) -> Tensor:
+    """An empty output (B, H, c, hd_v) in q's dtype and dimension order: q's own layout when the value
+    heads are as wide as the query heads, else the same order of (B, H, c) with v's head size (latent
+    attention: DeepSeek-V3's values are narrower than its queries and keys)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    order = sorted(range(3), key=lambda dim: -q.stride(dim))  # (B, H, c), outermost first in memory
+    empty = q.new_empty([q.shape[dim] for dim in order] + [v.shape[-1]])
+    return empty.permute(*(order.index(dim) for dim in range(3)), 3)
 
 
 @torch.library.custom_op("streambp::prefix_attn_bwd", mutates_args=())
