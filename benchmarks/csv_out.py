@@ -52,3 +52,15 @@ def emit_rows(rows_of: Callable[[], Iterable[dict]], out: Path | None, columns: 
         sys.stdout.flush()
     write_csv(out, columns, rows)
     return 0
+
+
+def script_main(parse_args: Callable, rows: Callable, columns: Sequence[str]) -> Callable[..., int]:
+    """A script's `main(argv=None) -> exit code`: `parse_args(argv)`, then `rows(args)` emitted to stdout
+    and `args.out` (`emit_rows`)."""
+
+    def main(argv: list[str] | None = None) -> int:
+        """Print the rows (and write them with --out); bad input is one `error:` line and exit code 2."""
+        args = parse_args(argv)
+        return emit_rows(lambda: rows(args), args.out, columns)
+
+    return main

@@ -18,7 +18,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from csv_out import emit_rows
+from csv_out import script_main
 
 from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import ConfigError, StepSpec
@@ -107,10 +107,7 @@ def rows(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the rows (and write them with --out); bad input is one `error:` line and exit code 2."""
-    args = parse_args(argv)
-    return emit_rows(lambda: rows(args), args.out, COLUMNS)
+main = script_main(parse_args, rows, COLUMNS)
 
 
 if __name__ == "__main__":
