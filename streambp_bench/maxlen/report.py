@@ -68,12 +68,16 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 
 
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
-    """The JSON document: model, budget, source, settings (partitions as searched: AUTO at the size the
-    search runs, `step.partitions.searched`) and one entry per method."""
+    """The JSON document: model, budget, source, settings (a partition given as auto says "auto", with
+    the size the search ran it at, `step.partitions.searched`, in `searched_partitions`) and one entry per
+    method."""
     first = plan.specs[0]
-    fields = searched(first).to_dict()
+    fields = first.to_dict()
     settings = {k: fields[k] for k in ("batch_size", "dtype", "partition_size", "head_partition_size",
                                        "objective", "lora_rank", "optimizer", "attn", "protocol", "grads")}
+    if first.stream.automatic:
+        ran = searched(first).stream
+        settings["searched_partitions"] = [ran.partition_size, ran.head_partition_size]
     host_budget = None if plan.host_budget_bytes is None else plan.host_budget_bytes / GIB
     return {
         "model": plan.model,

@@ -38,6 +38,9 @@ def test_max_len_reports_the_partitions_that_reach_a_length_and_its_step_time(tm
     result = CliRunner().invoke(app, ["max-len", *STEP, "--at", "1024", "--json", "--out", str(out)])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
+    settings = document["settings"]  # auto says so, beside the size the search ran it at
+    assert (settings["partition_size"], settings["head_partition_size"]) == ("auto", "auto")
+    assert settings["searched_partitions"] == [64, 64]
     at_max, at_1024 = document["steps"]
     estimated_ms = at_1024.pop("estimated_step_time_ms")
     assert at_1024 == {"method": "streambp", "label": "streambp", "seq_len_tokens": 1024, "fits": True,
