@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from streambp_bench.output import emit
-from streambp_bench.verify.sharded import on_ranks
 from streambp_core.config import FSDP_STAGES, ConfigError
 
 if TYPE_CHECKING:
@@ -42,6 +41,7 @@ def sharded_stages(engine: str, shard: str | None) -> tuple[str, ...]:
 
 def run_deepspeed(spec: VerifySpec, nproc: int, stages: tuple[str, ...], *, as_json: bool) -> bool:
     """Verify `spec` on DeepSpeed ZeRO across `nproc` CPU ranks for every stage; print; whether all passed."""
+    from streambp_bench.verify.sharded import on_ranks
     from streambp_core.parallel.launch import check_nproc
     from streambp_core.verify.deepspeed import check_spec, report, verify_deepspeed
 
