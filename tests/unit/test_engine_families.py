@@ -59,35 +59,30 @@ def _check_deepspeed(model: str, shards: tuple[str, ...]) -> None:
 
     results = verify_deepspeed((_spec(model),), nproc=2, shards=shards, micro_steps=2, timeout_s=900)
     assert {(r.method, r.shard) for r in results} == {(m, s) for m in METHODS for s in shards}
-    for r in results:  # ZeRO reduces into float32 whatever the parameters' dtype: the cast alone
-        assert r.grad_err <= 1e-7, (r.method, r.shard, r.grad_err, r.worst_param)
+    for r in results:  # ZeRO reduces and accumulates in float32 whatever the parameters' dtype: a few
+        assert r.grad_err <= 1e-6, (r.method, r.shard, r.grad_err, r.worst_param)  # float32 roundings
         assert r.step_err == 0.0, (r.method, r.shard, r.step_err)
         assert set(r.reductions) == {"1"}, (r.method, r.shard, r.reductions)  # every parameter once
         assert r.ok
 
 
-@two_cores
-@pytest.mark.parametrize("model", _families(default_runs=True))
-def test_fsdp2_zero3_every_method_has_plains_gradients(model):
-    _check_fsdp(model, ("zero3",))
+def _cells(hardest: tuple[str, ...], rest: tuple[str, ...]):
+    """(model, shards) parameters: the hardest stages for every family (`DEFAULT` by default), the rest
+    slow."""
+    hard = [pytest.param(p.values[0], hardest, marks=p.marks) for p in _families(default_runs=True)]
+    return hard + [pytest.param(model, rest, marks=pytest.mark.slow) for model in FAMILIES]
 
 
 @two_cores
-@pytest.mark.parametrize("model", _families(default_runs=False))
-def test_fsdp2_zero2_every_method_has_plains_gradients(model):
-    _check_fsdp(model, ("zero2",))
+@pytest.mark.parametrize("model, shards", _cells(("zero3",), ("zero2",)))
+def test_fsdp2_every_method_has_plains_gradients(model, shards):
+    _check_fsdp(model, shards)
 
 
 @two_cores
-@pytest.mark.parametrize("model", _families(default_runs=True))
-def test_deepspeed_zero3_every_method_has_plains_gradients_reduced_once(model):
-    _check_deepspeed(model, ("zero3",))
-
-
-@two_cores
-@pytest.mark.parametrize("model", _families(default_runs=False))
-def test_deepspeed_zero1_and_zero2_every_method_has_plains_gradients_reduced_once(model):
-    _check_deepspeed(model, ("zero1", "zero2"))
+@pytest.mark.parametrize("model, shards", _cells(("zero3",), ("zero1", "zero2")))
+def test_deepspeed_every_method_has_plains_gradients_reduced_once(model, shards):
+    _check_deepspeed(model, shards)
 
 
 class _ExpertList(nn.Module):
