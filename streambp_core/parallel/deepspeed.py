@@ -33,8 +33,9 @@ stage-3 hooks leave the gradient in `.grad`, unreduced, while it is False):
   backward; at its end (a callback queued on autograd's engine) each summed gradient goes to autograd
   once through `p.view_as(p)`, in reverse layer order. Full gradients are held until then (as
   `engine.coalesce_grad_reduction()` does). Under ZeRO-3, checkpoint and plain need nothing: each
-  parameter's hook fires once through transformers' modules (an MoE model's blocks must be leaf
-  modules, DeepSpeed's default for the known ones; refused by name otherwise).
+  parameter's hook fires once through transformers' modules (an MoE block holding one module per
+  expert must be a leaf module, DeepSpeed's default for the known ones, refused by name otherwise;
+  experts fused into 3-D parameters, transformers 5's, fire once whatever the routing).
 - plain: the model untouched.
 
 Per stage: ZeRO-2 and ZeRO-3 reduce from the hooks on every micro-step; ZeRO-1 without `overlap_comm`

@@ -105,14 +105,17 @@ def full_shape(param: Tensor) -> torch.Size:
 
 def check_experts(layers: Sequence[nn.Module], method: str, drives_modules: bool) -> None:
     """ConfigError for a mixture-of-experts model under ZeRO-3 whose experts would not all be reduced
-    once on every rank: a method that calls transformers' modules (plain, checkpoint) needs its MoE
-    blocks marked as ZeRO-3 leaf modules (DeepSpeed marks the known ones by default): an expert a rank's
-    tokens never reach fires no gradient hook of its own on that rank. (A method that drives the modules
-    hands every expert over itself, marked or not.)"""
+    once on every rank: a method that calls transformers' modules (plain, checkpoint) needs MoE blocks
+    that hold one module per expert (`experts` a ModuleList) marked as ZeRO-3 leaf modules (DeepSpeed
+    marks the known ones by default): an expert a rank's tokens never reach fires no gradient hook of
+    its own on that rank. Experts fused into 3-D parameters (gpt-oss, Llama 4, transformers 5's MoE
+    blocks) are one parameter for every expert, whose hook fires once whatever the routing. (A method
+    that drives the modules hands every expert over itself, marked or not.)"""
     if drives_modules:
         return
     mlps = [layer_mlp(layer) for layer in layers]
-    marks = [bool(getattr(mlp, "_z3_leaf", False)) for mlp in mlps if hasattr(mlp, "experts")]
+    marks = [bool(getattr(mlp, "_z3_leaf", False)) for mlp in mlps
+             if isinstance(getattr(mlp, "experts", None), nn.ModuleList)]
     if marks and not all(marks):
         raise ConfigError(f"{method} under deepspeed zero3 on a mixture-of-experts model needs its MoE "
                           "blocks marked as leaf modules (deepspeed.utils.set_z3_leaf_modules, before "
