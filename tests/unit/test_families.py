@@ -216,16 +216,3 @@ def test_deepseek_v3s_stored_prefix_is_the_latent() -> None:
     assert result.breakdown_bytes["kv"] == 2 * tokens * width * bf16
     per_head = 2 * tokens * 4 * (16 + 16) * bf16
     assert result.breakdown_bytes["kv"] < per_head / 5
-
-
-@pytest.mark.parametrize("method", ["streambp", "plain"])
-def test_deepseek_v3_under_sequence_parallelism_is_refused_by_name(method) -> None:
-    import torch
-
-    import streambp_core
-    from streambp_core.config import ConfigError
-    from streambp_core.engine.sequence.group import SequenceGroup
-
-    model = build_model("tiny/deepseek-v3", dtype=torch.float64, device="meta", seed=0)
-    with pytest.raises(ConfigError, match="multi-head latent attention"):
-        streambp_core.prepare(model, method, sequence_group=SequenceGroup.simulated(2))
