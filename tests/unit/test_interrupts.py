@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,16 @@ from streambp_bench import interrupts, workers
 from streambp_bench.workers import Task, run_tasks
 
 LINUX = sys.platform.startswith("linux")
+
+
+@pytest.fixture(autouse=True)
+def sigint_answered() -> Iterator[None]:
+    """SIGINT answered as in a terminal's foreground job, whatever this process inherited: a background job
+    (`pytest ... &`, `nohup`, some CI runners) starts with SIGINT ignored, and there `interrupts.handled()`
+    rightly installs nothing. The disposition the test found is put back after it."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 def test_importing_is_true_only_inside_an_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,6 +71,15 @@ def test_handled_restores_the_previous_handler() -> None:
     with interrupts.handled():
         assert signal.getsignal(signal.SIGINT) is interrupts.on_sigint
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_handled_installs_nothing_where_sigint_is_ignored() -> None:
+    """A background job's SIGINT stays ignored: the command must not start answering a Ctrl-C meant for the
+    foreground job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupts.handled():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on this platform")
