@@ -21,6 +21,9 @@ position before a row's first real token, left padding) outputs zeros, as transf
 flash-attention paths and the engine give it, where eager averages every value of the row, later real
 tokens included; that position's output reaches the loss through its prediction of the row's first real
 token (streambp refuses left padding on a model that still attends eagerly: `guards.check_eager_padding`).
+Every other family's eager but Llama 4's and gpt-oss's takes its softmax in float32 as well, where a float64
+mask's minimum becomes -inf and a query that sees no key is NaN; `eager_in_at_least_float32(model, None)`
+gives any of them `WIDE_EAGER`.
 
 Llama 4's router takes the sigmoid of its scores in `.float()`: on a float64 model each token's expert
 weight is rounded to float32, and torch's float32 sigmoid rounds an element differently in the vectorised
@@ -34,9 +37,15 @@ and the linear attention's decay and delta rule (`A_log.float()`, `a.float()`, a
 weight gradients are float32 sums cannot be compared chunk by chunk to 1e-10 either, so
 `hybrid_in_at_least_float32` gives each Gated DeltaNet of a float64 model a forward that runs
 transformers' own forward under `WideFloat32Casts`: a cast of a float64 tensor to float32 keeps it
-float64 (the math is transformers', step for step, only in float64). `build_model` applies it; every
-prepared run applies it too for its duration (a user's own float64 model), and the engine's chunked
-linear attention computes under the same casts exactly when the module does (`delta_casts`).
+float64 (the math is transformers', step for step, only in float64). `build_model` applies it, and the
+engine's chunked linear attention computes under the same casts exactly when the module does
+(`delta_casts`).
+
+A user's own float64 model (built without `build_model`): every prepared run widens the same islands for
+its duration, every method alike (`islands_in_at_least_float32`, and the eager softmax through
+`eager_in_at_least_float32(model, None)`), and gives the model back as it was when it closes. There a router
+weight transformers keeps in float32 stays float32 (its logits come from its exact float64 widening); its
+own gradient is a float32 sum, exact to float32's rounding only.
 """
 
 from __future__ import annotations
