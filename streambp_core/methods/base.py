@@ -31,7 +31,11 @@ from streambp_core.methods import guards, hook_guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
 from streambp_core.models.adapters import DecoderParts, layer_parts
-from streambp_core.models.precision import eager_in_at_least_float32, islands_in_at_least_float32, restore_forwards
+from streambp_core.models.precision import (
+    eager_in_at_least_float32,
+    islands_in_at_least_float32,
+    restore_forwards,
+)
 
 
 class Run:

@@ -196,7 +196,8 @@ EAGER_SOFTMAX_IN_SCORES_DTYPE = ("llama4", "llama4_text", "gpt_oss")
 sinks), not in float32: a float64 model of theirs attends in float64 already."""
 
 
-def eager_in_at_least_float32(model: nn.Module, families: tuple[str, ...] | None = WIDE_EAGER_FAMILIES) -> bool:
+def eager_in_at_least_float32(model: nn.Module,
+                              families: tuple[str, ...] | None = WIDE_EAGER_FAMILIES) -> bool:
     """Give a model of `families` (None: every model type whose eager softmax is float32, i.e. not in
     `EAGER_SOFTMAX_IN_SCORES_DTYPE`) that attends through transformers' eager attention the `WIDE_EAGER`
     implementation (this model's setting only; registered under its own name, with eager's mask);
