@@ -192,4 +192,6 @@ def check_eager_padding(config, attention_mask: Tensor | None, method: str) -> N
             f"{method} cannot stream left padding through a {config.model_type} model with transformers' "
             "eager attention: eager gives a padding position before a row's first token the mean of every "
             "value of the row, which the loss reads where it predicts that token; pad on the right, or "
-            "build the model with attn_implementation='sdpa' (or 'flash_attention_2')")
+            "build the model with attn_implementation='sdpa' or 'flash_attention_2' (Gemma 2, which has no "
+            "SDPA: call streambp_core.models.precision.eager_in_at_least_float32(model) or build it with "
+            "streambp_core.models.build_model)")
