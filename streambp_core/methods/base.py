@@ -31,7 +31,11 @@ from streambp_core.methods import guards, hook_guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
 from streambp_core.models.adapters import DecoderParts, layer_parts
-from streambp_core.models.precision import hybrid_in_at_least_float32, restore_forwards
+from streambp_core.models.precision import (
+    eager_in_at_least_float32,
+    islands_in_at_least_float32,
+    restore_forwards,
+)
 
 
 class Run:
@@ -83,8 +87,13 @@ class Run:
         """With the optimizer tier, the units whose backward adds to a parameter's gradient chunk by chunk,
         each handing its gradients to the host once, as its backward ends (`engine.unit_grads`)."""
         try:
-            self._widened = hybrid_in_at_least_float32(model, self.parts.embed.weight.dtype)
-            """A float64 hybrid model's float32 islands, widened while the run is open (`precision`)."""
+            dtype = self.parts.embed.weight.dtype
+            self._widened = islands_in_at_least_float32(model, dtype)
+            """A float64 model's float32 islands (norms, routers, a hybrid's linear attention), widened while
+            the run is open (`precision`)."""
+            self._wide_eager = dtype == torch.float64 and eager_in_at_least_float32(self.parts.backbone, None)
+            """Whether a float64 model's eager attention (its softmax in float32, NaN for a query that sees
+            no key) attends as `precision.WIDE_EAGER` while the run is open, for every method."""
             self._kv_copies = 1
             """Copies of each KV head so they split over the sequence group (`methods.sequence`)."""
             if sequence_group is not None:
@@ -103,7 +112,7 @@ class Run:
                     and not any(is_sharded(layer) for layer in self.parts.layers):
                 self.host_grads = self._host_grads()
         except BaseException:
-            restore_forwards(getattr(self, "_widened", []))
+            self._narrow()
             guards.release(self.parts, self)
             raise
 
@@ -205,8 +214,14 @@ class Run:
                     self._reduction.disarm()
             finally:
                 self._closed = True
-                restore_forwards(self._widened)
+                self._narrow()
                 guards.release(self.parts, self)
+
+    def _narrow(self) -> None:
+        """Give back the float32 islands and the eager attention the run widened."""
+        restore_forwards(getattr(self, "_widened", []))
+        if getattr(self, "_wide_eager", False):
+            self.parts.backbone.set_attn_implementation("eager")
 
     def __enter__(self) -> Run:
         return self

@@ -7,7 +7,7 @@ instead of a traceback or a silently wrong gradient:
   `preserve_rng_state` replays the forward's random masks): a recompute with fresh masks would give
   gradients of a different function than the forward computed;
 - the batch is non-empty, its token ids are in the vocabulary, and a cross-entropy has a target;
-- a left-padded batch is not streamed through a Gemma 2 that attends with transformers' own eager
+- a left-padded batch is not streamed through a model that attends with transformers' own eager
   attention, whose padding positions before the first real token differ from the engine's
   (`check_eager_padding`).
 """
@@ -173,21 +173,25 @@ def watch_versions(loss: Tensor, model: nn.Module) -> Tensor:
 
 def check_eager_padding(config, attention_mask: Tensor | None, method: str) -> None:
     """ConfigError when `attention_mask` pads a row before its first real token (left padding) and the
-    model of `config` (its decoder stack's) is a Gemma 2 attending through transformers' own eager
-    attention: eager gives such a position
-    the mean of every value of its row, later tokens included, and the loss reads it where it predicts
-    the first real token, while `method`'s attention (the engine's, as SDPA and flash-attention) gives it
-    zeros (`models.precision`). One check of the mask per step."""
-    from streambp_core.models.precision import WIDE_EAGER_FAMILIES
+    model of `config` (its decoder stack's) attends through transformers' own eager attention: eager adds
+    the dtype's minimum to every masked score, so a query that sees no key (a padding position before the
+    row's first token) gets the same score for every key and outputs the mean of every value of its row,
+    later tokens included, and the loss reads it where that position predicts the row's first token;
+    `method`'s attention (the engine's, as SDPA and flash-attention) gives it zeros. gpt-oss's sinks take
+    such a query's whole softmax, so its eager gives zeros too (`models.precision.EAGER_KEYLESS_ZEROS`); a
+    float64 model attends as `models.precision.WIDE_EAGER` while a run is open. One check of the mask per
+    step."""
+    from streambp_core.models.precision import EAGER_KEYLESS_ZEROS
 
-    if attention_mask is None or config.model_type not in WIDE_EAGER_FAMILIES:
+    if attention_mask is None or config.model_type in EAGER_KEYLESS_ZEROS:
         return
     if config._attn_implementation != "eager" or attention_mask.dim() != 2:
         return
     if bool(((attention_mask[:, 0] == 0) & (attention_mask != 0).any(dim=1)).any()):
         raise ConfigError(
             f"{method} cannot stream left padding through a {config.model_type} model with transformers' "
-            "eager attention: eager averages every value at the padding before a row's first token, which "
-            "the loss reads; pad on the right, build the model with streambp_core.models.build_model or "
-            "attn_implementation='flash_attention_2', or call "
-            "streambp_core.models.precision.eager_in_at_least_float32(model)")
+            "eager attention: eager gives a padding position before a row's first token the mean of every "
+            "value of the row, which the loss reads where it predicts that token; pad on the right, or "
+            "build the model with attn_implementation='sdpa' or 'flash_attention_2' (Gemma 2, which has no "
+            "SDPA: call streambp_core.models.precision.eager_in_at_least_float32(model) or build it with "
+            "streambp_core.models.build_model)")

@@ -21,6 +21,9 @@ position before a row's first real token, left padding) outputs zeros, as transf
 flash-attention paths and the engine give it, where eager averages every value of the row, later real
 tokens included; that position's output reaches the loss through its prediction of the row's first real
 token (streambp refuses left padding on a model that still attends eagerly: `guards.check_eager_padding`).
+Every other family's eager but Llama 4's and gpt-oss's takes its softmax in float32 as well, where a float64
+mask's minimum becomes -inf and a query that sees no key is NaN; `eager_in_at_least_float32(model, None)`
+gives any of them `WIDE_EAGER`.
 
 Llama 4's router takes the sigmoid of its scores in `.float()`: on a float64 model each token's expert
 weight is rounded to float32, and torch's float32 sigmoid rounds an element differently in the vectorised
@@ -34,9 +37,15 @@ and the linear attention's decay and delta rule (`A_log.float()`, `a.float()`, a
 weight gradients are float32 sums cannot be compared chunk by chunk to 1e-10 either, so
 `hybrid_in_at_least_float32` gives each Gated DeltaNet of a float64 model a forward that runs
 transformers' own forward under `WideFloat32Casts`: a cast of a float64 tensor to float32 keeps it
-float64 (the math is transformers', step for step, only in float64). `build_model` applies it; every
-prepared run applies it too for its duration (a user's own float64 model), and the engine's chunked
-linear attention computes under the same casts exactly when the module does (`delta_casts`).
+float64 (the math is transformers', step for step, only in float64). `build_model` applies it, and the
+engine's chunked linear attention computes under the same casts exactly when the module does
+(`delta_casts`).
+
+A user's own float64 model (built without `build_model`): every prepared run widens the same islands for
+its duration, every method alike (`islands_in_at_least_float32`, and the eager softmax through
+`eager_in_at_least_float32(model, None)`), and gives the model back as it was when it closes. There a router
+weight transformers keeps in float32 stays float32 (its logits come from its exact float64 widening); its
+own gradient is a float32 sum, exact to float32's rounding only.
 """
 
 from __future__ import annotations
@@ -179,12 +188,26 @@ def _eager_in_at_least_float32(module: nn.Module, query: Tensor, key: Tensor, va
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def eager_in_at_least_float32(model: nn.Module) -> bool:
-    """Give a model of `WIDE_EAGER_FAMILIES` that attends through transformers' eager attention the
-    `WIDE_EAGER` implementation (this model's setting only; registered under its own name, with eager's
-    mask); returns whether it changed."""
+EAGER_KEYLESS_ZEROS = ("gpt_oss",)
+"""Model types whose eager attention gives a query that sees no key zeros, as the engine does: gpt-oss's
+sinks take its whole softmax (every other eager averages every value of the row)."""
+EAGER_SOFTMAX_IN_SCORES_DTYPE = ("llama4", "llama4_text", "gpt_oss")
+"""Model types whose eager attention takes its softmax in the scores' precision (gpt-oss's with its
+sinks), not in float32: a float64 model of theirs attends in float64 already."""
+
+
+def eager_in_at_least_float32(model: nn.Module,
+                              families: tuple[str, ...] | None = WIDE_EAGER_FAMILIES) -> bool:
+    """Give a model of `families` (None: every model type whose eager softmax is float32, i.e. not in
+    `EAGER_SOFTMAX_IN_SCORES_DTYPE`) that attends through transformers' eager attention the `WIDE_EAGER`
+    implementation (this model's setting only; registered under its own name, with eager's mask);
+    returns whether it changed. `model.set_attn_implementation("eager")` undoes it."""
     config = model.config
-    if config.model_type not in WIDE_EAGER_FAMILIES or config._attn_implementation != "eager":
+    if families is None:
+        wanted = config.model_type not in EAGER_SOFTMAX_IN_SCORES_DTYPE
+    else:
+        wanted = config.model_type in families
+    if config._attn_implementation != "eager" or not wanted:
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -252,3 +275,30 @@ def restore_forwards(modules: list[nn.Module]) -> None:
     """Give `modules` their class's forward again (undo `hybrid_in_at_least_float32`)."""
     for module in modules:
         vars(module).pop("forward", None)
+
+
+def islands_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    """For one prepared run of a model of precision float64 (`dtype`), one a user built without
+    `build_model` included: the float32 islands `build_model` widens, widened at instance level for the
+    run's duration (`restore_forwards` undoes it): a hybrid's (`hybrid_in_at_least_float32`), every
+    float32-only norm (`FLOAT32_NORMS`) and every float32 router's forward (`FLOAT32_ROUTERS`,
+    `FLOAT32_SIGMOID_ROUTERS`). A router weight transformers keeps in float32 stays float32: its logits
+    come from its exact float64 widening, so they no longer depend on how many tokens one call holds, and
+    only its own gradient is still a float32 sum. A model of another precision is left as it is. Returns
+    the modules changed."""
+    if dtype != torch.float64:
+        return []
+    changed = hybrid_in_at_least_float32(model, dtype)
+    for module in model.modules():
+        name = type(module).__name__
+        if "forward" in vars(module):
+            continue
+        forward = FLOAT32_NORMS.get(name)
+        if name in FLOAT32_ROUTERS:
+            forward = _router_in_at_least_float32
+        elif name in FLOAT32_SIGMOID_ROUTERS:
+            forward = _sigmoid_router_in_at_least_float32
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+            changed.append(module)
+    return changed
