@@ -104,7 +104,7 @@ class StreamConfig:
     """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
 
     attn_blocking: bool = True
-    """streambp: a chunk whose prefix is longer than `engine.blocked_attention.BLOCKED_MIN_KEYS` keys runs
+    """streambp: a chunk whose prefix is longer than `engine.attention.blocked.BLOCKED_MIN_KEYS` keys runs
     its attention backward over tiles of keys on CUDA, so no kernel buffer grows with the prefix; False
     keeps the unblocked kernels at every length (to measure what blocking saves)."""
 
@@ -120,7 +120,7 @@ class StreamConfig:
 
     baseline_loss: str = "full"
     """plain and checkpoint, GRPO and DPO: 'full' takes the objective from the logits of every position in
-    at least float32 (`engine.objectives`); 'trl' computes it as TRL 0.17's GRPOTrainer and DPOTrainer do
+    at least float32 (`engine.stream.objectives`); 'trl' computes it as TRL 0.17's GRPOTrainer and DPOTrainer do
     (`methods.trl_loss`: GRPO's logits for the completion only, per-token log-probs row by row in the
     logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
 
@@ -128,9 +128,9 @@ class StreamConfig:
     """The tiers in host memory (`streambp_core.tiers`): a `Tiers`, or a comma list or a collection of
     tier names, stored as the `Tiers` it names (`Tiers.of`).
     checkpoints: what the method saves between forward and backward (layer inputs); checkpoint and mst
-    through transformers' checkpoint offload, streambp through `engine.offload.HostChain`. params: the
-    weights, gathered a layer at a time (`engine.host_params`). optimizer: `Run.adamw()` gives the host
-    optimizer (`engine.host_optimizer`). plain refuses checkpoints and params (`check_offload`)."""
+    through transformers' checkpoint offload, streambp through `engine.host.checkpoints.HostChain`. params: the
+    weights, gathered a layer at a time (`engine.host.params`). optimizer: `Run.adamw()` gives the host
+    optimizer (`engine.host.optimizer`). plain refuses checkpoints and params (`check_offload`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", offload_choice(self.offload))

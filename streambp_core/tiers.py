@@ -1,12 +1,12 @@
 """Offload tiers: which parts of a training step live in host memory instead of on the device.
 
 - checkpoints: what a method keeps between forward and backward (layer inputs), copied out in forward and
-  back in backward (`engine.offload`).
+  back in backward (`engine.host.checkpoints`).
 - optimizer: the optimizer's states and an fp32 master copy of every trainable parameter; each
   gradient goes to the host as soon as it is complete, the step runs there and the updated weights return
-  (`engine.host_optimizer.HostAdamW`).
+  (`engine.host.optimizer.HostAdamW`).
 - params: the weights; each decoder layer's is gathered onto the device for its forward and again for its
-  backward, one layer prefetched ahead, the embedding and the head when used (`engine.host_params`).
+  backward, one layer prefetched ahead, the embedding and the head when used (`engine.host.params`).
 
 A set of tiers is one `Tiers` value, normalised once from whatever a user writes (`Tiers.of`), and read by
 attribute (`tiers.optimizer`). It is written as one canonical string, `str(tiers)`: the tiers in the

@@ -51,7 +51,7 @@ def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, *
 
 class ReductionCount(TrainerCallback):
     """How many times ZeRO reduces each trainable parameter per micro-step (per step on ZeRO-1), counted by
-    `parallel.deepspeed_verify.count_reductions` on the engine's optimizer, tallied as '0', '1', '2+'."""
+    `verify.deepspeed.count_reductions` on the engine's optimizer, tallied as '0', '1', '2+'."""
 
     def __init__(self, shard: str) -> None:
         self.per_step = shard == "zero1"

@@ -4,7 +4,7 @@ holds the trainer (`accelerate launch --config_file ...`, or `TrainingArguments(
 The engine is read from the trainer's own accelerator (`trainer_engine`):
 
 - **FSDP2** (accelerate's FSDP plugin, `fsdp_version: 2`). StreamBP and MsT run a unit's work through
-  `engine.sharded.sharded_forward`, so every FSDP2 unit they read must be a decoder layer or the root.
+  `engine.engines.fsdp_unit.sharded_forward`, so every FSDP2 unit they read must be a decoder layer or the root.
   accelerate 1.15's `fsdp2_prepare_model` carves the embedding and [final norm, LM head] into units of
   their own; the streamed head reads those weights outside any unit's forward, where they are still
   sharded. So `stream_trainer` shards the model itself, as the plugin says (`reshard_after_forward`:
@@ -17,7 +17,7 @@ The engine is read from the trainer's own accelerator (`trainer_engine`):
   DeepSpeed engine inside `train()`, after `stream_trainer`; ZeRO reduces a gradient from a hook at each
   accumulation into it, and a streamed backward accumulates chunk by chunk. On ZeRO-1/2,
   `DeepSpeedReduction` attaches at the first training forward after the engine exists: one `OneReduction`
-  (`engine.reduction`, the mechanism `parallel.deepspeed` describes) armed once per backward, on the
+  (`engine.engines.reduction`, the mechanism `parallel.deepspeed` describes) armed once per backward, on the
   decoder stack's output (a forward hook) or on the streamed loss (StreamBP under `Trainer`, whose loss
   never calls the stack), so each parameter is reduced once per micro-step. On ZeRO-3 the run is
   prepared on the engine itself, once per optimizer step, from a trainer callback

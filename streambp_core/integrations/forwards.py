@@ -123,7 +123,7 @@ def _no_new_external_params(module: nn.Module):
     forward runs: a partitioned parameter of another module read by attribute there (the run's checks
     read the embedding's and the head's shapes; its units read their weights) is gathered and made
     `module`'s own, so `module`'s backward would gather it again and hold it while the run's unit
-    releases it. The run gathers and releases its units itself (`engine.zero3`); nothing without
+    releases it. The run gathers and releases its units itself (`engine.engines.zero3`); nothing without
     ZeRO-3."""
     external = getattr(module, "_external_params", None)
     before = set(external or ())
@@ -139,7 +139,7 @@ def _no_new_external_params(module: nn.Module):
 
 
 class HeadUnit:
-    """Under DeepSpeed ZeRO-3, the run's head unit [final norm, LM head] (`engine.zero3`) held gathered from
+    """Under DeepSpeed ZeRO-3, the run's head unit [final norm, LM head] (`engine.engines.zero3`) held gathered from
     the final norm (`enter`, in the streamed decoder stack's forward) to the end of the causal LM's forward
     (`hook_output`, a forward hook), where the trainer's own fused head (TRL's) has read the LM head's
     weight. DeepSpeed's hooks no longer gather the unit's modules; gathered, the head's weight is not

@@ -4,7 +4,7 @@ at a time.
 ZeRO-3 needs two things a run prepared before `trainer.train()` cannot give (`parallel.deepspeed`):
 - the run must be prepared on the engine (`prepare(engine, ...)`): streambp and mst then gather each of
   their units once per forward and once per backward and hand each gradient to ZeRO once
-  (`engine.zero3.Zero3Units`), which needs the parameters ZeRO-3 partitioned;
+  (`engine.engines.zero3.Zero3Units`), which needs the parameters ZeRO-3 partitioned;
 - each loss must run inside the engine's forward, where ZeRO-3 starts a micro-step (without it the
   micro-steps' gradients would overwrite rather than accumulate).
 A trainer builds its engine inside `train()` (`Accelerator.prepare` calls `deepspeed.initialize`), and

@@ -28,13 +28,13 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
 
     `model` may be a DeepSpeed engine wrapping one: the run prepares `engine.module` and computes each
-    loss through the engine's forward (which DeepSpeed ZeRO-3 needs, `engine.reduction.through_engine`).
+    loss through the engine's forward (which DeepSpeed ZeRO-3 needs, `engine.engines.reduction.through_engine`).
 
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the
     config's; its partitions are sizes in tokens (an AUTO one is resolved first: `step.partitions`,
     ValueError here). Preparing never copies the weights; `run.close()` (or leaving a `with` block)
-    undoes it. `sequence_group` (`engine.sequence_group.SequenceGroup`, real or simulated): Ulysses sequence
+    undoes it. `sequence_group` (`engine.sequence.group.SequenceGroup`, real or simulated): Ulysses sequence
     parallelism over its ranks, each computing its shard of every sequence (`methods.sequence`).
     """
     check_method(method)

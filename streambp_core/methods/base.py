@@ -53,7 +53,7 @@ class Run:
                  engine: nn.Module | None = None) -> None:
         """`config` is validated (`prepare` checks it against the method); `sequence_group`: the ranks that
         share each sequence (`methods.sequence`), None for none; `engine`: the DeepSpeed engine wrapping
-        `model`, whose forward each loss then runs as (`engine.reduction.through_engine`)."""
+        `model`, whose forward each loss then runs as (`engine.engines.reduction.through_engine`)."""
         if engine is None and is_zero3(model):
             raise ConfigError("under deepspeed zero3, prepare the engine itself (prepare(engine, ...)), not "
                               "engine.module: ZeRO-3 counts micro-steps in the engine's forward, and a loss "
@@ -82,10 +82,10 @@ class Run:
         transformers' modules (`parallel.deepspeed`)."""
         self.zero3: Zero3Units | None = None
         """Under DeepSpeed ZeRO, the units of a method that drives the modules: gathered once each way
-        (ZeRO-3), each parameter handed to ZeRO once as its unit's backward ends (`engine.zero3`)."""
+        (ZeRO-3), each parameter handed to ZeRO once as its unit's backward ends (`engine.engines.zero3`)."""
         self.host_grads: UnitGrads | None = None
         """With the optimizer tier, the units whose backward adds to a parameter's gradient chunk by chunk,
-        each handing its gradients to the host once, as its backward ends (`engine.unit_grads`)."""
+        each handing its gradients to the host once, as its backward ends (`engine.host.unit_grads`)."""
         try:
             dtype = self.parts.embed.weight.dtype
             self._widened = islands_in_at_least_float32(model, dtype)
@@ -248,7 +248,7 @@ class Run:
         return [b for b in (self.host_params, self.host_grads, self.zero3) if b is not None]
 
     def _host_grads(self) -> UnitGrads | None:
-        """The optimizer tier's units that hand their gradients over once (`engine.unit_grads`); None for
+        """The optimizer tier's units that hand their gradients over once (`engine.host.unit_grads`); None for
         a method whose backward fires each parameter's gradient once already (plain, checkpoint)."""
         return None
 

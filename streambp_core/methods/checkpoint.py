@@ -7,7 +7,7 @@ open, so eval() changes the dropout, never whether the method checkpoints.
 With `offload="checkpoints"` each layer's saved input lives in host memory: transformers' own
 `activation_checkpointing_enable(offload=True)` (torch's `save_on_cpu(pin_memory=True)` around every
 checkpointed layer) on an accelerator; elsewhere (a CPU-only torch, which cannot pin, and the meta device
-of a simulation) the same checkpoint function with `engine.offload.save_on_host`, which pins only on CUDA.
+of a simulation) the same checkpoint function with `engine.host.checkpoints.save_on_host`, which pins only on CUDA.
 """
 
 from __future__ import annotations

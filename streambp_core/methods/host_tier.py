@@ -6,7 +6,7 @@ index and reads no weight), each decoder layer, then the head. Methods that call
 (checkpoint, mst) have their units bracketed by module hooks; streambp brackets its streamed layers and
 head itself, so the head is one unit (final norm and lm_head, which its streamed head runs together).
 
-Units of the optimizer tier's hand-over (`engine.unit_grads`), where a backward adds to a gradient chunk
+Units of the optimizer tier's hand-over (`engine.host.unit_grads`), where a backward adds to a gradient chunk
 by chunk, are the ones each method gathers under ZeRO-3 (`MstRun._tiled_units`: its tiled MLP blocks and
 lm_head; `StreamBPRun._streamed_units`: its streamed layers and head, numbered as its params tier's). A
 tied embedding's weight is shared: the embedding's own accumulation, last in backward, sends it.

@@ -74,7 +74,7 @@ class PlainRun(Run):
         """The attention mask and position_ids arguments of the model's forward. Packed rows go through
         transformers' own packed path (position_ids that restart, no mask), or under the engine attention
         a per-document mask (`engine.packing`). Under sequence parallelism: the whole sequence's key mask
-        and this shard's global positions (`engine.sequence_hf`)."""
+        and this shard's global positions (`engine.sequence.hf`)."""
         shard = self._step_shard
         if shard is not None:
             mask = sequence_mask_argument(shard.key_valid, self._input_ids.shape[0], shard.shard.total_tokens,

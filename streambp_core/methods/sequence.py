@@ -5,7 +5,7 @@ The contract, on every rank of the group:
   on every rank: token ids and masks are a few bytes per token, against the activations that the shards
   divide). The run embeds and computes only this rank's contiguous shard (`SequenceGroup.shard_bounds`),
   at its global positions (RoPE); attention sees the whole sequence through all-to-alls
-  (`engine.sequence_attention`).
+  (`engine.sequence.attention`).
 - The objective is built on the whole batch, so labels shift globally before sharding (the last token of
   a shard predicts the first of the next) and every normaliser (SFT's count of valid tokens, GRPO's
   completion lengths, DPO's sequence log-probs) is the whole sequence's. Each rank streams its shard's
@@ -15,7 +15,7 @@ The contract, on every rank of the group:
   gradient (`sequence_group.sum_gradients`). An engine that averages over its ranks (FSDP2, DeepSpeed)
   gives that sum divided by its world size: multiply the loss by the group's size there.
 
-Per-family attention runs on the shards as it does in one process (`engine.sequence_attention`): Gemma 2's
+Per-family attention runs on the shards as it does in one process (`engine.sequence.attention`): Gemma 2's
 soft-capped scores, gpt-oss's attention sinks (each rank its heads' slice), Llama 4's chunked local
 attention (chunks counted over the whole sequence) and its NoPE layers' query temperature (at each token's
 global index), and DeepSeek-V3's multi-head latent attention (streambp gathers the one latent key head to

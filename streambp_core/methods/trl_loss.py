@@ -14,7 +14,7 @@ TRL 0.17 (the version the StreamBP paper's Table 3 ran; `trl/trainer/grpo_traine
 - `selective_log_softmax`: in float32/float64 the target logit minus a row-by-row logsumexp; in other
   dtypes a `log_softmax` per row, in the logits' dtype (no float32 copy of the logits).
 
-The value is the objective's (`engine.objectives`), so every method still matches plain. Not emulated:
+The value is the objective's (`engine.stream.objectives`), so every method still matches plain. Not emulated:
 TRL's metrics (DPO's mean chosen/rejected logits index a copy of the completion logits inside the
 forward; GRPO's clip ratios are (B, K)), the reference forward DPOTrainer runs in the step when the
 reference log-probs are not precomputed, and the reference model TRL copies for full-parameter training

@@ -7,7 +7,7 @@ The user's script keeps its shape, with the engine itself prepared::
     engine.backward(run.loss(input_ids, labels=labels))
     engine.step()
 
-`run.loss` runs as the engine's forward (`engine.reduction.through_engine`): ZeRO-3 counts micro-steps there
+`run.loss` runs as the engine's forward (`engine.engines.reduction.through_engine`): ZeRO-3 counts micro-steps there
 and, without it, overwrites rather than accumulates the micro-steps' gradients; `prepare(engine.module)`
 is refused by name under ZeRO-3 (ZeRO-1/2 accept it).
 
@@ -20,7 +20,7 @@ module's parameters around each call of it, which a chunk loop would turn into p
 
 Mechanisms, chosen per method (both rely on `ds_grad_is_ready`, DeepSpeed >= 0.17.0: the stage-1/2 and
 stage-3 hooks leave the gradient in `.grad`, unreduced, while it is False):
-- streambp and mst (`Run.drives_modules`), every stage: units (`engine.zero3.Zero3Units`: streambp's
+- streambp and mst (`Run.drives_modules`), every stage: units (`engine.engines.zero3.Zero3Units`: streambp's
   decoder layers and head, mst's chunked MLPs and head). While a unit's backward runs, its parameters'
   flags are False; as it ends, a bracket on its input sets them, takes each summed gradient out of
   `.grad` (zeros where none arrived) and returns it to autograd, whose accumulation fires each hook once:
@@ -29,7 +29,7 @@ stage-3 hooks leave the gradient in `.grad`, unreduced, while it is False):
   DeepSpeed's own hooks taken off the unit's modules while the run is open: no chunk issues a
   collective, so ranks with different lengths (chunk counts) cannot deadlock (counted in the tests).
   An MoE block DeepSpeed marks as a leaf module is reduced from its leaf hook, called once by the unit.
-- checkpoint, ZeRO-1/2 (`engine.reduction.OneReduction`, armed on every loss): every flag False for the
+- checkpoint, ZeRO-1/2 (`engine.engines.reduction.OneReduction`, armed on every loss): every flag False for the
   backward; at its end (a callback queued on autograd's engine) each summed gradient goes to autograd
   once through `p.view_as(p)`, in reverse layer order. Full gradients are held until then (as
   `engine.coalesce_grad_reduction()` does). Under ZeRO-3, checkpoint and plain need nothing: each
@@ -43,7 +43,7 @@ reduces at the accumulation boundary from `.grad` and would be exact without hel
 as ZeRO-2; the same mechanisms serve all three (one reduction per parameter per micro-step, per step on
 ZeRO-1, counted in the tests).
 
-Offload (`engine.deepspeed_offload`): under DeepSpeed the project's optimizer and params tiers are
+Offload (`engine.engines.deepspeed_tiers`): under DeepSpeed the project's optimizer and params tiers are
 DeepSpeed's own sections, `offload_optimizer` (fp32 masters, moments and gradient partitions in host
 memory, stepped there by its CPU Adam) and `offload_param` (ZeRO-3's partitions in host memory; the
 units gather them as any partition); `offload_sections` writes them for a tier set, and `prepare(engine,

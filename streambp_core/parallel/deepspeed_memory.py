@@ -14,7 +14,7 @@ With DeepSpeed's offload (`deepspeed-zero3`, the spec's optimizer or params tier
 `offload_param` on the CPU, `deepspeed.offload_sections`; `measure_deepspeed_pools`), the optimizer is
 DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, compiled on first use, as a user of `offload_optimizer` runs
 it), the run is prepared with the spec's tiers (the engine's sections hold them,
-`engine.deepspeed_offload`), and the tracker files what DeepSpeed keeps as offloaded state in its host
+`engine.engines.deepspeed_tiers`), and the tracker files what DeepSpeed keeps as offloaded state in its host
 pool from the start: the parameters' partitions (`param_groups_fp16_flat_cpu_memory`), the fp32 master
 partitions and their fp32 gradients, CPU Adam's moments and the gradient partition
 (`grad_partitions_flat_buffer`), and whatever the CPU Adam step allocates. On CPU ranks both pools are

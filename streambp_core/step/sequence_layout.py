@@ -4,10 +4,10 @@ A sequence-parallel step is simulated through the engine itself (`step.run.seque
 `prepare(..., sequence_group=SequenceGroup.simulated(sp))` on meta tensors): the rank embeds and runs
 its shard of the whole batch (ceil(T/sp) tokens on rank 0, the longest), swaps to its H/sp heads over all
 T tokens for attention, holds the head-sharded whole-sequence K/V (each KV head replicated when there
-are fewer than sp, `engine.sequence_attention.kv_replication`), and its state is sharded over the `gpus`
+are fewer than sp, `engine.sequence.attention.kv_replication`), and its state is sharded over the `gpus`
 ranks by `spec.shard` (the sp ranks are shard ranks too, as Arctic Long Sequence Training runs them).
 
-Its all-to-alls run the real ones' code (`engine.sequence_group`) with the exchange itself skipped: the
+Its all-to-alls run the real ones' code (`engine.sequence.group`) with the exchange itself skipped: the
 same send and receive buffers and copies, allocated and freed at the same moments, so the step's tracked
 peak is one real rank's, with nothing added after.
 

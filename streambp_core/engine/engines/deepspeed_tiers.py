@@ -4,7 +4,7 @@ A DeepSpeed engine owns the optimizer and the partitioned weights, so under it t
 tier (`HostAdamW`) and params tier (`HostParams`) have nothing to hold: DeepSpeed's
 `zero_optimization.offload_optimizer` (the fp32 masters, moments and gradient partitions in host memory,
 stepped there by its CPU Adam) and `offload_param` (ZeRO-3's partitions in host memory, each gathered
-onto the device when its module runs; the units of `engine.zero3` gather them the same way) are those
+onto the device when its module runs; the units of `engine.engines.zero3` gather them the same way) are those
 tiers. A run under DeepSpeed asked for either tier checks that the engine's config offloads it and
 holds nothing itself; the checkpoints tier stays the method's own. This module never imports DeepSpeed:
 it reads the engine's `zero_offload_optimizer()` / `zero_offload_param()`.
@@ -34,7 +34,7 @@ def engine_tiers(engine: nn.Module) -> tuple[str, ...]:
 
 def check_deepspeed_tiers(method: str, offload: Tiers, stage: int, engine: nn.Module | None) -> None:
     """ConfigError (one line) when the tier set `offload` asks under DeepSpeed ZeRO `stage` (3, or 2 for
-    ZeRO-1/2: `engine.reduction.zero_stage_of`) for a tier
+    ZeRO-1/2: `engine.engines.reduction.zero_stage_of`) for a tier
     DeepSpeed does not hold: params below ZeRO-3 (DeepSpeed has no `offload_param` there), optimizer or
     params without the engine (its config cannot be read) or without its section on in the config."""
     wanted = [tier for tier in offload.names if tier in OFFLOAD_SECTIONS]

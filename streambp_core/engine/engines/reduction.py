@@ -127,7 +127,7 @@ def one_reduction_for(model: nn.Module, method: str) -> OneReduction | None:
     model is untouched) arms on every loss under DeepSpeed ZeRO-1/2; None elsewhere, and under ZeRO-3,
     where such a method fires each parameter's hook once through the modules, as plain does. (A method
     that drives the modules, `Run.drives_modules`, hands each gradient over from its units instead,
-    `engine.zero3`.)"""
+    `engine.engines.zero3`.)"""
     stage = zero_stage_of(model)
     if stage is None or method == "plain":
         return None

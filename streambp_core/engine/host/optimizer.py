@@ -8,7 +8,7 @@ Steps of one training step:
 1. Backward: as each parameter's gradient is complete (its post-accumulate-grad hook), the gradient is
    copied to host memory (pinned, on a side stream with an event on CUDA) and the device gradient
    dropped, so the device never holds the whole model's gradients. A hook that fires while the parameter
-   is held (`engine.unit_grads.grad_held`: a tiled or streamed unit's backward is still adding to it,
+   is held (`engine.host.unit_grads.grad_held`: a tiled or streamed unit's backward is still adding to it,
    chunk by chunk) leaves the gradient in `.grad`; the unit hands the sum over once as its backward ends.
    With a run prepared with the optimizer tier every parameter is thus sent once per backward (a tied
    embedding and head: at its last firing, the embedding's).
@@ -16,7 +16,7 @@ Steps of one training step:
    backward passes accumulate, or when a hook fired unheld) are summed in the master's dtype in arrival
    order, AdamW updates the master and its moments, and the master is copied into the parameter's data:
    back to the device, or into the host copy when the weights live on the host too
-   (`engine.host_params`). A gradient still in `.grad` (set by hand, or never completed by a hook) is
+   (`engine.host.params`). A gradient still in `.grad` (set by hand, or never completed by a hook) is
    sent then.
 
 Exactness: with parameters of float32 or float64 the masters have the parameters' dtype, so the applied

@@ -1,7 +1,7 @@
 """Weights in host memory, gathered onto the device one unit (a decoder layer, the embedding, the head) at
 a time: the `params` offload tier, as ZeRO-3 with `offload_param` runs it, on one device.
 
-Each parameter's data is replaced by a host copy (`offload.host_copy`: pinned on CUDA, filed under the
+Each parameter's data is replaced by a host copy (`checkpoints.host_copy`: pinned on CUDA, filed under the
 tracker's host pool; a meta copy on meta). A unit is gathered (`p.data` = a device copy, filed as
 weights) while it runs and released (`p.data` = the host copy) after, in forward and again in backward:
 

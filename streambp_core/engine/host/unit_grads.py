@@ -7,7 +7,7 @@ by chunk, and each chunk adds to its unit's parameters' `.grad`: through autogra
 fires the parameter's post-accumulate-grad hooks each time, or by hand (an in-place GEMM), which fires
 none. A hook that took the gradient away as it fired would take one partial sum per chunk; one that never
 fired would leave the gradient on the device until the step. So `UnitGrads` brackets each unit (a decoder
-layer, an MLP block, a head) as ZeRO-3's units are bracketed (`engine.zero3`):
+layer, an MLP block, a head) as ZeRO-3's units are bracketed (`engine.engines.zero3`):
 
 1. forward: `enter` marks the unit's trainable parameters held (`grad_held`) and brackets its input with
    an identity whose inputs include the parameters the unit owns;

@@ -1,6 +1,6 @@
 """One streamed decoder layer on this rank's shard of a sequence-parallel sequence (Ulysses).
 
-As `engine.layer`, but attention sees every rank's tokens (`engine.sequence_attention`):
+As `engine.stream.layer`, but attention sees every rank's tokens (`engine.sequence.attention`):
 - forward (no grad): K/V of the shard, gathered once into this rank's KV heads over the whole sequence
   (one swap of `KV_PIECES` all-to-alls), then the chunks of the shard in lockstep with every rank's
   (`lockstep_chunks`): the chunk's queries go to head layout and its outputs back (two all-to-alls per

@@ -40,7 +40,7 @@ class HeadPlan:
     keep_chunks: int | None = None
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
     offload: HostChain | None = None
-    """Keep the hidden states in host memory between forward and backward (`engine.offload`)."""
+    """Keep the hidden states in host memory between forward and backward (`engine.host.checkpoints`)."""
     logits_scaling: float = 1.0
     """The logits are the lm_head's output divided by it (Granite's `logits_scaling`)."""
     final_softcap: float | None = None

@@ -17,7 +17,7 @@ A sliding-window (local) layer attends each chunk s..e to the keys of its band o
 ..e (views of the same caches), so its attention work per chunk is bounded by the window; a chunked local
 layer (Llama 4's) to the keys from the earliest start of its queries' chunks, masked to each query's own
 chunk (`chunks.LocalChunks`) where the band crosses a chunk boundary; a routed
-(mixture-of-experts) layer under the load-balancing loss also returns its routing sums (`engine.router`).
+(mixture-of-experts) layer under the load-balancing loss also returns its routing sums (`engine.stream.router`).
 A layer with attention sinks (gpt-oss) passes them to every chunk's attention: each query row's softmax
 denominator takes its head's sink once, in the one chunk the row is in, and the sinks' gradient is the
 sum of every recomputed chunk's share (`engine.attention.sinks`).
@@ -73,17 +73,17 @@ class LayerPlan:
     keep_chunks: int | None = None
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
     offload: HostChain | None = None
-    """Keep H_in in host memory between forward and backward, in this step's chain (`engine.offload`)."""
+    """Keep H_in in host memory between forward and backward, in this step's chain (`engine.host.checkpoints`)."""
     router_aux: RouterAux | None = None
     """A routed (mixture-of-experts) layer under the load-balancing loss: the layer also returns its
-    routing sums (`engine.router`)."""
+    routing sums (`engine.stream.router`)."""
     packed: PackedRows | None = None
     """This step's packed rows: each chunk attends within its queries' documents (`engine.packing`)."""
     attn_blocking: bool = True
     """Long prefixes attend through the blocked backward on CUDA (`StreamConfig.attn_blocking`)."""
     attention: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None
     """The chunk's attention (q, k, v, key mask) -> (B, H, c, hd) in place of `prefix_attention`: sequence
-    parallelism's, over every rank's chunk (`engine.sequence_layer`); None: the chunk's own prefix."""
+    parallelism's, over every rank's chunk (`engine.sequence.layer`); None: the chunk's own prefix."""
 
     def routing(self, grad: Tensor | None = None) -> ChunkRouting | None:
         """A fresh `ChunkRouting` for one pass of a routed layer under the loss, else None."""
