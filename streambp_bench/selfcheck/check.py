@@ -43,6 +43,7 @@ from streambp_bench.results import (
     spec_fields,
 )
 from streambp_bench.selfcheck.families import FAMILY_MODELS
+from streambp_bench.selfcheck.gradients import grad_rows
 from streambp_bench.selfcheck.owed import measured_step
 from streambp_core.config import StepSpec
 from streambp_core.measure.cuda import cuda_available, device_info
@@ -56,7 +57,7 @@ from streambp_core.step.resolved import ResolvedModel
 from streambp_core.step.setup import build_setup
 from streambp_core.step.simulate import simulate
 from streambp_core.step.timing import spec_step, timed_step
-from streambp_core.verify.methods import VerifySpec, verify_spec
+from streambp_core.verify.methods import VerifySpec
 
 METHODS = ("plain", "checkpoint", "mst", "streambp")
 AUTO = "auto"
@@ -145,23 +146,6 @@ def verify_rows(plan: CheckPlan, where: str) -> Iterator[ResultRow]:
                                  objective=objective, attn=attn, partition_size=256, head_partition_size=100,
                                  head_mode="auto")  # the fused head where the objective allows it (sft, grpo)
             yield from grad_rows(spec, where)
-
-
-def grad_rows(spec: VerifySpec, where: str) -> Iterator[ResultRow]:
-    """`spec` verified (`verify_spec`): one row per method, metric grad_rel_err, status error beyond the
-    method's bound."""
-    step = spec.step
-    for result in verify_spec(spec).results:
-        yield ResultRow(
-            method=result.method, model=step.model, objective=step.objective,
-            seq_len_tokens=step.seq_len_tokens, batch_size=step.batch_size,
-            partition_size=step.stream.partition_size, head_partition_size=step.stream.head_partition_size,
-            dtype=step.dtype, attn=step.stream.attn, head_mode=row_head_mode(spec.step_of(result.method)),
-            status="ok" if result.ok else "error",
-            metric="grad_rel_err", value=result.max_rel_err,
-            error="" if result.ok else f"{result.max_rel_err:.3g} > bound {result.tolerance:.3g}",
-            **provenance(f"measured-{spec.device}", where),
-        )
 
 
 def memory_spec(plan: CheckPlan, method: str, seq_len: int) -> StepSpec:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from streambp_bench.results import ResultRow, provenance
+from streambp_bench.selfcheck.gradients import grad_rows
 from streambp_core.dtypes import at_least_float32
 from streambp_core.verify.methods import VerifySpec
 
@@ -32,10 +33,8 @@ RULE_FACTOR = 2.0
 
 
 def family_rows(plan, where: str) -> Iterator[ResultRow]:
-    """Every method of each of `plan.family_models` against plain (`check.grad_rows`) at
+    """Every method of each of `plan.family_models` against plain (`selfcheck.gradients.grad_rows`) at
     `plan.family_seq_len` tokens, two right-padded rows, four layer chunks and three head chunks."""
-    from streambp_bench.selfcheck.check import grad_rows
-
     for model in plan.family_models:
         spec = VerifySpec.of(model=model, seq_len_tokens=plan.family_seq_len, batch_size=2,
                              dtype=plan.verify_dtype, padding="right", device=plan.device,

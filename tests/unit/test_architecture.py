@@ -1,6 +1,7 @@
 """The architecture as a checked contract: the import-linter contracts in pyproject.toml (the core's floors,
 the bench above the core, no CLI, table or plotting library in the core) and no import cycle between the
-core's files or between its rooms. Every import counts, those inside functions too."""
+files or between the rooms of either package (the core, the bench). Every import counts, those inside
+functions too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from importlinter.cli import lint_imports
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "pyproject.toml"
 CORE = "streambp_core"
+BENCH = "streambp_bench"
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +51,25 @@ def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> No
     assert any(line.startswith("from") for line in lines)
 
 
-def direct_imports(graph: grimp.ImportGraph) -> list[tuple[str, str]]:
-    """Every (importer, imported) pair of modules inside the core."""
+@pytest.fixture(scope="module", params=[CORE, BENCH])
+def house(request: pytest.FixtureRequest) -> tuple[str, grimp.ImportGraph]:
+    """Each package of the house (the core, the bench) with its import graph."""
+    return request.param, grimp.build_graph(request.param, cache_dir=None)
+
+
+def direct_imports(graph: grimp.ImportGraph, package: str = CORE) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair of modules inside `package`."""
     return sorted((module, imported) for module in graph.modules
                   for imported in graph.find_modules_directly_imported_by(module)
-                  if imported == CORE or imported.startswith(CORE + "."))
+                  if imported == package or imported.startswith(package + "."))
 
 
-def test_no_import_cycle_between_files(graph: grimp.ImportGraph) -> None:
-    """No file reaches itself through its imports (a cycle is an import a -> b with a chain b -> ... -> a)."""
+def test_no_import_cycle_between_files(house: tuple[str, grimp.ImportGraph]) -> None:
+    """No file of the core or the bench reaches itself through its imports (a cycle is an import a -> b
+    with a chain b -> ... -> a)."""
+    package, graph = house
     cycles = []
-    for importer, imported in direct_imports(graph):
+    for importer, imported in direct_imports(graph, package):
         back = graph.find_shortest_chain(importer=imported, imported=importer)
         if back is not None:
             cycles.append(" -> ".join((importer, *back)))
@@ -67,22 +77,24 @@ def test_no_import_cycle_between_files(graph: grimp.ImportGraph) -> None:
 
 
 def room(module: str) -> str:
-    """The core's room a module lives in: its top-level subpackage or module (the package itself: CORE)."""
+    """The room a module lives in: its package's top-level subpackage or module (the package itself:
+    the package)."""
     parts = module.split(".")
     return ".".join(parts[:2])
 
 
-def test_no_import_cycle_between_rooms(graph: grimp.ImportGraph) -> None:
-    """The rooms (config, models, measure, engine, methods, step, search, verify, integrations, parallel,
-    ...) import one another without a cycle."""
+def test_no_import_cycle_between_rooms(house: tuple[str, grimp.ImportGraph]) -> None:
+    """The rooms (the core's config, models, measure, engine, methods, step, ...; the bench's commands,
+    maxlen, results, paper, selfcheck, ...) import one another without a cycle."""
+    package, graph = house
     edges: dict[str, set[str]] = defaultdict(set)
-    for importer, imported in direct_imports(graph):
+    for importer, imported in direct_imports(graph, package):
         if room(importer) != room(imported):
             edges[room(importer)].add(room(imported))
     cycles = [f"{a} -> {b} -> ... -> {a}" for a in sorted(edges) for b in sorted(edges[a])
               if reaches(edges, b, a)]
     assert not cycles, "import cycles between rooms:\n" + "\n".join(cycles)
-    assert len({room(module) for module in graph.modules}) >= 10
+    assert len({room(module) for module in graph.modules if module.startswith(package)}) >= 10
 
 
 def reaches(edges: dict[str, set[str]], start: str, goal: str) -> bool:
