@@ -255,10 +255,16 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+MAX_BUDGET_GIB = 2.0**20
+"""The largest budget taken, in GiB (1 PiB, far above any device or host): a larger one (1e308) has no byte
+count (inf) and is refused by name, not an OverflowError where it is first counted in bytes."""
+
+
 def check_budget_gib(budget_gib: float | None, option: str = "--budget-gib") -> float | None:
-    """`budget_gib` if None or a finite positive number, else ConfigError."""
-    if budget_gib is not None and (not math.isfinite(budget_gib) or budget_gib <= 0):
-        raise ConfigError(f"{option} must be a finite positive number of GiB, got {budget_gib}")
+    """`budget_gib` if None or a finite positive number up to `MAX_BUDGET_GIB`, else ConfigError."""
+    if budget_gib is not None and (not math.isfinite(budget_gib) or not 0 < budget_gib <= MAX_BUDGET_GIB):
+        raise ConfigError(f"{option} must be a finite positive number of GiB, at most {MAX_BUDGET_GIB:,.0f} "
+                          f"(1 PiB), got {budget_gib:g}")
     return budget_gib
 
 

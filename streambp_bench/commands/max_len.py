@@ -162,6 +162,9 @@ def max_len(
     )  # every cheap check, before torch is imported
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
+    if host_budget_gib is not None and not any(spec.offload for spec in specs):
+        raise ConfigError("--host-budget-gib bounds what the offload tiers hold in host memory, and no step "
+                          "offloads anything: give --offload (checkpoints, optimizer, params or both)")
     packing = packing_note.check_packing(packing, SEARCH_CAP_TOKENS, specs)
     at_lengths = tuple(_at_length(length) for length in opt.split_list(at or ""))
     results_file = writable_results(out)

@@ -101,15 +101,19 @@ def reproduce(
     """Run the item(s), write CSV + PNG, regenerate README.md (help text: `HELP`); with --check, compare
     instead (`paper.check`)."""
     chosen = list(ITEM_NAMES) if item is Item.all else [item.value]
+    if check and quick and _committed_results(Path("results") if out is None else out):
+        raise ConfigError("--check --quick reruns at tiny settings, whose points the committed results/ "
+                          "never holds (every row would fail): leave --quick out, or check a --quick --out "
+                          "folder")
     if check:
         _check(chosen, Path("results") if out is None else out, quick, jobs, as_json)
         return
     if out is None and quick:
         raise ConfigError("--quick writes tiny smoke-test rows: give --out DIR (they must not be merged into "
                           "results/, where they would stand for the paper's settings)")
-    if out is not None and quick and out.resolve() == Path("results").resolve():
-        raise ConfigError(f"--quick writes tiny smoke-test rows: --out {out} is results/, where they would "
-                          "stand for the paper's settings; give another folder")
+    if out is not None and quick and _committed_results(out):
+        raise ConfigError(f"--quick writes tiny smoke-test rows: --out {out} is the checkout's results/, "
+                          "where they would stand for the paper's settings; give another folder")
     out = Path("results") if out is None else out
     _check_out(out, chosen)
     workers = worker_count(jobs, available_cpus(), "sim")  # the searches are simulated everywhere
@@ -133,6 +137,16 @@ def reproduce(
     files = [str(path) for path in [*dict.fromkeys(written), readme_path]]
     document = {"items": chosen, "out": str(out), "files": files, "seconds": seconds}
     emit(document, as_json, lambda stdout: [stdout.print(f"  {escape(f)}", soft_wrap=True) for f in files])
+
+
+def _committed_results(out: Path) -> bool:
+    """Whether `out` is a checkout's committed results/ folder, however it is spelled (relative to any
+    folder, absolute, through a link): ./results, this package's checkout's, or a results/ beside a
+    pyproject.toml."""
+    folder = out.expanduser().resolve()
+    checkout = Path(__file__).resolve().parents[2] / "results"
+    return folder in (Path("results").resolve(), checkout) or (
+        folder.name == "results" and (folder.parent / "pyproject.toml").is_file())
 
 
 def _check(chosen: list[str], out: Path, quick: bool, jobs: int | None, as_json: bool) -> None:

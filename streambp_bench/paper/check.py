@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from streambp_bench.results import ResultRow, ResultsFile
+from streambp_bench.results import ResultRow, ResultsFile, SchemaError
 
 RTOL = 1e-6
 """Relative difference below which a rerun value equals the committed one (float formatting only)."""
@@ -47,9 +47,13 @@ def compare(item: str, committed: Iterable[ResultRow], fresh: Iterable[ResultRow
     """Findings of a rerun: each fresh row against the committed row of its key (value within RTOL, same
     status), then the committed simulated or estimated rows the rerun did not produce. One ok finding
     with the count when everything agrees."""
+    committed = list(committed)
     old = {row.key(): row for row in committed}
     new = {row.key(): row for row in fresh}
-    problems = []
+    problems = [f"{_point(row)}: {count} committed rows of one point (a file holds one row per point)"
+                for row, count in duplicates(committed)]
+    problems += [f"{_point(row)}: a {row.source} row in a simulated item's file (a rerun can neither "
+                 "produce nor confirm it)" for row in committed if row.source.startswith("measured")]
     for key, row in new.items():
         before = old.get(key)
         if before is None:
@@ -85,11 +89,40 @@ def measured(item: str, out: Path) -> list[Finding]:
     if not path.exists():
         return [Finding(item, "rerun", False, f"{path} does not exist")]
     rows = ResultsFile(path).rows()
-    failed = [row for row in rows if row.status != "ok"]
-    detail = f"{len(rows)} measured rows read, not measured again"
-    if failed:
-        return [Finding(item, "data", False, f"{_point(row)}: status {row.status}") for row in failed]
+    problems = [f"{_point(row)}: status {row.status}" for row in rows if row.status != "ok"]
+    problems += consistency(rows)
+    detail = f"{len(rows)} measured rows read, not measured again (provenance present, one row per point)"
+    if problems:
+        return [Finding(item, "data", False, text) for text in problems]
     return [Finding(item, "rerun", True, detail)]
+
+
+PROVENANCE = ("device_name", "torch_version", "transformers_version", "package_version")
+"""The provenance a measured row must carry (git_sha may read unknown: an installed package has none)."""
+
+
+def duplicates(rows: Iterable[ResultRow]) -> list[tuple[ResultRow, int]]:
+    """(first row, count) of each point (`ResultRow.key`) more than one row holds: a duplicate before the
+    true row would otherwise be read in its place, or beside it."""
+    counts: dict[tuple, list[ResultRow]] = {}
+    for row in rows:
+        counts.setdefault(row.key(), []).append(row)
+    return [(same[0], len(same)) for same in counts.values() if len(same) > 1]
+
+
+def consistency(rows: list[ResultRow]) -> list[str]:
+    """What a measured file's rows can be checked for without measuring again: one row per point, and
+    each measured row's provenance (`PROVENANCE` present; a measured-cuda row's torch a CUDA build)."""
+    problems = [f"{_point(row)}: {count} rows of one point (a file holds one row per point)"
+                for row, count in duplicates(rows)]
+    for row in (row for row in rows if row.source.startswith("measured")):
+        missing = [name for name in PROVENANCE if getattr(row, name) in ("", "unknown")]
+        if missing:
+            problems.append(f"{_point(row)}: {row.source} row without {', '.join(missing)}")
+        elif row.source == "measured-cuda" and row.torch_version.endswith("+cpu"):
+            problems.append(f"{_point(row)}: measured-cuda row from a CPU build of torch "
+                            f"({row.torch_version})")
+    return problems
 
 
 def data_checks(item: str, out: Path) -> list[Finding]:
@@ -123,8 +156,14 @@ def gpu_fit(path: Path) -> Finding:
     tolerance of the allocator's peak at the same method and length."""
     from streambp_bench.selfcheck.check import WORKSPACE_TOLERANCE
 
-    frame = pd.read_csv(path)
     name = f"gpu/{path.name}"
+    try:
+        problems = consistency(ResultsFile(path).rows())
+    except SchemaError as error:
+        return Finding("gpu", "data", False, f"{name}: {error}")
+    if problems:
+        return Finding("gpu", "data", False, f"{name}: {'; '.join(problems)}")
+    frame = pd.read_csv(path)
     grads = frame[frame.metric == "grad_rel_err"]
     if (grads.status != "ok").any():
         failed = grads[grads.status != "ok"]
@@ -133,6 +172,10 @@ def gpu_fit(path: Path) -> Finding:
     pairs = memory.pivot_table(index=["method", "seq_len_tokens"], columns="source", values="value")
     if not {"simulated", "measured-cuda"} <= set(pairs.columns):
         return Finding("gpu", "data", False, f"{name}: no simulated and measured-cuda peak pairs")
+    unpaired = pairs[pairs["simulated"].isna() & pairs["measured-cuda"].notna()]
+    if len(unpaired):
+        return Finding("gpu", "data", False, f"{name}: measured-cuda peaks without a simulated twin: "
+                       + ", ".join(f"{method} T={length:,}" for method, length in unpaired.index))
     ratios = (pairs["simulated"] / pairs["measured-cuda"]).dropna()
     worst = float((ratios - 1).abs().max())
     ok = worst <= WORKSPACE_TOLERANCE

@@ -130,6 +130,7 @@ def precheck_values(values: dict, source: str) -> None:
     if _is_positive_int(getattr(raw, "num_attention_heads", None)) and _is_positive_int(
             getattr(raw, "hidden_size", None)):
         _check_heads(raw, source)
+    _check_linear_heads(raw, source)
     _check_experts(raw, source)
     _check_pad_token(raw, source)
     _check_activation(raw, source)
@@ -156,6 +157,7 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
         if value is not None and not _is_positive_int(value):
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
     _check_heads(config, source)
+    _check_linear_heads(config, source)
     _check_experts(config, source)
     _check_pad_token(config, source)
     _check_activation(config, source)
@@ -166,7 +168,8 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
 
 OPTIONAL_POSITIVE_SIZES = (
     "num_key_value_heads", "head_dim", "moe_intermediate_size", "decoder_sparse_step", "num_experts",
-    "num_local_experts", "query_pre_attn_scalar",
+    "num_local_experts", "query_pre_attn_scalar", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
 )  # fmt: skip
 """Config sizes that must be positive when set (None: transformers derives or skips them)."""
 
@@ -190,6 +193,16 @@ def _check_heads(config: PretrainedConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: head_dim must be an even number of at least 2 (RoPE rotates pairs), got {head_dim}"
         )
+
+
+def _check_linear_heads(config: PretrainedConfig | SimpleNamespace, source: str) -> None:
+    """ConfigError unless each Gated DeltaNet key head serves a whole number of value heads (Qwen3.5,
+    Qwen3-Next: transformers repeats each key head linear_num_value_heads / linear_num_key_heads times)."""
+    keys = getattr(config, "linear_num_key_heads", None)
+    values = getattr(config, "linear_num_value_heads", None)
+    if _is_positive_int(keys) and _is_positive_int(values) and values % keys:
+        raise ConfigError(f"{source}: linear_num_value_heads {values} is not a multiple of "
+                          f"linear_num_key_heads {keys}")
 
 
 def _check_experts(config: PretrainedConfig, source: str) -> None:

@@ -5,7 +5,9 @@ Steps of `verify_methods`:
 2. Run `plain` as the reference and keep its loss and gradients.
 3. Run each method on the same weights and batch; compare every parameter's gradient with the
    reference, in float64, relative and absolute like `torch.testing.assert_close` (CRITERION,
-   `streambp_core.verify.compare.max_grad_err`), and the loss relative to max(1, |loss|).
+   `streambp_core.verify.compare.max_grad_err`), and the loss relative to max(1, |loss|). With an
+   optimizer (float32, float64) the gradients are those AdamW receives and its applied update is compared
+   too, each method's tiers against plain's device AdamW (`streambp_core.verify.update`).
 4. float64 and float32 pass below a fixed tolerance (a float64 model's loss is computed in float64 by
    every method, plain included). bfloat16 follows flash-attention's rule: the reference is plain in
    float32 on the same (bf16-rounded) weights, and a method passes when its error is at most 2x the
@@ -39,6 +41,7 @@ from streambp_core.step.batch import (
 from streambp_core.tiers import Tiers
 from streambp_core.verify.compare import Gradients, max_grad_err
 from streambp_core.verify.ram import check_ram
+from streambp_core.verify.update import adamw_step
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -92,6 +95,10 @@ class VerifySpec:
             raise ConfigError(f"dpo needs an even batch size (chosen, then rejected), "
                               f"got {self.step.batch_size}")
         require_choice("dtype", self.step.dtype, tuple(DTYPES))
+        if self.step.optimizer != "none" and self.step.dtype not in TOLERANCE:
+            raise ConfigError(f"--optimizer {self.step.optimizer}: verify checks the update in float32 and "
+                              "float64 (in bfloat16 the optimizer tier steps float32 masters, by design not "
+                              "bfloat16 AdamW's update)")
         require_choice("padding", self.padding, PADDINGS)
         _check_device(self.device)
         if self.packing:
@@ -165,6 +172,8 @@ class MethodResult:
     """Bound on `loss_abs_err`."""
     baseline_rel_err: float | None = None
     """bfloat16 only: plain bfloat16's max_rel_err against the float32 reference."""
+    max_update_err: float | None = None
+    """With an optimizer: the applied update's distance from the reference's, as `max_rel_err`'s."""
     ok: bool
 
 
@@ -175,6 +184,8 @@ class Step:
     loss: float
     loss_dtype: torch.dtype
     grads: Gradients
+    updates: Gradients | None = None
+    """With an optimizer: each weight's applied update (`verify.update`); else None."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,8 +231,12 @@ class VerifyReport:
 def run_step(model: PreTrainedModel, step: StepSpec, batch: Batch) -> Step:
     """One forward+backward of `step` (its method and stream) from empty grads.
 
-    The gradients are moved out of the parameters (which are left with `grad=None`), not copied.
+    The gradients are moved out of the parameters (which are left with `grad=None`), not copied. With an
+    optimizer, one AdamW step: its gradients and update, the weights left as they were (`verify.update`).
     """
+    if step.optimizer != "none":
+        loss, grads, updates = adamw_step(model, step, batch)
+        return Step(loss=float(loss), loss_dtype=loss.dtype, grads=grads, updates=updates)
     for param in model.parameters():
         param.grad = None
     labels, inputs = objective_inputs(step.objective, batch, step.seed)
@@ -243,6 +258,7 @@ def _check(
     step = run_step(model, spec.step_of(method), batch)
     err, worst = max_grad_err(step.grads, reference.grads)
     loss_err = abs(step.loss - reference.loss)
+    update_err = None if step.updates is None else max_grad_err(step.updates, reference.updates)[0]
     return MethodResult(
         method=method,
         max_rel_err=err,
@@ -252,7 +268,8 @@ def _check(
         tolerance=bounds.grad_rel,
         loss_tolerance=bounds.loss_abs,
         baseline_rel_err=bounds.baseline_rel_err,
-        ok=err <= bounds.grad_rel and loss_err <= bounds.loss_abs,
+        max_update_err=update_err,
+        ok=max(err, update_err or 0.0) <= bounds.grad_rel and loss_err <= bounds.loss_abs,
     )
 
 

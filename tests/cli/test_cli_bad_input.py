@@ -3,6 +3,7 @@ and the numbers a hostile user tries (nan, inf, negative, zero) on every command
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -135,3 +136,45 @@ def test_a_cpu_sweep_point_that_would_not_fit_in_ram_is_not_run(tmp_path: Path, 
     assert {row.status for row in rows} == {"oom"} and {row.metric for row in rows} == {"peak_memory",
                                                                                         "step_time"}
     assert all(row.error.startswith("not run: needs ~") and "GiB of RAM" in row.error for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [(["--budget-gib", "1e308"], "--budget-gib"), (["--budget-gib", "2e6"], "--budget-gib"),
+     (["--offload", "checkpoints", "--host-budget-gib", "1e308"], "--host-budget-gib")],
+)
+def test_a_budget_past_a_pib_is_one_line_not_an_overflow(args: list[str], option: str) -> None:
+    """1e308 GiB has no byte count (inf): it was an OverflowError traceback after every precheck."""
+    result = CliRunner().invoke(app, ["max-len", *TINY, "--device", "sim", *args])
+    one_line_error(result, f"{option} must be a finite positive number", "at most 1,048,576")
+
+
+def test_a_host_budget_without_offload_is_refused_not_ignored() -> None:
+    result = CliRunner().invoke(app, ["max-len", *TINY, "--device", "sim", "--host-budget-gib", "64"])
+    one_line_error(result, "--host-budget-gib", "give --offload")
+
+
+def _qwen3_5_dir(tmp_path: Path, **values) -> Path:
+    from streambp_core.models.load import PRESET_DIR
+
+    config = {**json.loads((PRESET_DIR / "tiny--qwen3.5.json").read_text()), **values}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("command", [["verify", "-T", "8"], ["max-len", "--budget-gib", "1"]])
+def test_gated_deltanet_value_heads_must_be_a_multiple_of_key_heads(tmp_path: Path, command) -> None:
+    """Qwen3.5's linear attention repeats each key head value/key times: 3 value heads over 2 key heads
+    was a 300-line shape traceback from inside transformers after the start."""
+    folder = _qwen3_5_dir(tmp_path, linear_num_value_heads=3)
+    one_line_error(CliRunner().invoke(app, [*command, "-m", str(folder)]),
+                   "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2")
+
+
+def test_build_model_refuses_gated_deltanet_heads_that_do_not_divide() -> None:
+    from streambp_core.config import ConfigError
+    from streambp_core.models.load import build_model, tiny_config
+
+    with pytest.raises(ConfigError, match="linear_num_value_heads 3 is not a multiple"):
+        build_model(tiny_config("qwen3.5", linear_num_value_heads=3))

@@ -106,3 +106,63 @@ def test_check_of_a_missing_folder_is_one_error_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["reproduce", "fig5", "--check", "--out", str(tmp_path / "nope")])
     one_line_error(result, "--check", "not a folder")
     assert not (tmp_path / "nope").exists()
+
+
+def test_a_duplicate_row_before_the_true_one_fails() -> None:
+    """The later row won the key's dict entry, so a wrong row inserted before the true one passed."""
+    true = _row(1.0)
+    findings = check.compare("fig5", [_row(2.0), true], [true])
+    assert [f.ok for f in findings] == [False] and "2 committed rows of one point" in findings[0].detail
+
+
+def test_a_measured_row_in_a_simulated_item_fails() -> None:
+    true = _row(1.0)
+    forged = dataclasses.replace(_row(0.5), source="measured-cuda", device_name="NVIDIA H100")
+    findings = check.compare("fig5", [true, forged], [true])
+    assert not findings[0].ok and "measured-cuda row in a simulated item" in findings[0].detail
+
+
+def test_measured_rows_need_their_provenance_and_one_row_per_point(tmp_path: Path) -> None:
+    frame = pd.read_csv(RESULTS / "table6.csv")
+    frame.loc[0, "torch_version"] = "unknown"
+    frame.to_csv(tmp_path / "table6.csv", index=False)
+    finding, = check.measured("table6", tmp_path)
+    assert not finding.ok and "without torch_version" in finding.detail
+    frame = pd.read_csv(RESULTS / "table6.csv")
+    pd.concat([frame.iloc[[0]].assign(value=9.0), frame]).to_csv(tmp_path / "table6.csv", index=False)
+    finding, = check.measured("table6", tmp_path)
+    assert not finding.ok and "2 rows of one point" in finding.detail
+
+
+def test_a_forged_gpu_row_fails_without_a_cuda_torch_or_a_simulated_twin(tmp_path: Path) -> None:
+    frame = pd.read_csv(RESULTS / "gpu" / "selfcheck-h200.csv")
+    measured = frame[(frame.metric == "peak_memory") & (frame.source == "measured-cuda")].iloc[[0]]
+    pd.concat([frame, measured.assign(seq_len_tokens=12345)]).to_csv(tmp_path / "a.csv", index=False)
+    assert "without a simulated twin" in check.gpu_fit(tmp_path / "a.csv").detail
+    pd.concat([frame, measured.assign(seq_len_tokens=12345, torch_version="2.13.0+cpu")]).to_csv(
+        tmp_path / "b.csv", index=False)
+    assert "CPU build of torch" in check.gpu_fit(tmp_path / "b.csv").detail
+
+
+@pytest.mark.parametrize("text", ["", "a,b\n1,2\n"])
+def test_an_empty_or_foreign_gpu_file_is_a_finding_not_a_traceback(tmp_path: Path, text: str) -> None:
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "selfcheck-x.csv").write_text(text)
+    finding, = check.data_checks("table1", tmp_path)
+    assert not finding.ok and "gpu/selfcheck-x.csv" in finding.detail
+
+
+def test_check_quick_against_the_committed_results_is_refused() -> None:
+    result = CliRunner().invoke(app, ["reproduce", "fig5", "--check", "--quick", "--out", str(RESULTS)])
+    one_line_error(result, "--check --quick", "leave --quick out")
+
+
+@pytest.mark.parametrize("spelling", ["absolute", "relative"])
+def test_quick_never_writes_into_the_checkout_s_results(tmp_path: Path, monkeypatch, spelling: str) -> None:
+    """From a subfolder, ../results is the checkout's results/ too, as is its absolute path."""
+    before = {path: path.stat().st_mtime_ns for path in RESULTS.rglob("*")}
+    monkeypatch.chdir(RESULTS.parent / "docs")
+    out = str(RESULTS) if spelling == "absolute" else "../results"
+    result = CliRunner().invoke(app, ["reproduce", "table6", "--quick", "--out", out])
+    one_line_error(result, "--quick", "the checkout's results/")
+    assert {path: path.stat().st_mtime_ns for path in RESULTS.rglob("*")} == before

@@ -152,3 +152,38 @@ def test_sharded_verify_two_ranks_prints_collectives_per_layer(runner):
     (row,) = document["results"]
     assert document["source"] == "measured-cpu" and row["ok"] and row["max_rel_err"] <= 1e-10
     assert (row["all_gathers"], row["reduce_scatters"]) == (row["units"], row["units"])
+
+
+def test_verify_optimizer_checks_every_host_tier_against_plain_s_device_step(runner):
+    """--offload checkpoints,optimizer,params needs an optimizer: with --optimizer adamw each method steps
+    AdamW (on the host with the optimizer tier, onto host weights with params), and both the gradients AdamW
+    receives and the update it applies equal plain's device step in float64."""
+    args = [*TINY_VERIFY, "--dtype", "float64", "--method", "checkpoint,streambp", "--optimizer", "adamw",
+            "--offload", "all", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["spec"]["optimizer"] == "adamw" and document["ok"]
+    assert document["spec"]["offload"] == "checkpoints,optimizer,params"
+    for entry in document["results"]:
+        assert entry["max_rel_err"] <= 1e-12 and 0 <= entry["max_update_err"] <= 1e-12, entry
+
+
+def test_verify_optimizer_update_err_sees_a_wrong_step(runner, monkeypatch):
+    """The update is compared, not only the gradients: a host step at a different learning rate fails."""
+    from streambp_core.engine.host.optimizer import HostAdamW
+
+    step = HostAdamW.step
+    monkeypatch.setattr(HostAdamW, "step", lambda self, closure=None: (
+        [group.update(lr=group["lr"] * 2) for group in self.param_groups], step(self))[1])
+    args = [*TINY_VERIFY, "--dtype", "float64", "--method", "streambp", "--optimizer", "adamw", "--offload",
+            "optimizer", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    (entry,) = json.loads(result.stdout)["results"]
+    assert entry["max_rel_err"] <= 1e-12 and entry["max_update_err"] > 0.1
+
+
+def test_verify_optimizer_in_bfloat16_is_refused_by_name(runner):
+    one_line_error(runner.invoke(app, [*TINY_VERIFY, "--dtype", "bfloat16", "--optimizer", "adamw"]),
+                   "--optimizer adamw", "float32 and float64")

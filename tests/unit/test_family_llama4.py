@@ -150,3 +150,25 @@ def test_a_simulated_step_runs_the_chunked_layers() -> None:
                            head_partition_size=16, dtype="bfloat16")
         result = simulate(spec)
         assert result.peak_bytes > 0
+
+
+def test_a_chunk_of_one_position_runs_in_blocks_and_matches_plain(monkeypatch) -> None:
+    """attention_chunk_size 1 (each query sees only itself): the engine attention of the baselines (theirs
+    on the meta device, where max-len searches) takes whole chunks in blocks of `LOCAL_BLOCK_TOKENS`
+    queries, so 300 tokens are 2 calls per chunked layer, not 300 (a 2-layer toy's max-len search took
+    minutes), and it still matches transformers' chunked attention."""
+    from streambp_core.engine.attention import hf
+
+    calls, attend = [], hf.prefix_attention
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[2])  # queries per call
+        return attend(q, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "prefix_attention", counted)
+    model = model_of(attention_chunk_size=1)
+    ids, mask = batch(model.config.vocab_size, 2, 300, "left")
+    assert_matches_plain(model, ids, mask, methods=("checkpoint", "mst"), partition_size=64,
+                         head_partition_size=32, baseline_attention="engine")  # plain: transformers' own
+    blocks = (hf.LOCAL_BLOCK_TOKENS, 300 - hf.LOCAL_BLOCK_TOKENS)
+    assert calls and min(calls) == blocks[1] and calls.count(blocks[0]) == calls.count(blocks[1]) > 0

@@ -42,7 +42,10 @@ HELP = (
     "input.\n\n"
     "[bold]--offload checkpoints[/] runs each method with its checkpoints in host memory, through the real "
     "offload code path (on a CPU the host is the CPU: copies, no pinning); the check is the same, and "
-    "offloading changes no bit of any gradient.\n\n"
+    "offloading changes no bit of any gradient. [bold]--optimizer adamw[/] runs one AdamW step per method "
+    "(float32, float64), so the host tiers run too ([bold]--offload optimizer[/]: AdamW stepped in host "
+    "memory; [bold]params[/]: the weights there): the gradients AdamW receives and the update it applies "
+    "(column update err) are both compared with plain's step with torch's AdamW on the device.\n\n"
     "[bold]--head-mode fused[/] checks streambp's fused LM head (each chunk's gradients taken in the "
     "forward pass; sft and grpo), [bold]auto[/] the head the objective allows (fused for sft and grpo); "
     "the default is the recomputing head.\n\n"
@@ -65,6 +68,8 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective dpo -b 2 --lora-rank 8[/]
 
 [cyan]streambp-bench verify -m tiny/llama --dtype float64 --offload checkpoints[/]
+
+[cyan]streambp-bench verify -m tiny/llama --dtype float64 --optimizer adamw --offload all[/]
 
 [cyan]streambp-bench verify -m tiny/qwen3 --dtype float64 --objective grpo -b 2 --head-mode fused[/]
 
@@ -93,6 +98,9 @@ def render_table(report: VerifyReport) -> Table:
     table.add_column("worst parameter", overflow="fold")
     for column in ("loss abs err", "loss tolerance"):
         table.add_column(column, justify="right")
+    updates = any(result.max_update_err is not None for result in report.results)
+    if updates:
+        table.add_column("update err", justify="right")
     table.add_column("ok")
     for result in report.results:
         verdict = "[green]pass[/]" if result.ok else "[bold red]FAIL[/]"
@@ -103,6 +111,7 @@ def render_table(report: VerifyReport) -> Table:
             result.worst_param,
             _fmt(result.loss_abs_err),
             _fmt(result.loss_tolerance),
+            *([_fmt(result.max_update_err)] if updates else []),
             verdict,
         )
     return table
@@ -116,7 +125,7 @@ def describe(report: VerifyReport) -> str:
         f"{spec.source}: {step.model}, {step.dtype}, seq_len {step.seq_len_tokens}, batch {step.batch_size}, "
         f"ps {stream.partition_size}, ps-head {stream.head_partition_size}, padding {spec.padding}, "
         f"seed {step.seed}, objective {step.objective}, lora rank {step.lora_rank}, attn {stream.attn}, "
-        f"offload {stream.offload}{head}{_packing(spec)}; "
+        f"optimizer {step.optimizer}, offload {stream.offload}{head}{_packing(spec)}; "
         f"reference loss {report.reference_loss:.6f}"
     )
     if report.reference_dtype != step.dtype:
@@ -170,9 +179,9 @@ def spec_from_options(*, model: str, method: str, seq_len: int, batch_size: int,
                       dtype: opt.Dtype, seed: int, device: opt.Device = opt.Device.cpu,
                       nproc: int | None = None, **fields: object) -> VerifySpec:
     """The `VerifySpec` of a verify command's options (`fields`: padding, objective, lora_rank, attn,
-    head_mode, offload, packing where it takes them); ConfigError, before torch, for a model that is not
-    there, an unknown method, a step that cannot run, --device sim, or fewer than 1 rank of `nproc` (whose
-    model is loaded, so one that cannot run is refused before any rank starts)."""
+    head_mode, optimizer, offload, packing where it takes them); ConfigError, before torch, for a model that
+    is not there, an unknown method, a step that cannot run, --device sim, or fewer than 1 rank of `nproc`
+    (whose model is loaded, so one that cannot run is refused before any rank starts)."""
     precheck_model(model)
     methods = method_list(method)
     if device.value == "sim":
@@ -199,7 +208,8 @@ def spec_from_options(*, model: str, method: str, seq_len: int, batch_size: int,
 
 
 @user_errors
-@takes(*STEP, "padding", "device", "objective", "lora_rank", "attn", "head_mode", "offload", "packing")
+@takes(*STEP, "padding", "device", "objective", "lora_rank", "attn", "head_mode", "optimizer", "offload",
+       "packing")
 def verify(*, ctx: typer.Context, **options) -> None:
     """The group's own check, when no subcommand is named (help text: `HELP`); with one, only that the
     options given belong to it (they go after its name)."""

@@ -57,6 +57,7 @@ OPTIONS = {parameter.name: parameter for parameter in (
     _option("lora_rank", opt.LoraRank, 0),
     _option("attn", opt.AttnOption, opt.Attn.auto),
     _option("head_mode", opt.HeadModeOption, opt.HeadMode.recompute),
+    _option("optimizer", opt.OptimizerOption, opt.Optimizer.none),
     _option("offload", opt.OffloadOption, opt.Tiers.NONE),
     _option("packing", Packing, ""),
 )}

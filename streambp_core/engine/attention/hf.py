@@ -4,8 +4,8 @@ same kernel as StreamBP (fair comparisons) and run on the meta device (simulatio
 Under it, a baseline passes the attention mask as the key validity shaped (B, 1, 1, T): every transformers
 mask builder returns a 4D mask unchanged, for full and sliding layers alike, so each layer receives it
 (or None) and no T x T mask is ever built. A sliding layer's window arrives as transformers'
-`sliding_window` argument. A chunked local layer (Llama 4's) attends one chunk of queries at a time
-(`local_attention`), so it too builds no T x T mask.
+`sliding_window` argument. A chunked local layer (Llama 4's) attends a block of whole chunks of queries at
+a time (`local_attention`), so it too builds no T x T mask.
 """
 
 from __future__ import annotations
@@ -57,10 +57,17 @@ def engine_attention_forward(
     return out.transpose(1, 2), None
 
 
+LOCAL_BLOCK_TOKENS = 256
+"""Queries a chunked local layer attends at once when its chunks are shorter: whole chunks, each query
+masked to its own, so a chunk of 1 position is T / 256 kernel calls, not T (a 2-layer toy's max-len search
+took minutes)."""
+
+
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, backend: str,
                     size: int) -> Tensor:
-    """Chunked local attention (B, H, T, hd) of a whole sequence, one chunk of `size` queries at a time
-    against the keys their chunks reach (`chunks.LocalChunks`: counted from each row's first real token,
+    """Chunked local attention (B, H, T, hd) of a whole sequence, a block of whole chunks of `size` queries
+    at a time (at least `LOCAL_BLOCK_TOKENS` queries, each masked to its own chunk) against the keys their
+    chunks reach (`chunks.LocalChunks`: counted from each row's first real token,
     or in packed rows from each document's start, as transformers' mask counts them)."""
     if q.shape[2] != k.shape[2]:
         raise ValueError("the engine attention's chunked local layers take the whole sequence (no cache)")
@@ -70,7 +77,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s
         positions = torch.arange(q.shape[2], device=q.device) - key_valid.int().argmax(dim=-1)
     local = local_chunks(size, None if packed else key_valid, positions, (q.shape[0], q.shape[2]), q.device)
     outs = []
-    for start, end in chunk_bounds(q.shape[2], size):
+    for start, end in chunk_bounds(q.shape[2], max(size, LOCAL_BLOCK_TOKENS // size * size)):
         first = local.first_key(start)
         if key_valid is None:
             valid = None

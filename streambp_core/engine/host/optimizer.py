@@ -107,25 +107,39 @@ class HostAdamW(torch.optim.Optimizer):
             for param in group["params"]:
                 param.grad = None
 
+    def host_gradient(self, param: nn.Parameter) -> Tensor | None:
+        """The gradient `step` will apply to `param`, as it sums it (its host gradients in arrival order,
+        then one still in `.grad`, in the master's dtype), without taking it; None when there is none."""
+        pieces = list(self._pending.get(id(param), []))
+        if param.grad is not None:
+            pieces.append(self._to_host(param.grad))
+        return self._summed(param, pieces)
+
     def _step_one(self, param: nn.Parameter, lr: float) -> None:
         pieces = self._pending.pop(id(param), [])
         if param.grad is not None:  # a gradient set by hand, or made with the hooks off
             pieces.append(self._to_host(param.grad))
             param.grad = None
-        if not pieces:
+        grad = self._summed(param, pieces)
+        if grad is None:
             return
         master = self._masters[id(param)]
-        grad = None
-        for host, event in pieces:
-            if event is not None:
-                event.synchronize()
-            grad = host.to(master.dtype, copy=True) if grad is None else grad.add_(host)
         master.grad = grad
         adamw = self._host_adamws[id(param)]
         adamw.param_groups[0]["lr"] = lr
         adamw.step()
         master.grad = None
         param.data.copy_(master)
+
+    def _summed(self, param: nn.Parameter, pieces: list[tuple[Tensor, torch.cuda.Event | None]]
+                ) -> Tensor | None:
+        """`pieces`' host gradients summed, in arrival order, into a new tensor of `param`'s master dtype."""
+        grad = None
+        for host, event in pieces:
+            if event is not None:
+                event.synchronize()
+            grad = host.to(self._masters[id(param)].dtype, copy=True) if grad is None else grad.add_(host)
+        return grad
 
     def pending_sends(self, param: nn.Parameter) -> int:
         """How many gradients of `param` wait in host memory for the step (one per backward when each
