@@ -27,6 +27,9 @@ class CheckpointRun(PlainRun):
     method = "checkpoint"
 
     def _setup(self) -> None:
+        if not getattr(self.model, "supports_gradient_checkpointing", True):
+            raise ConfigError(f"{self.method}: {type(self.model).__name__} does not support transformers' "
+                              "activation checkpointing (supports_gradient_checkpointing is False); plain runs it")
         super()._setup()
         self._was_checkpointing = activation_checkpointing(self.model)
         self._had_input_grads_hook = hasattr(self.model, "_require_grads_hook")

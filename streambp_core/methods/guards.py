@@ -47,6 +47,22 @@ def parts_of(model: nn.Module) -> DecoderParts:
         ) from None
 
 
+def refuse_without_adapter(model: nn.Module, parts: DecoderParts) -> None:
+    """ConfigError when `model`'s family has no engine adapter (the baselines tier, `models.catalogue`),
+    naming the methods that run it (mst where its pieces apply, `models.generic.mst_pieces`)."""
+    from streambp_core.models.catalogue import serving, streambp_refusal
+    from streambp_core.models.generic import mst_pieces
+
+    if serving(parts.family).path != "baselines":
+        return
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    try:
+        mst_pieces(base, parts.layers)
+    except ConfigError:
+        raise ConfigError(streambp_refusal(parts.family, mst=False)) from None
+    raise ConfigError(streambp_refusal(parts.family, mst=True))
+
+
 def refuse_prompt_learning(model: nn.Module, method: str) -> None:
     """ConfigError when `model` is a peft prompt-learning model (prompt tuning, prefix tuning, p-tuning):
     its virtual tokens are added by peft's forward, which `method` does not run, so it would train

@@ -3,7 +3,10 @@ LM head and loss that recompute logits in backward (arXiv 2407.15892)."""
 
 from __future__ import annotations
 
+import functools
 from functools import partial
+
+from torch import nn
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import trainable_parameters
@@ -16,6 +19,8 @@ from streambp_core.methods import guards
 from streambp_core.methods.checkpoint import CheckpointRun
 from streambp_core.methods.hook_guards import PARAM_HOOKS, HookScope, above
 from streambp_core.models.adapters import layer_mlp, layer_parts
+from streambp_core.models.catalogue import serving
+from streambp_core.models.generic import mst_pieces, returns_pair
 
 
 class MstRun(CheckpointRun):
@@ -24,9 +29,19 @@ class MstRun(CheckpointRun):
     method = "mst"
     drives_modules = True
 
+    @functools.cached_property
+    def _mlps(self) -> tuple[tuple[nn.Module, bool], ...]:
+        """(MLP, whether it returns (hidden states, router scores)) of each decoder layer: the family's
+        (`adapters.layer_mlp`), or of a baselines family found generically (`models.generic.mst_pieces`:
+        ConfigError naming the piece it lacks)."""
+        if serving(self.parts.family).path != "baselines":
+            return tuple((layer_mlp(layer), layer_parts(layer).mlp_pair) for layer in self.parts.layers)
+        base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
+        return tuple((mlp, returns_pair(mlp)) for mlp in mst_pieces(base, self.parts.layers).mlps)
+
     def _check_dropout(self) -> None:
         super()._check_dropout()
-        recomputed = [*(layer_mlp(layer) for layer in self.parts.layers), self.parts.lm_head]
+        recomputed = [*(mlp for mlp, _ in self._mlps), self.parts.lm_head]
         guards.refuse_dropout(self.method, guards.active_dropout(recomputed),
                               "its chunked MLP and LM head recompute without replaying the forward's masks")
 
@@ -34,7 +49,7 @@ class MstRun(CheckpointRun):
         """Checkpoint's, the modules above the decoder stack (whose forward mst never calls), and each MLP
         and the LM head (run chunk by chunk; the head's parameters' gradients written into `.grad`)."""
         chunked = "it runs each MLP and the LM head chunk by chunk"
-        mlps = tuple(layer_mlp(layer) for layer in self.parts.layers)
+        mlps = tuple(mlp for mlp, _ in self._mlps)
         return [*super()._hook_scopes(),
                 HookScope(above(self.model, [self.parts.backbone, self.parts.lm_head]),
                           "it never calls the model's own forward", subtree=False),
@@ -46,13 +61,12 @@ class MstRun(CheckpointRun):
             raise ConfigError("mst: the router load-balancing loss (output_router_logits) is not supported: "
                               "a chunked MLP's router logits carry no gradient")
         super()._setup()
-        for layer in self.parts.layers:
-            chunk_mlp(layer_mlp(layer), self.config.mlp_chunk_tokens, self.config.keep_chunks,
-                      pair=layer_parts(layer).mlp_pair)
+        for mlp, pair in self._mlps:
+            chunk_mlp(mlp, self.config.mlp_chunk_tokens, self.config.keep_chunks, pair=pair)
 
     def _teardown(self) -> None:
-        for layer in self.parts.layers:
-            unchunk_mlp(layer_mlp(layer))
+        for mlp, _ in self._mlps:
+            unchunk_mlp(mlp)
         super()._teardown()
 
     def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
@@ -80,7 +94,7 @@ class MstRun(CheckpointRun):
     def _tiled_units(self, kind):
         """mst's units as `kind` (`Zero3Units`, `UnitGrads`): each layer's chunked MLP (bracketed by its
         module hooks), then lm_head (bracketed around the chunked head; a tied one is shared)."""
-        mlps = [layer_mlp(layer) for layer in self.parts.layers]
+        mlps = [mlp for mlp, _ in self._mlps]
         units = kind([*([mlp] for mlp in mlps), [self.parts.lm_head]], shared=self.parts.embed.parameters())
         for index, mlp in enumerate(mlps):
             units.hook(index, mlp)

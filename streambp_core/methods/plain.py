@@ -26,7 +26,8 @@ class PlainRun(Run):
 
     def _check_dropout(self) -> None:
         if self.uses_engine_attention or self.sequence_group is not None:
-            attention = (layer.self_attn for layer in self.parts.layers if hasattr(layer, "self_attn"))
+            attention = (layer.self_attn for layer in self.parts.layers
+                         if getattr(layer, "self_attn", None) is not None)
             guards.refuse_dropout(self.method, guards.attention_dropout(attention),
                                   "the engine's attention kernel has no dropout")
 

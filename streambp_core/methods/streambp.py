@@ -56,6 +56,7 @@ class StreamBPRun(Run):
                           param_kinds=("_backward_hooks",))]
 
     def _setup(self) -> None:
+        guards.refuse_without_adapter(self.model, self.parts)
         cfg = self.config
         if self.router_aux is not None and any(layer_parts(layer).delta for layer in self.parts.layers):
             raise ConfigError("streambp: the router load-balancing loss (output_router_logits) is not "

@@ -80,6 +80,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
+from streambp_core.models.catalogue import refusal, serving
 from streambp_core.models.families import (  # noqa: F401  (re-exported: the adapters' public names)
     FAMILIES,
     GATED_MLP_CLASSES,
@@ -90,6 +91,7 @@ from streambp_core.models.families import (  # noqa: F401  (re-exported: the ada
     Family,
     family_of,
 )
+from streambp_core.models.generic import generic_parts
 
 SLIDING = "sliding_attention"
 """`config.layer_types` entry of a local (sliding-window) layer."""
@@ -330,9 +332,8 @@ def model_family(config) -> str:
         raise ConfigError(f"{family}: the multimodal model is not run by the engine; load its text model "
                           f"instead: {text}(config.text_config), or streambp_core.models.load_model(<dir>)")
     if family not in SUPPORTED_FAMILIES:
-        raise ConfigError(
-            f"unsupported architecture {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+        raise ConfigError(refusal(family, "it has no engine adapter" if serving(family).path == "baselines"
+                                  else serving(family).reason))
     for attribute, feature, runs_it in _REFUSED:
         if family not in runs_it and getattr(config, attribute, None):
             raise ConfigError(f"{family}: {feature} is not supported by the engine ({attribute} is set)")
@@ -342,6 +343,8 @@ def model_family(config) -> str:
 def decoder_parts(model: nn.Module) -> DecoderParts:
     """Locate the decoder pieces of a causal LM (plain or wrapped by peft)."""
     base = _unwrap_peft(model)
+    if serving(getattr(base.config, "model_type", "")).path == "baselines":
+        return generic_parts(base)
     family = model_family(base.config)
     inner = base.model
     return DecoderParts(

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from streambp_core.config import PRESET_DIR, ConfigError, check_model, preset_names
+from streambp_core.models.catalogue import refusal, serving
 from streambp_core.models.families import SUPPORTED_FAMILIES, TEXT_WRAPPERS
 from streambp_core.models.known_names import ACTIVATIONS, ROPE_TYPES, rope_types, transformers_names
 
@@ -139,12 +140,14 @@ def precheck_values(values: dict, source: str) -> None:
 
 
 def _check_model_type(model_type: object, source: str) -> None:
-    """ConfigError unless config.json names (`model_type`) a family the engine runs."""
+    """ConfigError unless config.json names (`model_type`) a family a path serves (`models.catalogue`)."""
     if model_type is None:
         raise ConfigError(f"{source}: no model_type (config.json must name its architecture)")
-    if model_type not in SUPPORTED_FAMILIES:
-        raise ConfigError(f"{source}: architecture {model_type!r} is not supported; "
-                          f"supported model_type: {', '.join(SUPPORTED_FAMILIES)}")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{source}: unknown model_type {model_type!r} (no architecture of that name)")
+    tier = serving(model_type)
+    if tier.path == "refused":
+        raise ConfigError(f"{source}: {refusal(model_type, tier.reason)}")
 
 
 def check_geometry(config: PretrainedConfig, source: str) -> None:
@@ -153,7 +156,7 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
     within the expert count, a known activation, and a window for every sliding layer. The one check
     behind every command (`load_config`, `build_model`), run before any model is built."""
     for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
-        value = getattr(config, name, None)
+        value = _attr(config, name)
         if value is not None and not _is_positive_int(value):
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
     _check_heads(config, source)
@@ -174,21 +177,30 @@ OPTIONAL_POSITIVE_SIZES = (
 """Config sizes that must be positive when set (None: transformers derives or skips them)."""
 
 
+def _attr(config: object, name: str) -> object:
+    """`config.name`, or None where it has none or will not say (transformers raises, for one, on a
+    per-layer size read globally: Gemma 4's `head_dim`)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 (any refusal to answer is "not set" to these checks)
+        return None
+
+
 def _is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_heads(config: PretrainedConfig, source: str) -> None:
-    heads = getattr(config, "num_attention_heads", None)
+    heads = _attr(config, "num_attention_heads")
     if not heads:
         return
-    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = _attr(config, "num_key_value_heads")
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ConfigError(
             f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads!r}"
         )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = _attr(config, "head_dim") or config.hidden_size // heads
     if head_dim < 2 or head_dim % 2:
         raise ConfigError(
             f"{source}: head_dim must be an even number of at least 2 (RoPE rotates pairs), got {head_dim}"
@@ -206,8 +218,8 @@ def _check_linear_heads(config: PretrainedConfig | SimpleNamespace, source: str)
 
 
 def _check_experts(config: PretrainedConfig, source: str) -> None:
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    per_token = getattr(config, "num_experts_per_tok", None)
+    experts = _attr(config, "num_experts") or _attr(config, "num_local_experts")
+    per_token = _attr(config, "num_experts_per_tok")
     if not _is_positive_int(experts) or per_token is None:
         return
     if not _is_positive_int(per_token) or per_token > experts:
@@ -219,7 +231,7 @@ def _check_experts(config: PretrainedConfig, source: str) -> None:
 def _check_pad_token(config: PretrainedConfig | SimpleNamespace, source: str) -> None:
     """ConfigError unless `pad_token_id` (the embedding's padding row) is a row of the vocabulary (torch
     asserts it when the embedding is built)."""
-    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    pad, vocab = _attr(config, "pad_token_id"), _attr(config, "vocab_size")
     if pad is None or not _is_positive_int(vocab):
         return
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < vocab:
@@ -233,7 +245,7 @@ def _check_activation(config: PretrainedConfig | SimpleNamespace, source: str) -
 
         known = frozenset(ACT2FN)
     for name in ("hidden_act", "hidden_activation"):
-        value = getattr(config, name, None)
+        value = _attr(config, name)
         if value is not None and (not isinstance(value, str) or value not in known):
             raise ConfigError(f"{source}: {name} {value!r} is not an activation transformers knows")
 
@@ -253,7 +265,7 @@ def _check_rope_types(config: PretrainedConfig | SimpleNamespace, source: str) -
 
 
 def _check_rope(config: PretrainedConfig, source: str) -> None:
-    parameters = getattr(config, "rope_parameters", None) or {}
+    parameters = _attr(config, "rope_parameters") or {}
     tables = [table for table in parameters.values() if isinstance(table, dict)] or [parameters]
     for table in tables:
         theta = table.get("rope_theta")
@@ -263,15 +275,17 @@ def _check_rope(config: PretrainedConfig, source: str) -> None:
 
 
 def _check_layer_types(config: PretrainedConfig, source: str) -> None:
-    window = getattr(config, "sliding_window", None)
-    switched_off = getattr(config, "use_sliding_window", None) is False
+    window = _attr(config, "sliding_window")
+    switched_off = _attr(config, "use_sliding_window") is False
     unused = switched_off and window == 0  # Qwen2-MoE's config writes 0 when the window is switched off
     if window is not None and not unused and not _is_positive_int(window):
         raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = _attr(config, "layer_types")
     if not isinstance(layer_types, list | tuple):  # None; anything else transformers refuses by name
         return
-    model_type = getattr(config, "model_type", None)
+    model_type = _attr(config, "model_type")
+    if model_type not in SUPPORTED_FAMILIES:  # the baselines tier: transformers' own layers run its types
+        return
     runs = (*ENGINE_LAYER_TYPES, *(("chunked_attention",) if model_type in CHUNKED_LAYER_FAMILIES else ()),
             *(("linear_attention",) if model_type in LINEAR_ATTENTION_FAMILIES else ()))
     unknown = sorted({str(kind) for kind in layer_types} - set(runs))
@@ -280,7 +294,7 @@ def _check_layer_types(config: PretrainedConfig, source: str) -> None:
             f"{source}: layer_types {', '.join(unknown)} not supported by the engine "
             f"(it runs {' and '.join(runs)})"
         )
-    size = getattr(config, "attention_chunk_size", None)
+    size = _attr(config, "attention_chunk_size")
     if "chunked_attention" in layer_types and not _is_positive_int(size):  # only where `runs` has it
         raise ConfigError(f"{source}: layer_types names chunked_attention but attention_chunk_size is "
                           f"{size!r}, not a positive integer")

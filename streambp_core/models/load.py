@@ -22,6 +22,7 @@ from streambp_core.models.adapters import (
     family_of,
     model_family,
 )
+from streambp_core.models.catalogue import refusal, serving
 from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
 from streambp_core.models.families import TEXT_WRAPPERS
 from streambp_core.models.precision import (
@@ -63,13 +64,19 @@ def _config_from_path(path: Path) -> PretrainedConfig:
 
 
 def check_supported(config: PretrainedConfig, source: str = "model") -> PretrainedConfig:
-    """Return `config` if its family is supported and it uses no feature the engine cannot run exactly,
-    else raise ConfigError (one line) naming the supported families or the refused feature."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"{source}: architecture {config.model_type!r} is not supported; "
-            f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    """Return `config` if a path serves its family (`models.catalogue`: the engine's, with no feature the
+    engine cannot run exactly, or the baselines'), else raise ConfigError (one line) naming why and what
+    each method accepts, or the refused feature."""
+    tier = serving(config.model_type)
+    if tier.path == "refused":
+        raise ConfigError(f"{source}: {refusal(config.model_type, tier.reason)}")
+    if tier.path == "baselines":
+        if getattr(config, "is_encoder_decoder", False):
+            raise ConfigError(f"{source}: {refusal(config.model_type, 'an encoder-decoder (is_encoder_decoder)')}")
+        if not isinstance(getattr(config, "num_hidden_layers", None), int):
+            why = "its config has no num_hidden_layers (a model of nested sub-models)"
+            raise ConfigError(f"{source}: {refusal(config.model_type, why)}")
+        return config
     try:
         model_family(config)
     except ConfigError as error:
@@ -172,17 +179,23 @@ def build_model(
 
 def attention_for(config: PretrainedConfig, attn_implementation: str) -> str:
     """The attention implementation a model of `config` is built with: the one asked for, except SDPA for
-    a family transformers runs without it (`Family.sdpa`: gpt-oss, Gemma 2): eager."""
-    if attn_implementation == "sdpa" and not family_of(config.model_type).sdpa:
-        return "eager"
-    return attn_implementation
+    a family transformers runs without it (`Family.sdpa`: gpt-oss, Gemma 2; a baselines family whose
+    class does not support it): eager."""
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    if config.model_type in SUPPORTED_FAMILIES:
+        return "sdpa" if family_of(config.model_type).sdpa else "eager"
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def experts_options(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, str]:
     """How a mixture-of-experts model runs its experts: transformers' default (grouped matmuls, which
     also run on the meta device), except in float64, which grouped matmuls do not take: there the
-    per-expert loop (`eager`). Empty for dense models."""
-    if config.model_type not in MOE_FAMILIES or dtype != torch.float64:
+    per-expert loop (`eager`; asked of every baselines family, which a model without experts ignores).
+    Empty for the engine's dense families."""
+    engine_dense = config.model_type in SUPPORTED_FAMILIES and config.model_type not in MOE_FAMILIES
+    if engine_dense or dtype != torch.float64:
         return {}
     return {"experts_implementation": "eager"}
 

@@ -57,6 +57,8 @@ from streambp_core.measure.cuda import HostMemoryFailure, is_oom
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
+from streambp_core.models.catalogue import serving
+from streambp_core.models.generic import step_failure
 from streambp_core.step.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
@@ -169,7 +171,7 @@ def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, c
     the step's host figures (host-pool peak, bytes to host, bytes to device: affine in depth too) to
     `hosts`."""
     try:
-        record = tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+        record = _baseline_step(spec, config, keep_chunks, cache)
     except Exception as exc:  # a meta step allocates no device memory: running out is the host's failure
         if not is_oom(exc):
             raise
@@ -181,6 +183,20 @@ def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, c
     hosts.append((host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
     return [(phase.name, phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes),
              dict(phase.result.end_breakdown_bytes)) for phase in record.phases]
+
+
+def _baseline_step(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict):
+    """One tracked meta step of `spec`; for a family of the baselines tier (`models.catalogue`), whose
+    layers are transformers' own code, a step that cannot run on meta is a ConfigError naming why
+    (`generic.step_failure`: an op without a meta kernel, a value read from a meta tensor)."""
+    try:
+        return tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        if is_oom(exc) or serving(config.model_type).path != "baselines":
+            raise
+        raise ConfigError(step_failure(spec.method, config.model_type, exc)) from None
 
 
 def _negative(phases: _Phases, *, sharded: bool) -> bool:

@@ -156,7 +156,9 @@ def checkpoint_tags(model: torch.nn.Module, tracker: MemoryTracker) -> Iterator[
 
     def retag(module: torch.nn.Module, inputs: Any, output: Any) -> None:
         if not phase.done:
-            tracker.retag(output[0] if isinstance(output, tuple) else output, CHECKPOINTS)
+            first = output[0] if isinstance(output, tuple | list) else output
+            if isinstance(first, torch.Tensor):
+                tracker.retag(first, CHECKPOINTS)
 
     parts = decoder_parts(model)
     handles = [module.register_forward_hook(retag) for module in (parts.embed, *parts.layers)]

@@ -31,7 +31,7 @@ print(json.dumps({"code": code, "heavy": heavy}), file=sys.__stdout__)
 MODELS = {
     "no-config": (None, "has no config.json"),
     "no-model-type": ({k: v for k, v in QWEN3.items() if k != "model_type"}, "no model_type"),
-    "gpt2": ({**QWEN3, "model_type": "gpt2"}, "architecture 'gpt2' is not supported"),
+    "bart": ({**QWEN3, "model_type": "bart"}, "architecture 'bart' is not supported: an encoder-decoder"),
     "activation": ({**QWEN3, "hidden_act": "nonsense"}, "hidden_act 'nonsense'"),
     "rope-type": ({**QWEN3, "rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, "rope_type 'bogus'"),
     "pad-token": ({**QWEN3, "vocab_size": 50, "pad_token_id": 100}, "pad_token_id must be a token id"),
@@ -58,7 +58,7 @@ def _model(tmp_path: Path, values: dict | None) -> str:
 
 
 CASES = [(case, "max-len") for case in MODELS] + [("no-config", "verify"), ("rope-type", "sweep"),
-                                                   ("gpt2", "verify"), ("pad-token", "verify")]
+                                                   ("bart", "verify"), ("pad-token", "verify")]
 
 
 @pytest.mark.parametrize(("case", "command"), CASES)

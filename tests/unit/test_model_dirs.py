@@ -53,9 +53,9 @@ def test_malformed_config_json_is_one_config_error_naming_the_file(tmp_path, cas
     assert problem in message
 
 
-def test_architecture_transformers_knows_but_the_engine_does_not_is_refused(tmp_path):
-    directory = _write(tmp_path / "gpt2", _with(model_type="gpt2"))
-    with pytest.raises(ConfigError, match="architecture 'gpt2' is not supported"):
+def test_architecture_transformers_knows_but_no_path_serves_is_refused(tmp_path):
+    directory = _write(tmp_path / "bart", _with(model_type="bart"))
+    with pytest.raises(ConfigError, match="architecture 'bart' is not supported: an encoder-decoder"):
         load_config(directory)
 
 

@@ -1,0 +1,149 @@
+"""Which path serves a model family: the model catalogue's three tiers, decided without importing torch or
+transformers (so a command refuses a family before either is imported).
+
+1. `engine`: a family of `families.FAMILIES` (or a multimodal wrapper of one, `families.TEXT_WRAPPERS`):
+   every method; streambp through the engine's own layer math.
+2. `baselines`: any other decoder-only text family whose `*ForCausalLM` transformers builds (its causal-LM
+   map): plain and checkpoint, which are transformers' own forward and its own activation checkpointing,
+   and mst where its chunked MLP and head apply (`models.generic.mst_pieces`, decided on the built model);
+   streambp is refused by name (no engine adapter).
+3. `refused`, by name: what is not a decoder-only text causal LM: a multimodal model, an encoder-decoder,
+   a bidirectional encoder, a model_type outside transformers' causal-LM map.
+
+A family of the second tier may still be refused when its step cannot run (an op without a meta kernel):
+that refusal names the op (`models.generic.step_failure`).
+
+The maps are read from transformers' `models/auto/modeling_auto.py` (the `OrderedDict([...])` literals of
+`MODEL_FOR_*_MAPPING_NAMES`); where a release spells them otherwise they are imported instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from streambp_core.config import ConfigError
+from streambp_core.models.families import SUPPORTED_FAMILIES, TEXT_WRAPPERS
+
+CAUSAL_LM = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+MULTIMODAL = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",)
+ENCODER_DECODER = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES")
+ENCODER = ("MODEL_FOR_MASKED_LM_MAPPING_NAMES",)
+BASELINE_METHODS = ("plain", "checkpoint")
+"""Methods that run every family of the second tier: transformers' own forward and checkpointing."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The path that serves one `model_type`."""
+
+    model_type: str
+    path: str
+    """"engine", "baselines" or "refused"."""
+    reason: str = ""
+    """Why a refused family is refused (one clause); empty otherwise."""
+
+    @property
+    def label(self) -> str:
+        """The path in words, as `presets --families` and docs/models.md list it."""
+        if self.path == "engine":
+            return "engine (every method)"
+        if self.path == "baselines":
+            return "baselines only (plain, checkpoint; mst where its MLP is token-wise)"
+        return f"refused: {self.reason}"
+
+
+@cache
+def auto_map(name: str) -> dict[str, str]:
+    """transformers' `modeling_auto.<name>` (model_type -> class name), read from its source (transformers
+    is not imported), or imported where the source spells it otherwise; empty when it has none."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin is not None:
+        found = _read_map(Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py", name)
+        if found is not None:
+            return found
+    from transformers.models.auto import modeling_auto
+
+    return dict(getattr(modeling_auto, name, {}))
+
+
+def _read_map(file: Path, name: str) -> dict[str, str] | None:
+    """The (str, str) pairs of `name = OrderedDict([...])` in `file`, or None."""
+    try:
+        tree = _parsed(file)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
+            continue
+        call = node.value
+        if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.List):
+            pairs = [tuple(item.value for item in element.elts) for element in call.args[0].elts
+                     if isinstance(element, ast.Tuple) and len(element.elts) == 2
+                     and all(isinstance(item, ast.Constant) for item in element.elts)]
+            return {key: value for key, value in pairs if isinstance(key, str) and isinstance(value, str)}
+    return None
+
+
+@cache
+def _parsed(file: Path) -> ast.Module:
+    return ast.parse(file.read_text(encoding="utf-8"))
+
+
+def _in_any(model_type: str, names: tuple[str, ...]) -> bool:
+    return any(model_type in auto_map(name) for name in names)
+
+
+def serving(model_type: str) -> Serving:
+    """The tier of `model_type` (module docstring), from its name and transformers' maps alone."""
+    if model_type in SUPPORTED_FAMILIES or model_type in dict(TEXT_WRAPPERS):
+        return Serving(model_type, "engine")
+    causal = auto_map(CAUSAL_LM)
+    if model_type not in causal:
+        return Serving(model_type, "refused", "transformers has no causal LM of it (not in its causal-LM map)")
+    model_class = causal[model_type]
+    if model_class.endswith("ForConditionalGeneration") or _in_any(model_type, MULTIMODAL):
+        return Serving(model_type, "refused", f"a multimodal model ({model_class}); give its text model's "
+                                              "config")
+    if _in_any(model_type, ENCODER_DECODER):
+        return Serving(model_type, "refused", f"an encoder-decoder ({model_class} is the decoder of one)")
+    if _in_any(model_type, ENCODER):
+        return Serving(model_type, "refused", f"a bidirectional encoder ({model_class} is causal only as "
+                                              "the decoder of an encoder-decoder)")
+    return Serving(model_type, "baselines")
+
+
+def accepted() -> str:
+    """What each method accepts, in one clause (the tail of every refusal of a family)."""
+    wrappers = ", ".join(wrapper for wrapper, _ in TEXT_WRAPPERS)
+    return (f"plain and checkpoint run any decoder-only text *ForCausalLM transformers builds; mst those whose "
+            f"layers have a token-wise MLP; streambp the engine families ({', '.join(SUPPORTED_FAMILIES)}) "
+            f"and the multimodal wrappers {wrappers} as their text models")
+
+
+def refusal(model_type: str, reason: str) -> str:
+    """The one-line refusal of `model_type` for `reason`, listing what each method accepts."""
+    return f"architecture {model_type!r} is not supported: {reason}; {accepted()}"
+
+
+def check_servable(model_type: str) -> Serving:
+    """The tier of `model_type`; ConfigError (one line, `refusal`) for a refused one."""
+    found = serving(model_type)
+    if found.path == "refused":
+        raise ConfigError(refusal(model_type, found.reason))
+    return found
+
+
+def streambp_refusal(model_type: str, mst: bool) -> str:
+    """Why streambp cannot run a family of the baselines tier, naming the methods that do."""
+    runs = ", ".join((*BASELINE_METHODS, *(("mst",) if mst else ())))
+    return f"streambp: architecture {model_type!r} has no engine adapter yet; {runs} run it"
+
+
+def causal_families() -> tuple[str, ...]:
+    """Every model_type of transformers' causal-LM map, sorted."""
+    return tuple(sorted(auto_map(CAUSAL_LM)))
