@@ -156,6 +156,11 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu", 
     with random weights drawn after `torch.manual_seed(seed)`, from a copy of the config. Outside
     `deepspeed.zero.Init` (`_outside_zero3_init`) unless `zero3_init` (`ParitySetup.zero3_init`).
 
+    As `streambp_core.models.load.build_model` builds it: a mixture of experts in float64 runs the
+    per-expert loop (`experts_options`: grouped matmuls refuse float64), and the float32 islands compute in
+    at least float32 (`models.precision.float32_islands_widened`), so plain training, the reference, is as
+    precise as the streamed runs (which widen a hybrid model's islands while they are open).
+
     The copy matters: `from_config` keeps the config object it is given, and TRL's trainers write the
     tokenizer's pad id into `model.config` when they are built; a second model from the same config
     object would then get an embedding with `padding_idx` (that row zeroed at init and never trained),
@@ -163,15 +168,19 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu", 
     """
     from transformers import AutoModelForCausalLM
 
-    from streambp_core.models.load import has_weights
+    from streambp_core.models.load import experts_options, has_weights
+    from streambp_core.models.precision import float32_islands_widened
 
+    config = _model_config(model)
+    experts = experts_options(config, dtype)
     if isinstance(model, str | Path) and has_weights(model):
         with contextlib.nullcontext() if zero3_init else _outside_zero3_init():
-            loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True)
-        return loaded if zero3_init else loaded.to(device)
+            loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True,
+                                                          **experts)
+        return float32_islands_widened(loaded if zero3_init else loaded.to(device))
     torch.manual_seed(seed)
     with torch.device(device), _outside_zero3_init():
-        return AutoModelForCausalLM.from_config(_model_config(model), dtype=dtype)
+        return float32_islands_widened(AutoModelForCausalLM.from_config(config, dtype=dtype, **experts))
 
 
 @contextlib.contextmanager
