@@ -70,6 +70,7 @@ class ParitySetup:
             raise ConfigError(f"seq_len must be at least 8 for a parity run, got {self.seq_len_tokens}")
         if self.lora_rank < 0:
             raise ConfigError(f"lora rank must be >= 0, got {self.lora_rank}")
+        _refuse_training_nothing(self.settings)
         if self.zero3_init:
             from streambp_core.models.load import has_weights
 
@@ -79,6 +80,19 @@ class ParitySetup:
             if self.dtype != torch.float32:
                 raise ConfigError(f"zero3 init trains in float32 (zero.Init casts the weights it partitions "
                                   f"to its config's dtype), got {self.dtype}")
+
+
+def _refuse_training_nothing(settings: dict) -> None:
+    """ConfigError for settings under which the trainer moves no parameter (a zero learning rate, zero
+    steps, or no steps and zero epochs): every update would be zero, and any method would match plain."""
+    steps, epochs = settings.get("max_steps", DEFAULT_SETTINGS["max_steps"]), settings.get("num_train_epochs")
+    nothing = "trains nothing (every update is zero, so any method would match plain)"
+    if settings.get("learning_rate") == 0:
+        raise ConfigError(f"learning_rate=0 {nothing}: give a nonzero learning rate")
+    if steps == 0:
+        raise ConfigError(f"max_steps=0 {nothing}: give at least one step")
+    if isinstance(steps, int | float) and steps < 0 and epochs == 0:
+        raise ConfigError(f"num_train_epochs=0 with max_steps={steps} {nothing}: give at least one step")
 
 
 def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], object]:
