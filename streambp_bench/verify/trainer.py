@@ -12,11 +12,17 @@ import contextlib
 import json
 import math
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
+import typer
 from rich.table import Table
 
-from streambp_bench.output import emit, stderr_console
+from streambp_bench.errors import print_error
+from streambp_bench.output import emit
 from streambp_core.config import ConfigError
+
+T = TypeVar("T")
 
 POSITIVE_INT_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations")
 """--set fields that must be whole numbers of at least 1."""
@@ -81,15 +87,28 @@ def run_trainer_parity(trainer: str, *, model: str, methods: tuple[str, ...], dt
     stream = {"partition_size": ps, "head_partition_size": ps_head, "attn": attn}
     if stages:
         return _run_sharded(setup, methods, stream, nproc, engine, stages, as_json)
-    # Libraries that print while they import or train (e.g. an accelerator probe) write to stderr.
-    with stderr_console().status(f"training {trainer} on {model}: plain, {', '.join(methods)} ..."), \
-            contextlib.redirect_stdout(sys.stderr):
-        results = run_parity(setup, methods, **stream)
+    results = _training(f"training {trainer} on {model}: plain, {', '.join(methods)} ...",
+                        lambda: run_parity(setup, methods, **stream))
     document = {"source": f"measured-{device}", "trainer": trainer, "model": model, "dtype": dtype,
                 "data": data, "lora_rank": lora_rank, "settings": options, "stream_options": stream,
                 "results": [r.to_dict() for r in results]}
     emit(document, as_json, lambda console: _print(console, document, results))
     return all(r.ok for r in results)
+
+
+def _training(status: str, run: Callable[[], T]) -> T:
+    """`run()` under the progress line `status`, with what libraries print while they import or train
+    (e.g. an accelerator probe) on stderr; a rank that fails or dies, or a reference that is itself
+    broken (`BrokenReference`), is one line and exit code 1, as under `verify fsdp`."""
+    from streambp_bench.verify.sharded import on_ranks
+    from streambp_core.verify.trainer_parity import BrokenReference
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return on_ranks(status, run)
+    except BrokenReference as error:
+        print_error(error)
+        raise typer.Exit(code=1) from None
 
 
 def quiet_libraries() -> None:
@@ -145,9 +164,8 @@ def _run_sharded(setup, methods, stream: dict, nproc: int, engine: str, stages, 
     for stage in stages:
         check_sharded(setup, engine, stage, methods)
     status = f"training {setup.trainer} on {nproc} {engine} ranks: {', '.join(stages)} ..."
-    with stderr_console().status(status), contextlib.redirect_stdout(sys.stderr):
-        results = [result for stage in stages for result in run_sharded_parity(
-            setup, engine=engine, shard=stage, nproc=nproc, methods=methods, **stream)]
+    results = _training(status, lambda: [result for stage in stages for result in run_sharded_parity(
+        setup, engine=engine, shard=stage, nproc=nproc, methods=methods, **stream)])
     document = {"source": "measured-cpu", "trainer": setup.trainer, "model": str(setup.model),
                 "engine": engine, "nproc": nproc, "dtype": str(setup.dtype).removeprefix("torch."),
                 "lora_rank": setup.lora_rank,

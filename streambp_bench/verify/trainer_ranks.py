@@ -20,15 +20,18 @@ from streambp_core.config import ConfigError
 
 def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, **options) -> list:
     """Train plain and each method on `nproc` ranks of `engine` and compare them with the reference
-    (`sharded_parity`'s steps); ConfigError before any rank starts for what cannot run."""
+    (`sharded_parity`'s steps); ConfigError before any rank starts for what cannot run, and for a plain
+    training that moved nothing; `BrokenReference` for a reference whose update is not finite."""
     from streambp_core.parallel.launch import check_nproc, run_ranks
     from streambp_core.verify import trainer_sharded as sharded
+    from streambp_core.verify.trainer_parity import check_reference
 
     try:
         sharded.check_sharded(setup, engine, shard, methods)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_nproc(nproc, "cpu")
+    sharded.check_settings(setup)
     setup = replace(setup, settings={"gradient_accumulation_steps": sharded.ACCUMULATION_STEPS,
                                      **setup.settings})
     per_rank = run_ranks(sharded.rank_train, nproc, timeout_s=sharded.RANK_TIMEOUT_S,
@@ -45,6 +48,8 @@ def run_sharded_parity(setup, *, engine: str, shard: str, nproc: int, methods, *
         float64_plain = sharded.single_process_plain(setup, nproc)
     else:
         reference_name, reference = "single-process plain", sharded.single_process_plain(setup, nproc)
+    check_reference(reference_name, reference)
+    check_reference(f"plain on {nproc} {engine} ranks", updates["plain"])
     return [sharded.compare_sharded(engine, shard, nproc, setup, method, reference_name, reference, updates,
                                     tied, float64_plain, reductions) for method in methods]
 

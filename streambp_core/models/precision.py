@@ -302,3 +302,15 @@ def islands_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn
             module.forward = types.MethodType(forward, module)
             changed.append(module)
     return changed
+
+
+def float32_islands_widened(model: nn.Module) -> nn.Module:
+    """`model` with every float32 island above in the wider of float32 and its precision (float64 stays
+    float64, other precisions compute as transformers does): the hybrid linear attentions, the norms, the
+    routers and Gemma 2's eager attention, as `streambp_core.models.load.build_model` builds a model.
+    Instance-level, idempotent; returns `model`."""
+    hybrid_in_at_least_float32(model, model.dtype)
+    norms_in_at_least_float32(model)
+    routers_in_at_least_float32(model, model.dtype)
+    eager_in_at_least_float32(model)
+    return model

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from streambp_core.config import ConfigError
 from streambp_core.integrations.checks import NO_LOGITS_METHODS, check_trainer
 from streambp_core.integrations.trainers import stream_trainer
 
@@ -105,8 +106,10 @@ def trainer_parity(make_trainer: Callable[[], object], methods: Sequence[str] = 
     probe = make_trainer()
     for method in methods:  # a refused setting fails before anything trains
         check_trainer(probe, method)
+    check_optimizer(probe)
     del probe
     plain, tied, trainer = train_updates(make_trainer, None, options)
+    check_reference("plain training", plain)
     if tolerance is None:
         tolerance = update_tolerance(trainer.args.optim, next(trainer.model.parameters()).dtype)
     del trainer
@@ -115,6 +118,35 @@ def trainer_parity(make_trainer: Callable[[], object], methods: Sequence[str] = 
         updates, _, _ = train_updates(make_trainer, method, options)
         results.append(MethodParity(method, group_errors(plain, updates, tied), tolerance))
     return results
+
+
+class BrokenReference(RuntimeError):
+    """The reference training's own update is not finite: no method can be judged against it."""
+
+
+def check_optimizer(trainer) -> None:
+    """ConfigError, before anything trains, for a setting `trainer`'s optimizer refuses (torch checks its
+    hyper-parameters as it builds one: a beta outside [0, 1), a negative learning rate or epsilon). Builds
+    the optimizer on `trainer`, which is then for probing only (under FSDP the trainer builds its own
+    after wrapping the model)."""
+    try:
+        trainer.create_optimizer()
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{type(trainer).__name__}'s optimizer: {' '.join(str(error).split())}") from None
+
+
+def check_reference(name: str, updates: dict[str, torch.Tensor]) -> None:
+    """Refuse a reference no comparison can mean anything against: ConfigError when `name` (a training the
+    methods are compared with) moved no parameter at all (every update exactly zero: any method would
+    match it), BrokenReference when an update holds NaN or infinity (the reference itself is broken,
+    not the method)."""
+    broken = next((n for n, u in updates.items() if not bool(torch.isfinite(u).all())), None)
+    if broken is not None:
+        raise BrokenReference(f"the reference, {name}, trained to a non-finite update ({broken}): no method "
+                              "can be judged against it")
+    if not any(bool(u.any()) for u in updates.values()):
+        raise ConfigError(f"{name} moved no parameter (every update exactly zero), so any method would "
+                          "match it: train with a nonzero learning rate for at least one step")
 
 
 def train_updates(make_trainer, method: str | None, options: dict):

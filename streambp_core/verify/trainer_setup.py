@@ -70,6 +70,7 @@ class ParitySetup:
             raise ConfigError(f"seq_len must be at least 8 for a parity run, got {self.seq_len_tokens}")
         if self.lora_rank < 0:
             raise ConfigError(f"lora rank must be >= 0, got {self.lora_rank}")
+        _refuse_training_nothing(self.settings)
         if self.zero3_init:
             from streambp_core.models.load import has_weights
 
@@ -79,6 +80,19 @@ class ParitySetup:
             if self.dtype != torch.float32:
                 raise ConfigError(f"zero3 init trains in float32 (zero.Init casts the weights it partitions "
                                   f"to its config's dtype), got {self.dtype}")
+
+
+def _refuse_training_nothing(settings: dict) -> None:
+    """ConfigError for settings under which the trainer moves no parameter (a zero learning rate, zero
+    steps, or no steps and zero epochs): every update would be zero, and any method would match plain."""
+    steps, epochs = settings.get("max_steps", DEFAULT_SETTINGS["max_steps"]), settings.get("num_train_epochs")
+    nothing = "trains nothing (every update is zero, so any method would match plain)"
+    if settings.get("learning_rate") == 0:
+        raise ConfigError(f"learning_rate=0 {nothing}: give a nonzero learning rate")
+    if steps == 0:
+        raise ConfigError(f"max_steps=0 {nothing}: give at least one step")
+    if isinstance(steps, int | float) and steps < 0 and epochs == 0:
+        raise ConfigError(f"num_train_epochs=0 with max_steps={steps} {nothing}: give at least one step")
 
 
 def trainer_factory(setup: ParitySetup, output_dir: str | Path) -> Callable[[], object]:
@@ -156,6 +170,11 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu", 
     with random weights drawn after `torch.manual_seed(seed)`, from a copy of the config. Outside
     `deepspeed.zero.Init` (`_outside_zero3_init`) unless `zero3_init` (`ParitySetup.zero3_init`).
 
+    As `streambp_core.models.load.build_model` builds it: a mixture of experts in float64 runs the
+    per-expert loop (`experts_options`: grouped matmuls refuse float64), and the float32 islands compute in
+    at least float32 (`models.precision.float32_islands_widened`), so plain training, the reference, is as
+    precise as the streamed runs (which widen a hybrid model's islands while they are open).
+
     The copy matters: `from_config` keeps the config object it is given, and TRL's trainers write the
     tokenizer's pad id into `model.config` when they are built; a second model from the same config
     object would then get an embedding with `padding_idx` (that row zeroed at init and never trained),
@@ -163,15 +182,19 @@ def build_user_model(model, dtype: torch.dtype, seed: int, device: str = "cpu", 
     """
     from transformers import AutoModelForCausalLM
 
-    from streambp_core.models.load import has_weights
+    from streambp_core.models.load import experts_options, has_weights
+    from streambp_core.models.precision import float32_islands_widened
 
+    config = _model_config(model)
+    experts = experts_options(config, dtype)
     if isinstance(model, str | Path) and has_weights(model):
         with contextlib.nullcontext() if zero3_init else _outside_zero3_init():
-            loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True)
-        return loaded if zero3_init else loaded.to(device)
+            loaded = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True,
+                                                          **experts)
+        return float32_islands_widened(loaded if zero3_init else loaded.to(device))
     torch.manual_seed(seed)
     with torch.device(device), _outside_zero3_init():
-        return AutoModelForCausalLM.from_config(_model_config(model), dtype=dtype)
+        return float32_islands_widened(AutoModelForCausalLM.from_config(config, dtype=dtype, **experts))
 
 
 @contextlib.contextmanager

@@ -43,7 +43,13 @@ import tempfile
 from dataclasses import dataclass, replace
 
 from streambp_core.config import ConfigError
-from streambp_core.verify.trainer_parity import MethodParity, group_errors, train_updates, update_tolerance
+from streambp_core.verify.trainer_parity import (
+    MethodParity,
+    check_optimizer,
+    group_errors,
+    train_updates,
+    update_tolerance,
+)
 from streambp_core.verify.trainer_setup import ParitySetup, trainer_factory
 
 ENGINE_SHARDS = {"fsdp2": ("zero2", "zero3"), "deepspeed": ("zero1", "zero2", "zero3")}
@@ -106,6 +112,14 @@ def check_sharded(setup: ParitySetup, engine: str, shard: str, methods) -> None:
             if refused:
                 raise ConfigError(f"{setting} cannot train a {', '.join(methods)} model: {why}")
     update_tolerance("sgd", setup.dtype)  # float64 or float32 only
+
+
+def check_settings(setup: ParitySetup) -> None:
+    """ConfigError, before any rank starts, for a setting the trainer's optimizer refuses: a probe
+    trainer of `setup` in this process, without an engine, builds its optimizer
+    (`trainer_parity.check_optimizer`)."""
+    with tempfile.TemporaryDirectory(prefix="streambp-parity-") as output_dir:
+        check_optimizer(trainer_factory(replace(setup, zero3_init=False), output_dir)())
 
 
 @dataclass(frozen=True)

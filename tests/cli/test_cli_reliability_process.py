@@ -45,6 +45,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(monkeypatch) -> None:
 @pytest.mark.parametrize(("target", "command"), [
     ("streambp_bench.verify.sharded.verify_sharded", ["fsdp"]),
     ("streambp_core.verify.deepspeed.verify_deepspeed", ["deepspeed", "--shard", "zero2"]),
+    ("streambp_bench.verify.trainer_ranks.run_sharded_parity", ["trainer", "sft", "--shard", "zero2"]),
 ])
 def test_a_failed_rank_is_one_line_naming_it(monkeypatch, target: str, command: list[str]) -> None:
     """A rank that dies or times out (`RankError`) is one line and exit 1 under every multi-rank verify."""

@@ -58,6 +58,40 @@ def test_verify_trainer_trains_as_plain_in_one_process(runner):
     assert row["ok"] and row["max_rel_error"] <= 1e-10
 
 
+@pytest.mark.parametrize(("settings", "words"), [
+    (["learning_rate=0"], ("learning_rate=0 trains nothing",)),
+    (["max_steps=0"], ("max_steps=0 trains nothing",)),
+    (["optim=adamw_torch", "adam_beta1=2"], ("optimizer", "Invalid beta parameter at index 0: 2")),
+])
+def test_verify_trainer_refuses_settings_it_cannot_judge(runner, settings, words):
+    """A run that trains nothing would pass whatever a method does, and a setting the optimizer refuses
+    fails inside training: both one `error:` line and exit 2 before anything trains."""
+    args = ["verify", "trainer", "sft", *TINY, "-T", "16", "--method", "streambp"]
+    result = runner.invoke(app, [*args, *(f"--set={s}" for s in settings)])
+    (line,) = _stderr_lines(result)
+    assert result.exit_code == 2 and line.startswith("error: "), result.output
+    assert "Traceback" not in result.output and all(word in line for word in words), line
+
+
+def _stderr_lines(result) -> list[str]:
+    """`result`'s stderr lines but DeepSpeed's own log line as it is first imported (in the process's
+    first trainer, when installed), which is the library's, not the command's."""
+    return [line for line in result.stderr.splitlines() if line.strip() and "] [WARNING] [" not in line]
+
+
+def test_verify_trainer_reports_a_broken_reference_not_the_method(runner):
+    """Plain training that diverges (a learning rate that overflows the weights) is the reference broken:
+    one line naming it and exit 1, no method judged against it."""
+    args = ["verify", "trainer", "trainer", *TINY, "-T", "16", "--method", "streambp", "--set",
+            "learning_rate=1e300", "--set", "max_steps=2"]
+    result = runner.invoke(app, args)
+    lines = _stderr_lines(result)
+    assert result.exit_code == 1, result.output
+    assert lines == ["error: the reference, plain training, trained to a non-finite update "
+                     "(model.embed_tokens.weight): no method can be judged against it"], result.stderr
+    assert "FAIL" not in result.output
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["--nproc", "2"], "streambp-bench verify fsdp --nproc N"),
     (["--nproc=2", "--shard", "zero3"], "streambp-bench verify fsdp --nproc N"),

@@ -22,14 +22,22 @@ pytest.importorskip("trl", minversion="1.15")
 pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
+from streambp_core.config import ConfigError  # noqa: E402
 from streambp_core.models.load import tiny_config  # noqa: E402
 from streambp_core.verify.trainer_parity import (  # noqa: E402
+    BrokenReference,
     MethodParity,
+    check_reference,
     group_errors,
     trainer_parity,
     update_tolerance,
 )
-from streambp_core.verify.trainer_setup import ParitySetup, build_user_model, trainer_factory  # noqa: E402
+from streambp_core.verify.trainer_setup import (  # noqa: E402
+    ParitySetup,
+    build_user_model,
+    run_parity,
+    trainer_factory,
+)
 
 STREAM = {"partition_size": 5, "head_partition_size": 7}  # several chunks per layer and head at these lengths
 WEIGHT_DECAY, MAX_GRAD_NORM, LORA_RANK = 0.1, 0.1, 4
@@ -159,11 +167,69 @@ def test_group_errors_and_tolerances():
 
 def test_model_directory_with_weights(tmp_path):
     """A directory with safetensors weights is loaded by `from_pretrained`, as a user loads it."""
-    from streambp_core.verify.trainer_setup import run_parity
-
     saved = build_user_model(tiny_config("qwen3", tie_word_embeddings=False), torch.float32, seed=1)
     saved.save_pretrained(tmp_path)
     setup = ParitySetup(trainer="sft", model=str(tmp_path), settings={"max_steps": 2, "weight_decay": 0.1})
     (result,) = run_parity(setup, ("streambp",), **STREAM)
     assert result.ok and result.tolerance == 1e-10
     assert {g.group for g in result.groups} == {"embedding", "attention", "mlp", "norms", "lm_head"}
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"learning_rate": 0}, "learning_rate=0"),
+    ({"learning_rate": 0.0, "optim": "adamw_torch"}, "learning_rate=0"),
+    ({"max_steps": 0}, "max_steps=0"),
+    ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs=0 with max_steps=-1"),
+])
+def test_settings_that_train_nothing_are_refused(settings, named):
+    """A run that moves no parameter would pass whatever a method does: refused before anything builds."""
+    with pytest.raises(ConfigError, match=f"{named} trains nothing"):
+        ParitySetup(trainer="sft", model="tiny/llama", settings=settings)
+
+
+def test_a_reference_that_moved_nothing_or_is_not_finite_is_refused():
+    moved = {"a": torch.zeros(2, dtype=torch.float64), "b": torch.tensor([0.0, 1e-300], dtype=torch.float64)}
+    check_reference("plain training", moved)  # one element moved: a comparison means something
+    with pytest.raises(ConfigError, match="plain training moved no parameter"):
+        check_reference("plain training", {"a": torch.zeros(2), "b": torch.zeros(3)})
+    for bad in (float("nan"), float("inf")):
+        broken = r"single-process plain, trained to a non-finite update \(b\)"
+        with pytest.raises(BrokenReference, match=broken):
+            check_reference("single-process plain", {"a": torch.ones(2), "b": torch.tensor([1.0, bad])})
+
+
+def test_an_optimizer_setting_torch_refuses_is_refused_before_training(monkeypatch):
+    """torch builds the optimizer inside `train()`; its refusal of a hyper-parameter comes first, as a
+    ConfigError naming it, and nothing trains."""
+    monkeypatch.setattr("streambp_core.verify.trainer_parity.train_updates",
+                        lambda *a, **k: pytest.fail("trained despite a refused optimizer setting"))
+    setup = ParitySetup(trainer="sft", model="tiny/llama", settings={"optim": "adamw_torch", "adam_beta1": 2})
+    with pytest.raises(ConfigError, match="SFTTrainer's optimizer: Invalid beta parameter at index 0: 2"):
+        run_parity(setup, ("streambp",), **STREAM)
+
+
+def test_a_plain_run_that_diverges_is_a_broken_reference():
+    """A learning rate that overflows the weights makes plain's own update non-finite: the reference is
+    reported broken instead of a method being judged against it."""
+    setup = ParitySetup(trainer="trainer", model="tiny/llama", settings={"learning_rate": 1e300,
+                                                                         "max_steps": 2})
+    with pytest.raises(BrokenReference, match="the reference, plain training, trained to a non-finite"):
+        run_parity(setup, ("streambp",), **STREAM)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "family", "methods"), [
+    ("trainer", "qwen3.5", ("checkpoint", "mst", "streambp")),
+    ("trainer", "gpt-oss", ("checkpoint", "mst", "streambp")),
+    ("sft", "qwen3-moe", ("checkpoint",)),
+])
+def test_float64_families_with_float32_islands_train_as_plain(kind, family, methods):
+    """The reference model is built as `build_model` builds it: a mixture of experts runs its per-expert
+    loop in float64 (grouped matmuls refuse float64), and Qwen3.5's float32 islands (norms, linear
+    attention) compute in float64 in plain training as in the streamed runs (they were 2.5e-7 apart)."""
+    setup = ParitySetup(trainer=kind, model=f"tiny/{family}", settings={"max_steps": 2})
+    results = run_parity(setup, methods, **STREAM)
+    assert [r.method for r in results] == list(methods)
+    for result in results:
+        assert result.tolerance == 1e-10 and result.ok, (result.method, result.max_rel_error)
+        assert all(g.plain_update_norm > 0 for g in result.groups)

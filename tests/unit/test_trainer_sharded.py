@@ -333,3 +333,33 @@ def test_cli_refuses_in_one_line_before_any_rank_starts(args, words):
     result = CliRunner().invoke(app, ["verify", "trainer", "sft", "-m", "tiny/qwen3", "--dtype", "float64",
                                       *args])
     one_line_error(result, *words)
+
+
+def test_an_optimizer_setting_torch_refuses_stops_before_any_rank_starts(monkeypatch):
+    monkeypatch.setattr("streambp_core.parallel.launch.run_ranks",
+                        lambda *a, **k: pytest.fail("ranks started despite a refused optimizer setting"))
+    setup = replace(setup_of("sft"), settings={"optim": "adamw_torch", "adam_beta2": -0.5})
+    with pytest.raises(ConfigError, match="SFTTrainer's optimizer: Invalid beta parameter at index 1"):
+        run_sharded_parity(setup, engine="fsdp2", shard="zero2", nproc=2, methods=("streambp",))
+
+
+@pytest.mark.parametrize(("broken", "named"), [
+    ("single-process", "the reference, single-process plain, trained to a non-finite update"),
+    ("on the engine", "the reference, plain on 2 fsdp2 ranks, trained to a non-finite update"),
+])
+def test_a_reference_that_is_not_finite_is_reported_broken_not_blamed_on_the_method(monkeypatch, broken,
+                                                                                    named):
+    """Single-process plain or plain on the engine whose own update holds NaN (as float64 eager Gemma 2
+    on padded rows gave before its softmax was widened) is the reference broken, not a method failing."""
+    from streambp_core.verify.trainer_parity import BrokenReference
+
+    good = {"model.embed_tokens.weight": torch.ones(4, dtype=torch.float64)}
+    nan = {"model.embed_tokens.weight": torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=torch.float64)}
+    on_engine = nan if broken == "on the engine" else good
+    monkeypatch.setattr("streambp_core.verify.trainer_sharded.check_settings", lambda setup: None)
+    monkeypatch.setattr("streambp_core.parallel.launch.run_ranks",
+                        lambda *a, **k: [({"plain": on_engine, "streambp": good}, False, None), None])
+    monkeypatch.setattr("streambp_core.verify.trainer_sharded.single_process_plain",
+                        lambda setup, nproc: nan if broken == "single-process" else good)
+    with pytest.raises(BrokenReference, match=named):
+        run_sharded_parity(setup_of("sft"), engine="fsdp2", shard="zero2", nproc=2, methods=("streambp",))

@@ -30,7 +30,9 @@ HELP = (
     "near-zero gradients. The trainer pads its batches and computes its own loss.\n\n"
     "With [bold]--nproc N[/] the trainer runs on N CPU ranks under accelerate's FSDP2 or DeepSpeed plugin "
     "(--engine; gradient accumulation 2) and is compared with single-process plain and with plain on the "
-    "engine. Exits 1 when a method trains otherwise than plain, 2 on bad input."
+    "engine. Exits 1 when a method trains otherwise than plain, a rank dies, or the reference itself "
+    "trains to a non-finite update; 2 on bad input, a setting under which nothing trains (a zero learning "
+    "rate, zero steps) included."
 )
 
 EPILOG = """[bold]Examples[/]
