@@ -62,3 +62,17 @@ def test_reproduce_into_a_foreign_csv_is_a_one_line_error(tmp_path: Path) -> Non
 def test_unknown_item_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["reproduce", "fig9", "--out", str(tmp_path)])
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("spelling", ["results", "./results/", "link"])
+def test_reproduce_quick_never_writes_into_results_however_spelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    """`--quick` refuses results/ however --out names it: by name, with a trailing slash, through a link."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "results")
+    result = CliRunner().invoke(app, ["reproduce", "fig5", "--quick", "--out", spelling])
+    assert result.exit_code == 2, result.output
+    assert "--quick" in result.output and "results/" in result.output
+    assert list((tmp_path / "results").iterdir()) == []

@@ -9,6 +9,7 @@ from torch import nn
 
 import streambp_core
 from streambp_core.config import ConfigError
+from streambp_core.integrations import stream_trainer
 from streambp_core.models.load import build_model, tiny_config
 
 IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -144,3 +145,30 @@ def test_lora_wrapping_raises_no_deprecation_warning_from_transformers():
         warnings.simplefilter("always")
         apply_lora(_model(torch.float32), 4)
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
+@pytest.mark.parametrize("method", ["plain", "streambp"])
+@pytest.mark.parametrize("label", [512, 10_000, -5])
+def test_labels_outside_the_vocabulary_are_named(method: str, label: int) -> None:
+    model = build_model(tiny_config("qwen3"))
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, 3] = label
+    options = {"partition_size": 4, "head_partition_size": 4} if method == "streambp" else {}
+    with streambp_core.prepare(model, method, **options) as run, pytest.raises(ConfigError, match=str(label)):
+        run.loss(ids, labels=labels)
+
+
+def test_ignored_labels_are_still_fine() -> None:
+    model = build_model(tiny_config("qwen3"))
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    with streambp_core.prepare(model, "streambp", partition_size=4, head_partition_size=4) as run:
+        assert torch.isfinite(run.loss(ids, labels=labels))
+
+
+@pytest.mark.parametrize("trainer", [object(), None, "trainer"])
+def test_stream_trainer_names_what_it_takes(trainer) -> None:
+    with pytest.raises(ConfigError, match="takes a transformers Trainer or a TRL trainer"):
+        stream_trainer(trainer)

@@ -1,4 +1,6 @@
-"""A newcomer's first hour: inputs that hung, ate memory, were silently ignored or printed a traceback."""
+"""Inputs at the edges a newcomer reaches first, each answered in one line or exactly: counts that would hang
+or eat memory, outputs that are no regular file or a full disk, Ctrl-C at start-up, options that would be
+silently ignored, JSON without NaN, and searches where nothing fits."""
 
 from __future__ import annotations
 
