@@ -56,6 +56,6 @@ def one_thread():
 
 
 @pytest.fixture
-def cli_runner() -> CliRunner:
+def runner() -> CliRunner:
     """Typer's runner for the real `streambp-bench` app."""
     return CliRunner()

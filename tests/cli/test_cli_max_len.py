@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
@@ -15,10 +14,6 @@ from tests.cli.errors import one_line_error
 TINY = ["max-len", "--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]
 SIM = [*TINY, "--device", "sim"]
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 def test_json_reports_every_method_with_its_breakdown(runner):

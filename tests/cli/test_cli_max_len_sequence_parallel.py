@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from tests.cli.errors import one_line_error
@@ -14,10 +13,6 @@ from tests.cli.errors import one_line_error
 TINY = ["max-len", "-m", "tiny/llama", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.01"]
 """tiny/llama: 4 query heads, 2 KV heads."""
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 def _rows(result) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
@@ -14,10 +13,6 @@ from tests.cli.errors import one_line_error
 TINY = ["--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16"]
 MAX_LEN = ["max-len", *TINY, "--budget-gib", "0.003", "--device", "sim"]
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 @pytest.mark.slow

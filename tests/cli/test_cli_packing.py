@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_core.step.batch import document_lengths
@@ -15,10 +14,6 @@ from tests.cli.errors import one_line_error
 PACKED = ["verify", "--model", "tiny/mistral", "--dtype", "float64", "--seq-len", "24", "--ps", "5",
           "--ps-head", "4", "-b", "2"]
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 def test_verify_packing_passes_and_names_the_documents(runner):

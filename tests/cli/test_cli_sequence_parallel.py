@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_core.config import PRESET_DIR
@@ -17,10 +16,6 @@ from tests.cli.errors import one_line_error
 TINY = ["verify", "sp", "--model", "tiny/llama", "--dtype", "float64", "--seq-len", "23", "--ps", "5",
         "--ps-head", "4"]
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 @pytest.fixture

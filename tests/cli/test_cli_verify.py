@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench import cli
 from streambp_bench.cli import app
@@ -16,10 +15,6 @@ from tests.cli.errors import one_line_error
 TINY_VERIFY = ["verify", "--model", "tiny/qwen3", "--seq-len", "24", "--ps", "7", "--ps-head", "5"]
 TINY_FSDP = ["verify", "fsdp", *TINY_VERIFY[1:]]
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 def test_root_help_lists_the_commands(runner):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_bench.commands.verify.options import takes
@@ -16,10 +15,6 @@ from tests.cli.errors import one_line_error
 SUBCOMMANDS = ("fsdp", "sp", "deepspeed", "trainer")
 TINY = ["-m", "tiny/llama", "--dtype", "float64"]
 
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 def test_verify_help_lists_the_subcommands_and_their_examples(runner):

@@ -107,13 +107,13 @@ def test_each_supported_setting_is_accepted(name):
     stream_trainer(trainer, "streambp").close()
 
 
-def test_verify_trainer_prints_each_group(cli_runner):
+def test_verify_trainer_prints_each_group(runner):
     from streambp_bench.cli import app
 
     args = ["verify", "trainer", "sft", "-m", "tiny/qwen3", "--dtype", "float64", "-b", "2",
             "--method", "streambp", "--ps", "5", "--ps-head", "7", "--set", "weight_decay=0.1",
             "--set", "max_steps=2", "--json"]
-    result = cli_runner.invoke(app, args)
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["source"] == "measured-cpu" and report["settings"]["weight_decay"] == 0.1
@@ -132,11 +132,11 @@ def test_verify_trainer_prints_each_group(cli_runner):
      "label_smoothing_factor cannot train a streambp model"),
     (["sft", "--dtype", "bfloat16"], "no parity tolerance for bfloat16"),
 ])
-def test_verify_trainer_bad_input_is_one_error_line(cli_runner, args, named):
+def test_verify_trainer_bad_input_is_one_error_line(runner, args, named):
     from streambp_bench.cli import app
 
     kind, *options = args
-    result = cli_runner.invoke(app, ["verify", "trainer", kind, "-m", "tiny/llama", *options])
+    result = runner.invoke(app, ["verify", "trainer", kind, "-m", "tiny/llama", *options])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and named in lines[-1], result.stderr
