@@ -19,7 +19,8 @@ Per-family attention runs on the shards as it does in one process (`engine.seque
 soft-capped scores, gpt-oss's attention sinks (each rank its heads' slice), Llama 4's chunked local
 attention (chunks counted over the whole sequence) and its NoPE layers' query temperature (at each token's
 global index), and DeepSeek-V3's multi-head latent attention (streambp gathers the one latent key head to
-every rank, `engine.sequence.mla`; the transformers-driven methods pad the narrower value heads).
+every rank, `engine.sequence.mla`; the transformers-driven methods gather keys and values side by side at
+their own head widths).
 
 Refused by name: packed rows (position_ids), the params tier, DeepSpeed ZeRO, the router load-balancing
 loss, TRL's baseline loss, Gated DeltaNet linear attention (Qwen3.5: its recurrence runs along the whole

@@ -82,8 +82,11 @@ def whole_shards(group: SequenceGroup, total_tokens: int) -> SequenceBlocks:
 def lockstep_chunks(group: SequenceGroup, total_tokens: int, partition_size: int,
                     keep_chunks: int | None = None) -> list[SequenceBlocks]:
     """Chunk i of every rank's shard, for each i, as many chunks on every rank (a shorter shard's last
-    ones empty), so every rank runs the same collectives. `keep_chunks` thins the chunk indices (the
-    first and last that many) on every rank alike (simulation only, `StreamConfig.keep_chunks`)."""
+    ones empty), so every rank runs the same collectives: a rank runs its empty chunk's all-to-alls and
+    attends other ranks' blocks on its heads, so every layer op a chunk runs takes zero tokens (e.g. T 3
+    over 2 ranks in chunks of 1: shards of 2 and 1, the second rank's last chunk empty). `keep_chunks`
+    thins the chunk indices (the first and last that many) on every rank alike (simulation only,
+    `StreamConfig.keep_chunks`)."""
     sizes = group.shard_sizes(total_tokens)
     starts = shard_starts(group, total_tokens)
     count = -(-max(sizes) // partition_size)
@@ -103,27 +106,28 @@ ranks, one rank's K/V over the whole sequence: the layer's largest tensor). A fi
 
 def gather_kv(keys: Tensor, values: Tensor, group: SequenceGroup, total_tokens: int, copies: int,
               pieces: int = 1) -> tuple[Tensor, Tensor]:
-    """This rank's K, V (B, Hkv, T_r, hd) -> this rank's KV heads over every position (B, Hkv', T, hd),
-    Hkv' = Hkv x copies / size: views of one (B, T, Hkv', 2 hd) tensor (`kv_views`), swapped in `pieces`
-    all-to-alls for both (`sequence_group.parts_to_heads`: no concatenated or repeated copy first).
-    Differentiable."""
+    """This rank's K (B, Hkv, T_r, hd_k), V (B, Hkv, T_r, hd_v) -> this rank's KV heads over every position
+    (B, Hkv', T, hd_k) and (B, Hkv', T, hd_v), Hkv' = Hkv x copies / size: views of one
+    (B, T, Hkv', hd_k + hd_v) tensor (`kv_views`), swapped in `pieces` all-to-alls for both
+    (`sequence_group.parts_to_heads`: no concatenated or repeated copy first). The value heads may be
+    narrower or wider than the key heads (latent attention's). Differentiable."""
     kv = parts_to_heads([keys.transpose(1, 2), values.transpose(1, 2)], group, total_tokens, copies=copies,
                         pieces=pieces)
-    return kv_views(kv)
+    return kv_views(kv, keys.shape[-1])
 
 
-def kv_views(kv: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values (B, H, T, hd) as views of K and V side by side, `kv` (B, T, H, 2 hd)."""
-    hd = kv.shape[-1] // 2
-    return kv[..., :hd].transpose(1, 2), kv[..., hd:].transpose(1, 2)
+def kv_views(kv: Tensor, key_width: int) -> tuple[Tensor, Tensor]:
+    """Keys (B, H, T, key_width) and values (B, H, T, the rest) as views of K and V side by side, `kv`
+    (B, T, H, key_width + value width)."""
+    return kv[..., :key_width].transpose(1, 2), kv[..., key_width:].transpose(1, 2)
 
 
-def scatter_kv_grads(d_kv: Tensor, group: SequenceGroup, total_tokens: int, copies: int,
+def scatter_kv_grads(d_kv: Tensor, key_width: int, group: SequenceGroup, total_tokens: int, copies: int,
                      pieces: int = 1) -> tuple[Tensor, Tensor]:
     """The transpose of `gather_kv` for the accumulated gradients of K and V side by side, `d_kv`
-    (B, T, Hkv', 2 hd) -> this rank's dK, dV (B, Hkv, T_r, hd), each KV head's copies summed; `pieces`
-    all-to-alls."""
-    return kv_views(heads_to_seq(d_kv, group, total_tokens, copies=copies, pieces=pieces))
+    (B, T, Hkv', key_width + hd_v) -> this rank's dK (B, Hkv, T_r, key_width), dV (B, Hkv, T_r, hd_v), each
+    KV head's copies summed; `pieces` all-to-alls."""
+    return kv_views(heads_to_seq(d_kv, group, total_tokens, copies=copies, pieces=pieces), key_width)
 
 
 KeyPrefix = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
@@ -174,7 +178,7 @@ def _block_keys(how: BlockAttention, key_valid: Tensor | None, start: int, last:
 def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor | None,
                        blocks: SequenceBlocks, how: BlockAttention,
                        prefix: KeyPrefix | None = None) -> Tensor:
-    """Output (B, H, c, hd) of this rank's block of queries q (B, H, c, hd) against every position's keys
+    """Output (B, H, c, hd_v) of this rank's block of queries q (B, H, c, hd) against every position's keys
     of this rank's heads, `keys`/`values` (B, Hkv', >= last key, hd) from `gather_kv`. `key_valid` (B, T)
     marks real keys over the whole sequence (None: all). `prefix(keys, values, first, last)`: the K/V a
     block attends to (default: views). Two all-to-alls; differentiable."""

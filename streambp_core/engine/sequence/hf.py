@@ -52,8 +52,9 @@ def sequence_attention_forward(module: nn.Module, query: Tensor, key: Tensor, va
                                s_aux: Tensor | None = None, softcap: float | None = None,
                                **kwargs) -> tuple[Tensor, None]:
     """transformers' attention-function signature: this rank's shard of queries attends to the whole
-    sequence; returns (B, T_r, H, hd). `s_aux`: the layer's attention sinks (H,); `softcap`: its scores'
-    soft-cap (module docstring)."""
+    sequence; returns (B, T_r, H, hd_v), the value heads' width (DeepSeek-V3's differs from its query/key
+    heads': keys and values travel side by side at their own widths, `gather_kv`). `s_aux`: the layer's
+    attention sinks (H,); `softcap`: its scores' soft-cap (module docstring)."""
     if dropout:
         raise ValueError("sequence-parallel attention has no dropout; build the model with "
                          "attention_dropout=0")
@@ -64,16 +65,13 @@ def sequence_attention_forward(module: nn.Module, query: Tensor, key: Tensor, va
         start, end = group.shard_bounds(total)
         scales = temperature_table(end - start, *temperature, query.device, start)
         query = (query * scales).to(query.dtype)  # as the module scales it, at the global indices
-    width = value.shape[-1]
-    if width < key.shape[-1]:  # MLA (DeepSeek-V3): zeros pad the values to the keys' head dim, cut after
-        value = torch.nn.functional.pad(value, (0, key.shape[-1] - width))
     keys, values = gather_kv(key, value, group, total, copies)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     valid = None if key_valid.stride(-1) == 0 else key_valid  # no padding (`sequence_mask_argument`)
     local = local_chunks(layer_chunk(module), valid, None, (query.shape[0], total), query.device)
     how = BlockAttention(scale, backend, sliding_window, sinks=s_aux, softcap=softcap, local=local)
     out = gathered_attention(query, keys, values, valid, whole_shards(group, total), how)
-    return out[..., :width].transpose(1, 2), None
+    return out.transpose(1, 2), None
 
 
 def register_sequence_attention() -> str:

@@ -153,8 +153,8 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
     rope = Rope.of_layer(cos, sin, plan.parts, offset=shard.bounds[0])
     keys, values, raw_keys = _gathered_kv(plan, shard, h_in, rope)
     with memory_category("kv"):  # dK and dV side by side, as `scatter_kv_grads` sends them
-        b, heads, t, hd = keys.shape
-        d_kv = keys.new_zeros((b, t, heads, 2 * hd))
+        b, heads, t, key_width = keys.shape
+        d_kv = keys.new_zeros((b, t, heads, key_width + values.shape[-1]))
     grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
     with memory_category("temporaries"):
         grad_normed = torch.empty_like(h_in)  # dL/d(input norm's output) through the queries, per position
@@ -167,8 +167,8 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
             (keys, values, d_kv), grad_out[:, start:end], params)
     del keys, values  # the gathered K/V: every chunk's attention is done
     with memory_category("kv"):
-        d_keys, d_values = scatter_kv_grads(d_kv, shard.group, shard.total_tokens, shard.kv_copies,
-                                            KV_PIECES)
+        d_keys, d_values = scatter_kv_grads(d_kv, key_width, shard.group, shard.total_tokens,
+                                            shard.kv_copies, KV_PIECES)
     del d_kv
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         kv_grads = (d_keys[:, :, start:end], d_values[:, :, start:end],
@@ -188,7 +188,7 @@ def _query_chunk_backward(plan: LayerPlan, h_in_chunk, rope: Rope, key_valid, kv
     keys, values, d_kv = kv
     parts = plan.parts
     h = leaf(h_in_chunk)
-    sink = _KVGradSink(*kv_views(d_kv), [])
+    sink = _KVGradSink(*kv_views(d_kv, keys.shape[-1]), [])
     plan = replace(plan, attention=partial(plan.attention, prefix=sink.prefix))
     with torch.enable_grad():
         x_leaf = leaf(parts.input_norm(h))

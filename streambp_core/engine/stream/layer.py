@@ -157,8 +157,8 @@ def project_q(parts: LayerParts, x: Tensor, rope: Rope) -> Tensor | GatedQuery:
     if not parts.attn_output_gate:
         q = hand_linear(parts.q_proj, x).view(b, c, parts.num_heads, parts.head_dim)
         return scale_queries(embed(parts, q, parts.q_norm, rope), rope)
-    q, gate = torch.chunk(hand_linear(parts.q_proj, x).view(b, c, -1, 2 * parts.head_dim), 2, dim=-1)
-    return GatedQuery(scale_queries(embed(parts, q, parts.q_norm, rope), rope), gate.reshape(b, c, -1))
+    q, gate = torch.chunk(hand_linear(parts.q_proj, x).unflatten(-1, (-1, 2 * parts.head_dim)), 2, dim=-1)
+    return GatedQuery(scale_queries(embed(parts, q, parts.q_norm, rope), rope), gate.flatten(2))
 
 
 def project_kv(parts: LayerParts, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:

@@ -127,7 +127,6 @@ def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Te
     `x` is the chunk's normed input; `raw_keys` (B, c, Hkv, hd) its keys before the k-norm, needed only
     when the layer has one (for a k-norm after RoPE, HunYuan's, the rotated keys).
     """
-    b, c, _ = x.shape
     if parts.k_norm is not None and parts.qk_norm_after_rope:
         d_rotated = _k_norm_backward(parts, raw_keys, d_keys.transpose(1, 2), params)
         d_k = rope_transpose(d_rotated.transpose(1, 2), rope).transpose(1, 2)
@@ -135,8 +134,8 @@ def kv_projection_backward(parts, x: Tensor, raw_keys: Tensor | None, d_keys: Te
         d_k = rope_transpose(d_keys, rope).transpose(1, 2)  # (B, c, Hkv, hd), after the k-norm
         if parts.k_norm is not None:
             d_k = _k_norm_backward(parts, raw_keys, d_k, params)
-    grad_x = linear_backward(parts.k_proj, x, d_k.reshape(b, c, -1))
-    return grad_x.add_(linear_backward(parts.v_proj, x, d_values.transpose(1, 2).reshape(b, c, -1)))
+    grad_x = linear_backward(parts.k_proj, x, d_k.flatten(2))
+    return grad_x.add_(linear_backward(parts.v_proj, x, d_values.transpose(1, 2).flatten(2)))
 
 
 def _k_norm_backward(parts, raw_keys: Tensor, d_normed: Tensor, params) -> Tensor:

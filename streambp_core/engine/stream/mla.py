@@ -63,7 +63,7 @@ def mla_query(mla: MlaParts, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rotated q_rot."""
     b, c, _ = x.shape
     q = mla.q_proj(x) if mla.q_a_proj is None else mla.q_b_proj(mla.q_a_norm(mla.q_a_proj(x)))
-    q = q.view(b, c, -1, mla.nope_dim + mla.rope_dim).transpose(1, 2)
+    q = q.unflatten(-1, (-1, mla.nope_dim + mla.rope_dim)).transpose(1, 2)  # an empty chunk too
     q_nope, q_rot = torch.split(q, [mla.nope_dim, mla.rope_dim], dim=-1)
     w_uk = mla.kv_b_weight()[:, : mla.nope_dim]  # (H, nope, r)
     return torch.cat([q_nope @ w_uk, rotate_mla(q_rot, cos, sin, mla.rope_interleave)], dim=-1)

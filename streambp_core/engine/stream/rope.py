@@ -101,7 +101,7 @@ def _complex_product(t: Tensor, rope: Rope, conjugate: bool) -> Tensor:
     rotation's transpose, as autograd takes it), in float32 and in transformers' layout (B, c, heads, hd)."""
     freqs = torch.complex(rope.cos, rope.sin).transpose(1, 2)  # (B, c, 1, hd / 2)
     work = t.transpose(1, 2)
-    pairs = torch.view_as_complex(work.float().reshape(*work.shape[:-1], -1, 2))
+    pairs = torch.view_as_complex(work.float().unflatten(-1, (-1, 2)))  # an empty chunk too
     out = torch.view_as_real(pairs * (freqs.conj() if conjugate else freqs)).flatten(3)
     return out.type_as(t).transpose(1, 2)
 
