@@ -81,10 +81,42 @@ def test_baselines_take_the_kernel_choice(monkeypatch):
     monkeypatch.setattr(hf_attention, "prefix_attention", spy)
     model = build_model(tiny_config("llama"), dtype=torch.float64)
     with streambp_core.prepare(model, "checkpoint", attn="sdpa", baseline_attention="engine") as run:
-        assert model.config._attn_implementation == "streambp_prefix_sdpa"
+        assert model.config._attn_implementation == "streambp_prefix_torch"
         run.loss(torch.randint(0, 512, (1, 12))).backward()
     assert seen and set(seen) == {"sdpa"}
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_no_kernel_choice_registers_a_name_transformers_acts_on():
+    """transformers runs its SDPA support check on a name containing "sdpa" (and loads a flash kernel for
+    one containing "flash"), which gpt-oss and Gemma 2 fail: the engine's names contain none of them."""
+    from streambp_core.config import ATTN_BACKENDS
+    from streambp_core.engine.attention.hf import TRANSFORMERS_MARKERS, register_engine_attention
+
+    names = [register_engine_attention(backend) for backend in ATTN_BACKENDS]
+    assert len(set(names)) == len(ATTN_BACKENDS)
+    assert not [name for name in names for marker in TRANSFORMERS_MARKERS if marker in name]
+
+
+@pytest.mark.parametrize("attn", ["auto", "sdpa", "flash"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss"])
+def test_eager_only_families_take_every_kernel_choice_through_the_engine_attention(family, attn):
+    """gpt-oss and Gemma 2 are built with eager attention (transformers gives them no SDPA): under the engine
+    attention, with any kernel choice, checkpoint's gradients are those of the model's own attention, and
+    the model's own attention is back after the run."""
+    import streambp_core
+    from streambp_core.models.load import build_model
+
+    model = build_model(f"tiny/{family}", dtype=torch.float64, seed=0)
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    own, grads = model.config._attn_implementation, []
+    for baseline in ("model", "engine"):
+        with streambp_core.prepare(model, "checkpoint", attn=attn, baseline_attention=baseline) as run:
+            run.loss(ids).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    assert model.config._attn_implementation == own and "eager" in own
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(*grads, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
