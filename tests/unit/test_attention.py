@@ -137,3 +137,15 @@ def test_the_custom_ops_real_and_fake_kernels_agree(dtype, window):
         backward = (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(), key_valid, 0.3,
                     window)
         torch.library.opcheck(torch.ops.streambp.prefix_attn_bwd.default, backward)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_narrower_values_come_out_in_the_layout_transformers_reshapes_without_a_copy(device):
+    """Latent attention (values narrower than queries and keys): the output (B, H, c, hd_v) lies (B, c, H,
+    hd_v) in memory, as torch SDPA's memory-efficient kernel returns it, on CPU and in simulation alike."""
+    q = torch.zeros(2, 4, 5, 12, dtype=torch.float64, device=device)
+    k = torch.zeros(2, 4, 7, 12, dtype=torch.float64, device=device)
+    v = torch.zeros(2, 4, 7, 8, dtype=torch.float64, device=device)
+    out = prefix_attention(q, k, v, None, 0.3)
+    assert out.shape == (2, 4, 5, 8) and out.transpose(1, 2).is_contiguous()
+    assert prefix_attention(q, k, k, None, 0.3).is_contiguous()
