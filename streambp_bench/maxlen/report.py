@@ -207,7 +207,7 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
 
 
 def _softcap_lines(plan: Plan) -> list[str]:
-    """A simulated soft-capped model: which kernel's buffers its attention backward is charged (per --attn)."""
+    """A simulated soft-capped model: the kernel whose buffers its attention backward is charged (--attn)."""
     from streambp_core.engine.attention.cuda import softcap_charge
     from streambp_core.models.adapters import SOFTCAPPED
 

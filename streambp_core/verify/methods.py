@@ -58,7 +58,8 @@ LOW_PRECISION_FACTOR = 2.0
 same precision."""
 
 LOW_PRECISION_EPS = 1e-6
-"""bfloat16, float16: absolute slack on the gradient bound, so a zero baseline error does not demand exactness."""
+"""bfloat16, float16: absolute slack on the gradient bound, so a zero baseline error does not demand
+exactness."""
 
 LOW_PRECISION_LOSS_EPS = 2.0**-10
 """bfloat16, float16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon, 2x

@@ -169,6 +169,7 @@ def test_verify_of_an_eager_only_family_under_sdpa_passes(runner):
     """Gemma 2 has no SDPA in transformers: --attn sdpa still runs the baselines (the engine attention's
     name never reads as SDPA to transformers)."""
     result = runner.invoke(app, ["verify", "--model", "tiny/gemma2", "--dtype", "float64", "--attn", "sdpa",
-                                 "--method", "checkpoint,mst", "--seq-len", "40", "--ps", "16", "--ps-head", "8"])
+                                 "--method", "checkpoint,mst", "--seq-len", "40", "--ps", "16",
+                                 "--ps-head", "8"])
     assert result.exit_code == 0, result.output
     assert "all methods match plain" in result.stdout

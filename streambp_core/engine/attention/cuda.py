@@ -198,8 +198,8 @@ def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, sc
 
 
 def flash_caps(backend: str, q: Tensor, key_valid: Tensor | None, window: int | None) -> bool:
-    """Whether flash-attn takes this chunk and can cap its scores: chosen, 2.6 or later, and for a padded chunk
-    under a window, the band packs (`_band_packs`); a packed rows' (B, c, e) mask always packs. A
+    """Whether flash-attn takes this chunk and can cap its scores: chosen, 2.6 or later, and for a padded
+    chunk under a window, the band packs (`_band_packs`); a packed rows' (B, c, e) mask always packs. A
     soft-capped chunk it does not take runs the engine's exact custom ops (`prefix.math_attention`)."""
     if choose_kernel(backend, q, warn=False) != "flash" or not flash_softcap_available():
         return False

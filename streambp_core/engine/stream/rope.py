@@ -20,11 +20,12 @@ class Rope:
     first half's entries twice, as transformers' interleaved `apply_rotary_pos_emb` does); `in_float32`:
     the rotation computes in float32 and rounds back to the input's precision (ERNIE 4.5). Tables wider than
     the activations (OLMo 2 and 3 keep theirs in float32 whatever the model's precision) rotate in the wider
-    type and round back to the activations' (`work_dtype`), as their `apply_rotary_pos_emb` does. `as_complex`: cos
-    and sin are the real and imaginary parts of Llama 4's `freqs_cis` (B, 1, T, hd / 2), and each pair
-    (2i, 2i + 1) of a head, as a complex number in float32, is multiplied by it (`apply_rotary_emb`, in its
-    own layout, so the same kernels give the same bits). `query_scale` (1, 1, T, 1) float32, or None:
-    Llama 4's attention temperature of a NoPE layer's queries (`scale_queries`)."""
+    type and round back to the activations' (`work_dtype`), as their `apply_rotary_pos_emb` does.
+    `as_complex`: cos and sin are the real and imaginary parts of Llama 4's `freqs_cis` (B, 1, T, hd / 2),
+    and each pair (2i, 2i + 1) of a head, as a complex number in float32, is multiplied by it
+    (`apply_rotary_emb`, in its own layout, so the same kernels give the same bits). `query_scale`
+    (1, 1, T, 1) float32, or None: Llama 4's attention temperature of a NoPE layer's queries
+    (`scale_queries`)."""
 
     cos: Tensor
     sin: Tensor
