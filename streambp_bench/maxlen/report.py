@@ -195,6 +195,7 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
     ]
     if plan.offloads:
         lines.append(_offload_line(plan))
+    lines += _softcap_lines(plan)
     lines += _train_lines(results)
     for r in results:
         if r.search.refused:
@@ -203,6 +204,17 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
                 "its max length is a lower bound set by RAM, not by the budget.[/]"
             )
     return lines
+
+
+def _softcap_lines(plan: Plan) -> list[str]:
+    """A simulated soft-capped model: the kernel whose buffers its attention backward is charged (--attn)."""
+    from streambp_core.engine.attention.cuda import softcap_charge
+    from streambp_core.models.adapters import SOFTCAPPED
+
+    if plan.target.device != "sim" or plan.resolved.config.model_type not in SOFTCAPPED:
+        return []
+    return [f"Soft-capped attention: each chunk's backward is charged "
+            f"{softcap_charge(plan.specs[0].stream.attn)}."]
 
 
 def _offload_line(plan: Plan) -> str:

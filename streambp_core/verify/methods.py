@@ -9,9 +9,9 @@ Steps of `verify_methods`:
    optimizer (float32, float64) the gradients are those AdamW receives and its applied update is compared
    too, each method's tiers against plain's device AdamW (`streambp_core.verify.update`).
 4. float64 and float32 pass below a fixed tolerance (a float64 model's loss is computed in float64 by
-   every method, plain included). bfloat16 follows flash-attention's rule: the reference is plain in
-   float32 on the same (bf16-rounded) weights, and a method passes when its error is at most 2x the
-   error of plain in bfloat16 against that reference.
+   every method, plain included). bfloat16 and float16 follow flash-attention's rule: the reference is
+   plain in float32 on the same (rounded) weights, and a method passes when its error is at most 2x the
+   error of plain in that precision against that reference.
 
 Before building the model, the RAM it needs (weights and two sets of gradients, at least) is checked
 against the RAM available, so a model too big for the machine is a ConfigError, not an allocation
@@ -43,7 +43,8 @@ from streambp_core.verify.compare import Gradients, max_grad_err
 from streambp_core.verify.ram import check_ram
 from streambp_core.verify.update import adamw_step
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 """Largest accepted gradient error (CRITERION) and loss error relative to max(1, |loss|), per dtype."""
 
@@ -56,13 +57,16 @@ CRITERION = (
 
 
 LOW_PRECISION_FACTOR = 2.0
-"""bfloat16: a method may be this many times as far from the fp32 reference as plain bfloat16 is."""
+"""bfloat16, float16: a method may be this many times as far from the fp32 reference as plain is in the
+same precision."""
 
 LOW_PRECISION_EPS = 1e-6
-"""bfloat16: absolute slack on the gradient bound, so a zero baseline error does not demand exactness."""
+"""bfloat16, float16: absolute slack on the gradient bound, so a zero baseline error does not demand
+exactness."""
 
 LOW_PRECISION_LOSS_EPS = 2.0**-10
-"""bfloat16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon): one scalar's
+"""bfloat16, float16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon, 2x
+float16's): one scalar's
 baseline error can be near zero by chance, unlike the max over many gradient elements."""
 
 VERIFY_STEP = {"seq_len_tokens": 256, "partition_size": 100, "head_partition_size": 50, "dtype": "float32"}
@@ -167,11 +171,11 @@ class MethodResult:
     loss: float
     loss_abs_err: float
     tolerance: float
-    """Bound on `max_rel_err` (bfloat16: 2x plain-bf16's error + eps)."""
+    """Bound on `max_rel_err` (bfloat16, float16: 2x plain's error in that precision + eps)."""
     loss_tolerance: float
     """Bound on `loss_abs_err`."""
     baseline_rel_err: float | None = None
-    """bfloat16 only: plain bfloat16's max_rel_err against the float32 reference."""
+    """bfloat16 and float16 only: plain's max_rel_err in that precision against the float32 reference."""
     max_update_err: float | None = None
     """With an optimizer: the applied update's distance from the reference's, as `max_rel_err`'s."""
     ok: bool
@@ -206,7 +210,7 @@ class VerifyReport:
     reference_loss: float
     reference: str = "plain"
     reference_dtype: str
-    """dtype the reference ran in: the spec's dtype, or float32 when verifying bfloat16."""
+    """dtype the reference ran in: the spec's dtype, or float32 when verifying bfloat16 or float16."""
 
     @property
     def ok(self) -> bool:
@@ -331,10 +335,11 @@ def _check_methods(model: PreTrainedModel, batch: Batch, spec: VerifySpec, refer
 
 def _verify_low_precision(model: PreTrainedModel, batch: Batch, spec: VerifySpec,
                           note: Callable[[str], None]) -> VerifyReport:
-    """bfloat16: each method against plain fp32 on bf16-rounded weights, bounded by plain bf16's error.
+    """bfloat16 or float16: each method against plain fp32 on weights rounded to that precision, bounded
+    by plain's error in it.
 
-    `model` arrives in float32; its weights are rounded to bfloat16 values, the fp32 reference runs,
-    then the model is cast to bfloat16 for plain-bf16 (the baseline) and the methods.
+    `model` arrives in float32; its weights are rounded to the low precision's values, the fp32 reference
+    runs, then the model is cast to that precision for plain (the baseline) and the methods.
     """
     low = DTYPES[spec.step.dtype]
     with torch.no_grad():

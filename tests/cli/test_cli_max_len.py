@@ -49,6 +49,19 @@ def test_table_says_how_numbers_were_obtained(runner):
     assert "plain" not in result.stdout.split("memory at that peak")[0]
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "flash"])
+def test_an_eager_only_soft_capped_family_searches_under_each_kernel_choice(runner, attn):
+    """Gemma 2 (no SDPA in transformers, soft-capped scores) under --attn sdpa and flash: no traceback, and
+    the table says which kernel its capped attention is charged as."""
+    args = ["max-len", "--model", "tiny/gemma2", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.003",
+            "--device", "sim", "--method", "checkpoint,streambp", "--attn", attn]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.stdout.split())
+    assert "Soft-capped attention" in words
+    assert ("flash-attn >= 2.6's buffers" if attn == "flash" else "score-sized buffers") in words
+
+
 def test_out_upserts_one_max_len_row_per_method(runner, tmp_path):
     path = tmp_path / "maxlen.csv"
     for methods in ("plain,streambp", "plain"):  # the rerun of plain replaces its row

@@ -182,3 +182,24 @@ def test_verify_optimizer_update_err_sees_a_wrong_step(runner, monkeypatch):
 def test_verify_optimizer_in_bfloat16_is_refused_by_name(runner):
     one_line_error(runner.invoke(app, [*TINY_VERIFY, "--dtype", "bfloat16", "--optimizer", "adamw"]),
                    "--optimizer adamw", "float32 and float64")
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("tiny/olmo3", "bfloat16"), ("tiny/llama", "float16")])
+def test_low_precision_verify_passes_and_says_its_reference(runner, model, dtype):
+    """OLMo 3's float32 RoPE tables in a bfloat16 model, and float16, verify against plain float32 on the
+    weights rounded to that precision."""
+    result = runner.invoke(app, ["verify", "--model", model, "--dtype", dtype, "--method", "streambp",
+                                 "--seq-len", "40", "--ps", "16", "--ps-head", "8"])
+    assert result.exit_code == 0, result.output
+    assert "all methods match plain" in result.stdout
+    assert f"same {dtype}-rounded weights" in " ".join(result.stdout.split())
+
+
+def test_verify_of_an_eager_only_family_under_sdpa_passes(runner):
+    """Gemma 2 has no SDPA in transformers: --attn sdpa still runs the baselines (the engine attention's
+    name never reads as SDPA to transformers)."""
+    result = runner.invoke(app, ["verify", "--model", "tiny/gemma2", "--dtype", "float64", "--attn", "sdpa",
+                                 "--method", "checkpoint,mst", "--seq-len", "40", "--ps", "16",
+                                 "--ps-head", "8"])
+    assert result.exit_code == 0, result.output
+    assert "all methods match plain" in result.stdout

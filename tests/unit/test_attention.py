@@ -81,10 +81,42 @@ def test_baselines_take_the_kernel_choice(monkeypatch):
     monkeypatch.setattr(hf_attention, "prefix_attention", spy)
     model = build_model(tiny_config("llama"), dtype=torch.float64)
     with streambp_core.prepare(model, "checkpoint", attn="sdpa", baseline_attention="engine") as run:
-        assert model.config._attn_implementation == "streambp_prefix_sdpa"
+        assert model.config._attn_implementation == "streambp_prefix_torch"
         run.loss(torch.randint(0, 512, (1, 12))).backward()
     assert seen and set(seen) == {"sdpa"}
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_no_kernel_choice_registers_a_name_transformers_acts_on():
+    """transformers runs its SDPA support check on a name containing "sdpa" (and loads a flash kernel for
+    one containing "flash"), which gpt-oss and Gemma 2 fail: the engine's names contain none of them."""
+    from streambp_core.config import ATTN_BACKENDS
+    from streambp_core.engine.attention.hf import TRANSFORMERS_MARKERS, register_engine_attention
+
+    names = [register_engine_attention(backend) for backend in ATTN_BACKENDS]
+    assert len(set(names)) == len(ATTN_BACKENDS)
+    assert not [name for name in names for marker in TRANSFORMERS_MARKERS if marker in name]
+
+
+@pytest.mark.parametrize("attn", ["auto", "sdpa", "flash"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss"])
+def test_eager_only_families_take_every_kernel_choice_through_the_engine_attention(family, attn):
+    """gpt-oss and Gemma 2 are built with eager attention (transformers gives them no SDPA): under the engine
+    attention, with any kernel choice, checkpoint's gradients are those of the model's own attention, and
+    the model's own attention is back after the run."""
+    import streambp_core
+    from streambp_core.models.load import build_model
+
+    model = build_model(f"tiny/{family}", dtype=torch.float64, seed=0)
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    own, grads = model.config._attn_implementation, []
+    for baseline in ("model", "engine"):
+        with streambp_core.prepare(model, "checkpoint", attn=attn, baseline_attention=baseline) as run:
+            run.loss(ids).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    assert model.config._attn_implementation == own and "eager" in own
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(*grads, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -105,3 +137,15 @@ def test_the_custom_ops_real_and_fake_kernels_agree(dtype, window):
         backward = (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(), key_valid, 0.3,
                     window)
         torch.library.opcheck(torch.ops.streambp.prefix_attn_bwd.default, backward)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_narrower_values_come_out_in_the_layout_transformers_reshapes_without_a_copy(device):
+    """Latent attention (values narrower than queries and keys): the output (B, H, c, hd_v) lies (B, c, H,
+    hd_v) in memory, as torch SDPA's memory-efficient kernel returns it, on CPU and in simulation alike."""
+    q = torch.zeros(2, 4, 5, 12, dtype=torch.float64, device=device)
+    k = torch.zeros(2, 4, 7, 12, dtype=torch.float64, device=device)
+    v = torch.zeros(2, 4, 7, 8, dtype=torch.float64, device=device)
+    out = prefix_attention(q, k, v, None, 0.3)
+    assert out.shape == (2, 4, 5, 8) and out.transpose(1, 2).is_contiguous()
+    assert prefix_attention(q, k, k, None, 0.3).is_contiguous()

@@ -85,6 +85,27 @@ def test_olmo3s_sliding_layers_have_their_window_and_rope_table() -> None:
         (16, "sliding_attention"), (None, "full_attention")]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_olmo2s_float32_rope_tables_rotate_as_transformers_in_every_precision(dtype) -> None:
+    """OLMo 2 and 3 keep their RoPE tables in float32: the rotation and its transpose take the wider type
+    and round back to the activations', bit for bit as transformers' rotation and its autograd backward."""
+    import torch
+    from transformers.models.olmo2 import modeling_olmo2 as hf
+
+    from streambp_core.engine.stream.rope import Rope, rope_transpose, rotate
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, generator=gen).to(getattr(torch, dtype)).requires_grad_()
+    angles = torch.randn(2, 5, 4, generator=gen)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q_hf, _ = hf.apply_rotary_pos_emb(q, q.detach(), cos, sin)
+    grad = torch.randn(q.shape, generator=gen).to(q.dtype)
+    (grad_hf,) = torch.autograd.grad(q_hf, q, grad)
+    rope = Rope.of(cos, sin)
+    assert rotate(q.detach(), rope).dtype == q.dtype
+    assert torch.equal(rotate(q.detach(), rope), q_hf) and torch.equal(rope_transpose(grad, rope), grad_hf)
+
+
 def test_phi3s_fused_qkv_is_read_as_its_rows() -> None:
     from streambp_core.engine.stream.linear_grads import plain_linear
     from streambp_core.models.adapters import FusedRows, layer_parts

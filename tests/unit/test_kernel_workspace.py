@@ -86,7 +86,8 @@ def _meta(heads, kv_heads, queries, keys, dim=128, dtype=torch.bfloat16):
 
 def test_simulated_paths_follow_the_cuda_choice(monkeypatch):
     """auto is simulated as sdpa: a square chunk cuDNN, a longer prefix torch's flash kernel, padding the
-    masked path; past BLOCKED_MIN_KEYS the blocked path; flash-attn when asked for and importable."""
+    masked path; past BLOCKED_MIN_KEYS the blocked path; flash-attn when asked for, whether or not it is
+    importable where the simulation runs."""
     short_q, short_k, _ = _meta(32, 8, 500, 8000)
     long_q, long_k, _ = _meta(32, 8, 500, blocked_attention.BLOCKED_MIN_KEYS + 1)
     square_q, square_k, _ = _meta(32, 8, 8000, 8000)
@@ -96,10 +97,49 @@ def test_simulated_paths_follow_the_cuda_choice(monkeypatch):
     assert plan_kernel("auto", short_q, short_k, valid, None, simulated=True) == "sdpa-masked"
     assert plan_kernel("auto", long_q, long_k, None, None, simulated=True) == "blocked"
     assert plan_kernel("auto", long_q, long_k, None, 4096, simulated=True) == "blocked"
+    for importable in (False, True):
+        monkeypatch.setattr(cuda_attention, "flash_attn_available", lambda: importable)  # noqa: B023
+        assert plan_kernel("auto", short_q, short_k, None, None, simulated=True) == "sdpa-flash"
+        assert plan_kernel("flash", short_q, short_k, None, None, simulated=True) == "flash"
+        assert plan_kernel("flash", short_q, short_k, valid, None, simulated=True) == "flash-varlen"
+
+
+@pytest.mark.parametrize("attn", ["auto", "sdpa", "flash"])
+def test_a_soft_capped_chunk_is_charged_per_kernel_choice(attn):
+    """Gemma 2's capped scores: flash-attn >= 2.6 caps in its kernel, so --attn flash is charged its
+    buffers; auto and sdpa (torch SDPA on the GPU, no cap) the custom ops' score-sized ones; the words
+    say which."""
+    from streambp_core.engine.attention.cuda import softcap_charge
+    from streambp_core.engine.attention.workspace import softcap_math_backward_bytes
+
+    q, k, _ = _meta(8, 4, 500, 8000)
+    kernel = plan_kernel(attn, q, k, None, None, simulated=True, softcap=50.0)
+    charged = backward_workspace_bytes(kernel, q, k, None)
+    if attn == "flash":
+        assert kernel == "flash" and charged == flash_backward_bytes(1, 8, 4, 500, 8000, 128, 2)
+        assert "flash-attn >= 2.6" in softcap_charge(attn)
+    else:
+        assert kernel == "softcap-math" and charged == softcap_math_backward_bytes(1, 8, 4, 500, 8000, 128, 2)
+        assert "score-sized" in softcap_charge(attn) and f"attn {attn}" in softcap_charge(attn)
+    assert flash_backward_bytes(1, 8, 4, 500, 8000, 128, 2) < softcap_math_backward_bytes(
+        1, 8, 4, 500, 8000, 128, 2) / 4
+
+
+@pytest.mark.parametrize(("release", "caps"), [("2.5.9", False), ("2.6.0", True), ("2.8.3", True)])
+def test_a_gpu_run_caps_in_flash_attn_from_2_6(monkeypatch, release, caps):
+    """On a GPU a capped chunk takes flash-attn only where the installed one takes `softcap=` (2.6 on);
+    an older one leaves it to the custom ops, never an uncapped kernel or a TypeError."""
+    import sys
+    import types
+
+    from streambp_core.engine.attention.cuda import flash_caps, flash_softcap_available
+
     monkeypatch.setattr(cuda_attention, "flash_attn_available", lambda: True)
-    assert plan_kernel("auto", short_q, short_k, None, None, simulated=True) == "sdpa-flash"
-    assert plan_kernel("flash", short_q, short_k, None, None, simulated=True) == "flash"
-    assert plan_kernel("flash", short_q, short_k, valid, None, simulated=True) == "flash-varlen"
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__=release))
+    q = torch.empty(1, 8, 64, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 4, 64, 128, dtype=torch.bfloat16)
+    assert flash_softcap_available() is caps and flash_caps("flash", q, None, None) is caps
+    assert plan_kernel("flash", q, k, None, None, softcap=50.0) == ("flash" if caps else "softcap-math")
 
 
 @pytest.mark.parametrize("keys", [8000, blocked_attention.BLOCKED_MIN_KEYS + 500])

@@ -72,7 +72,7 @@ def test_json_summary_has_the_documented_keys():
         ("batch_size", 0),
         ("partition_size", 0),
         ("head_partition_size", -3),
-        ("dtype", "float16"),
+        ("dtype", "float8"),
         ("padding", "middle"),
         ("methods", ("sgd",)),
         ("methods", ()),

@@ -36,9 +36,9 @@ HELP = (
     "plain's gradient over all parameters (a relative and an absolute part, as torch.testing.assert_close)."
     "\n\n"
     "Tolerance: 1e-10 in float64, 1e-4 in float32 (the loss too, relative to max(1, |loss|)); the table "
-    "prints both the gradient and the loss tolerance beside the errors. In bfloat16 "
-    "the reference is plain in float32 on the same bf16-rounded weights, and a method passes when its error "
-    "is at most 2x plain bfloat16's. Progress goes to stderr. Exits 1 when a method fails, 2 on bad "
+    "prints both the gradient and the loss tolerance beside the errors. In bfloat16 and float16 "
+    "the reference is plain in float32 on the same rounded weights, and a method passes when its error "
+    "is at most 2x plain's in that precision. Progress goes to stderr. Exits 1 when a method fails, 2 on bad "
     "input.\n\n"
     "[bold]--offload checkpoints[/] runs each method with its checkpoints in host memory, through the real "
     "offload code path (on a CPU the host is the CPU: copies, no pinning); the check is the same, and "
@@ -131,7 +131,7 @@ def describe(report: VerifyReport) -> str:
     if report.reference_dtype != step.dtype:
         baseline = report.results[0].baseline_rel_err if report.results else None
         text += (
-            f". Reference is plain in {report.reference_dtype} on the same bf16-rounded weights; "
+            f". Reference is plain in {report.reference_dtype} on the same {step.dtype}-rounded weights; "
             f"tolerance = 2 x plain-{step.dtype} error ({_fmt(baseline)}) + 1e-6"
         )
     return text

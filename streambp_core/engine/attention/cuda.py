@@ -23,12 +23,14 @@ Kernel choice (`choose_kernel`), the same for every method because all of them a
   sinks never reaches them: unpadded and in half precision it takes `BlockedFlashAttention` with the sinks
   folded into its log-sum-exp (`sink_blocked_applies`, whatever the prefix), otherwise the exact math of
   the engine's own op (`prefix.py`).
-- A soft-capped chunk (Gemma 2's `attn_logit_softcapping`): flash-attn, which caps inside its kernel
-  (`softcap=`), when it is chosen and takes the inputs; otherwise the engine's exact custom ops
-  (`prefix.math_attention`, 'softcap-math'), since neither SDPA nor torch's flash kernel behind the blocked
-  backward has a cap.
+- A soft-capped chunk (Gemma 2's `attn_logit_softcapping`): flash-attn 2.6 or later, which caps inside
+  its kernel (`softcap=`), when it is chosen and takes the inputs; otherwise the engine's exact custom ops
+  (`prefix.math_attention`, 'softcap-math'), since neither SDPA, torch's flash kernel behind the blocked
+  backward, nor an older flash-attn has a cap.
 `plan_kernel` names the path a chunk takes; the simulator sizes each path's own buffers from it
-(`kernel_workspace.py`).
+(`kernel_workspace.py`). A simulation plans the GPU run its `attn` asks for, whatever is installed where it
+runs: `flash` as flash-attn 2.6 or later, `auto` and `sdpa` as torch SDPA (`softcap_charge` says which
+a soft-capped chunk is charged as).
 Whenever the choice is not flash-attn although flash-attn was asked for (or `auto` finds it missing),
 a warning says why; Python shows each such warning once per process.
 
@@ -48,6 +50,7 @@ Varlen packing of a padded chunk (queries = the last c of e positions, `key_vali
 from __future__ import annotations
 
 import importlib.util
+import re
 import warnings
 
 import torch
@@ -63,11 +66,32 @@ FLASH_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 """Input precisions flash-attn accepts."""
 FLASH_MAX_HEAD_DIM = 256
 """Largest head dimension flash-attn 2 supports."""
+FLASH_SOFTCAP_RELEASE = (2, 6)
+"""The first flash-attn release whose kernels take `softcap=` (Gemma 2's attention logit soft-cap)."""
 
 
 def flash_attn_available() -> bool:
     """True when the optional flash-attn package is importable."""
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_softcap_available() -> bool:
+    """True when the installed flash-attn caps scores inside its kernel (`FLASH_SOFTCAP_RELEASE` or later)."""
+    if not flash_attn_available():
+        return False
+    import flash_attn
+
+    release = re.match(r"(\d+)\.(\d+)", getattr(flash_attn, "__version__", ""))
+    return release is not None and tuple(map(int, release.groups())) >= FLASH_SOFTCAP_RELEASE
+
+
+def softcap_charge(backend: str) -> str:
+    """What a simulated soft-capped chunk's backward is charged as under `backend` (`plan_kernel`), in
+    words: flash-attn's own buffers when `flash` is asked for, else the custom ops' score-sized ones."""
+    if backend == "flash":
+        return "flash-attn >= 2.6's buffers (it applies the soft-cap in its kernel)"
+    return (f"the engine's exact custom ops' score-sized buffers (attn {backend} runs torch SDPA on the GPU, "
+            "which has no soft-cap; --attn flash charges flash-attn >= 2.6's)")
 
 
 def choose_kernel(backend: str, q: Tensor, warn: bool = True) -> str:
@@ -123,9 +147,8 @@ def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, wi
         return "blocked" if blocking and not capped and sink_blocked_applies(q, key_valid) else "sinks-math"
     if blocking and softcap is None and blocked_applies(q, k, key_valid):
         return "blocked"
-    asked = "sdpa" if simulated and backend == "auto" else backend
     packs = simulated or _band_packs(key_valid, window, backend)
-    if choose_kernel(asked, q, warn=not simulated) == "flash" and packs:
+    if _takes_flash(backend, q, simulated, softcap) and packs:
         return "flash" if key_valid is None else "flash-varlen"
     if softcap is not None:
         return "softcap-math"
@@ -136,9 +159,20 @@ def plan_kernel(backend: str, q: Tensor, k: Tensor, key_valid: Tensor | None, wi
     return "sdpa-cudnn" if q.shape[2] == k.shape[2] else "sdpa-flash"
 
 
-def _flash_unusable(q: Tensor) -> str | None:
-    """Why flash-attn cannot take `q` here, or None when it can."""
-    if not flash_attn_available():
+def _takes_flash(backend: str, q: Tensor, simulated: bool, softcap: float | None) -> bool:
+    """Whether flash-attn runs a chunk of queries `q`: simulated, when `flash` is asked for and it takes q's
+    precision and head size (flash-attn 2.6 or later taken as installed); on a GPU, when `choose_kernel`
+    picks it and, for a soft-capped chunk, it caps in its kernel (`flash_softcap_available`)."""
+    if simulated:
+        return backend == "flash" and _flash_unusable(q, installed=True) is None
+    if choose_kernel(backend, q) != "flash":
+        return False
+    return softcap is None or flash_softcap_available()
+
+
+def _flash_unusable(q: Tensor, installed: bool = False) -> str | None:
+    """Why flash-attn cannot take `q` here, or None when it can; `installed`: take it as installed."""
+    if not installed and not flash_attn_available():
         return "flash-attn is not importable (pip install 'streambp-bench[cuda]')"
     if q.dtype not in FLASH_DTYPES:
         return f"flash-attn takes float16/bfloat16, not {str(q.dtype).removeprefix('torch.')}"
@@ -164,10 +198,10 @@ def cuda_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, sc
 
 
 def flash_caps(backend: str, q: Tensor, key_valid: Tensor | None, window: int | None) -> bool:
-    """Whether flash-attn takes this chunk (and so can cap its scores): chosen, and for a padded chunk
-    under a window, the band packs (`_band_packs`); a packed rows' (B, c, e) mask always packs. A
+    """Whether flash-attn takes this chunk and can cap its scores: chosen, 2.6 or later, and for a padded
+    chunk under a window, the band packs (`_band_packs`); a packed rows' (B, c, e) mask always packs. A
     soft-capped chunk it does not take runs the engine's exact custom ops (`prefix.math_attention`)."""
-    if choose_kernel(backend, q, warn=False) != "flash":
+    if choose_kernel(backend, q, warn=False) != "flash" or not flash_softcap_available():
         return False
     return key_valid is None or key_valid.dim() == 3 or _band_packs(key_valid, window, backend)
 

@@ -102,14 +102,21 @@ def _key_valid(attention_mask: Tensor | None) -> Tensor | None:
                      "(batch, 1, seq_len, seq_len) per-document one, not an additive mask")
 
 
+ENGINE_ATTENTION_NAMES = {"auto": ENGINE_ATTENTION, "sdpa": f"{ENGINE_ATTENTION}_torch",
+                          "flash": f"{ENGINE_ATTENTION}_fa"}
+"""The name the engine attention registers under for each kernel choice. transformers dispatches on
+substrings of an implementation's name: one containing "flash" loads a flash kernel, one containing "sdpa"
+runs the model's SDPA support check (gpt-oss and Gemma 2 declare none, so `--attn sdpa` raised there), one
+containing "flex" its flex check; so no name here contains any of them (`TRANSFORMERS_MARKERS`)."""
+TRANSFORMERS_MARKERS = ("flash", "sdpa", "flex", "paged", "/")
+"""Substrings of an attention implementation's name that transformers acts on."""
+
+
 def register_engine_attention(backend: str = "auto") -> str:
     """Register the engine attention with `backend` with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
 
-    # transformers treats an implementation whose name contains "flash" as a hub flash kernel to load,
-    # so the flash backend registers as `..._fa`
-    suffix = {"auto": "", "flash": "_fa"}.get(backend, f"_{backend}")
-    name = f"{ENGINE_ATTENTION}{suffix}"
+    name = ENGINE_ATTENTION_NAMES[backend]
     AttentionInterface.register(name, functools.partial(engine_attention_forward, backend=backend))
     return name
 

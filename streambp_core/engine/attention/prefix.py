@@ -173,14 +173,14 @@ def _(q, k, v, key_valid, scale, window, sinks=None, softcap=None):
 
 
 def _output_like(q: Tensor, v: Tensor) -> Tensor:
-    """An empty output (B, H, c, hd_v) in q's dtype and dimension order: q's own layout when the value
-    heads are as wide as the query heads, else the same order of (B, H, c) with v's head size (latent
-    attention: DeepSeek-V3's values are narrower than its queries and keys)."""
+    """An empty output (B, H, c, hd_v) in q's dtype: q's own layout when the value heads are as wide as the
+    query heads, else laid out (B, c, H, hd_v) in memory, as the GPU kernels that take narrower values
+    (latent attention: DeepSeek-V3's; torch SDPA's memory-efficient kernel) return it, so transformers'
+    transpose back to (B, c, H * hd_v) is a view, not a copy of the output."""
     if v.shape[-1] == q.shape[-1]:
         return torch.empty_like(q)
-    order = sorted(range(3), key=lambda dim: -q.stride(dim))  # (B, H, c), outermost first in memory
-    empty = q.new_empty([q.shape[dim] for dim in order] + [v.shape[-1]])
-    return empty.permute(*(order.index(dim) for dim in range(3)), 3)
+    b, h, c, _ = q.shape
+    return q.new_empty(b, c, h, v.shape[-1]).transpose(1, 2)
 
 
 @torch.library.custom_op("streambp::prefix_attn_bwd", mutates_args=())

@@ -18,11 +18,14 @@ class Rope:
     (rd < hd, the `partial_rotary_factor` of Phi-3 and GLM) rotates the first rd features and passes the rest.
     `interleaved`: pairs (2i, 2i + 1) rotate together (GLM-4, ERNIE 4.5: the tables repeat each of their
     first half's entries twice, as transformers' interleaved `apply_rotary_pos_emb` does); `in_float32`:
-    the rotation computes in float32 and rounds back to the input's precision (ERNIE 4.5). `as_complex`: cos
-    and sin are the real and imaginary parts of Llama 4's `freqs_cis` (B, 1, T, hd / 2), and each pair
-    (2i, 2i + 1) of a head, as a complex number in float32, is multiplied by it (`apply_rotary_emb`, in its
-    own layout, so the same kernels give the same bits). `query_scale` (1, 1, T, 1) float32, or None:
-    Llama 4's attention temperature of a NoPE layer's queries (`scale_queries`)."""
+    the rotation computes in float32 and rounds back to the input's precision (ERNIE 4.5). Tables wider than
+    the activations (OLMo 2 and 3 keep theirs in float32 whatever the model's precision) rotate in the wider
+    type and round back to the activations' (`work_dtype`), as their `apply_rotary_pos_emb` does.
+    `as_complex`: cos and sin are the real and imaginary parts of Llama 4's `freqs_cis` (B, 1, T, hd / 2),
+    and each pair (2i, 2i + 1) of a head, as a complex number in float32, is multiplied by it
+    (`apply_rotary_emb`, in its own layout, so the same kernels give the same bits). `query_scale`
+    (1, 1, T, 1) float32, or None: Llama 4's attention temperature of a NoPE layer's queries
+    (`scale_queries`)."""
 
     cos: Tensor
     sin: Tensor
@@ -106,16 +109,23 @@ def _complex_product(t: Tensor, rope: Rope, conjugate: bool) -> Tensor:
     return out.type_as(t).transpose(1, 2)
 
 
+def work_dtype(t: Tensor, rope: Rope) -> torch.dtype:
+    """The precision the rotation of t computes in: float32 for a family that rotates in float32, else
+    the wider of t's and the tables' (float32 tables meeting bfloat16 activations: float32)."""
+    return torch.float32 if rope.in_float32 else torch.promote_types(t.dtype, rope.cos.dtype)
+
+
 def _rotate(t: Tensor, rope: Rope) -> Tensor:
-    if rope.in_float32:
-        return (t.float() * rope.cos + rotate_half(t, rope).float() * rope.sin).to(t.dtype)
-    return t * rope.cos + rotate_half(t, rope) * rope.sin
+    work = work_dtype(t, rope)
+    if work == t.dtype == rope.cos.dtype:
+        return t * rope.cos + rotate_half(t, rope) * rope.sin
+    return (t.to(work) * rope.cos + rotate_half(t, rope).to(work) * rope.sin).to(t.dtype)
 
 
 def rope_transpose(grad: Tensor, rope: Rope) -> Tensor:
     """dL/dk of rotated = k * cos + rotate_half(k) * sin (heads on dim 1); grad in a layer without RoPE.
-    In float32 each of the two terms is rounded back to grad's precision before their sum, as autograd
-    takes the float32 rotation's backward."""
+    Rotated in a wider type (`work_dtype`), each of the two terms is rounded back to grad's precision
+    before their sum, as autograd takes that rotation's backward."""
     return _on_rotary_features(grad, rope, transpose=True)
 
 
@@ -133,7 +143,8 @@ def _on_rotary_features(t: Tensor, rope: Rope, transpose: bool) -> Tensor:
 
 
 def _transpose(grad: Tensor, rope: Rope) -> Tensor:
-    if rope.in_float32:
-        work = grad.float()
-        return (work * rope.cos).to(grad.dtype) - rotate_half((work * rope.sin).to(grad.dtype), rope)
-    return grad * rope.cos - rotate_half(grad * rope.sin, rope)
+    work = work_dtype(grad, rope)
+    if work == grad.dtype == rope.cos.dtype:
+        return grad * rope.cos - rotate_half(grad * rope.sin, rope)
+    wide = grad.to(work)
+    return (wide * rope.cos).to(grad.dtype) - rotate_half((wide * rope.sin).to(grad.dtype), rope)
