@@ -171,11 +171,15 @@ def describe(plan: Plan, results: list[MethodResult]) -> list[str]:
     """Lines saying how every number in the tables was obtained."""
     spec, target = plan.specs[0], plan.target
     how = next((r.how for r in results if r.search.peak_at_max is not None), "")
+    depths = plan.resolved.depth_plan
+    probes = "simulations of every layer" if depths is None else (
+        "{}- and {}-layer simulations extrapolated in depth".format(*depths.depths) + (
+            ", which can only under-estimate a peak, so its failing lengths fail at full depth too"
+            if depths.period == 1 else ", whole periods of the layer pattern"))
     where = {
         "sim": "the real training step on meta tensors, "
         + how.removeprefix("simulated on meta tensors").lstrip(", ")
-        + " at the max length (the search probes 2- and 3-layer simulations extrapolated in depth, which can"
-        " only under-estimate a peak, so its failing lengths fail at full depth too)",
+        + f" at the max length (the search probes {probes})",
         "cpu": f"a real step on CPU tensors ({target.device_name})",
         "cuda": f"a real step on {target.device_name}, one child process per probe",
     }[target.device]

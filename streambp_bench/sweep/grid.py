@@ -3,8 +3,10 @@
 A point is one training step: a `StepSpec` (method, model, objective, length, batch, partition sizes,
 dtype, LoRA rank, optimizer, attention kernel, protocol, gradients). `run_point(spec, target)` turns it
 into result rows:
-- on "sim": the peak simulated on meta tensors (`step.simulate.simulate`); a peak above the budget is
-  status "oom" (value empty, peak kept);
+- on "sim": the peak simulated on meta tensors with every layer (`step.simulate.simulate` at
+  `depth="full"`: a row reports a peak, which an extrapolation in depth may under-estimate, and one
+  sharded rank's may over-estimate, so no row is left unconfirmed); a peak above the budget is status
+  "oom" (value empty, peak kept);
 - on "cpu" / "cuda": a real step (`step.probe.measure_setup` for the tracked or allocator peak, on CUDA
   with the reserved peak, alloc retries and OOM count), then timed steps (`step.timing.time_step`): a
   second row, metric step_time, with the median and the p20/p80 of the repeats.
@@ -129,7 +131,7 @@ def _measured(spec: StepSpec, device: str, model):
 def _simulated_row(spec: StepSpec, base: dict, target, model) -> ResultRow:
     from streambp_core.step.simulate import simulate
 
-    sim = simulate(spec, model)
+    sim = simulate(spec, model, depth="full")
     fits = target.budget_bytes is None or sim.peak_bytes <= target.budget_bytes
     return ResultRow(**base, **memory_columns(sim.peak_bytes, sim.breakdown_bytes), metric="peak_memory",
                      status="ok" if fits else "oom", value=sim.peak_gib if fits else None,

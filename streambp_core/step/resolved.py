@@ -3,7 +3,8 @@
 A command resolves each model once (`ResolvedModel.of(name)`: the preset or config.json read and
 validated, `models.load_config`) and hands the object to every step, simulation and search of that model.
 Model builds trust its config (`models.build_model(..., checked=True)`); the only copies are the config
-at other depths (`at_depth`, one per depth, kept). It also owns the simulation memo: the output
+at other depths (`at_depth`, one per depth, kept) and the depths a simulation extrapolates from (`depth_plan`:
+whole periods of its layer pattern). It also owns the simulation memo: the output
 metadata of meta kernels (`simulation_mode.SimulationMode`) and a sharded step's shard layout, shared by
 every simulated step of the model, which changes no figure, only the time.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from streambp_core.models.load import checked_config
-from streambp_core.step.setup import with_depth
+from streambp_core.step.depth import DepthPlan, depth_plan, with_depth
 
 
 class ResolvedModel:
@@ -39,10 +40,17 @@ class ResolvedModel:
         return self.config.num_hidden_layers
 
     def at_depth(self, num_layers: int) -> PretrainedConfig:
-        """The config with `num_layers` decoder layers (`setup.with_depth`): copied once per depth."""
+        """The config with its first `num_layers` decoder layers (`depth.with_depth`): copied once per
+        depth."""
         if num_layers not in self._depths:
             self._depths[num_layers] = with_depth(self.config, num_layers)
         return self._depths[num_layers]
+
+    @property
+    def depth_plan(self) -> DepthPlan | None:
+        """The two shallow depths a simulation extrapolates from (`depth.depth_plan`); None: simulate
+        every layer."""
+        return depth_plan(self.config)
 
     def __getstate__(self) -> dict:
         """Pickled for a worker process: the config alone (the worker starts its own memo)."""

@@ -15,7 +15,6 @@ Protocol of a step (the same simulated and measured):
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,17 +46,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise ConfigError(f"unknown dtype {name!r}; use bfloat16, float16, float32 or float64")
     return value
-
-
-def with_depth(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
-    """A copy of `config` with `num_layers` decoder layers (per-layer lists truncated to match)."""
-    if num_layers == config.num_hidden_layers:
-        return config
-    shallow = copy.deepcopy(config)
-    shallow.num_hidden_layers = num_layers
-    if isinstance(getattr(shallow, "layer_types", None), list):
-        shallow.layer_types = shallow.layer_types[:num_layers]
-    return shallow
 
 
 def build_training_model(

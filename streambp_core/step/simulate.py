@@ -12,10 +12,13 @@ whose last dimension is the vocabulary and that has a token dimension), temporar
 `plain` that includes every activation autograd saves).
 
 Speed, as parameters (nothing is patched):
-- `depth="extrapolate"`: decoder layers are identical, so the step is simulated with 2 and 3 layers and
-  each phase's figures are extrapolated linearly, f(L) = f(2) + (L - 2) * (f(3) - f(2)); when that gives
-  a negative category (the peak moved between sub-phases) every layer is simulated instead. Exact to the
-  byte against `depth="full"` in the tests; a max-length search confirms its answer at full depth
+- `depth="extrapolate"`: the step is simulated at two shallow depths made of whole periods of the
+  model's layer pattern (`step.depth.depth_plan`: 2 and 3 layers for a uniform model; 2 and 4 for
+  Gemma 2's sliding/full alternation, 4 and 8 for Qwen3.5's and Llama 4's period of 4, 4 and 5 for
+  DeepSeek-V3 after its 3 dense layers), every per-layer property at its index, and each phase's figures
+  are extrapolated linearly in whole periods, f(L) = f(d1) + (L - d1) / P * (f(d1 + P) - f(d1)); when
+  that gives a negative category (the peak moved between sub-phases) every layer is simulated instead.
+  Exact to the byte against `depth="full"` in the tests; a max-length search confirms its answer at full depth
   (`probe.max_len`), since the step's peak (a maximum of affine phases) can only be under-estimated;
   one sharded rank's layout of extrapolated categories may also over-estimate it: there the search
   confirms both ends of its bracket.
@@ -60,6 +63,7 @@ from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.models.catalogue import serving
 from streambp_core.models.generic import step_failure
 from streambp_core.step.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
+from streambp_core.step.depth import DepthPlan
 from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
 from streambp_core.step.sequence_layout import SequenceLayout, check_sequence_parallel, sharded_host
@@ -82,7 +86,8 @@ class SimResult:
     num_layers: int
     """Decoder layers of the model the figures are for."""
     layers_simulated: tuple[int, ...]
-    """Depths actually simulated: (2, 3) when extrapolated, (num_layers,) otherwise."""
+    """Depths actually simulated: two shallow ones when extrapolated (`step.depth.DepthPlan.depths`),
+    (num_layers,) otherwise."""
     peak_bytes: int
     breakdown_bytes: dict[str, int]
     """Bytes per category at the peak; they sum to `peak_bytes`."""
@@ -125,9 +130,10 @@ def simulate(
     """Simulate one step of `spec` on `model` (resolved once by the caller, `ResolvedModel`; None: the
     spec's model, resolved here).
 
-    Steps: simulate at 2 and 3 layers (at full depth when `depth="full"` or the model has at most 3
-    layers), cutting the step into phases; extrapolate each phase's peak and categories linearly in
-    depth; the highest phase is the step's peak; a negative category falls back to full depth.
+    Steps: simulate at the model's two shallow depths (`ResolvedModel.depth_plan`; at full depth when
+    `depth="full"` or no shallower pair of whole periods exists), cutting the step into phases;
+    extrapolate each phase's peak and categories linearly in whole periods; the highest phase is the
+    step's peak; a negative category falls back to full depth.
     """
     if depth not in DEPTHS:
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
@@ -143,17 +149,18 @@ def simulate(
     check_sequence_parallel(spec, config)
     check_deepspeed_offload(spec)
     total = config.num_hidden_layers
-    depths = (total,) if depth == "full" or total <= 3 else (2, 3)
+    plan = model.depth_plan if depth == "extrapolate" else None
+    depths = (total,) if plan is None else plan.depths
     hosts: list[tuple[int, int, int]] = []
     stepped = engine_spec(spec)  # DeepSpeed's offload sections hold what they hold instead of the tiers
     measured = [_phases(stepped, model.at_depth(n), keep_chunks, model.memo, hosts) for n in depths]
-    phases = measured[0] if len(depths) == 1 else _extrapolate(*measured, total)
+    phases = measured[0] if plan is None else _extrapolate(*measured, plan)
     if _negative(phases, sharded=spec.shard != "none"):
         depths, hosts = (total,), []  # the peak moved between sub-phases: simulate every layer
         phases = _phases(stepped, config, keep_chunks, model.memo, hosts)
     peak, by_category = (_largest(phases) if spec.shard == "none"
                          else _rank_peak(spec, config, phases, model.memo))
-    host = hosts[0] if len(hosts) == 1 else [a + (total - 2) * (b - a) for a, b in zip(*hosts, strict=True)]
+    host = hosts[0] if len(hosts) == 1 else [plan.extend(a, b) for a, b in zip(*hosts, strict=True)]
     if stepped is not spec:  # DeepSpeed's host buffers and copies, on the checkpoints tier's
         host = deepspeed_host(spec, shard_layout(spec, config, model.memo), tuple(host))
     elif spec.shard != "none":  # the rank's share of the optimizer's host state and copies
@@ -213,18 +220,18 @@ def _largest(phases: _Phases) -> tuple[int, dict[str, int]]:
     return peak, by_category
 
 
-def _extrapolate(two: _Phases, three: _Phases, total: int) -> _Phases:
-    """Each phase's peak and breakdowns extrapolated linearly from 2 and 3 layers.
+def _extrapolate(shallow: _Phases, deep: _Phases, plan: DepthPlan) -> _Phases:
+    """Each phase's peak and breakdowns extrapolated linearly in whole periods from the plan's depths.
 
     Phases keep the same shape at every depth, so within a phase the peak is affine in depth; across
     phases it is not (a shallow model may peak in the embedding's backward, a deep one while its
     checkpoints are alive), which is why phases are extrapolated separately.
     """
     def grow(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-        return {k: a[k] + (total - 2) * (b[k] - a[k]) for k in CATEGORIES}
+        return {k: plan.extend(a[k], b[k]) for k in CATEGORIES}
 
-    return [(name, p2 + (total - 2) * (p3 - p2), grow(c2, c3), grow(e2, e3))
-            for (name, p2, c2, e2), (_, p3, c3, e3) in zip(two, three, strict=True)]
+    return [(name, plan.extend(p1, p2), grow(c1, c2), grow(e1, e2))
+            for (name, p1, c1, e1), (_, p2, c2, e2) in zip(shallow, deep, strict=True)]
 
 
 def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: _Phases, cache: dict

@@ -62,6 +62,23 @@ def test_simulated_point_row_has_peak_and_breakdown() -> None:
     assert row.key() in grid.point_keys(point, where)
 
 
+def test_a_simulated_row_is_the_full_depth_peak_where_extrapolation_is_not_exact() -> None:
+    """12 Qwen3.5 layers (3 linear, 1 full) under streambp at 64 tokens: extrapolated from 4 and 8 layers
+    the peak is 1 KiB over the full depth's; the row reports the full depth's."""
+    from streambp_core.models import tiny_config
+    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.simulate import simulate
+
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 3
+    model = ResolvedModel(tiny_config("qwen3.5", num_hidden_layers=12, layer_types=layer_types))
+    point = StepSpec.of(method="streambp", model="tiny/qwen3.5", seq_len_tokens=64, partition_size=32,
+                        head_partition_size=16)
+    full = simulate(point, model, depth="full")
+    assert simulate(point, model).peak_bytes != full.peak_bytes
+    (row,) = grid.run_point(point, resolve_target("sim", 1.0), model)
+    assert row.status == "ok" and row.value * 2**30 == pytest.approx(full.peak_bytes, abs=1)
+
+
 def test_simulated_point_over_budget_is_oom() -> None:
     where = resolve_target("sim", 1e-6)
     (row,) = grid.run_point(
