@@ -151,9 +151,6 @@ def max_len(
     ranks = sequence.sequence_fields(sp, gpus, device.value)
     shards, where = sharding(gpus, shard, device.value)
     ranks.update(shards)
-    if gpu_model is not None and (gpus or 1) > 1 and (sp or 1) == 1:
-        raise ConfigError("--gpu-model estimates a step on one GPU or one sequence-parallel rank (--sp); "
-                          "it does not apply with --gpus alone")
     specs = step_specs(
         model, method, batch_size=batch_size, dtype=dtype.value,
         partition_size=parse_partition(ps, "--ps"), head_partition_size=parse_partition(ps_head, "--ps-head"),

@@ -163,8 +163,6 @@ def sweep(
     for name in models:
         precheck_model(name)
     auto_layer = ps.strip().lower() == AUTO
-    if gpu_model is not None and (gpus or 1) > 1:
-        raise ConfigError("--gpu-model estimates a step on one GPU; it does not apply with --gpus")
     points = grid.expand_grid(
         methods=method_list(method),
         models=models,

@@ -39,11 +39,13 @@ _NO_DATA = frozenset({
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One dispatched op: its name (`aten.mm`), FLOPs and bytes read plus written."""
+    """One dispatched op: its name (`aten.mm`), FLOPs and bytes read plus written; an attention op
+    also its key length (the keys each query block runs over: what sets its kernel's speed)."""
 
     name: str
     flops: int
     bytes: int
+    keys: int = 0
 
     @property
     def moves_data(self) -> bool:
@@ -72,7 +74,8 @@ class OpRecorder(TorchDispatchMode):
         name = str(packet)
         flops = _flops(packet, name, args, kwargs, out)
         moved = 0 if name in _NO_DATA else _tensor_bytes(args, kwargs, out)
-        self.records.append(OpRecord(name, int(flops), moved))
+        keys = _key_len(name, args)
+        self.records.append(OpRecord(name, int(flops), moved, keys))
         return out
 
     def matmul_flops(self) -> int:
@@ -97,6 +100,13 @@ def _flops(packet, name: str, args: tuple, kwargs: dict, out) -> float:
         return prefix_attention_flops(args[1] if name.endswith("bwd") else args[0], args[2],
                                       backward=name.endswith("bwd"))
     return 0
+
+
+def _key_len(name: str, args: tuple) -> int:
+    """Key length of an attention op: k (B, Hkv, e, hd) is fwd's second argument, bwd's third."""
+    if name not in ATTENTION_OPS:
+        return 0
+    return args[2 if name.endswith("bwd") else 1].shape[2]
 
 
 def prefix_attention_flops(q: torch.Tensor, k: torch.Tensor, *, backward: bool) -> float:

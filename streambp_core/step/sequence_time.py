@@ -1,5 +1,6 @@
-"""Estimated time of one rank's step under Ulysses sequence parallelism (`StepSpec.sp`), and of any step
-too long to record op by op. Every figure is labelled `estimated`.
+"""Estimated time of one rank's step over several GPUs: Ulysses sequence parallelism (`StepSpec.sp`), data
+parallelism with ZeRO / FSDP2 shards (`StepSpec.shard` over `gpus`), both; and of any step too long to
+record op by op. Every figure is labelled `estimated`.
 
 1. Compute: the roofline estimate (`estimate.estimate_by_depth`) of the rank's step, its ops recorded
    on meta tensors through the engine's sequence-parallel code path (`ops.spec_step_ops`: H/sp heads
@@ -7,16 +8,20 @@ too long to record op by op. Every figure is labelled `estimated`.
    lengths whatever sp), each part (matmuls, attention, other ops, launches) fitted in the length as
    a + b T + c T^2 through them and evaluated at the step's length: causal attention's FLOPs are
    quadratic, and so are the bytes of ops over a chunk's prefix; matmuls and launches are affine (a fixed
-   count per chunk or layer). Recording a long step op by op costs minutes per 100k tokens; the fit is
-   exact for what is at most quadratic, which the tests check against a direct estimate.
+   count per chunk or layer). Each reference step's attention ops are timed at the kernel's speed for
+   their key lengths scaled to the step's (keys x T / reference length: the key lengths the same calls
+   have at T), so the attention time stays a quadratic in T. Recording a long step op by op costs
+   minutes per 100k tokens; the fit is exact for what is at most quadratic, which the tests check
+   against a direct estimate.
 2. The all-to-alls (`SequenceLayout.all_to_all_bytes`): attention waits for them, so their time is
    added whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
    InfiniBand NIC of each GPU to the other nodes; a group of more than `GPUS_PER_NODE` ranks sends
    (sp - 8) / (sp - 1) of its bytes off the node, and the slower link sets the time.
-3. ZeRO (`shard` zero2/zero3 over `gpus`): all-gather of the weights in forward and backward and the
-   reduce-scatter of the gradients, 3 x the trainable bytes x (gpus - 1) / gpus per rank, over the same
-   links; FSDP prefetches them, so only what compute cannot hide is added. Offload copies (PCIe) as
-   `step_estimate.estimate_step` adds them, from the rank's simulation.
+3. ZeRO (`shard` over `gpus`): zero3 all-gathers the weights in forward and backward and reduce-scatters
+   the gradients, 3 x the trainable bytes x (gpus - 1) / gpus per rank; zero2 reduce-scatters the
+   gradients and all-gathers the updated weights, 2 x; over the same links. FSDP and DeepSpeed prefetch
+   and bucket them, so only what compute cannot hide is added. Offload copies (PCIe) and the host
+   optimizer step as `step_estimate.estimate_step` adds them, from the rank's simulation.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 from dataclasses import dataclass, replace
 
 from streambp_core.config import StepSpec
+from streambp_core.step.attention_kernels import attention_kernel
 from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
 from streambp_core.step.sequence_layout import SequenceLayout
 
@@ -61,15 +67,18 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.setup import build_setup
 
+    length = spec.seq_len_tokens
+    kernel = attention_kernel(spec.stream.attn, gpu.name)
+
     def at(tokens: int) -> StepEstimate:
-        key = ("fitted_estimate", replace(spec, seq_len_tokens=tokens), gpu.name)
+        key_scale = length / tokens
+        key = ("fitted_estimate", replace(spec, seq_len_tokens=tokens), gpu.name, kernel, key_scale)
         if key not in model.memo:
             model.memo[key] = estimate_by_depth(
                 lambda depth: spec_step_ops(build_setup(key[1], model.at_depth(depth), "meta"), model.memo),
-                model.num_layers, gpu)
+                model.num_layers, gpu, kernel, key_scale)
         return model.memo[key]
 
-    length = spec.seq_len_tokens
     lengths = [spec.sp * tokens for tokens in REFERENCE_TOKENS]
     if length <= lengths[-1]:
         return at(length)
@@ -88,9 +97,11 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
 
 def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring):
-    the fitted compute with the offload copies, the all-to-alls and ZeRO's collectives in its fields."""
+    the fitted compute with the offload copies, the host optimizer step, the all-to-alls and ZeRO's
+    collectives in its fields."""
     from streambp_core.step.resolved import resolved
     from streambp_core.step.simulate import simulate
+    from streambp_core.step.step_estimate import host_step_s
 
     model = resolved(spec.model, model)
     compute = fitted_estimate(spec, gpu, model)
@@ -99,7 +110,8 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate
         sim = simulate(spec, model)
         compute = replace(compute, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
                           pcie_bytes_per_s=gpu.pcie_bytes_per_s)
-        compute = replace(compute, transfer_s=max(0.0, compute.copy_s - compute_s))
+        compute = replace(compute, transfer_s=max(0.0, compute.copy_s - compute_s),
+                          host_optimizer_s=host_step_s(spec, model, gpu))
     link = INTERCONNECTS[gpu.name]
     layout = SequenceLayout.of(spec, model.config)
     sent = layout.all_to_all_bytes(spec.method) if spec.sp > 1 else 0
@@ -108,7 +120,8 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate
         from streambp_core.step.simulate import shard_layout
 
         trainable = shard_layout(spec, model.config, model.memo).total("trainable_full")
-        zero = max(0.0, collective_s(3 * trainable * (spec.gpus - 1) // spec.gpus, spec.gpus, link)
+        passes = 3 if spec.shard.endswith("zero3") else 2
+        zero = max(0.0, collective_s(passes * trainable * (spec.gpus - 1) // spec.gpus, spec.gpus, link)
                    - compute_s)
     return replace(compute, all_to_all_bytes=sent, all_to_all_s=collective_s(sent, spec.sp, link),
                    zero_s=zero, interconnect=link.words)

@@ -1,35 +1,37 @@
 """Estimated time of one step of a `StepSpec` on a GPU model: one GPU's step (`estimate.estimate_by_depth`
-plus the offload copies compute does not hide) or one sequence-parallel rank's (`sequence_time`)."""
+plus the offload copies compute does not hide) or one rank's of a step over several GPUs, data parallel
+(ZeRO, FSDP2) or sequence parallel (`sequence_time`); with the optimizer tier, plus the host's optimizer
+step (`estimate.host_optimizer_s`)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from streambp_core.config import ConfigError
-from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
+from streambp_core.step.attention_kernels import attention_kernel
+from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth, host_optimizer_s
 from streambp_core.step.sequence_time import estimate_sequence_step
 
 
 def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
-    at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), plus offload copies not hidden by
-    compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction). `model`: the spec's
-    model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
-    resolved here). A sequence-parallel step (`spec.sp` > 1) is one rank's (`sequence_time`): the same
-    `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`, `zero_s` and `interconnect`."""
+    at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), attention at the speed of the kernel
+    `spec.stream.attn` runs on `gpu` (`attention_kernels.attention_kernel`), plus offload copies not
+    hidden by compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction) and the
+    host optimizer step. `model`: the spec's model resolved once (`step.resolved.ResolvedModel`, whose
+    memo of meta kernels the calls share; None: resolved here). A step over several GPUs (`spec.gpus` >
+    1, sequence parallel or not) is one rank's (`sequence_time`): the same `StepEstimate`, its
+    collectives in `all_to_all_bytes`, `all_to_all_s`, `zero_s` and `interconnect`."""
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.resolved import resolved
     from streambp_core.step.setup import build_setup
 
-    if spec.sp > 1:  # one sequence-parallel rank: its shard's step fitted in length, plus the collectives
+    if spec.sp > 1 or spec.gpus > 1:  # one rank: its shard's step fitted in length, plus the collectives
         return estimate_sequence_step(spec, gpu, model)
-    if spec.gpus > 1:
-        raise ConfigError("the step-time estimate covers a step on one GPU; it does not model the "
-                          "collectives of a sharded step (--gpus)")
     model = resolved(spec.model, model)
+    kernel = attention_kernel(spec.stream.attn, gpu.name)
     estimate = estimate_by_depth(
         lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
-        model.num_layers, gpu)
+        model.num_layers, gpu, kernel)
     if not spec.stream.offload:
         return estimate
     from streambp_core.step.simulate import simulate
@@ -38,4 +40,17 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     copies = replace(estimate, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,
                      pcie_bytes_per_s=gpu.pcie_bytes_per_s)
     compute_s = estimate.step_time_ms / 1e3
-    return replace(copies, transfer_s=max(0.0, copies.copy_s - compute_s))
+    return replace(copies, transfer_s=max(0.0, copies.copy_s - compute_s),
+                   host_optimizer_s=host_step_s(spec, model, gpu))
+
+
+def host_step_s(spec, model, gpu: GpuModel) -> float:
+    """The host optimizer step of `spec` (0 without the optimizer tier or an optimizer): every trainable
+    parameter of the model, whichever rank steps it (`estimate.host_optimizer_s`)."""
+    if not spec.stream.offload.optimizer or spec.optimizer in (None, "none"):
+        return 0.0
+    from streambp_core.step.simulate import shard_layout
+
+    bytes_per_param = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[spec.dtype]
+    trainable_bytes = shard_layout(spec, model.config, model.memo).total("trainable_full")
+    return host_optimizer_s(trainable_bytes // bytes_per_param, gpu)

@@ -7,6 +7,7 @@ import pytest
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.step import sequence_time
+from streambp_core.step.attention_kernels import attention_kernel
 from streambp_core.step.estimate import GPU_MODELS, estimate_by_depth
 from streambp_core.step.ops import spec_step_ops
 from streambp_core.step.resolved import ResolvedModel
@@ -77,8 +78,9 @@ def test_the_length_fit_matches_recording_every_op(tiny, monkeypatch):
     gpu = GPU_MODELS["h100"]
     spec = _spec("streambp", 4096, sp=2)
     fitted = sequence_time.fitted_estimate(spec, gpu, tiny)
+    kernel = attention_kernel(spec.stream.attn, gpu.name)
     direct = estimate_by_depth(lambda depth: spec_step_ops(build_setup(spec, tiny.at_depth(depth), "meta")),
-                               tiny.num_layers, gpu)
+                               tiny.num_layers, gpu, kernel)
     for field in ("matmul_s", "attention_s", "other_s", "launch_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(direct, field), rel=0.02), field
 
