@@ -114,7 +114,7 @@ def check_engine(engine) -> int:
 
 
 def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: float = 1e-3,
-                offload: Tiers | str = Tiers.NONE, cpu_adam: bool = False) -> dict:
+                offload: Tiers | str = Tiers.NONE, cpu_adam: bool = False, optimizer: str = "adam") -> dict:
     """A DeepSpeed config for ZeRO `stage` in the parameters' own dtype (no fp16/bf16 section: float32
     or float64 master weights), Adam without weight decay (DeepSpeed's Adam is AdamW, whose torch default
     decays by 0.01) and without clipping (DeepSpeed clips at norm 1.0 unless told). ZeRO keeps float32
@@ -126,7 +126,10 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
     (`offload_sections`). The optimizer is torch's
     Adam (no compiled op; with `offload_optimizer` DeepSpeed is told to accept it,
     `zero_force_ds_cpu_optimizer` false), or with `cpu_adam` and the optimizer tier DeepSpeed's own
-    `DeepSpeedCPUAdam` (compiled on first use), what a user of `offload_optimizer` runs."""
+    `DeepSpeedCPUAdam` (compiled on first use), what a user of `offload_optimizer` runs.
+
+    `optimizer` "sgd": no optimizer section; the caller hands `deepspeed.initialize` its own
+    `torch.optim.SGD` (a client optimizer, which ZeRO is told to accept: `zero_allow_untested_optimizer`)."""
     zero = {"stage": stage, **offload_sections(offload_choice(offload), stage)}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
@@ -137,6 +140,11 @@ def zero_config(stage: int, *, micro_batch: int, accumulation: int = 1, lr: floa
               "gradient_clipping": 0.0, "steps_per_print": 1 << 30}
     if "offload_optimizer" in zero and not cpu_adam:
         config["zero_force_ds_cpu_optimizer"] = False
+    if optimizer == "sgd":
+        del config["optimizer"]
+        config["zero_allow_untested_optimizer"] = True
+    elif optimizer != "adam":
+        raise ConfigError(f"deepspeed optimizer must be adam or sgd, got {optimizer!r}")
     return config
 
 

@@ -2,9 +2,12 @@
 
 Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
 1. Every rank builds the same seeded model and draws every rank's batches (seed + 1 + rank, one per
-   micro-step), and computes the reference on its own: single-process plain backprop of the mean loss
-   over all ranks' and micro-steps' batches (data parallelism's gradient).
-2. For each ZeRO stage and method: a fresh copy of the model goes through `deepspeed.initialize`; the
+   micro-step; with padding, rank r's rows pad r * (T // 8 + 1) positions more, so the ranks count
+   different valid tokens: `deepspeed_update.rank_padded`), and computes the reference on its own:
+   single-process plain backprop of the mean of the ranks' mean losses over all ranks' and micro-steps'
+   batches (data parallelism's gradient).
+2. For each ZeRO stage and method: a fresh copy of the model goes through `deepspeed.initialize` (with
+   torch's Adam from the config, or a client `torch.optim.SGD`: `optimizer`); the
    user's loop runs unchanged (`prepare(engine, ...)`, `engine.backward(run.loss(...))`,
    `engine.step()`) over the rank's micro-steps, while every parameter id ZeRO puts into a reduction
    bucket is counted (`count_reductions`). At the accumulation boundary, before `engine.step()`, the
@@ -19,11 +22,13 @@ Steps of `verify_deepspeed` (in `nproc` spawned ranks, see `run_ranks`):
    - `step_err`: the applied update (the parameters after minus before; ZeRO-3's gathered whole)
      against one step of the engine's own optimizer (its class and settings, `_own_step`) from the
      masters before the step on that reduced gradient (`STEP_TOLERANCE`).
-   `update_err`, the applied update against plain's gradient stepped by torch's Adam from float32
-   masters, is reported beside them and not judged: Adam's first step moves each element by lr *
-   g / (|g| + eps), so an element whose gradient is within float32's rounding of eps moves a different
-   fraction of a step on a rounding difference. Plain on the engine itself is 1.2e-4 from plain in one
-   process that way (float32, ZeRO-2, tiny/qwen3), with gradients 7.5e-7 apart.
+   `update_err`, the applied update against plain's gradient stepped by the same optimizer from float32
+   masters (the user's own comparison), is reported beside them. Under Adam it is not judged: Adam's
+   first step moves each element by lr * g / (|g| + eps), so an element whose gradient is within
+   float32's rounding of eps moves a different fraction of a step on a rounding difference. Plain on the
+   engine itself is 1.2e-4 from plain in one process that way (float32, ZeRO-2, tiny/qwen3), with
+   gradients 7.5e-7 apart. Under SGD it is judged within float32's rounding of the write
+   (`update_ratio` <= 1, `deepspeed_update`).
 4. With `offload` (ZeRO-3: the optimizer and params tiers as DeepSpeed's `offload_optimizer` and
    `offload_param`, `deepspeed.offload_sections`), every engine of steps 2 and 3 runs with them, and each
    method's reduced gradient is also compared with its own on an engine without them (`offload_err`:
@@ -55,6 +60,13 @@ from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
 from streambp_core.step.batch import objective_inputs, random_batch
 from streambp_core.tiers import Tiers
 from streambp_core.verify.compare import max_grad_err, max_rel_err
+from streambp_core.verify.deepspeed_update import (
+    LINEAR,
+    check_optimizer,
+    optimizer_class,
+    rank_padded,
+    update_ratio,
+)
 from streambp_core.verify.methods import DTYPES, TOLERANCE, VerifySpec
 
 LR = 1e-3
@@ -94,8 +106,13 @@ class DeepSpeedResult:
     """Max over parameters of |update - own step| / |own step|: the applied update against one step of
     the engine's optimizer on the reduced gradient from the masters before the step."""
     update_err: float
-    """Reported, not judged (module docstring): the applied update against plain's gradient stepped by
-    torch's Adam from float32 masters."""
+    """The applied update against plain's gradient stepped by the same optimizer from float32 masters
+    (module docstring): reported under Adam, judged through `update_ratio` under SGD."""
+    optimizer: str = "adam"
+    """The engine's optimizer: torch's Adam from DeepSpeed's config, or a client torch SGD."""
+    update_ratio: float | None = None
+    """SGD: the worst parameter's distance from plain's float32 step over float32's allowance
+    (`deepspeed_update`), judged <= 1; None under Adam."""
     offload: str = "none"
     """The project's tiers DeepSpeed held on the host, as their canonical string
     (`deepspeed.offload_sections`): optimizer is its `offload_optimizer`, params its `offload_param`."""
@@ -124,12 +141,12 @@ class EngineStep:
 def verify_deepspeed(
     specs: tuple[VerifySpec, ...], *, nproc: int, shards: tuple[str, ...] = ("zero1", "zero2"),
     micro_steps: int = 1, offload: Tiers | str = Tiers.NONE, cpu_adam: bool = False,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    optimizer: str = "adam", timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[DeepSpeedResult]:
     """Verify every spec's methods under every ZeRO stage across `nproc` ranks (module docstring), with
     DeepSpeed's offload sections for the tiers `offload` (a `Tiers` or what `Tiers.of` reads) and, with
-    `cpu_adam`,
-    DeepSpeed's CPU Adam stepping the offloaded optimizer (`deepspeed.zero_config`)."""
+    `cpu_adam`, DeepSpeed's CPU Adam stepping the offloaded optimizer (`deepspeed.zero_config`);
+    `optimizer` "sgd" steps a client torch SGD instead of the config's Adam."""
     check_installed()
     if not specs:
         raise ConfigError("give at least one spec")
@@ -138,7 +155,10 @@ def verify_deepspeed(
     offload = offload_choice(offload)
     for shard in shards:
         offload_sections(offload, STAGES[shard])
-    per_rank = run_ranks(rank_verify, nproc, args=(specs, shards, micro_steps, offload, cpu_adam),
+    if check_optimizer(optimizer) != "adam" and (cpu_adam or offload.optimizer):
+        raise ConfigError("deepspeed verify offloads the optimizer with Adam only (DeepSpeed's CPU Adam or "
+                          f"torch's), got {optimizer}")
+    per_rank = run_ranks(rank_verify, nproc, args=(specs, shards, micro_steps, offload, cpu_adam, optimizer),
                          timeout_s=timeout_s)
     return per_rank[0]
 
@@ -155,7 +175,7 @@ def check_spec(spec: VerifySpec, shards: tuple[str, ...]) -> None:
 
 
 def rank_verify(rank: int, world: int, specs, shards, micro_steps: int, offload: Tiers = Tiers.NONE,
-                cpu_adam: bool = False) -> list[DeepSpeedResult]:
+                cpu_adam: bool = False, optimizer: str = "adam") -> list[DeepSpeedResult]:
     """Body of each rank (module docstring); every rank checks, rank 0's results are returned."""
     import deepspeed
 
@@ -168,14 +188,15 @@ def rank_verify(rank: int, world: int, specs, shards, micro_steps: int, offload:
             model = apply_lora(model, step.lora_rank)
         batches = [[_batch(spec, model, r, m) for m in range(micro_steps)] for r in range(world)]
         plain_grads = _plain_gradient(model, spec, batches)
-        plain_update = _adam_update(model, plain_grads)
+        plain_update = _plain_update(model, plain_grads, optimizer)
+        exact_update = _plain_update(model, plain_grads, optimizer, torch.float64)
         for shard in shards:
             for method in spec.methods:
-                run = _engine_step(model, method, shard, spec, batches[rank], offload, cpu_adam)
+                run = _engine_step(model, method, shard, spec, batches[rank], offload, cpu_adam, optimizer)
                 result = _result(method, shard, spec, world, len(batches[rank]), run, plain_grads,
-                                 plain_update)
+                                 plain_update, optimizer=optimizer, exact_update=exact_update)
                 if offload:
-                    kept = _engine_step(model, method, shard, spec, batches[rank])
+                    kept = _engine_step(model, method, shard, spec, batches[rank], optimizer=optimizer)
                     result = _with_offload(result, offload, max_grad_err(run.grads, kept.grads)[0])
                 results.append(result)
     return results
@@ -186,6 +207,7 @@ def _batch(spec: VerifySpec, model, rank: int, micro: int):
     batch = random_batch(vocab_size=model.config.vocab_size, seq_len=step.seq_len_tokens,
                          batch_size=step.batch_size, padding=spec.padding,
                          seed=step.seed + 1 + rank + 1000 * micro, device="cpu")
+    batch = rank_padded(batch, rank, spec.padding)
     labels, inputs = objective_inputs(step.objective, batch, step.seed + rank + 1000 * micro)
     return batch, labels, inputs
 
@@ -205,16 +227,21 @@ def _plain_gradient(model, spec: VerifySpec, batches) -> dict[str, torch.Tensor]
     return {name: p.grad.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _adam_update(model, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One step of torch's Adam on `grads` from float32 masters of `model`'s parameters, as the update
-    the parameters take (`_as_update`)."""
+def _plain_update(model, grads: dict[str, torch.Tensor], optimizer: str,
+                  master_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One step of torch's `optimizer` (lr `LR`) on `grads` from `master_dtype` masters of `model`'s
+    parameters: float32 as ZeRO's, as the update the parameters take (`_as_update`); float64, the exact
+    step, as a float64 update."""
     params = {name: p.detach() for name, p in model.named_parameters() if name in grads}
-    masters = {name: param.float() for name, param in params.items()}
-    return _as_update(_stepped(torch.optim.Adam, {"lr": LR}, masters, grads), params)
+    masters = {name: param.to(master_dtype) for name, param in params.items()}
+    stepped = _stepped(optimizer_class(optimizer), {"lr": LR}, masters, grads)
+    if master_dtype == torch.float32:
+        return _as_update(stepped, params)
+    return {name: stepped[name] - masters[name] for name in params}
 
 
 def _engine_step(model, method, shard, spec: VerifySpec, batches, offload: Tiers = Tiers.NONE,
-                 cpu_adam: bool = False) -> EngineStep:
+                 cpu_adam: bool = False, optimizer: str = "adam") -> EngineStep:
     """The user's DeepSpeed loop on a copy of `model` over this rank's micro-steps (module docstring,
     step 2); reductions are tallied 0, 1, 2+ per micro-step on ZeRO-2/3, which reduce every micro-step,
     per step on ZeRO-1, which reduces at the accumulation boundary only."""
@@ -224,9 +251,11 @@ def _engine_step(model, method, shard, spec: VerifySpec, batches, offload: Tiers
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     config = zero_config(STAGES[shard], micro_batch=spec.step.batch_size, accumulation=len(batches),
-                         lr=LR, offload=offload, cpu_adam=cpu_adam)
+                         lr=LR, offload=offload, cpu_adam=cpu_adam, optimizer=optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    client = None if optimizer == "adam" else optimizer_class(optimizer)(trainable, lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=client,
+                                           config=config)
     check_engine(engine)
     params = {name: p for name, p in engine.module.named_parameters() if name in before}
     counts = count_reductions(engine.optimizer)
@@ -278,16 +307,20 @@ def _as_update(stepped: dict[str, torch.Tensor], before: dict[str, torch.Tensor]
     return {name: stepped[name].to(before[name].dtype) - before[name] for name in before}
 
 
-def _result(method, shard, spec, world, micro_steps, run: EngineStep, plain_grads, plain_update
-            ) -> DeepSpeedResult:
+def _result(method, shard, spec, world, micro_steps, run: EngineStep, plain_grads, plain_update, *,
+            optimizer: str = "adam", exact_update=None) -> DeepSpeedResult:
     grad_err, worst = max_grad_err(run.grads, plain_grads)  # the criterion of every verify
     step_err = max_rel_err(run.update, run.own_step)[0]
     update_err = max_rel_err(run.update, plain_update)[0]
+    ratio = None
+    if optimizer in LINEAR:
+        ratio = update_ratio(run.update, plain_update, exact_update, GRAD_TOLERANCE)[0]
     return DeepSpeedResult(method=method, shard=shard, objective=spec.step.objective, nproc=world,
                            micro_steps=micro_steps, grad_err=grad_err, worst_param=worst, step_err=step_err,
-                           update_err=update_err, reductions=dict(run.reductions),
+                           update_err=update_err, optimizer=optimizer, update_ratio=ratio,
+                           reductions=dict(run.reductions),
                            ok=grad_err <= GRAD_TOLERANCE and step_err <= STEP_TOLERANCE
-                           and set(run.reductions) == {"1"})
+                           and (ratio is None or ratio <= 1.0) and set(run.reductions) == {"1"})
 
 
 def _with_offload(result: DeepSpeedResult, offload: Tiers, offload_err: float) -> DeepSpeedResult:

@@ -62,6 +62,7 @@ def test_zero3_marks_need_the_engine_itself():
     (["deepspeed", "--nproc", "2", "--device", "cuda"], "No such option: --device"),
     (["deepspeed", "--nproc", "99999", "--shard", "zero2"], "nproc 99999 is more than"),
     (["deepspeed", "--nproc", "2", "--dtype", "bfloat16"], "exact dtypes"),
+    (["deepspeed", "--nproc", "2", "--optimizer", "lamb"], "'lamb' is not one of 'adam', 'sgd'"),
     (["fsdp", "--nproc", "2", "--shard", "zero1"], "'zero1' is not one of 'zero2', 'zero3'"),
 ])
 def test_verify_bad_input_is_one_error_line(args, message):

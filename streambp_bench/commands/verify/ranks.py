@@ -15,6 +15,7 @@ from streambp_core.config import FSDP_STAGES
 
 FsdpStage = choices("FsdpStage", FSDP_STAGES)
 ZeroStage = choices("ZeroStage", DEEPSPEED_DEFAULT)
+ZeroOptimizer = choices("ZeroOptimizer", ("adam", "sgd"))
 
 FSDP_HELP = (
     "Check every method across N ranks sharded with torch FSDP2 against single-process plain.\n\n"
@@ -53,13 +54,18 @@ DEEPSPEED_HELP = (
     "Runs the user's DeepSpeed loop for one optimizer step on each stage (--shard zero1, zero2, zero3; all "
     "three when not given): the gradient ZeRO hands its optimizer against single-process plain's, the "
     "applied update against that optimizer's step on it, and how many times ZeRO reduced each parameter. "
-    "Needs the deepspeed extra. Exits 1 when a method fails or a rank dies, 2 on bad input."
+    "With --padding each rank pads its rows differently (its own count of valid tokens). With --optimizer "
+    "sgd (a client torch SGD) the update is also judged against single-process plain's SGD step, within "
+    "float32's rounding of the write. A local config directory as -m checks an odd vocabulary or an "
+    "untied head. Needs the deepspeed extra. Exits 1 when a method fails or a rank dies, 2 on bad input."
 )
 DEEPSPEED_EPILOG = """[bold]Examples[/]
 
 [cyan]streambp-bench verify deepspeed -m tiny/qwen3 --dtype float64 --nproc 2 --shard zero2[/]
 
 [cyan]streambp-bench verify deepspeed -m tiny/llama --dtype float64 --nproc 2 --method streambp[/]
+
+[cyan]streambp-bench verify deepspeed -m ./llama-vocab-211 --nproc 2 --optimizer sgd --padding right[/]
 """
 
 
@@ -116,6 +122,10 @@ def deepspeed(
         ZeroStage | None, typer.Option("--shard", help="ZeRO stage: zero1, zero2 or zero3 (all three when "
                                        "not given).")
     ] = None,
+    optimizer: Annotated[
+        ZeroOptimizer, typer.Option("--optimizer", help="adam: torch's Adam from DeepSpeed's config (the "
+                                    "update against plain's reported); sgd: a client torch SGD (judged).")
+    ] = ZeroOptimizer.adam,
     **options,
 ) -> None:
     """DeepSpeed ZeRO across `nproc` CPU ranks (help text: `DEEPSPEED_HELP`)."""
@@ -124,7 +134,7 @@ def deepspeed(
     spec = spec_from_options(nproc=nproc, **options)
     from streambp_bench.verify.deepspeed import run_deepspeed
 
-    _exit_on_failure(run_deepspeed(spec, nproc, stages, as_json=as_json))
+    _exit_on_failure(run_deepspeed(spec, nproc, stages, as_json=as_json, optimizer=optimizer.value))
 
 
 def _exit_on_failure(ok: bool) -> None:
