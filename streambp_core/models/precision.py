@@ -74,10 +74,21 @@ def _weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     return (self.weight * wide).to(x.dtype)
 
 
+def _centred_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
+    """Cohere 2's LayerNorm, weight * (x - mean) / std(x) (no bias), in the wider of float32 and x's
+    precision."""
+    work = at_least_float32(x.dtype)
+    wide = x.to(work)
+    centred = wide - wide.mean(-1, keepdim=True)
+    wide = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight.to(work) * wide).to(x.dtype)
+
+
 FLOAT32_NORMS = {
     **dict.fromkeys(("Gemma3RMSNorm", "Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm",
                      "Qwen3NextRMSNorm"), _norm_in_at_least_float32),
     "GptOssRMSNorm": _weight_norm_in_at_least_float32,
+    "Cohere2LayerNorm": _centred_norm_in_at_least_float32,
 }
 """Class names of norms that compute in `x.float()`, and their at-least-float32 forwards."""
 
@@ -94,7 +105,7 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
     return changed
 
 
-FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter")
+FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter")
 """Class names of routers whose weight and logits are float32 whatever the model's precision."""
 
 
