@@ -33,7 +33,9 @@ from streambp_core.measure.tags import memory_category
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, key_padding
 from streambp_core.methods.hook_guards import HookScope, above
+from streambp_core.methods.own_stream import OwnStream, refuse_packed
 from streambp_core.models.adapters import layer_parts
+from streambp_core.models.catalogue import serving
 
 
 class StreamBPRun(Run):
@@ -41,6 +43,8 @@ class StreamBPRun(Run):
 
     method = "streambp"
     drives_modules = True
+    _own: OwnStream | None = None
+    """A family of the baselines tier streamed through its own decoder layers (`methods.own_stream`)."""
 
     def _check_dropout(self) -> None:
         recomputed = [*self.parts.layers, self.parts.norm, self.parts.lm_head]
@@ -56,6 +60,9 @@ class StreamBPRun(Run):
                           param_kinds=("_backward_hooks",))]
 
     def _setup(self) -> None:
+        if serving(self.parts.family).path == "baselines":
+            self._own = OwnStream(self)
+            return
         guards.refuse_without_adapter(self.model, self.parts)
         cfg = self.config
         if self.router_aux is not None and any(layer_parts(layer).delta for layer in self.parts.layers):
@@ -75,6 +82,9 @@ class StreamBPRun(Run):
         self._head_function = FusedHead if fused else StreamedHead
 
     def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
+        if self._own is not None:
+            refuse_packed(packed)
+            return self._own.loss(input_ids, attention_mask, labels, **objective_inputs)
         guards.check_eager_padding(self.parts.backbone.config, attention_mask, self.method)
         objective = self.make_objective(labels, **objective_inputs)
         loss = partial(self._streamed_loss, objective, packed)
@@ -106,6 +116,9 @@ class StreamBPRun(Run):
         if self.sequence_group is not None:
             raise ConfigError("hidden_states under sequence parallelism: use loss (each rank computes its "
                               "shard of the whole batch)")
+        if self._own is not None:
+            raise ConfigError(f"hidden_states: architecture {self.parts.family!r} streams through its own "
+                              "decoder layers, whose stack applies its final norm; use loss")
         guards.check_eager_padding(self.parts.backbone.config, attention_mask, self.method)
         packed = self.packed_rows(input_ids, attention_mask, position_ids)
         return self._streamed_layers(input_ids, attention_mask, self._host_chain(input_ids), packed)[0]

@@ -6,7 +6,8 @@ transformers (so a command refuses a family before either is imported).
 2. `baselines`: any other decoder-only text family whose `*ForCausalLM` transformers builds (its causal-LM
    map): plain and checkpoint, which are transformers' own forward and its own activation checkpointing,
    and mst where its chunked MLP and head apply (`models.generic.mst_pieces`, decided on the built model);
-   streambp is refused by name (no engine adapter).
+   streambp through the model's own decoder layers (`methods.own_stream`, on cpu and cuda), refused by
+   name where a layer does what that path cannot carry.
 3. `refused`, by name: what is not a decoder-only text causal LM: a multimodal model, an encoder-decoder,
    a bidirectional encoder, a model_type outside transformers' causal-LM map.
 
@@ -52,7 +53,8 @@ class Serving:
         if self.path == "engine":
             return "engine (every method)"
         if self.path == "baselines":
-            return "baselines only (plain, checkpoint; mst where its MLP is token-wise)"
+            return ("baselines (plain, checkpoint; streambp through its own layers; mst where its MLP is "
+                    "token-wise)")
         return f"refused: {self.reason}"
 
 
@@ -121,7 +123,8 @@ def accepted() -> str:
     """What each method accepts, in one clause (the tail of every refusal of a family)."""
     wrappers = ", ".join(wrapper for wrapper, _ in TEXT_WRAPPERS)
     return (f"plain and checkpoint run any decoder-only text *ForCausalLM transformers builds; mst those whose "
-            f"layers have a token-wise MLP; streambp the engine families ({', '.join(SUPPORTED_FAMILIES)}) "
+            f"layers have a token-wise MLP; streambp those through their own decoder layers, and the "
+            f"engine's layer math for the engine families ({', '.join(SUPPORTED_FAMILIES)}) "
             f"and the multimodal wrappers {wrappers} as their text models")
 
 

@@ -74,10 +74,21 @@ def _weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     return (self.weight * wide).to(x.dtype)
 
 
+def _centred_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
+    """Cohere 2's LayerNorm, weight * (x - mean) / std(x) (no bias), in the wider of float32 and x's
+    precision."""
+    work = at_least_float32(x.dtype)
+    wide = x.to(work)
+    centred = wide - wide.mean(-1, keepdim=True)
+    wide = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight.to(work) * wide).to(x.dtype)
+
+
 FLOAT32_NORMS = {
     **dict.fromkeys(("Gemma3RMSNorm", "Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm",
                      "Qwen3NextRMSNorm"), _norm_in_at_least_float32),
     "GptOssRMSNorm": _weight_norm_in_at_least_float32,
+    "Cohere2LayerNorm": _centred_norm_in_at_least_float32,
 }
 """Class names of norms that compute in `x.float()`, and their at-least-float32 forwards."""
 
@@ -94,7 +105,7 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
     return changed
 
 
-FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter")
+FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter")
 """Class names of routers whose weight and logits are float32 whatever the model's precision."""
 
 
@@ -124,7 +135,7 @@ def _router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Te
     return router_logits, topk_weights, topk_indices
 
 
-FLOAT32_SIGMOID_ROUTERS = ("Llama4Router",)
+FLOAT32_SIGMOID_ROUTERS = ("Llama4Router", "MiniMaxM2TopKRouter")
 """Class names of routers whose sigmoid is float32 whatever the model's precision (their weight is not)."""
 
 
@@ -136,6 +147,24 @@ def _sigmoid_router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Te
     scores = torch.full_like(router_logits, float("-inf")).scatter_(1, top_index, top_value)
     work = at_least_float32(scores.dtype)
     return torch.sigmoid(scores.to(work)).to(scores.dtype), router_logits
+
+
+def _bias_sigmoid_router_in_at_least_float32(self, hidden_states: Tensor, e_score_correction_bias: Tensor):
+    """transformers' `MiniMaxM2TopKRouter.forward` with its sigmoid in the wider of float32 and the logits'
+    precision: top-k experts of sigmoid(logits) + e_score_correction_bias; their sigmoids, normalised, are
+    the weights."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)  # (n, E)
+    routing_weights = torch.sigmoid(router_logits.to(at_least_float32(router_logits.dtype)))
+    _, top_k_index = torch.topk(routing_weights + e_score_correction_bias, self.top_k, dim=-1, sorted=False)
+    top_k_weights = routing_weights.gather(1, top_k_index)
+    top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
+    return router_logits, top_k_weights, top_k_index
+
+
+SIGMOID_ROUTER_FORWARDS = {"Llama4Router": _sigmoid_router_in_at_least_float32,
+                           "MiniMaxM2TopKRouter": _bias_sigmoid_router_in_at_least_float32}
+"""The at-least-float32 forward of each router of `FLOAT32_SIGMOID_ROUTERS`."""
 
 
 def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
@@ -152,7 +181,7 @@ def routers_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> int:
             module.forward = types.MethodType(_router_in_at_least_float32, module)
             changed += 1
         elif name in FLOAT32_SIGMOID_ROUTERS and "forward" not in vars(module):
-            module.forward = types.MethodType(_sigmoid_router_in_at_least_float32, module)
+            module.forward = types.MethodType(SIGMOID_ROUTER_FORWARDS[name], module)
             changed += 1
     return changed
 
@@ -297,7 +326,7 @@ def islands_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn
         if name in FLOAT32_ROUTERS:
             forward = _router_in_at_least_float32
         elif name in FLOAT32_SIGMOID_ROUTERS:
-            forward = _sigmoid_router_in_at_least_float32
+            forward = SIGMOID_ROUTER_FORWARDS[name]
         if forward is not None:
             module.forward = types.MethodType(forward, module)
             changed.append(module)

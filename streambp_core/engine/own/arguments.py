@@ -1,0 +1,146 @@
+"""One call of a decoder layer as the model's own forward made it (`LayerCall`), and the same call cut to a
+chunk of query positions start..end against keys 0..end (`LayerCall.chunk`).
+
+What is cut, by argument name (transformers 5's decoder-layer arguments):
+- `attention_mask`: a (B or 1, 1, T, T) mask -> rows start..end, columns 0..end; a (B, T) padding mask
+  (flash attention) -> columns 0..end; None (SDPA with a purely causal mask, which transformers leaves to
+  `is_causal`, upper-left aligned and so wrong for a chunk) -> the chunk's lower-right causal rows;
+- `position_ids` (..., T) -> (..., start:end); `cache_position` (T,) -> start:end;
+- `position_embeddings`: each tensor (..., T, D) -> (..., start:end, D);
+- any other argument passes unchanged, and is refused by name when it is a tensor with an axis of T
+  (a per-token input whose cut is not known) or one that requires grad (its gradient would be lost).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from streambp_core.config import ConfigError
+
+CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
+"""Names transformers gives a decoder layer's cache argument."""
+POSITIONS = ("position_ids",)
+"""Arguments whose last axis is the sequence."""
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """A decoder layer's call: its class's forward, the layer, and every argument but the hidden states."""
+
+    layer: nn.Module
+    forward: Callable
+    arguments: dict[str, Any]
+    cache_name: str
+    length: int
+    """T, the sequence length of the call."""
+
+    @classmethod
+    def of(cls, function: partial, args: tuple, length: int) -> LayerCall:
+        """The call transformers' checkpoint entry hands over: `function` = partial(forward, layer,
+        **kwargs), `args` = (hidden_states, *rest); the rest bound to their names."""
+        forward, (layer,), kwargs = function.func, function.args, dict(function.keywords)
+        names = [p.name for p in inspect.signature(forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        family = type(layer).__name__
+        if len(args) > len(names) - 1:
+            raise ConfigError(f"streambp: {family}.forward takes more positional arguments than it names")
+        kwargs |= dict(zip(names[2:], args[1:], strict=False))
+        cache_name = next((name for name in CACHE_NAMES if name in names or name in kwargs), None)
+        if cache_name is None:
+            raise ConfigError(f"streambp: {family}.forward takes no cache argument "
+                              f"({', '.join(CACHE_NAMES)}), through which the generic stream hands its "
+                              "attention the prefix's keys and values")
+        return cls(layer, forward, kwargs, cache_name, length)
+
+    def run(self, hidden: Tensor, cache, arguments: dict[str, Any] | None = None):
+        """The layer's own forward on `hidden` with `cache` and `arguments` (default: the whole call's)."""
+        arguments = self.arguments if arguments is None else arguments
+        return self.forward(self.layer, hidden, **{**arguments, self.cache_name: cache})
+
+    def chunk(self, start: int, end: int, implementation: str, device: torch.device) -> dict[str, Any]:
+        """The arguments of query positions start..end against keys 0..end (module docstring), for the
+        attention `implementation` (transformers' `_attn_implementation`) on `device`."""
+        return {name: self._cut(name, value, start, end, (implementation, device))
+                for name, value in self.arguments.items()}
+
+    def _cut(self, name: str, value: Any, start: int, end: int, attention: tuple[str, torch.device]) -> Any:
+        if name == "attention_mask":
+            return mask_rows(value, start, end, self.length, *attention)
+        if name in POSITIONS and isinstance(value, Tensor):
+            return value[..., start:end]
+        if name == "cache_position" and isinstance(value, Tensor):
+            return value[start:end]
+        if name == "position_embeddings":
+            return _cut_rows(value, start, end, self.length, name)
+        if name == self.cache_name or name == "use_cache":
+            return value
+        self._check_passes(name, value)
+        return value
+
+    def _check_passes(self, name: str, value: Any) -> None:
+        """ConfigError for an argument that cannot pass to a chunk unchanged (module docstring)."""
+        what = f"streambp: argument {name!r} of {type(self.layer).__name__}"
+        for tensor in _tensors(value):
+            if tensor.requires_grad:
+                raise ConfigError(f"{what} requires grad, which the generic stream's layer function does not "
+                                  "carry back")
+            if self.length in tensor.shape[1:] or (tensor.dim() == 1 and tensor.shape[0] == self.length):
+                raise ConfigError(f"{what} has a sequence axis (shape {tuple(tensor.shape)}) the generic "
+                                  "stream does not know how to cut")
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _cut_rows(value: Any, start: int, end: int, length: int, name: str) -> Any:
+    """Each tensor of `value` (a tensor or nested tuple) cut to rows start..end of its axis -2."""
+    if isinstance(value, tuple | list):
+        return type(value)(_cut_rows(item, start, end, length, name) for item in value)
+    if isinstance(value, Tensor):
+        if value.dim() < 2 or value.shape[-2] != length:
+            raise ConfigError(f"streambp: {name} of shape {tuple(value.shape)} has no sequence axis of "
+                              f"{length}")
+        return value[..., start:end, :]
+    return value
+
+
+def mask_rows(mask: Any, start: int, end: int, length: int, implementation: str, device: torch.device) -> Any:
+    """The attention mask of query rows start..end against keys 0..end (module docstring)."""
+    if mask is None:
+        if implementation.startswith("flash"):
+            return None  # flash attention's causal mask is lower-right aligned: right for a chunk
+        return causal_rows(start, end, implementation, device)
+    if not isinstance(mask, Tensor):
+        raise ConfigError(f"streambp: the attention mask is a {type(mask).__name__} (attention "
+                          f"implementation {implementation!r}), which the generic stream cannot cut into "
+                          "chunks; use eager or sdpa")
+    if mask.dim() == 2 and mask.shape[-1] == length:
+        return mask[:, :end]
+    if mask.dim() == 4 and mask.shape[-2:] == (length, length):
+        return mask[..., start:end, :end]
+    raise ConfigError(f"streambp: an attention mask of shape {tuple(mask.shape)} for {length} tokens cannot "
+                      "be cut into chunks")
+
+
+def causal_rows(start: int, end: int, implementation: str, device: torch.device) -> Tensor:
+    """(1, 1, end - start, end) lower-right causal mask for SDPA: bool, True attends (transformers' eager
+    attention always gets a mask tensor, never None)."""
+    rows = torch.arange(start, end, device=device)[:, None] >= torch.arange(end, device=device)[None]
+    if implementation == "sdpa":
+        return rows[None, None]
+    raise ConfigError(f"streambp: no attention mask for attention implementation {implementation!r}, which "
+                      "the generic stream cannot rebuild for a chunk; use sdpa")

@@ -1,0 +1,59 @@
+"""The two Caches a streamed layer hands to the model's own attention (transformers' Cache API, duck-typed:
+`update(key_states, value_states, layer_idx, ...)` returns the keys and values attention reads).
+
+`CaptureCache`: records the whole sequence's keys and values in one no-grad forward and stops the layer
+right there (`KeysCaptured`), so per layer they are computed once, not once per chunk.
+`PrefixCache`: a chunk's keys and values appended to the prefix's, which are leaves of their own graph
+(their gradients are collected and pushed back to the positions that made them); it keeps the chunk's own
+keys and values so their gradient from later chunks can be fed in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KeysCaptured(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by `CaptureCache.update` to end the layer's forward once its keys and values are known."""
+
+
+class CaptureCache:
+    """Records the keys and values of one layer's forward, then stops it (`KeysCaptured`)."""
+
+    is_compileable = False
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        self.keys, self.values = key_states, value_states
+        raise KeysCaptured
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class PrefixCache:
+    """The prefix's keys and values (leaves, shape (B, H, s, D)) before a chunk's own."""
+
+    is_compileable = False
+
+    def __init__(self, prefix_keys: Tensor, prefix_values: Tensor) -> None:
+        self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
+        self.chunk_keys: Tensor | None = None
+        self.chunk_values: Tensor | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """cat(prefix, chunk) along the sequence (dim -2) of keys and of values; keeps the chunk's own."""
+        if self.chunk_keys is not None:
+            raise RuntimeError("a decoder layer wrote its keys and values twice in one forward")
+        self.chunk_keys, self.chunk_values = key_states, value_states
+        if self.prefix_keys.shape[-2] == 0:
+            return key_states, value_states
+        return (torch.cat((self.prefix_keys, key_states), dim=-2),
+                torch.cat((self.prefix_values, value_states), dim=-2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix_keys.shape[-2]

@@ -1,0 +1,92 @@
+"""streambp by construction: a family of the baselines tier (`models.catalogue`) streamed through its own
+decoder-layer modules (`engine.own`) rather than the engine's layer math.
+
+The model's own forward runs with each decoder layer as `engine.own.layer.OwnLayer` (only each layer's
+input kept); the LM head streams as the engine's (`engine.stream.head`) where the logits are the lm_head's
+output alone (`models.generic.head_is_lm_head`), else the model's own logits are taken whole. What this
+path does not carry is refused by name: sequence parallelism, sharded or DeepSpeed-wrapped models, offload
+tiers, packed rows, the router load-balancing loss, layers that are not transformers'
+`GradientCheckpointingLayer`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from streambp_core.config import ConfigError
+from streambp_core.engine.chunks import trainable_parameters
+from streambp_core.engine.engines.fsdp_unit import is_sharded
+from streambp_core.engine.engines.reduction import zero_stage_of
+from streambp_core.engine.own.layer import OwnPlan, streamed_layers
+from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
+from streambp_core.methods import guards
+from streambp_core.methods.base import Run, full_logits_loss
+from streambp_core.models.catalogue import BASELINE_METHODS
+from streambp_core.models.generic import head_is_lm_head
+
+
+class OwnStream:
+    """streambp's steps on a model of the baselines tier (module docstring)."""
+
+    def __init__(self, run: Run) -> None:
+        """ConfigError, naming the cause, for what this path cannot run exactly."""
+        self.run = run
+        cause = _refusal(run)
+        if cause is not None:
+            runs = ", ".join(BASELINE_METHODS)
+            raise ConfigError(f"streambp: architecture {run.parts.family!r} runs through its own decoder "
+                              f"layers, which do not carry {cause}; {runs} run it")
+        config = run.config
+        self.plan = OwnPlan(config.partition_size, run.parts.backbone.config._attn_implementation or "eager",
+                            config.keep_chunks)
+        model = run.model
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        self.head = None
+        """The streamed head, or None where the logits are more than the lm_head's output."""
+        if head_is_lm_head(base):
+            self.head = HeadPlan(None, run.parts.lm_head, config.head_partition_size, config.keep_chunks)
+        self.head_function = FusedHead if config.head_mode == "fused" else StreamedHead
+
+    def loss(self, input_ids: Tensor, attention_mask: Tensor | None, labels: Tensor,
+             **objective_inputs) -> Tensor:
+        """The step's loss: the model's own stack with streamed layers, then the head."""
+        run, parts = self.run, self.run.parts
+        guards.check_eager_padding(parts.backbone.config, attention_mask, run.method)
+        with streamed_layers(parts.layers, self.plan):
+            if self.head is None:
+                logits = run.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+                return full_logits_loss(run, logits, labels, **objective_inputs)
+            hidden = parts.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                    use_cache=False).last_hidden_state
+        objective = run.make_objective(labels, **objective_inputs)
+        return self.head_function.apply(hidden, objective, self.head, *trainable_parameters([parts.lm_head]))
+
+
+def _refusal(run: Run) -> str | None:
+    """What of `run`'s setting the own-layer path does not carry, in a clause; None when it carries all."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    config = run.config
+    layers = run.parts.layers
+    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
+    causes = (
+        (other is not None, f"a layer that is no transformers GradientCheckpointingLayer "
+                            f"({type(other).__name__})"),
+        (run.sequence_group is not None, "sequence parallelism"),
+        (run.parts.embed.weight.device.type == "meta", "the meta device of a simulation (transformers' own "
+                                                       "masks read tensor values there)"),
+        (bool(config.offload), f"offload tiers ({config.offload})"),
+        (zero_stage_of(run.model) is not None, "DeepSpeed ZeRO"),
+        (any(is_sharded(layer) for layer in run.parts.layers), "FSDP2 sharding"),
+        (run.router_aux is not None, "the router load-balancing loss (output_router_logits)"),
+        (bool(getattr(run.parts.backbone.config, "num_kv_shared_layers", 0)),
+         "keys and values shared across layers (num_kv_shared_layers)"),
+    )
+    return next((cause for refused, cause in causes if refused), None)
+
+
+def refuse_packed(packed) -> None:
+    """ConfigError for packed rows (position_ids restarting per document) on the own-layer path."""
+    if packed is not None:
+        raise ConfigError("streambp: packed rows (position_ids restarting per document) are not supported "
+                          "through a model's own decoder layers; plain and checkpoint run them")
