@@ -63,6 +63,26 @@ def refuse_without_adapter(model: nn.Module, parts: DecoderParts) -> None:
     raise ConfigError(streambp_refusal(parts.family, mst=True))
 
 
+def family_refusals(config) -> dict[str, str]:
+    """The methods a model of `config` (a checked transformers config) cannot run because of its family,
+    each with its one-line refusal (`refuse_without_adapter`'s; mst's from `models.generic.mst_pieces`):
+    none for an engine family; streambp, and mst where its pieces do not apply, for the baselines tier
+    (`models.catalogue`), decided on the model built on the meta device. What a command running every
+    method leaves out, naming why."""
+    from streambp_core.models.catalogue import serving, streambp_refusal
+    from streambp_core.models.generic import mst_pieces
+    from streambp_core.models.load import build_model
+
+    if serving(config.model_type).path != "baselines":
+        return {}
+    model = build_model(config, device="meta", checked=True)
+    try:
+        mst_pieces(model, decoder_parts(model).layers)
+    except ConfigError as error:
+        return {"mst": str(error), "streambp": streambp_refusal(config.model_type, mst=False)}
+    return {"streambp": streambp_refusal(config.model_type, mst=True)}
+
+
 def refuse_prompt_learning(model: nn.Module, method: str) -> None:
     """ConfigError when `model` is a peft prompt-learning model (prompt tuning, prefix tuning, p-tuning):
     its virtual tokens are added by peft's forward, which `method` does not run, so it would train
