@@ -104,7 +104,8 @@ def serving(model_type: str) -> Serving:
         return Serving(model_type, "engine")
     causal = auto_map(CAUSAL_LM)
     if model_type not in causal:
-        return Serving(model_type, "refused", "transformers has no causal LM of it (not in its causal-LM map)")
+        why = "transformers has no causal LM of it (not in its causal-LM map)"
+        return Serving(model_type, "refused", why)
     model_class = causal[model_type]
     if model_class.endswith("ForConditionalGeneration") or _in_any(model_type, MULTIMODAL):
         return Serving(model_type, "refused", f"a multimodal model ({model_class}); give its text model's "
@@ -120,9 +121,9 @@ def serving(model_type: str) -> Serving:
 def accepted() -> str:
     """What each method accepts, in one clause (the tail of every refusal of a family)."""
     wrappers = ", ".join(wrapper for wrapper, _ in TEXT_WRAPPERS)
-    return (f"plain and checkpoint run any decoder-only text *ForCausalLM transformers builds; mst those whose "
-            f"layers have a token-wise MLP; streambp the engine families ({', '.join(SUPPORTED_FAMILIES)}) "
-            f"and the multimodal wrappers {wrappers} as their text models")
+    return ("plain and checkpoint run any decoder-only text *ForCausalLM transformers builds; mst those "
+            f"whose layers have a token-wise MLP; streambp the engine families "
+            f"({', '.join(SUPPORTED_FAMILIES)}) and the multimodal wrappers {wrappers} as their text models")
 
 
 def refusal(model_type: str, reason: str) -> str:
@@ -147,3 +148,10 @@ def streambp_refusal(model_type: str, mst: bool) -> str:
 def causal_families() -> tuple[str, ...]:
     """Every model_type of transformers' causal-LM map, sorted."""
     return tuple(sorted(auto_map(CAUSAL_LM)))
+
+
+def family_servings() -> tuple[Serving, ...]:
+    """The tier of every model_type of transformers' causal-LM map (`causal_families`), as `presets
+    --families` lists them: a family a new transformers release adds is served by the baselines or
+    refused with its reason, by name alone."""
+    return tuple(serving(model_type) for model_type in causal_families())
