@@ -344,7 +344,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     """Locate the decoder pieces of a causal LM (plain or wrapped by peft)."""
     base = _unwrap_peft(model)
     if serving(getattr(base.config, "model_type", "")).path == "baselines":
-        return generic_parts(base)
+        return DecoderParts(**generic_parts(base))
     family = model_family(base.config)
     inner = base.model
     return DecoderParts(
