@@ -174,7 +174,8 @@ def max_len(
     extras = auto.Extras(at_lengths=at_lengths, gpu=None if gpu_model is None else auto.gpu(gpu_model.value))
     try:
         per_node = sequence.ranks_per_node(gpus, gpus_per_node)
-        plan = make_plan(specs, where, budget_gib, host_budget_gib, per_node)
+        plan = make_plan(specs, where, budget_gib, host_budget_gib, per_node,
+                         every_method=method.strip() == "all")
         sequence.check_heads(specs, plan.resolved)
     except BaseException:
         stop_server(context)

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
 from rich.table import Table
 
 from streambp_bench import options as opt
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit
+from streambp_core.config import ConfigError
 
 HELP = (
     "List the model presets usable as [bold]--model[/], with their shapes and parameter counts.\n\n"
     "Parameter counts come from building each model on the meta device (no memory, no weights). "
-    "A local directory with a config.json works as --model too."
+    "A local directory with a config.json works as --model too.\n\n"
+    "[bold]--families[/]: every model_type of the installed transformers' causal-LM map instead, with the "
+    "path that serves it: engine (every method), baselines (plain and checkpoint, streambp through the "
+    "model's own decoder layers, mst where its MLP is token-wise) or refused, with the reason. "
+    "[bold]--markdown[/] prints that list as docs/models.md "
+    "holds it."
 )
 
 EPILOG = """[bold]Examples[/]
@@ -19,6 +28,10 @@ EPILOG = """[bold]Examples[/]
 [cyan]streambp-bench presets[/]
 
 [cyan]streambp-bench presets --json[/]
+
+[cyan]streambp-bench presets --families[/]
+
+[cyan]streambp-bench presets --families --json[/]
 """
 
 
@@ -70,8 +83,67 @@ def render_table(rows: list[dict]) -> Table:
     return table
 
 
+def family_rows() -> list[dict]:
+    """One dict per model_type of transformers' causal-LM map: model_type, path (engine, baselines,
+    refused), serves (the path in words) and reason (why a refused one is refused; '' otherwise)."""
+    from streambp_core.models.catalogue import family_servings
+
+    return [{"model_type": found.model_type, "path": found.path, "serves": found.label,
+             "reason": found.reason} for found in family_servings()]
+
+
+def render_families(rows: list[dict]) -> Table:
+    """The families as a rich table."""
+    table = Table(title="causal-LM families of the installed transformers, and the path serving each",
+                  title_justify="left")
+    table.add_column("model_type", no_wrap=True, min_width=max((len(row["model_type"]) for row in rows),
+                                                               default=10))
+    table.add_column("served by")
+    for row in rows:
+        table.add_row(row["model_type"], row["serves"])
+    return table
+
+
+FAMILY_HEADINGS = {
+    "engine": "engine (every method; streambp through the engine's own layer math)",
+    "baselines": "baselines (plain and checkpoint: transformers' own forward and activation checkpointing; "
+                 "mst where every decoder layer has a token-wise MLP and the logits are `lm_head`'s alone; "
+                 "streambp through the model's own decoder layers on CPU and CUDA, refused by name where "
+                 "a layer cannot be streamed, and not yet simulated)",
+    "refused": "refused by name, listing what each method accepts",
+}
+"""How docs/models.md's generated family list heads each path."""
+
+
+def families_markdown(rows: list[dict]) -> str:
+    """The family list as docs/models.md holds it: one bullet per path, its families in order (a refused
+    one with its reason)."""
+    lines = []
+    for path, heading in FAMILY_HEADINGS.items():
+        names = [f"`{row['model_type']}`" + (f" ({row['reason']})" if row["reason"] else "")
+                 for row in rows if row["path"] == path]
+        joined = ("; " if path == "refused" else ", ").join(names)
+        lines.append(f"- {heading}, {len(names)}: {joined}.")
+    return "\n".join(lines) + "\n"
+
+
 @user_errors
-def presets(as_json: opt.Json = False) -> None:
-    """Print the presets as a table or JSON (help text: `HELP`)."""
+def presets(
+    as_json: opt.Json = False,
+    families: Annotated[bool, typer.Option(
+        "--families", help="List every causal-LM family of transformers with the path serving it.")] = False,
+    markdown: Annotated[bool, typer.Option(
+        "--markdown", help="With --families: the list as docs/models.md holds it.")] = False,
+) -> None:
+    """Print the presets (or, with --families, the families) as a table or JSON (help text: `HELP`)."""
+    if markdown and not families:
+        raise ConfigError("--markdown prints the family list: give --families with it")
+    if families:
+        rows = family_rows()
+        if markdown:
+            typer.echo(families_markdown(rows), nl=False)
+            return
+        emit(rows, as_json, lambda console: console.print(render_families(rows)))
+        return
     rows = preset_rows()
     emit(rows, as_json, lambda console: console.print(render_table(rows)))

@@ -186,11 +186,12 @@ def sweep(
     from streambp_bench.results import ResultsFile
     from streambp_core.models.load import load_config
 
-    for name in models:
-        load_config(name)  # a model that cannot run is refused here, before the first point
+    configs = {name: load_config(name) for name in models}  # a model that cannot run is refused here
     from streambp_core.step.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)
+    points, refused = (_without_refused(points, configs, simulated=target.device == "sim")
+                       if method.strip() == "all" else (points, ()))
     resolve = _auto_partitions(target, points)
     gpu = None if gpu_model is None else _gpu(gpu_model.value)
     results = ResultsFile(out)
@@ -213,7 +214,8 @@ def sweep(
             )
             raise typer.Exit(code=130) from None
     heads = {"head_mode": head} if (head := _streambp_head(points)) else {}
-    summary = {"out": str(out), "source": target.source, "points": len(points), **counts, **heads}
+    summary = {"out": str(out), "source": target.source, "points": len(points), **counts, **heads,
+               "refused": [{"model": name, "method": method, "reason": why} for name, method, why in refused]}
     notes = packing_note.packing_notes(packing, list(points), gpu)
     if packing:
         summary["packing"] = packing_note.to_dict(notes)
@@ -224,8 +226,26 @@ def sweep(
                       f"failed ({how}); rows in {escape(str(out))}", soft_wrap=True)
         if notes:
             console.print(packing_note.render_table(notes))
+        for name, method, why in refused:
+            console.print(escape(f"{method}: refused: {why}" + (f" ({name})" if len(models) > 1 else "")),
+                          soft_wrap=True)
 
     emit(summary, as_json, render)
+
+
+def _without_refused(points: tuple[StepSpec, ...], configs: dict, *, simulated: bool
+                     ) -> tuple[tuple[StepSpec, ...], tuple[tuple[str, str, str], ...]]:
+    """`--method all`'s points without those of a method their model's family cannot run
+    (`methods.guards.family_refusals`: streambp, and mst, on a family of the baselines tier), and
+    (model, method, why) of each method left out."""
+    from streambp_core.methods.guards import family_refusals
+
+    refusals = {name: family_refusals(config, simulated=simulated) for name, config in configs.items()}
+    kept = tuple(point for point in points if point.method not in refusals[point.model])
+    refused = tuple(dict.fromkeys((point.model, point.method,
+                                   refusals[point.model][point.method].removeprefix(f"{point.method}: "))
+                                  for point in points if point.method in refusals[point.model]))
+    return kept, refused
 
 
 def _streambp_head(points: tuple[StepSpec, ...]) -> str:

@@ -36,6 +36,9 @@ class Plan:
     One rank's share when the node's budget is shared (`ranks_per_node`)."""
     ranks_per_node: int = 1
     """Ranks sharing one node's host memory (`--gpus` runs: the node's budget / this is a rank's share)."""
+    refused: tuple[tuple[str, str], ...] = ()
+    """(method, why) of each method `--method all` left out because the model's family cannot run it
+    (`methods.guards.family_refusals`: streambp, and mst, on a family of the baselines tier)."""
 
     @property
     def host_budget_words(self) -> str:
@@ -93,11 +96,13 @@ class MethodResult:
 
 def make_plan(
     specs: tuple[StepSpec, ...], device: str, budget_gib: float | None, host_budget_gib: float | None = None,
-    ranks_per_node: int = 1,
+    ranks_per_node: int = 1, *, every_method: bool = False,
 ) -> Plan:
     """Resolve the device, the budget and the model's config once; refuse a budget below what every step
     holds, and a host budget below what the shortest probe offloads (ConfigError, one line).
-    `host_budget_gib` is one node's, shared by `ranks_per_node` ranks: the search bounds a rank's share."""
+    `host_budget_gib` is one node's, shared by `ranks_per_node` ranks: the search bounds a rank's share.
+    A method the model's family cannot run is refused by name; with `every_method` (`--method all`) it is
+    left out instead (`Plan.refused`) while another method remains."""
     if not specs:
         raise ConfigError("give at least one method, or 'all'")
     check_budget_gib(host_budget_gib, "--host-budget-gib")
@@ -107,6 +112,8 @@ def make_plan(
     if target.device != "sim" and specs[0].shard != "none":
         raise ConfigError("a sharded step (--gpus/--shard) is simulated only: use --device sim")
     resolved = ResolvedModel(specs[0].model)
+    specs, refused = runnable(specs, resolved, every_method=every_method,
+                               simulated=target.device == "sim")
     needed = resident_bytes(specs[0], resolved.config)
     if needed >= (target.budget_bytes or 0):
         raise ConfigError(
@@ -115,11 +122,27 @@ def make_plan(
         )
     host_budget = None if host_budget_gib is None else int(host_budget_gib * GIB / ranks_per_node)
     plan = Plan(specs=specs, target=target, resolved=resolved, resident_bytes=needed,
-                host_budget_bytes=host_budget, ranks_per_node=ranks_per_node)
+                host_budget_bytes=host_budget, ranks_per_node=ranks_per_node, refused=refused)
     check_host_budget(plan)
     if target.device == "cpu":
         check_cpu_ram(plan)
     return plan
+
+
+def runnable(specs: tuple[StepSpec, ...], resolved: ResolvedModel, *, every_method: bool, simulated: bool
+             ) -> tuple[tuple[StepSpec, ...], tuple[tuple[str, str], ...]]:
+    """The specs whose method the model's family runs, and (method, why) of those it refuses
+    (`methods.guards.family_refusals`, its reason without the method's name); ConfigError with the first
+    refusal unless `every_method` leaves them out and another method remains."""
+    from streambp_core.methods.guards import family_refusals
+
+    refusals = family_refusals(resolved.config, simulated=simulated)
+    kept = tuple(spec for spec in specs if spec.method not in refusals)
+    refused = tuple(dict.fromkeys((spec.method, refusals[spec.method].removeprefix(f"{spec.method}: "))
+                                  for spec in specs if spec.method in refusals))
+    if refused and (not every_method or not kept):
+        raise ConfigError(refusals[refused[0][0]])
+    return kept, refused
 
 
 SHORTEST_PROBE_TOKENS = 2

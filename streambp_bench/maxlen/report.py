@@ -90,6 +90,7 @@ def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
         "host_budget_per_node_gib": None if host_budget is None else host_budget * plan.ranks_per_node,
         "ranks_per_node": plan.ranks_per_node,
         "gpus": first.gpus, "sp": first.sp, "shard": first.shard,
+        "refused": [{"method": method, "reason": why} for method, why in plan.refused],
         "results": [
             {
                 "method": r.method,
@@ -307,12 +308,17 @@ def offload_notes(results: list[MethodResult]) -> list[str]:
     return lines
 
 
+def refused_lines(plan: Plan) -> list[str]:
+    """One line per method `--method all` left out, naming why ("streambp: refused: ...")."""
+    return [f"{method}: refused: {why}" for method, why in plan.refused]
+
+
 def print_report(plan: Plan, results: list[MethodResult], out: Path | None) -> None:
     """The table and the provenance lines on stdout."""
     console = stdout_console()
     for table in render_tables(plan, results):
         console.print(table)
-    for line in [*describe(plan, results), *offload_notes(results)]:
+    for line in [*describe(plan, results), *offload_notes(results), *refused_lines(plan)]:
         console.print(line if line.startswith("[yellow]") else escape(line), soft_wrap=True)
     if out is not None:
         console.print(f"rows upserted into {escape(str(out))}", soft_wrap=True)

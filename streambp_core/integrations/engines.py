@@ -4,7 +4,8 @@ holds the trainer (`accelerate launch --config_file ...`, or `TrainingArguments(
 The engine is read from the trainer's own accelerator (`trainer_engine`):
 
 - **FSDP2** (accelerate's FSDP plugin, `fsdp_version: 2`). StreamBP and MsT run a unit's work through
-  `engine.engines.fsdp_unit.sharded_forward`, so every FSDP2 unit they read must be a decoder layer or the root.
+  `engine.engines.fsdp_unit.sharded_forward`, so every FSDP2 unit they read must be a decoder layer or the
+  root.
   accelerate 1.15's `fsdp2_prepare_model` carves the embedding and [final norm, LM head] into units of
   their own; the streamed head reads those weights outside any unit's forward, where they are still
   sharded. So `stream_trainer` shards the model itself, as the plugin says (`reshard_after_forward`:

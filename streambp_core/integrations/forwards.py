@@ -139,7 +139,8 @@ def _no_new_external_params(module: nn.Module):
 
 
 class HeadUnit:
-    """Under DeepSpeed ZeRO-3, the run's head unit [final norm, LM head] (`engine.engines.zero3`) held gathered from
+    """Under DeepSpeed ZeRO-3, the run's head unit [final norm, LM head] (`engine.engines.zero3`) held
+    gathered from
     the final norm (`enter`, in the streamed decoder stack's forward) to the end of the causal LM's forward
     (`hook_output`, a forward hook), where the trainer's own fused head (TRL's) has read the LM head's
     weight. DeepSpeed's hooks no longer gather the unit's modules; gathered, the head's weight is not

@@ -28,7 +28,8 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     """Prepare `model` (a transformers *ForCausalLM, optionally peft-wrapped) for `method`.
 
     `model` may be a DeepSpeed engine wrapping one: the run prepares `engine.module` and computes each
-    loss through the engine's forward (which DeepSpeed ZeRO-3 needs, `engine.engines.reduction.through_engine`).
+    loss through the engine's forward (which DeepSpeed ZeRO-3 needs,
+    `engine.engines.reduction.through_engine`).
 
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the

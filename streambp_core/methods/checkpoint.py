@@ -7,7 +7,8 @@ open, so eval() changes the dropout, never whether the method checkpoints.
 With `offload="checkpoints"` each layer's saved input lives in host memory: transformers' own
 `activation_checkpointing_enable(offload=True)` (torch's `save_on_cpu(pin_memory=True)` around every
 checkpointed layer) on an accelerator; elsewhere (a CPU-only torch, which cannot pin, and the meta device
-of a simulation) the same checkpoint function with `engine.host.checkpoints.save_on_host`, which pins only on CUDA.
+of a simulation) the same checkpoint function with `engine.host.checkpoints.save_on_host`, which pins only on
+CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class CheckpointRun(PlainRun):
     def _setup(self) -> None:
         if not getattr(self.model, "supports_gradient_checkpointing", True):
             raise ConfigError(f"{self.method}: {type(self.model).__name__} does not support transformers' "
-                              "activation checkpointing (supports_gradient_checkpointing is False); plain runs it")
+                              "activation checkpointing (supports_gradient_checkpointing is False); plain "
+                              "runs it")
         super()._setup()
         self._was_checkpointing = activation_checkpointing(self.model)
         self._had_input_grads_hook = hasattr(self.model, "_require_grads_hook")

@@ -47,20 +47,28 @@ def parts_of(model: nn.Module) -> DecoderParts:
         ) from None
 
 
-def refuse_without_adapter(model: nn.Module, parts: DecoderParts) -> None:
-    """ConfigError when `model`'s family has no engine adapter (the baselines tier, `models.catalogue`),
-    naming the methods that run it (mst where its pieces apply, `models.generic.mst_pieces`)."""
+def family_refusals(config, *, simulated: bool) -> dict[str, str]:
+    """The methods a model of `config` (a checked transformers config) cannot run because of its family,
+    each with its one-line refusal: none for an engine family; for the baselines tier (`models.catalogue`)
+    mst where its pieces do not apply (`models.generic.mst_pieces`, decided on the model built on the meta
+    device) and, in a simulation (`simulated`), streambp, whose own-layer path (`methods.own_stream`) does
+    not run on the meta device. What a command running every method leaves out, naming why; streambp's
+    other refusals on that path come when its run is prepared."""
     from streambp_core.models.catalogue import serving, streambp_refusal
     from streambp_core.models.generic import mst_pieces
+    from streambp_core.models.load import build_model
 
-    if serving(parts.family).path != "baselines":
-        return
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if serving(config.model_type).path != "baselines":
+        return {}
+    model = build_model(config, device="meta", checked=True)
+    refusals = {}
     try:
-        mst_pieces(base, parts.layers)
-    except ConfigError:
-        raise ConfigError(streambp_refusal(parts.family, mst=False)) from None
-    raise ConfigError(streambp_refusal(parts.family, mst=True))
+        mst_pieces(model, decoder_parts(model).layers)
+    except ConfigError as error:
+        refusals["mst"] = str(error)
+    if simulated:
+        refusals["streambp"] = streambp_refusal(config.model_type, mst="mst" not in refusals)
+    return refusals
 
 
 def refuse_prompt_learning(model: nn.Module, method: str) -> None:

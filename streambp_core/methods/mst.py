@@ -36,7 +36,8 @@ class MstRun(CheckpointRun):
         ConfigError naming the piece it lacks)."""
         if serving(self.parts.family).path != "baselines":
             return tuple((layer_mlp(layer), layer_parts(layer).mlp_pair) for layer in self.parts.layers)
-        base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
+        model = self.model
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
         return tuple((mlp, returns_pair(mlp)) for mlp in mst_pieces(base, self.parts.layers).mlps)
 
     def _check_dropout(self) -> None:

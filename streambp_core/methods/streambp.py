@@ -3,7 +3,8 @@
 The model itself is not changed: `loss` drives its modules through the engine's autograd functions —
 embedding, then one `StreamedLayer` per decoder layer, then the `StreamedHead` (final norm, lm_head and
 objective). Only each layer's input is kept between forward and backward; with `offload="checkpoints"`
-in host memory, one `engine.host.checkpoints.HostChain` per step (each layer's input and the head's hidden state).
+in host memory, one `engine.host.checkpoints.HostChain` per step (each layer's input and the head's hidden
+state).
 On a model sharded with `streambp_core.parallel.shard_model`, the step and each layer run as their FSDP unit's
 forward, so a layer's parameters are gathered once for all its chunks and its gradients reduce-scattered
 once after the last.
@@ -63,7 +64,6 @@ class StreamBPRun(Run):
         if serving(self.parts.family).path == "baselines":
             self._own = OwnStream(self)
             return
-        guards.refuse_without_adapter(self.model, self.parts)
         cfg = self.config
         if self.router_aux is not None and any(layer_parts(layer).delta for layer in self.parts.layers):
             raise ConfigError("streambp: the router load-balancing loss (output_router_logits) is not "

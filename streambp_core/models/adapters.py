@@ -332,7 +332,8 @@ def model_family(config) -> str:
         raise ConfigError(f"{family}: the multimodal model is not run by the engine; load its text model "
                           f"instead: {text}(config.text_config), or streambp_core.models.load_model(<dir>)")
     if family not in SUPPORTED_FAMILIES:
-        raise ConfigError(refusal(family, "it has no engine adapter" if serving(family).path == "baselines"
+        raise ConfigError(refusal(family, "the engine's layer math does not run it (streambp takes its own "
+                                  "decoder layers)" if serving(family).path == "baselines"
                                   else serving(family).reason))
     for attribute, feature, runs_it in _REFUSED:
         if family not in runs_it and getattr(config, attribute, None):
@@ -344,7 +345,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     """Locate the decoder pieces of a causal LM (plain or wrapped by peft)."""
     base = _unwrap_peft(model)
     if serving(getattr(base.config, "model_type", "")).path == "baselines":
-        return generic_parts(base)
+        return DecoderParts(**generic_parts(base))
     family = model_family(base.config)
     inner = base.model
     return DecoderParts(

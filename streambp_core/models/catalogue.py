@@ -106,7 +106,8 @@ def serving(model_type: str) -> Serving:
         return Serving(model_type, "engine")
     causal = auto_map(CAUSAL_LM)
     if model_type not in causal:
-        return Serving(model_type, "refused", "transformers has no causal LM of it (not in its causal-LM map)")
+        why = "transformers has no causal LM of it (not in its causal-LM map)"
+        return Serving(model_type, "refused", why)
     model_class = causal[model_type]
     if model_class.endswith("ForConditionalGeneration") or _in_any(model_type, MULTIMODAL):
         return Serving(model_type, "refused", f"a multimodal model ({model_class}); give its text model's "
@@ -122,8 +123,8 @@ def serving(model_type: str) -> Serving:
 def accepted() -> str:
     """What each method accepts, in one clause (the tail of every refusal of a family)."""
     wrappers = ", ".join(wrapper for wrapper, _ in TEXT_WRAPPERS)
-    return (f"plain and checkpoint run any decoder-only text *ForCausalLM transformers builds; mst those whose "
-            f"layers have a token-wise MLP; streambp those through their own decoder layers, and the "
+    return ("plain and checkpoint run any decoder-only text *ForCausalLM transformers builds; mst those "
+            f"whose layers have a token-wise MLP; streambp those through their own decoder layers, and the "
             f"engine's layer math for the engine families ({', '.join(SUPPORTED_FAMILIES)}) "
             f"and the multimodal wrappers {wrappers} as their text models")
 
@@ -142,11 +143,21 @@ def check_servable(model_type: str) -> Serving:
 
 
 def streambp_refusal(model_type: str, mst: bool) -> str:
-    """Why streambp cannot run a family of the baselines tier, naming the methods that do."""
+    """Why a simulation of streambp cannot run a family of the baselines tier, naming the methods that do:
+    its own-layer path (`methods.own_stream`) runs on CPU and CUDA tensors, not on the meta device."""
     runs = ", ".join((*BASELINE_METHODS, *(("mst",) if mst else ())))
-    return f"streambp: architecture {model_type!r} has no engine adapter yet; {runs} run it"
+    return (f"streambp: architecture {model_type!r} runs through its own decoder layers, which do not yet "
+            f"simulate on the meta device (transformers' own masks read tensor values there); {runs} "
+            "simulate it, and `verify` checks streambp on CPU")
 
 
 def causal_families() -> tuple[str, ...]:
     """Every model_type of transformers' causal-LM map, sorted."""
     return tuple(sorted(auto_map(CAUSAL_LM)))
+
+
+def family_servings() -> tuple[Serving, ...]:
+    """The tier of every model_type of transformers' causal-LM map (`causal_families`), as `presets
+    --families` lists them: a family a new transformers release adds is served by the baselines or
+    refused with its reason, by name alone."""
+    return tuple(serving(model_type) for model_type in causal_families())

@@ -126,7 +126,7 @@ def precheck_values(values: dict, source: str) -> None:
     raw = SimpleNamespace(**values)
     for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
         value = getattr(raw, name, None)
-        if value is not None and not _is_positive_int(value):
+        if value is not None and not _is_positive_int(value) and not _per_layer(raw, name, value):
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
     if _is_positive_int(getattr(raw, "num_attention_heads", None)) and _is_positive_int(
             getattr(raw, "hidden_size", None)):
@@ -157,7 +157,7 @@ def check_geometry(config: PretrainedConfig, source: str) -> None:
     behind every command (`load_config`, `build_model`), run before any model is built."""
     for name in (*POSITIVE_SIZES, *OPTIONAL_POSITIVE_SIZES):
         value = _attr(config, name)
-        if value is not None and not _is_positive_int(value):
+        if value is not None and not _is_positive_int(value) and not _per_layer(config, name, value):
             raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
     _check_heads(config, source)
     _check_linear_heads(config, source)
@@ -178,12 +178,21 @@ OPTIONAL_POSITIVE_SIZES = (
 
 
 def _attr(config: object, name: str) -> object:
-    """`config.name`, or None where it has none or will not say (transformers raises, for one, on a
-    per-layer size read globally: Gemma 4's `head_dim`)."""
+    """The attribute `name` of `config`, or None where it has none or will not say (transformers raises,
+    for one, on a per-layer size read globally: Gemma 4's `head_dim`)."""
     try:
         return getattr(config, name, None)
     except Exception:  # noqa: BLE001 (any refusal to answer is "not set" to these checks)
         return None
+
+
+def _per_layer(config: PretrainedConfig | SimpleNamespace, name: str, value: object) -> bool:
+    """Whether `value` is a per-layer `intermediate_size` (one positive size per decoder layer, as Gemma 3n's
+    config gives it) of a family transformers' own layers run (`catalogue`: the baselines tier; the engine's
+    layer math takes one size)."""
+    return (name == "intermediate_size" and serving(config.model_type).path == "baselines"
+            and isinstance(value, list | tuple) and len(value) == _attr(config, "num_hidden_layers")
+            and all(_is_positive_int(size) for size in value))
 
 
 def _is_positive_int(value: object) -> bool:

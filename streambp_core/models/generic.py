@@ -35,7 +35,8 @@ def decoder_layers(stack: nn.Module, num_layers: int | None) -> nn.ModuleList:
     """The decoder layers of `stack` (module docstring, step 2); ConfigError when there is none."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    lists = [module for _, module in _breadth_first(stack) if isinstance(module, nn.ModuleList) and len(module)]
+    lists = [module for _, module in _breadth_first(stack)
+             if isinstance(module, nn.ModuleList) and len(module)]
     for wanted in (lambda m: all(isinstance(layer, GradientCheckpointingLayer) for layer in m),
                    lambda m: len(m) == num_layers):
         found = next((module for module in lists if wanted(module)), None)
@@ -60,18 +61,17 @@ def final_norm(stack: nn.Module) -> nn.Module:
                  if isinstance(getattr(stack, name, None), nn.Module)), nn.Identity())
 
 
-def generic_parts(base: nn.Module):
-    """The `adapters.DecoderParts` of a causal LM of the baselines tier (module docstring's steps); its
-    `rotary` is None (only streambp reads it, which refuses such a model)."""
-    from streambp_core.models.adapters import DecoderParts
-
+def generic_parts(base: nn.Module) -> dict[str, object]:
+    """The fields of the `adapters.DecoderParts` of a causal LM of the baselines tier (module docstring's
+    steps), which `adapters.decoder_parts` builds (this module does not import it: adapters imports this
+    one); its `rotary` is None (only streambp reads it, which refuses such a model)."""
     stack = base.base_model
     layers = decoder_layers(stack, getattr(base.config, "num_hidden_layers", None))
     head = base.get_output_embeddings()
     if head is None:
         raise ConfigError(f"{type(base).__name__} has no LM head (get_output_embeddings() is None)")
-    return DecoderParts(backbone=stack, embed=base.get_input_embeddings(), layers=layers, norm=final_norm(stack),
-                        lm_head=head, rotary=None, family=base.config.model_type)
+    return {"backbone": stack, "embed": base.get_input_embeddings(), "layers": layers,
+            "norm": final_norm(stack), "lm_head": head, "rotary": None, "family": base.config.model_type}
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class MstPieces:
 def layer_mlp(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's MLP module by transformers' names (`MLP_NAMES`), when its forward takes the
     hidden states alone (one tensor argument); None otherwise."""
-    mlp = next((getattr(layer, name) for name in MLP_NAMES if isinstance(getattr(layer, name, None), nn.Module)),
-               None)
+    mlp = next((getattr(layer, name) for name in MLP_NAMES
+                if isinstance(getattr(layer, name, None), nn.Module)), None)
     if mlp is None:
         return None
     parameters = [p for p in inspect.signature(mlp.forward).parameters.values()
@@ -112,7 +112,8 @@ def head_is_lm_head(model: nn.Module) -> bool:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
     except (OSError, TypeError, SyntaxError):
         return False
-    assigned = [node for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+    assigned = [node for node in ast.walk(tree)
+                if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
                 and any(isinstance(target, ast.Name) and target.id == "logits" for target in _targets(node))]
     if len(assigned) != 1 or not isinstance(assigned[0].value, ast.Call):
         return False
@@ -131,9 +132,9 @@ def mst_pieces(model: nn.Module, layers: nn.ModuleList) -> MstPieces:
     mlps = [layer_mlp(layer) for layer in layers]
     if any(mlp is None for mlp in mlps):
         index = mlps.index(None)
-        raise ConfigError(f"mst: architecture {family!r} has no token-wise MLP module in decoder layer {index} "
-                          f"({type(layers[index]).__name__}: none of {', '.join(MLP_NAMES)} taking the hidden "
-                          "states alone); plain and checkpoint run it")
+        raise ConfigError(f"mst: architecture {family!r} has no token-wise MLP module in decoder layer "
+                          f"{index} ({type(layers[index]).__name__}: none of {', '.join(MLP_NAMES)} taking "
+                          "the hidden states alone); plain and checkpoint run it")
     if not head_is_lm_head(model):
         raise ConfigError(f"mst: architecture {family!r} changes the logits after its lm_head "
                           f"({type(model).__name__}.forward), which mst's chunked head does not; plain and "

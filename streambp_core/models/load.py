@@ -72,7 +72,8 @@ def check_supported(config: PretrainedConfig, source: str = "model") -> Pretrain
         raise ConfigError(f"{source}: {refusal(config.model_type, tier.reason)}")
     if tier.path == "baselines":
         if getattr(config, "is_encoder_decoder", False):
-            raise ConfigError(f"{source}: {refusal(config.model_type, 'an encoder-decoder (is_encoder_decoder)')}")
+            why = "an encoder-decoder (is_encoder_decoder)"
+            raise ConfigError(f"{source}: {refusal(config.model_type, why)}")
         if not isinstance(getattr(config, "num_hidden_layers", None), int):
             why = "its config has no num_hidden_layers (a model of nested sub-models)"
             raise ConfigError(f"{source}: {refusal(config.model_type, why)}")
@@ -174,7 +175,15 @@ def build_model(
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attention_for(config, attn_implementation),
             **experts_options(config, dtype))
-    return _prepare_for_training(model)
+    return _prepare_for_training(_all_on(model, torch.device(device)))
+
+
+def _all_on(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """`model` with every parameter and buffer on `device`. The device context reaches torch's factory
+    functions only: a tensor a model's `__init__` makes another way (DiffLlama's `torch.normal(0, std,
+    size=...)`, XLNet's `torch.FloatTensor(...)`) lands on the CPU, and a meta step would mix devices."""
+    tensors = (*model.parameters(), *model.buffers())
+    return model.to(device) if any(t.device.type != device.type for t in tensors) else model
 
 
 def attention_for(config: PretrainedConfig, attn_implementation: str) -> str:

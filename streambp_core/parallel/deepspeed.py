@@ -7,7 +7,8 @@ The user's script keeps its shape, with the engine itself prepared::
     engine.backward(run.loss(input_ids, labels=labels))
     engine.step()
 
-`run.loss` runs as the engine's forward (`engine.engines.reduction.through_engine`): ZeRO-3 counts micro-steps there
+`run.loss` runs as the engine's forward (`engine.engines.reduction.through_engine`): ZeRO-3 counts
+micro-steps there
 and, without it, overwrites rather than accumulates the micro-steps' gradients; `prepare(engine.module)`
 is refused by name under ZeRO-3 (ZeRO-1/2 accept it).
 
@@ -29,7 +30,8 @@ stage-3 hooks leave the gradient in `.grad`, unreduced, while it is False):
   DeepSpeed's own hooks taken off the unit's modules while the run is open: no chunk issues a
   collective, so ranks with different lengths (chunk counts) cannot deadlock (counted in the tests).
   An MoE block DeepSpeed marks as a leaf module is reduced from its leaf hook, called once by the unit.
-- checkpoint, ZeRO-1/2 (`engine.engines.reduction.OneReduction`, armed on every loss): every flag False for the
+- checkpoint, ZeRO-1/2 (`engine.engines.reduction.OneReduction`, armed on every loss): every flag False for
+the
   backward; at its end (a callback queued on autograd's engine) each summed gradient goes to autograd
   once through `p.view_as(p)`, in reverse layer order. Full gradients are held until then (as
   `engine.coalesce_grad_reduction()` does). Under ZeRO-3, checkpoint and plain need nothing: each

@@ -9,7 +9,8 @@ norm and the LM head (one unit, so tied embeddings stay together).
   and once more for its backward.
 
 Methods that call `model(...)` (plain, checkpoint) get FSDP's hooks from the model's own forward. StreamBP
-and MsT drive the modules themselves, so they run their step through `engine.engines.fsdp_unit.sharded_forward`:
+and MsT drive the modules themselves, so they run their step through
+`engine.engines.fsdp_unit.sharded_forward`:
 FSDP's own pre-/post-forward hooks (all-gather; reshard; the hooks that all-gather again before the unit's
 backward and reduce-scatter its gradients after it) fire once per unit per step, around the whole streamed
 layer, never per chunk. A streamed layer's chunks accumulate into the gathered parameters' `.grad`; FSDP

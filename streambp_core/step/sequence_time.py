@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from streambp_core.config import StepSpec
 from streambp_core.step.attention_kernels import attention_kernel
-from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
+from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth, host_optimizer_s
 from streambp_core.step.sequence_layout import SequenceLayout
 
 REFERENCE_TOKENS = (2_048, 4_096, 8_192)
@@ -101,7 +101,6 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate
     collectives in its fields."""
     from streambp_core.step.resolved import resolved
     from streambp_core.step.simulate import simulate
-    from streambp_core.step.step_estimate import host_step_s
 
     model = resolved(spec.model, model)
     compute = fitted_estimate(spec, gpu, model)
@@ -137,3 +136,15 @@ def collective_s(sent_bytes: int, ranks: int, link: Interconnect) -> float:
     intra = sent_bytes * on_node / (ranks - 1) / link.intra_node_bytes_per_s
     inter = sent_bytes * off_node / (ranks - 1) / link.inter_node_bytes_per_s
     return max(intra, inter)
+
+
+def host_step_s(spec, model, gpu: GpuModel) -> float:
+    """The host optimizer step of `spec` (0 without the optimizer tier or an optimizer): every trainable
+    parameter of the model, whichever rank steps it (`estimate.host_optimizer_s`)."""
+    if not spec.stream.offload.optimizer or spec.optimizer in (None, "none"):
+        return 0.0
+    from streambp_core.step.simulate import shard_layout
+
+    bytes_per_param = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[spec.dtype]
+    trainable_bytes = shard_layout(spec, model.config, model.memo).total("trainable_full")
+    return host_optimizer_s(trainable_bytes // bytes_per_param, gpu)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from streambp_core.step.attention_kernels import attention_kernel
-from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth, host_optimizer_s
-from streambp_core.step.sequence_time import estimate_sequence_step
+from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
+from streambp_core.step.sequence_time import estimate_sequence_step, host_step_s
 
 
 def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
@@ -42,15 +42,3 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     compute_s = estimate.step_time_ms / 1e3
     return replace(copies, transfer_s=max(0.0, copies.copy_s - compute_s),
                    host_optimizer_s=host_step_s(spec, model, gpu))
-
-
-def host_step_s(spec, model, gpu: GpuModel) -> float:
-    """The host optimizer step of `spec` (0 without the optimizer tier or an optimizer): every trainable
-    parameter of the model, whichever rank steps it (`estimate.host_optimizer_s`)."""
-    if not spec.stream.offload.optimizer or spec.optimizer in (None, "none"):
-        return 0.0
-    from streambp_core.step.simulate import shard_layout
-
-    bytes_per_param = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[spec.dtype]
-    trainable_bytes = shard_layout(spec, model.config, model.memo).total("trainable_full")
-    return host_optimizer_s(trainable_bytes // bytes_per_param, gpu)

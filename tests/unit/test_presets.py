@@ -180,9 +180,9 @@ def test_directory_without_config_json_is_a_config_error(tmp_path):
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart", "decoder_layers": 2}))
     with pytest.raises(ConfigError) as error:
         load_config(str(tmp_path))
     message = str(error.value)
-    assert "gpt2" in message and "\n" not in message
+    assert "'bart' is not supported: an encoder-decoder" in message and "\n" not in message
     assert all(family in message for family in SUPPORTED_MODEL_TYPES)

@@ -3,6 +3,7 @@ process (the group's own check; its subcommands check across ranks and trainers)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import typer
@@ -145,18 +146,42 @@ def _packing(spec) -> str:
     return f", packed documents {rows}"
 
 
-def print_report(report: VerifyReport, *, as_json: bool) -> None:
-    """Table and provenance line, or the JSON document, on stdout."""
-    emit(report.to_dict(), as_json, lambda console: _print_tables(console, report))
+def print_report(report: VerifyReport, *, as_json: bool, refused: tuple[tuple[str, str], ...] = ()) -> None:
+    """Table and provenance line, or the JSON document, on stdout; `refused`: (method, why) of each
+    method left out (`without_refused`), a line each."""
+    document = report.to_dict() | {"refused": [{"method": method, "reason": why} for method, why in refused]}
+    emit(document, as_json, lambda console: _print_tables(console, report, refused))
 
 
-def _print_tables(console, report: VerifyReport) -> None:
+def _print_tables(console, report: VerifyReport, refused: tuple[tuple[str, str], ...]) -> None:
     console.print(render_table(report))
     console.print(describe(report), soft_wrap=True)
     verdict = (
         "[green]all methods match plain[/]" if report.ok else "[bold red]some methods do not match plain[/]"
     )
     console.print(verdict)
+    for method, why in refused:
+        console.print(escape(f"{method}: refused: {why}"), soft_wrap=True)
+
+
+def without_refused(spec: VerifySpec, *, every_method: bool
+                    ) -> tuple[VerifySpec, tuple[tuple[str, str], ...]]:
+    """`spec` without the methods its model's family cannot run (`methods.guards.family_refusals`: streambp,
+    and mst, on a family of the baselines tier) and (method, why) of each, when `every_method`
+    (`--method all`, or no --method) and another method remains; else `spec` itself (a method named is
+    refused by name when it runs)."""
+    from streambp_core.methods.guards import family_refusals
+    from streambp_core.models.load import load_config
+
+    if not every_method:
+        return spec, ()
+    refusals = family_refusals(load_config(spec.step.model), simulated=False)
+    kept = tuple(method for method in spec.methods if method not in refusals)
+    if not kept or len(kept) == len(spec.methods):
+        return spec, ()
+    refused = tuple((method, refusals[method].removeprefix(f"{method}: ")) for method in spec.methods
+                    if method in refusals)
+    return replace(spec, methods=kept), refused
 
 
 def verify_with_progress(spec) -> VerifyReport:
@@ -217,8 +242,11 @@ def verify(*, ctx: typer.Context, **options) -> None:
         _refuse_options_before(ctx)
         return
     as_json = options.pop("as_json")
-    report = verify_with_progress(spec_from_options(**options))
-    print_report(report, as_json=as_json)
+    source = ctx.get_parameter_source("method")
+    every_method = options["method"].strip() == "all" or source is None or source.name == "DEFAULT"
+    spec, refused = without_refused(spec_from_options(**options), every_method=every_method)
+    report = verify_with_progress(spec)
+    print_report(report, as_json=as_json, refused=refused)
     if not report.ok:
         raise typer.Exit(code=1)
 

@@ -17,7 +17,8 @@ A sliding-window (local) layer attends each chunk s..e to the keys of its band o
 ..e (views of the same caches), so its attention work per chunk is bounded by the window; a chunked local
 layer (Llama 4's) to the keys from the earliest start of its queries' chunks, masked to each query's own
 chunk (`chunks.LocalChunks`) where the band crosses a chunk boundary; a routed
-(mixture-of-experts) layer under the load-balancing loss also returns its routing sums (`engine.stream.router`).
+(mixture-of-experts) layer under the load-balancing loss also returns its routing sums
+(`engine.stream.router`).
 A layer with attention sinks (gpt-oss) passes them to every chunk's attention: each query row's softmax
 denominator takes its head's sink once, in the one chunk the row is in, and the sinks' gradient is the
 sum of every recomputed chunk's share (`engine.attention.sinks`).
@@ -73,7 +74,8 @@ class LayerPlan:
     keep_chunks: int | None = None
     """Simulation only: run the first and last `keep_chunks` chunks of each loop (`StreamConfig`)."""
     offload: HostChain | None = None
-    """Keep H_in in host memory between forward and backward, in this step's chain (`engine.host.checkpoints`)."""
+    """Keep H_in in host memory between forward and backward, in this step's chain
+    (`engine.host.checkpoints`)."""
     router_aux: RouterAux | None = None
     """A routed (mixture-of-experts) layer under the load-balancing loss: the layer also returns its
     routing sums (`engine.stream.router`)."""
