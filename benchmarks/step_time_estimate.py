@@ -8,10 +8,12 @@
 With `--measured`: every `measured-cuda` step_time row of the CSV is estimated with its own settings
 (model, method, length, batch, partitions, dtype; the GPU from the row's device name) and written with
 the ratio estimated / measured. Otherwise: an estimate for each method and length given (layer partition
-T/3 unless `--ps`). The ops come from one step on meta tensors of the model cut to one and to two
-layers, scaled to the full depth, with the code installed here: a measured row taken on other code is
-compared with what this code would do. Rows are labelled `estimated`. Bad input (options, model, GPU,
-a --measured file that is not a results CSV) is one `error:` line and exit code 2, before any estimate.
+T/3 unless `--ps`). The ops come from one step on meta tensors of the model cut to two depths whole
+periods of its layer pattern apart (one and two layers on a uniform model), scaled to the full depth
+(`streambp_core.step.estimate.estimate_by_depth`), with the code installed here: a measured row taken
+on other code is compared with what this code would do. Rows are labelled `estimated`. Bad input
+(options, model, GPU, a --measured file that is not a results CSV) is one `error:` line and exit code 2,
+before any estimate.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def estimate_row(settings: dict) -> dict:
     import torch
 
     from streambp_core.models.load import load_config
+    from streambp_core.step.depth import with_depth
     from streambp_core.step.estimate import estimate_by_depth, gpu_model
     from streambp_core.step.ops import meta_step_ops
 
@@ -137,10 +140,10 @@ def estimate_row(settings: dict) -> dict:
     dtype = getattr(torch, settings["dtype"])
 
     def record(depth: int):
-        return meta_step_ops(config, settings["method"], settings["seq_len_tokens"], num_layers=depth,
+        return meta_step_ops(with_depth(config, depth), settings["method"], settings["seq_len_tokens"],
                              batch_size=settings["batch_size"], dtype=dtype, **options)
 
-    est = estimate_by_depth(record, config.num_hidden_layers, gpu_model(settings["gpu"]))
+    est = estimate_by_depth(record, config, gpu_model(settings["gpu"]))
     measured = settings["measured_ms"]
     ratio = f"{est.step_time_ms / measured:.3f}" if measured else ""
     same = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size", "head_partition_size")

@@ -8,7 +8,8 @@
 - `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
   paper's advice: fewer and larger chunks), or that nothing fits.
 - `--gpu-model`: the estimated step time (`step.step_estimate.estimate_step`, labelled estimated) at each
-  method's maximum and at each `--at` length.
+  method's maximum and at each `--at` length, with its band (`StepEstimate.band_s`) and regime
+  (`StepEstimate.regime`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class StepAt:
     seq_len_tokens: int
     spec: StepSpec | None
     estimated_ms: float | None = None
+    band_ms: tuple[float, float] | None = None
+    """The range the real step should lie in (`StepEstimate.band_s`); None when not estimated."""
+    regime: str = ""
+    """What bounds the estimated step ('attention-bound', `StepEstimate.regime`); empty when not estimated."""
     label: str = ""
     """The method's row label ('streambp + offload'); the method's name when empty."""
     pcie: dict | None = None
@@ -68,7 +73,9 @@ class StepAt:
         pcie = {} if self.pcie is None else {"estimated_pcie": self.pcie}
         return {"method": self.method, "label": self.label or self.method,
                 "seq_len_tokens": self.seq_len_tokens, "fits": spec is not None,
-                **sizes, "estimated_step_time_ms": self.estimated_ms, **pcie,
+                **sizes, "estimated_step_time_ms": self.estimated_ms,
+                "estimated_step_time_band_ms": None if self.band_ms is None else list(self.band_ms),
+                "estimated_regime": self.regime or None, **pcie,
                 **({} if self.all_to_all_gib is None else {"estimated_all_to_all_gib": self.all_to_all_gib,
                                                            "interconnect": self.interconnect})}
 
@@ -118,9 +125,10 @@ def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run)
     estimate = estimate_step(run, extras.gpu, plan.resolved)
     sent = estimate.all_to_all_bytes
+    low_s, high_s = estimate.band_s
     return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=run, estimated_ms=estimate.step_time_ms,
-                  pcie=copies_of(estimate), all_to_all_gib=None if sent is None else sent / 2**30,
-                  interconnect=estimate.interconnect)
+                  band_ms=(1e3 * low_s, 1e3 * high_s), regime=estimate.regime, pcie=copies_of(estimate),
+                  all_to_all_gib=None if sent is None else sent / 2**30, interconnect=estimate.interconnect)
 
 
 def to_dict(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...] = ()) -> dict:
@@ -135,7 +143,8 @@ def to_dict(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...] = ()
 def render_table(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...] = ()) -> Table:
     """Per method and length: the partitions that run there and the estimated step time; `automatic` as
     in `to_dict`."""
-    gpu = "" if extras.gpu is None else f"; step time estimated for {extras.gpu.name}"
+    gpu = "" if extras.gpu is None else (f"; step time estimated for {extras.gpu.name}, with the band the "
+                                         "published steps lie in")
     searched = f" (the search ran with {MIN_AUTO_PARTITION}-token partitions, which reach furthest)" if (
         automatic) else ""
     copies = [step.pcie for step in steps if step.pcie is not None]
@@ -148,7 +157,8 @@ def render_table(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...]
     table = Table(title=title, title_justify="left")
     pcie_columns = ("GiB to host / to device", "PCIe s", "not hidden s") if copies else ()
     sequence = any(step.all_to_all_gib is not None for step in steps)
-    for column in ("method", "length", "partition", "head partition", "est. step s", *pcie_columns,
+    estimated = ("est. step s", "band s", "regime") if extras.gpu is not None else ("est. step s",)
+    for column in ("method", "length", "partition", "head partition", *estimated, *pcie_columns,
                    *(("all-to-all GiB sent",) if sequence else ())):
         table.add_column(column, justify="left" if column == "method" else "right")
     for step in steps:
@@ -157,9 +167,16 @@ def render_table(steps: list[StepAt], extras: Extras, automatic: tuple[str, ...]
             f"{spec.stream.partition_size:,}", f"{spec.stream.head_partition_size:,}")
         fits = "" if spec is not None else " (does not fit)"
         sent = ("-" if step.all_to_all_gib is None else f"{step.all_to_all_gib:,.0f}",) if sequence else ()
+        pcie = _pcie_cells(step.pcie) if copies else ()
         table.add_row(step.label or step.method, f"{step.seq_len_tokens:,}{fits}", *sizes,
-                      step_seconds(step.estimated_ms), *(_pcie_cells(step.pcie) if copies else ()), *sent)
+                      *_estimate_cells(step, len(estimated)), *pcie, *sent)
     return table
+
+
+def _estimate_cells(step: StepAt, columns: int) -> tuple[str, ...]:
+    """The estimated step time, then (`columns` 3) its band and regime; '-' where not estimated."""
+    band = "-" if step.band_ms is None else f"{step.band_ms[0] / 1e3:,.2f}-{step.band_ms[1] / 1e3:,.2f}"
+    return (step_seconds(step.estimated_ms), band, step.regime or "-")[:columns]
 
 
 def _pcie_cells(pcie: dict | None) -> tuple[str, str, str]:

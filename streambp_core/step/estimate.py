@@ -30,8 +30,10 @@ backward. PCIe assumed per direction: 64 GB/s on H100 and H200 (Gen5 x16), 32 GB
 x16), the links' nominal rates. The host optimizer step (optimizer tier) runs on the CPU after backward,
 hidden by nothing: `HOST_ADAM_BYTES_PER_PARAM` streamed per trainable parameter at the host's DRAM
 bandwidth (`GpuModel.host_dram_bytes_per_s`, the reference board's two CPU sockets at their datasheet
-rate). Depth: the ops of a 1-layer and a 2-layer model are recorded and the difference is scaled to the
-full depth (every decoder layer dispatches the same ops), so a 36-layer model costs two short meta steps.
+rate). Depth (`estimate_by_depth`): the ops of the model cut to two depths that are whole periods of its layer
+pattern apart (`step.depth.depth_plan` with `min_layers=1`: 1 and 2 layers on a uniform model, 4 and 8 on
+Qwen3.5's 3-linear-1-full hybrid) are recorded and the difference scaled to the full depth (every whole
+period dispatches the same ops), so a 36-layer model costs two short meta steps.
 
 The estimate's band and regime (`StepEstimate.band_s`, `StepEstimate.regime`): every row of the committed
 published-step-time table lies within `STEP_BAND` of its estimate, which is the band an estimate carries;
@@ -44,8 +46,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from transformers import PretrainedConfig
+
 from streambp_core.config import ConfigError
 from streambp_core.step.attention_kernels import attention_efficiency, attention_kernel
+from streambp_core.step.depth import depth_plan
 from streambp_core.step.ops import OpRecord
 
 MATMUL_EFFICIENCY = 0.70
@@ -199,19 +204,24 @@ def host_optimizer_s(trainable_params: int, gpu: GpuModel) -> float:
     return trainable_params * HOST_ADAM_BYTES_PER_PARAM / (gpu.host_dram_bytes_per_s * HOST_DRAM_EFFICIENCY)
 
 
-def estimate_by_depth(record_step: Callable[[int], Sequence[OpRecord]], num_layers: int,
+def estimate_by_depth(record_step: Callable[[int], Sequence[OpRecord]], config: PretrainedConfig,
                       gpu: GpuModel, kernel: str | None = None, key_scale: float = 1.0) -> StepEstimate:
-    """Estimate a `num_layers`-deep step from `record_step(depth)`, the ops of the same step on a model
-    cut to `depth` layers, called with depths 1 and 2: step(L) = step(1) + (L - 1) x (step(2) - step(1)).
+    """Estimate a step of the model `config` from `record_step(depth)`, the ops of the same step on the
+    model cut to `depth` layers (`depth.with_depth`). Steps: take the two depths of
+    `depth.depth_plan(config, min_layers=1)`, a whole number of periods of the layer pattern apart (1 and
+    2 on a uniform model); estimate each depth's ops; extend each part by the difference once per whole
+    period left to the full depth (`DepthPlan.periods_to_add`). Without a shallower pair (a model of 1 or
+    2 layers, or per-layer lists of unknown meaning: `depth.layer_kinds`) the full depth is recorded.
     `kernel`, `key_scale`: as `op_time_s`."""
-    one = estimate_ops(record_step(1), gpu, kernel=kernel, key_scale=key_scale)
-    if num_layers == 1:
-        return one
-    two = estimate_ops(record_step(2), gpu, kernel=kernel, key_scale=key_scale)
-    extra = num_layers - 1
+    plan = depth_plan(config, min_layers=1)
+    if plan is None:
+        return estimate_ops(record_step(config.num_hidden_layers), gpu, kernel=kernel, key_scale=key_scale)
+    shallow, deep = (estimate_ops(record_step(depth), gpu, kernel=kernel, key_scale=key_scale)
+                     for depth in plan.depths)
 
     def extend(field: str) -> float:
-        return getattr(one, field) + extra * (getattr(two, field) - getattr(one, field))
+        at_shallow = getattr(shallow, field)
+        return at_shallow + plan.periods_to_add * (getattr(deep, field) - at_shallow)
 
     return StepEstimate(gpu.name, extend("matmul_s"), extend("attention_s"), extend("other_s"),
-                        extend("launch_s"), round(extend("launches")), kernel=one.kernel)
+                        extend("launch_s"), round(extend("launches")), kernel=shallow.kernel)

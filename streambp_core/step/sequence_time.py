@@ -76,7 +76,7 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
         if key not in model.memo:
             model.memo[key] = estimate_by_depth(
                 lambda depth: spec_step_ops(build_setup(key[1], model.at_depth(depth), "meta"), model.memo),
-                model.num_layers, gpu, kernel, key_scale)
+                model.config, gpu, kernel, key_scale)
         return model.memo[key]
 
     lengths = [spec.sp * tokens for tokens in REFERENCE_TOKENS]

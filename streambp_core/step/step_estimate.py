@@ -14,13 +14,14 @@ from streambp_core.step.sequence_time import estimate_sequence_step, host_step_s
 
 def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     """Estimated time of one step of `spec` (a `StepSpec`) on `gpu`: the ops of its step on meta tensors
-    at 1 and 2 layers scaled to the full depth (`estimate_by_depth`), attention at the speed of the kernel
-    `spec.stream.attn` runs on `gpu` (`attention_kernels.attention_kernel`), plus offload copies not
-    hidden by compute (bytes each way from `simulate`, at `gpu.pcie_bytes_per_s` per direction) and the
-    host optimizer step. `model`: the spec's model resolved once (`step.resolved.ResolvedModel`, whose
-    memo of meta kernels the calls share; None: resolved here). A step over several GPUs (`spec.gpus` >
-    1, sequence parallel or not) is one rank's (`sequence_time`): the same `StepEstimate`, its
-    collectives in `all_to_all_bytes`, `all_to_all_s`, `zero_s` and `interconnect`."""
+    at two depths whole periods of its layer pattern apart, scaled to the full depth (`estimate_by_depth`),
+    attention at the speed of the kernel `spec.stream.attn` runs on `gpu`
+    (`attention_kernels.attention_kernel`), plus offload copies not hidden by compute (bytes each way from
+    `simulate`, at `gpu.pcie_bytes_per_s` per direction) and the host optimizer step. `model`: the spec's
+    model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
+    resolved here). A step over several GPUs (`spec.gpus` > 1, sequence parallel or not) is one rank's
+    (`sequence_time`): the same `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`,
+    `zero_s` and `interconnect`."""
     from streambp_core.step.ops import spec_step_ops
     from streambp_core.step.resolved import resolved
     from streambp_core.step.setup import build_setup
@@ -31,7 +32,7 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     kernel = attention_kernel(spec.stream.attn, gpu.name)
     estimate = estimate_by_depth(
         lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
-        model.num_layers, gpu, kernel)
+        model.config, gpu, kernel)
     if not spec.stream.offload:
         return estimate
     from streambp_core.step.simulate import simulate

@@ -16,6 +16,7 @@ from streambp_core.step.estimate import gpu_model
 STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--budget-gib", "0.00466",
         "--ps", "auto", "--ps-head", "auto", "--gpu-model", "h100", "--device", "sim"]
 """At 1024 tokens in 5,003,706 bytes the largest partitions that fit are (171, 256)."""
+REGIMES = {f"{part}-bound" for part in ("GEMM", "attention", "memory", "PCIe", "interconnect", "host")}
 
 
 @pytest.mark.slow
@@ -43,9 +44,11 @@ def test_max_len_reports_the_partitions_that_reach_a_length_and_its_step_time(tm
     assert settings["searched_partitions"] == [64, 64]
     at_max, at_1024 = document["steps"]
     estimated_ms = at_1024.pop("estimated_step_time_ms")
+    band_ms, regime = at_1024.pop("estimated_step_time_band_ms"), at_1024.pop("estimated_regime")
     assert at_1024 == {"method": "streambp", "label": "streambp", "seq_len_tokens": 1024, "fits": True,
                        "partition_size": 171, "head_partition_size": 256}
-    assert estimated_ms > 0
+    assert estimated_ms > 0 and band_ms == pytest.approx([estimated_ms / 1.25, estimated_ms / 0.75])
+    assert regime in REGIMES
     assert at_max["seq_len_tokens"] == document["results"][0]["max_len_tokens"] > 1024
     rows = {row.metric: row for row in ResultsFile(out).rows() if row.seq_len_tokens in (0, 1024)}
     assert (rows["max_len"].partition_size, rows["max_len"].head_partition_size) == (
@@ -91,3 +94,17 @@ def test_max_len_with_offload_shows_the_copies_pcie_time_at_the_gpus_bandwidth()
     assert "PCIe at 64 GB/s one way" in table.title
     assert [column.header for column in table.columns][-3:] == [
         "GiB to host / to device", "PCIe s", "not hidden s"]
+
+
+def test_the_max_len_table_gives_each_estimated_step_its_band_and_regime() -> None:
+    """With --gpu-model every estimated step time is labelled estimated and shown with its band (the
+    estimate / 1.25 to / 0.75, `StepEstimate.band_s`) and regime; a step that does not fit shows none."""
+    fits = auto.StepAt(method="streambp", seq_len_tokens=1024, spec=None, estimated_ms=2_000.0,
+                       band_ms=(1_600.0, 2_666.7), regime="attention-bound")
+    misses = auto.StepAt(method="checkpoint", seq_len_tokens=1024, spec=None)
+    table = auto.render_table([fits, misses], auto.Extras(gpu=gpu_model("h100")))
+    assert "step time estimated for NVIDIA H100 SXM5 80GB" in table.title
+    headers = [column.header for column in table.columns]
+    cells = {header: list(column.cells) for header, column in zip(headers, table.columns, strict=True)}
+    assert cells["est. step s"] == ["2.00", "-"]
+    assert cells["band s"] == ["1.60-2.67", "-"] and cells["regime"] == ["attention-bound", "-"]

@@ -1,5 +1,6 @@
 """Depth extrapolation on models whose layers differ by position: the shallow models are whole periods of
-the layer pattern, every per-layer property at its index, and the extrapolated peak is the full depth's."""
+the layer pattern, every per-layer property at its index, and the extrapolated peak and estimated step
+time are the full depth's."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import pytest
 from streambp_core.config import StepSpec
 from streambp_core.models import load_config, tiny_config
 from streambp_core.step.depth import depth_plan, layer_kinds, with_depth
+from streambp_core.step.estimate import GPU_MODELS, estimate_ops
+from streambp_core.step.ops import spec_step_ops
 from streambp_core.step.resolved import ResolvedModel
+from streambp_core.step.setup import build_setup
 from streambp_core.step.simulate import simulate
+from streambp_core.step.step_estimate import estimate_step
 
 SMALL = dict(partition_size=32, head_partition_size=16, dtype="bfloat16")
 NOPE_EVERY_4TH = [1, 1, 1, 0] * 3
@@ -84,3 +89,26 @@ def test_one_sharded_rank_of_a_pattern_extrapolates_to_its_full_depth_peak() -> 
     extrapolated, full = simulate(spec, model), simulate(spec, model, depth="full")
     assert min(extrapolated.breakdown_bytes.values()) >= 0
     assert abs(extrapolated.peak_bytes - full.peak_bytes) <= 0.01 * full.peak_bytes
+
+
+def test_a_uniform_models_step_time_is_estimated_from_one_and_two_layers() -> None:
+    plan = depth_plan(tiny_config("qwen3", num_hidden_layers=6), min_layers=1)
+    assert plan is not None and plan.depths == (1, 2) and plan.periods_to_add == 5
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_estimated_step_time_is_the_full_depth_estimate_on_each_layer_pattern(pattern: str) -> None:
+    """`estimate_step` extrapolates from whole periods (`depth_plan(min_layers=1)`, here the depths the
+    memory simulation uses): every part equals the estimate of the ops recorded at full depth (1 and 2
+    layers, as before, missed the MoE, full-attention or dense layers of the pattern)."""
+    family, overrides, depths = PATTERNS[pattern]
+    model = ResolvedModel(tiny_config(family, **overrides))
+    spec = StepSpec.of(model=f"tiny/{family}", method="streambp", seq_len_tokens=64, **SMALL)
+    gpu = GPU_MODELS["h100"]
+    assert depth_plan(model.config, min_layers=1).depths == depths
+    extrapolated = estimate_step(spec, gpu, model)
+    full = estimate_ops(spec_step_ops(build_setup(spec, model.config, "meta"), model.memo), gpu,
+                        kernel=extrapolated.kernel)
+    assert extrapolated.launches == full.launches
+    for part in ("matmul_s", "attention_s", "other_s", "launch_s"):
+        assert getattr(extrapolated, part) == pytest.approx(getattr(full, part), rel=1e-3), part

@@ -80,7 +80,7 @@ def test_the_length_fit_matches_recording_every_op(tiny, monkeypatch):
     fitted = sequence_time.fitted_estimate(spec, gpu, tiny)
     kernel = attention_kernel(spec.stream.attn, gpu.name)
     direct = estimate_by_depth(lambda depth: spec_step_ops(build_setup(spec, tiny.at_depth(depth), "meta")),
-                               tiny.num_layers, gpu, kernel)
+                               tiny.config, gpu, kernel)
     for field in ("matmul_s", "attention_s", "other_s", "launch_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(direct, field), rel=0.02), field
 

@@ -77,7 +77,7 @@ def test_depth_extrapolation_equals_the_full_model():
                              head_partition_size=8)
 
     gpu = gpu_model("a100")
-    extrapolated = estimate_by_depth(record, 3, gpu)
+    extrapolated = estimate_by_depth(record, config, gpu)
     full = estimate_ops(record(3), gpu)
     assert extrapolated.launches == full.launches
     assert extrapolated.step_time_ms == pytest.approx(full.step_time_ms, rel=1e-9)
