@@ -215,3 +215,25 @@ def test_prepare_refuses_params_on_plain_and_takes_a_tuple():
         assert str(run.config.offload) == "checkpoints,params"
         assert run.host_params is not None
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["plain", "streambp"])
+def test_close_takes_the_host_optimizers_hooks_off(method):
+    """A run closed after stepping its host optimizer leaves the model plain: a plain run prepared on it
+    next keeps its gradients on the parameters, equal to those of a model that never had the tier."""
+    model = _model("qwen2")  # tied embedding and head
+    ref_model = copy.deepcopy(model)
+    inputs = _batch(model, "sft")
+    with streambp_core.prepare(model, method, partition_size=4, head_partition_size=3,
+                               offload="optimizer") as run:
+        optimizer = run.adamw(lr=1e-2)
+        run.loss(**inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    ref_model.load_state_dict(model.state_dict())
+    for target in (model, ref_model):
+        with streambp_core.prepare(target, "plain") as run:
+            run.loss(**inputs).backward()
+    assert optimizer.pending_sends(model.model.embed_tokens.weight) == 0
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
