@@ -237,3 +237,19 @@ def test_close_takes_the_host_optimizers_hooks_off(method):
     assert optimizer.pending_sends(model.model.embed_tokens.weight) == 0
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied embedding and head
+@pytest.mark.parametrize("method", ["checkpoint", "mst", "streambp"])
+def test_params_tier_never_raises_the_simulated_peak(method, family):
+    """Weights gathered a unit at a time are a subset of the resident weights, and nothing else changes:
+    the params tier's simulated peak is at most the resident step's, with fewer weight bytes at it."""
+    from streambp_core.step.simulate import simulate
+
+    fields = dict(model=f"tiny/{family}", method=method, seq_len_tokens=300, partition_size=32,
+                  head_partition_size=16)
+    resident = simulate(StepSpec.of(offload="none", **fields))
+    gathered = simulate(StepSpec.of(offload="params", **fields))
+    assert gathered.peak_bytes <= resident.peak_bytes
+    assert gathered.breakdown_bytes["weights"] < resident.breakdown_bytes["weights"]
+    assert gathered.to_device_bytes > 0 and gathered.to_host_bytes == 0  # weights gathered, never written
