@@ -125,7 +125,7 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         f"{plan.specs[0].dtype}, batch {plan.specs[0].batch_size}"
     )
     lengths = Table(title=title, title_justify="left")
-    host = (f"host GiB ({host_bound(plan)})", "copied GiB each way") if plan.offloads else ()
+    host = (f"host GiB ({host_bound(plan)})", "copied GiB to host / to device") if plan.offloads else ()
     scale, unit = memory_unit([peak for r in results if (peak := peak_gib(r)) is not None])
     columns = ("method", "max length", "bracket (fits, fails)", f"peak {unit}", *host, "source", "x ckpt")
     for column in columns:
@@ -139,7 +139,8 @@ def render_tables(plan: Plan, results: list[MethodResult]) -> tuple[Table, Table
         lo, hi = r.search.bracket
         peak, parts, ratio = peak_gib(r), breakdown_gib(r), ratio_to_checkpoint(results, r)
         moved = host_gib(r)
-        host_cells = [_gib(moved["host_peak_gib"]), _gib(moved["to_host_gib"])] if plan.offloads else []
+        copied = f"{_gib(moved['to_host_gib'])} / {_gib(moved['to_device_gib'])}"
+        host_cells = [_gib(moved["host_peak_gib"]), copied] if plan.offloads else []
         lengths.add_row(
             r.label,
             max_len_cell(r.search),
@@ -229,10 +230,10 @@ def _offload_line(plan: Plan) -> str:
     return ("+ offload: checkpoints in host memory (checkpoint: transformers' own checkpoint offload; "
             "mst + offload: the ALST single-GPU recipe, tiled MLP + tiled loss + checkpoint offload; "
             "streambp: each layer's input in pinned host memory, prefetched a layer ahead); peak GiB is "
-            f"the device's; host GiB = the host pool's peak, {bound}; copied GiB each way = bytes copied "
-            "device -> host, and host -> device, per step (+ offload TIERS: optimizer = AdamW's states and "
-            "fp32 masters on the host, gradients sent as each is complete; params = weights on the host, "
-            "each layer gathered for its forward and its backward).")
+            f"the device's; host GiB = the host pool's peak, {bound}; copied GiB to host / to device = "
+            "bytes copied device -> host, and host -> device, per step (+ offload TIERS: optimizer = AdamW's "
+            "states and fp32 masters on the host, gradients sent as each is complete; params = weights on "
+            "the host, each layer gathered for its forward and its backward).")
 
 
 def _train_lines(results: list[MethodResult]) -> list[str]:

@@ -86,6 +86,8 @@ class Run:
         self.host_grads: UnitGrads | None = None
         """With the optimizer tier, the units whose backward adds to a parameter's gradient chunk by chunk,
         each handing its gradients to the host once, as its backward ends (`engine.host.unit_grads`)."""
+        self._host_optimizers: list = []
+        """The `HostAdamW`s `adamw()` gave, whose gradient hooks `close()` takes off."""
         try:
             dtype = self.parts.embed.weight.dtype
             self._widened = islands_in_at_least_float32(model, dtype)
@@ -209,6 +211,8 @@ class Run:
                     self.zero3.close()
                 if self.host_grads is not None:
                     self.host_grads.close()
+                for optimizer in self._host_optimizers:  # else they take a later run's gradients
+                    optimizer.remove_hooks()
                 self._teardown()
                 if self._reduction is not None:
                     self._reduction.disarm()
@@ -231,10 +235,16 @@ class Run:
 
     def adamw(self, *, lr: float = 1e-5, **options) -> torch.optim.Optimizer:
         """AdamW over the model's trainable parameters: in host memory (`HostAdamW`) with the optimizer
-        tier, else torch's on the device. Options as torch.optim.AdamW's (lr, betas, eps, weight_decay)."""
-        from streambp_core.engine.host.optimizer import adamw
+        tier, else torch's on the device. Options as torch.optim.AdamW's (lr, betas, eps, weight_decay).
+        `close()` takes a host optimizer's gradient hooks off (its later steps apply `.grad` as it is)."""
+        from streambp_core.engine.host.optimizer import HostAdamW, adamw
 
-        return adamw(self.model, self.config.offload.optimizer, lr=lr, **options)
+        if self._closed:
+            raise RuntimeError(f"this {self.method} run was closed; prepare the model again")
+        optimizer = adamw(self.model, self.config.offload.optimizer, lr=lr, **options)
+        if isinstance(optimizer, HostAdamW):
+            self._host_optimizers.append(optimizer)
+        return optimizer
 
     def _host_params(self, device) -> HostParams:
         """The params tier for this method: units bracketed by module hooks (`host_tier.hooked_params`)."""

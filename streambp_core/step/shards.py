@@ -158,6 +158,16 @@ def _unit(params: list[nn.Parameter], gpus: int) -> UnitBytes:
     return UnitBytes(**sizes)
 
 
+def check_sharded_params(spec: StepSpec) -> None:
+    """ConfigError for the params tier under an FSDP2 stage (zero2, zero3): the engine's FSDP2 run has no
+    parameter offload, and this layout takes the simulated step's weights as the whole model's (with the
+    tier they are one gathered unit: Qwen3-8B on 8 ranks at 4,400 tokens came out at -2.4 GiB)."""
+    if spec.offload.params and spec.shard in FSDP_STAGES:
+        raise ConfigError(f"offload params with {spec.shard} is not simulated (FSDP2 as the engine runs it "
+                          "keeps its parameter shards on the device); use --shard deepspeed-zero3 "
+                          "(DeepSpeed's offload_param)")
+
+
 def sharded_breakdown(
     breakdown_bytes: dict[str, int], layout: ShardLayout, stage: str, phase: str = "backward"
 ) -> dict[str, int]:

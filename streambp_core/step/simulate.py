@@ -68,7 +68,7 @@ from streambp_core.step.resolved import ResolvedModel, resolved
 from streambp_core.step.run import tracked_step
 from streambp_core.step.sequence_layout import SequenceLayout, check_sequence_parallel, sharded_host
 from streambp_core.step.setup import build_setup, build_training_model
-from streambp_core.step.shards import ShardLayout, rank_breakdown
+from streambp_core.step.shards import ShardLayout, check_sharded_params, rank_breakdown
 
 KEEP_CHUNKS = 3
 """Chunks kept at each end of an engine chunk loop when thinning."""
@@ -148,6 +148,7 @@ def simulate(
         )
     check_sequence_parallel(spec, config)
     check_deepspeed_offload(spec)
+    check_sharded_params(spec)
     total = config.num_hidden_layers
     plan = model.depth_plan if depth == "extrapolate" else None
     depths = (total,) if plan is None else plan.depths

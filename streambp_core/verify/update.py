@@ -8,8 +8,8 @@ Steps of `adamw_step`:
    tier, else torch's on the device), run forward and backward.
 3. Read each gradient where the optimizer will take it: `.grad`, or with the optimizer tier the host copies
    `HostAdamW.host_gradient` sums exactly as its step does.
-4. Step, take `HostAdamW`'s hooks off, close the run, and take update = weight after - weight before; put
-   the weights back, so the next method starts from the same ones.
+4. Step, close the run (which takes `HostAdamW`'s hooks off), and take update = weight after - weight
+   before; put the weights back, so the next method starts from the same ones.
 """
 
 from __future__ import annotations
@@ -37,17 +37,13 @@ def adamw_step(model: PreTrainedModel, step: StepSpec, batch: Batch) -> tuple[Te
         param.grad = None
     labels, inputs = objective_inputs(step.objective, batch, step.seed)
     with streambp_core.prepare(model, step.method, step.stream) as run:
-        optimizer = run.adamw(lr=VERIFY_LR)
-        try:
-            loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels,
-                            position_ids=batch.position_ids, **inputs)
-            loss.backward()
-            grads = {name: _gradient(optimizer, p) for name, p in trainable.items()}
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        finally:
-            if isinstance(optimizer, HostAdamW):  # its hooks would take the next method's gradients
-                optimizer.remove_hooks()
+        optimizer = run.adamw(lr=VERIFY_LR)  # closing the run takes a HostAdamW's hooks off
+        loss = run.loss(batch.input_ids, attention_mask=batch.attention_mask, labels=labels,
+                        position_ids=batch.position_ids, **inputs)
+        loss.backward()
+        grads = {name: _gradient(optimizer, p) for name, p in trainable.items()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         updates = {name: p.detach() - before[name] for name, p in trainable.items()}
         for name, param in trainable.items():

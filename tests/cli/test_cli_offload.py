@@ -38,9 +38,11 @@ def test_max_len_offload_both_searches_each_method_with_and_without(runner):
 def test_max_len_table_labels_offloaded_rows_and_shows_the_host_pool(runner):
     result = runner.invoke(app, [*MAX_LEN, "--method", "mst", "--offload", "checkpoints"])
     assert result.exit_code == 0, result.output
-    for text in ("mst + offload", "host GiB", "copied GiB each way", "ALST", "reported, not bounded",
-                 "offloaded (host)"):
+    for text in ("mst + offload", "host GiB", "copied GiB to host / to device", "ALST",
+                 "reported, not bounded", "offloaded (host)"):
         assert text in result.stdout
+    (row,) = [line for line in result.stdout.splitlines() if "mst + offload" in line and "simulated" in line]
+    assert " / " in row  # the bytes each way: the params and optimizer tiers copy more one way than back
     assert "host GiB" not in runner.invoke(app, [*MAX_LEN, "--method", "plain"]).stdout
 
 

@@ -203,3 +203,44 @@ def test_verify_of_an_eager_only_family_under_sdpa_passes(runner):
                                  "--ps-head", "8"])
     assert result.exit_code == 0, result.output
     assert "all methods match plain" in result.stdout
+
+
+@pytest.mark.parametrize(("offload", "optimizer", "methods", "left_out"), [
+    ("none", "none", "checkpoint,mst,streambp", ""),  # plain is the reference itself
+    ("optimizer", "adamw", "plain,checkpoint,mst,streambp", ""),
+    ("checkpoints", "none", "checkpoint,mst,streambp", "offload checkpoints does not apply to it"),
+    ("params", "none", "checkpoint,mst,streambp", "offload params does not apply to it"),
+    ("all", "adamw", "checkpoint,mst,streambp", "offload checkpoints,params does not apply to it"),
+])
+def test_verify_default_methods_say_when_plain_is_left_out(offload, optimizer, methods, left_out):
+    from streambp_bench.commands.verify.grads import default_methods
+    from streambp_core.tiers import Tiers
+
+    chosen, notes = default_methods(Tiers.of(offload), optimizer)
+    assert chosen == methods
+    expected = [True] if left_out else []
+    assert [left_out in note and "plain is left out" in note for note in notes] == expected
+
+
+def test_verify_without_method_notes_plain_left_out_of_offloaded_checks(runner):
+    """--offload checkpoints with the default methods: plain cannot take the tier, and a note under the
+    table says it was left out and why (also in the JSON document); a --method given has no such note."""
+    args = [*TINY_VERIFY, "--dtype", "float64", "--offload", "checkpoints"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "note: plain is left out of the methods checked: offload checkpoints" in result.stdout
+    document = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    assert [entry["method"] for entry in document["results"]] == ["checkpoint", "mst", "streambp"]
+    assert len(document["notes"]) == 1 and "keeps no checkpoints" in document["notes"][0]
+    named = runner.invoke(app, [*args, "--method", "checkpoint", "--json"])
+    assert named.exit_code == 0 and json.loads(named.stdout)["notes"] == []
+
+
+def test_verify_without_method_checks_plain_with_the_optimizer_tier(runner):
+    args = [*TINY_VERIFY, "--dtype", "float64", "--optimizer", "adamw", "--offload", "optimizer", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert [entry["method"] for entry in document["results"]] == ["plain", "checkpoint", "mst", "streambp"]
+    assert document["notes"] == [] and document["ok"]
+    assert all(entry["max_update_err"] <= 1e-12 for entry in document["results"])

@@ -215,3 +215,41 @@ def test_prepare_refuses_params_on_plain_and_takes_a_tuple():
         assert str(run.config.offload) == "checkpoints,params"
         assert run.host_params is not None
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["plain", "streambp"])
+def test_close_takes_the_host_optimizers_hooks_off(method):
+    """A run closed after stepping its host optimizer leaves the model plain: a plain run prepared on it
+    next keeps its gradients on the parameters, equal to those of a model that never had the tier."""
+    model = _model("qwen2")  # tied embedding and head
+    ref_model = copy.deepcopy(model)
+    inputs = _batch(model, "sft")
+    with streambp_core.prepare(model, method, partition_size=4, head_partition_size=3,
+                               offload="optimizer") as run:
+        optimizer = run.adamw(lr=1e-2)
+        run.loss(**inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    ref_model.load_state_dict(model.state_dict())
+    for target in (model, ref_model):
+        with streambp_core.prepare(target, "plain") as run:
+            run.loss(**inputs).backward()
+    assert optimizer.pending_sends(model.model.embed_tokens.weight) == 0
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied embedding and head
+@pytest.mark.parametrize("method", ["checkpoint", "mst", "streambp"])
+def test_params_tier_never_raises_the_simulated_peak(method, family):
+    """Weights gathered a unit at a time are a subset of the resident weights, and nothing else changes:
+    the params tier's simulated peak is at most the resident step's, with fewer weight bytes at it."""
+    from streambp_core.step.simulate import simulate
+
+    fields = dict(model=f"tiny/{family}", method=method, seq_len_tokens=300, partition_size=32,
+                  head_partition_size=16)
+    resident = simulate(StepSpec.of(offload="none", **fields))
+    gathered = simulate(StepSpec.of(offload="params", **fields))
+    assert gathered.peak_bytes <= resident.peak_bytes
+    assert gathered.breakdown_bytes["weights"] < resident.breakdown_bytes["weights"]
+    assert gathered.to_device_bytes > 0 and gathered.to_host_bytes == 0  # weights gathered, never written

@@ -165,3 +165,18 @@ def test_simulated_host_pool_extrapolates_exactly_and_plain_spec_refuses_offload
     assert extrapolated.peak_bytes == full.peak_bytes
     with pytest.raises(ConfigError, match="does not apply to plain"):
         StepSpec.of(model="tiny/qwen3", method="plain", offload="checkpoints")
+
+
+@pytest.mark.parametrize("shard", ["zero2", "zero3"])
+def test_params_tier_under_fsdp2_is_refused_by_name_not_laid_out_below_zero(shard):
+    """The FSDP2 layout takes the simulated step's weights as the whole model's; with the params tier they
+    are one gathered unit, and the rank's weights came out negative. DeepSpeed ZeRO-3 lays it out."""
+    from streambp_core.config import StepSpec
+    from streambp_core.step.simulate import simulate
+
+    fields = dict(model="tiny/qwen3", method="streambp", seq_len_tokens=128, partition_size=32,
+                  head_partition_size=32, gpus=2, offload="params")
+    with pytest.raises(ConfigError, match=f"offload params with {shard} is not simulated"):
+        simulate(StepSpec.of(shard=shard, **fields))
+    result = simulate(StepSpec.of(shard="deepspeed-zero3", **fields))
+    assert min(result.breakdown_bytes.values()) >= 0 and result.peak_bytes > 0

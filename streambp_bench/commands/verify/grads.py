@@ -23,8 +23,9 @@ from streambp_bench.commands.verify.options import STEP, takes
 from streambp_bench.errors import user_errors
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list
-from streambp_core.config import ConfigError, StepSpec
+from streambp_core.config import VERIFY_METHODS, ConfigError, StepSpec
 from streambp_core.models.config_file import precheck_model
+from streambp_core.tiers import Tiers, tier_problem
 
 if TYPE_CHECKING:
     from streambp_core.verify.methods import VerifyReport, VerifySpec
@@ -50,6 +51,9 @@ HELP = (
     "[bold]--head-mode fused[/] checks streambp's fused LM head (each chunk's gradients taken in the "
     "forward pass; sft and grpo), [bold]auto[/] the head the objective allows (fused for sft and grpo); "
     "the default is the recomputing head.\n\n"
+    "Without --method, checkpoint, mst and streambp are checked, and plain too when it takes the tiers "
+    "(--offload optimizer: plain with AdamW on the host); where it cannot (checkpoints, params) a note under "
+    "the table says plain was left out and why.\n\n"
     "The subcommands check the same across ranks and trainers, each with the options that apply to it: "
     "[bold]verify fsdp[/] (torch FSDP2), [bold]verify sp[/] (sequence parallelism), [bold]verify "
     "deepspeed[/] (DeepSpeed ZeRO) and [bold]verify trainer KIND[/] (transformers' Trainer and TRL's "
@@ -146,16 +150,38 @@ def _packing(spec) -> str:
     return f", packed documents {rows}"
 
 
-def print_report(report: VerifyReport, *, as_json: bool, refused: tuple[tuple[str, str], ...] = ()) -> None:
-    """Table and provenance line, or the JSON document, on stdout; `refused`: (method, why) of each
-    method left out (`without_refused`), a line each."""
-    document = report.to_dict() | {"refused": [{"method": method, "reason": why} for method, why in refused]}
-    emit(document, as_json, lambda console: _print_tables(console, report, refused))
+def default_methods(offload: Tiers, optimizer: str) -> tuple[str, tuple[str, ...]]:
+    """The methods `verify` checks when --method is not given, as a comma list, and the notes saying what
+    was left out: checkpoint, mst and streambp, and plain with tiers it takes (the optimizer tier; without
+    tiers plain is the reference itself). Where plain cannot take the tiers, a note names them and why."""
+    if not offload:
+        return ",".join(VERIFY_METHODS), ()
+    if tier_problem("plain", offload, optimizer) is None:
+        return ",".join(("plain", *VERIFY_METHODS)), ()
+    refused = ",".join(tier for tier in offload.names if tier != "optimizer")
+    why = "it keeps no checkpoints"
+    if offload.params:
+        why += " and cannot stream layers: autograd holds every layer's weights from forward to backward"
+    return ",".join(VERIFY_METHODS), (
+        f"note: plain is left out of the methods checked: offload {refused} does not apply to it ({why}); "
+        f"it runs only as the reference, on the device without offload.",)
 
 
-def _print_tables(console, report: VerifyReport, refused: tuple[tuple[str, str], ...]) -> None:
+def print_report(report: VerifyReport, *, as_json: bool, refused: tuple[tuple[str, str], ...] = (),
+                 notes: tuple[str, ...] = ()) -> None:
+    """Table, provenance line and `notes`, then a line for each method left out (`refused`: (method, why),
+    `without_refused`); or the JSON document, `refused` and `notes` under their keys; on stdout."""
+    document = report.to_dict() | {"refused": [{"method": method, "reason": why} for method, why in refused],
+                                   "notes": list(notes)}
+    emit(document, as_json, lambda console: _print_tables(console, report, refused, notes))
+
+
+def _print_tables(console, report: VerifyReport, refused: tuple[tuple[str, str], ...] = (),
+                  notes: tuple[str, ...] = ()) -> None:
     console.print(render_table(report))
     console.print(describe(report), soft_wrap=True)
+    for line in notes:
+        console.print(escape(line), soft_wrap=True)
     verdict = (
         "[green]all methods match plain[/]" if report.ok else "[bold red]some methods do not match plain[/]"
     )
@@ -242,21 +268,31 @@ def verify(*, ctx: typer.Context, **options) -> None:
         _refuse_options_before(ctx)
         return
     as_json = options.pop("as_json")
-    source = ctx.get_parameter_source("method")
-    every_method = options["method"].strip() == "all" or source is None or source.name == "DEFAULT"
+    notes: tuple[str, ...] = ()
+    every_method = _given(ctx, "method") is None or options["method"].strip() == "all"
+    if _given(ctx, "method") is None:
+        options["method"], notes = default_methods(options["offload"], options["optimizer"].value)
     spec, refused = without_refused(spec_from_options(**options), every_method=every_method)
     report = verify_with_progress(spec)
-    print_report(report, as_json=as_json, refused=refused)
+    print_report(report, as_json=as_json, refused=refused, notes=notes)
     if not report.ok:
         raise typer.Exit(code=1)
+
+
+def _given(ctx: typer.Context, name: str) -> str | None:
+    """The flag of option `name` when the command line (or the environment) gave it, else None."""
+    parameter = next(p for p in ctx.command.params if p.name == name)
+    source = ctx.get_parameter_source(name)
+    if source is None or source.name == "DEFAULT":  # typer may ship its own click: by name
+        return None
+    return parameter.opts[0]
 
 
 def _refuse_options_before(ctx: typer.Context) -> None:
     """ConfigError when an option stands before the subcommand's name, where it would be this check's."""
     for parameter in ctx.command.params:
-        source = ctx.get_parameter_source(parameter.name)
-        if source is not None and source.name != "DEFAULT":  # typer may ship its own click: by name
-            flag = parameter.opts[0]
+        flag = _given(ctx, parameter.name)
+        if flag is not None:
             raise ConfigError(f"{flag} before {ctx.invoked_subcommand!r} is the single-process check's: give "
                               f"it after the subcommand, streambp-bench verify {ctx.invoked_subcommand} "
                               f"{flag} ...")
