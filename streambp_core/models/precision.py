@@ -41,6 +41,9 @@ float64 (the math is transformers', step for step, only in float64). `build_mode
 engine's chunked linear attention computes under the same casts exactly when the module does
 (`delta_casts`).
 
+Gemma 4 has two: its RMSNorm (the weight optional: its V norm and its router's norm have none) and its
+router's softmax (`dtype=torch.float32`), both widened as above.
+
 A user's own float64 model (built without `build_model`): every prepared run widens the same islands for
 its duration, every method alike (`islands_in_at_least_float32`, and the eager softmax through
 `eager_in_at_least_float32(model, None)`), and gives the model back as it was when it closes. There a router
