@@ -79,8 +79,6 @@ def _refusal(run: Run) -> str | None:
         (zero_stage_of(run.model) is not None, "DeepSpeed ZeRO"),
         (any(is_sharded(layer) for layer in run.parts.layers), "FSDP2 sharding"),
         (run.router_aux is not None, "the router load-balancing loss (output_router_logits)"),
-        (bool(getattr(run.parts.backbone.config, "num_kv_shared_layers", 0)),
-         "keys and values shared across layers (num_kv_shared_layers)"),
     )
     return next((cause for refused, cause in causes if refused), None)
 

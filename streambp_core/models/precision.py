@@ -41,6 +41,9 @@ float64 (the math is transformers', step for step, only in float64). `build_mode
 engine's chunked linear attention computes under the same casts exactly when the module does
 (`delta_casts`).
 
+Gemma 4 has two: its RMSNorm (the weight optional: its V norm and its router's norm have none) and its
+router's softmax (`dtype=torch.float32`), both widened as above.
+
 A user's own float64 model (built without `build_model`): every prepared run widens the same islands for
 its duration, every method alike (`islands_in_at_least_float32`, and the eager softmax through
 `eager_in_at_least_float32(model, None)`), and gives the model back as it was when it closes. There a router
@@ -84,7 +87,18 @@ def _centred_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
     return (self.weight.to(work) * wide).to(x.dtype)
 
 
+def _optional_weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
+    """Gemma 4's RMSNorm, x / rms(x) times its weight where it has one (`with_scale`; its V norm has none), in
+    the wider of float32 and x's precision."""
+    work = at_least_float32(x.dtype)
+    normed = self._norm(x.to(work))
+    if self.with_scale:
+        normed = normed * self.weight.to(work)
+    return normed.type_as(x)
+
+
 FLOAT32_NORMS = {
+    "Gemma4RMSNorm": _optional_weight_norm_in_at_least_float32,
     **dict.fromkeys(("Gemma3RMSNorm", "Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm",
                      "Qwen3NextRMSNorm"), _norm_in_at_least_float32),
     "GptOssRMSNorm": _weight_norm_in_at_least_float32,
@@ -135,8 +149,9 @@ def _router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Te
     return router_logits, topk_weights, topk_indices
 
 
-FLOAT32_SIGMOID_ROUTERS = ("Llama4Router", "MiniMaxM2TopKRouter")
-"""Class names of routers whose sigmoid is float32 whatever the model's precision (their weight is not)."""
+FLOAT32_SIGMOID_ROUTERS = ("Llama4Router", "MiniMaxM2TopKRouter", "Gemma4TextRouter")
+"""Class names of routers whose sigmoid (Gemma 4's: softmax) is float32 whatever the model's precision (their
+weight is not)."""
 
 
 def _sigmoid_router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
@@ -162,8 +177,21 @@ def _bias_sigmoid_router_in_at_least_float32(self, hidden_states: Tensor, e_scor
     return router_logits, top_k_weights, top_k_index
 
 
+def _softmax_router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """transformers' `Gemma4TextRouter.forward` with its softmax in the wider of float32 and the scores'
+    precision: scores of the unweighted-normed, scaled input; the top-k probabilities, normalised, times
+    each expert's scale are the weights."""
+    hidden_states = self.norm(hidden_states) * self.scale * self.scalar_root_size
+    expert_scores = self.proj(hidden_states)  # (n, E)
+    probabilities = F.softmax(expert_scores, dim=-1, dtype=at_least_float32(expert_scores.dtype))
+    top_k_weights, top_k_index = torch.topk(probabilities, k=self.config.top_k_experts, dim=-1)
+    top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
+    return probabilities, top_k_weights * self.per_expert_scale[top_k_index], top_k_index
+
+
 SIGMOID_ROUTER_FORWARDS = {"Llama4Router": _sigmoid_router_in_at_least_float32,
-                           "MiniMaxM2TopKRouter": _bias_sigmoid_router_in_at_least_float32}
+                           "MiniMaxM2TopKRouter": _bias_sigmoid_router_in_at_least_float32,
+                           "Gemma4TextRouter": _softmax_router_in_at_least_float32}
 """The at-least-float32 forward of each router of `FLOAT32_SIGMOID_ROUTERS`."""
 
 

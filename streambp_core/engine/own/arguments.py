@@ -7,6 +7,9 @@ What is cut, by argument name (transformers 5's decoder-layer arguments):
   `is_causal`, upper-left aligned and so wrong for a chunk) -> the chunk's lower-right causal rows;
 - `position_ids` (..., T) -> (..., start:end); `cache_position` (T,) -> start:end;
 - `position_embeddings`: each tensor (..., T, D) -> (..., start:end, D);
+- a per-token input, any other tensor of shape (B, T, ...) like the hidden states (Gemma 4's
+  `per_layer_input`) -> (B, start:end, ...), as the hidden states are cut; where it requires grad
+  (`LayerCall.graded`) the layer's function takes it as an input and returns its gradient;
 - any other argument passes unchanged, and is refused by name when it is a tensor with an axis of T
   (a per-token input whose cut is not known) or one that requires grad (its gradient would be lost).
 """
@@ -28,6 +31,8 @@ CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 """Names transformers gives a decoder layer's cache argument."""
 POSITIONS = ("position_ids",)
 """Arguments whose last axis is the sequence."""
+CUT_OTHERWISE = ("attention_mask", "cache_position", "position_embeddings", *POSITIONS)
+"""Arguments cut by their own rule, never as a per-token input."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,13 @@ class LayerCall:
     cache_name: str
     length: int
     """T, the sequence length of the call."""
+    batch: int = 0
+    """B, the batch size of the call (a per-token input's leading axes are (B, T))."""
 
     @classmethod
-    def of(cls, function: partial, args: tuple, length: int) -> LayerCall:
+    def of(cls, function: partial, args: tuple) -> LayerCall:
         """The call transformers' checkpoint entry hands over: `function` = partial(forward, layer,
-        **kwargs), `args` = (hidden_states, *rest); the rest bound to their names."""
+        **kwargs), `args` = (hidden_states (B, T, d), *rest); the rest bound to their names."""
         forward, (layer,), kwargs = function.func, function.args, dict(function.keywords)
         names = [p.name for p in inspect.signature(forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -57,7 +64,20 @@ class LayerCall:
             raise ConfigError(f"streambp: {family}.forward takes no cache argument "
                               f"({', '.join(CACHE_NAMES)}), through which the generic stream hands its "
                               "attention the prefix's keys and values")
-        return cls(layer, forward, kwargs, cache_name, length)
+        batch, length = args[0].shape[:2]
+        return cls(layer, forward, kwargs, cache_name, length, batch)
+
+    def per_token(self, value: Any) -> bool:
+        """Whether `value` is a per-token input: a tensor of shape (B, T, ...), cut as the hidden states."""
+        return isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (self.batch,
+                                                                                                self.length)
+
+    @property
+    def graded(self) -> tuple[str, ...]:
+        """The names of the per-token inputs that require grad, which the layer's function takes and
+        returns the gradient of."""
+        return tuple(name for name, value in self.arguments.items()
+                     if name not in CUT_OTHERWISE and self.per_token(value) and value.requires_grad)
 
     def run(self, hidden: Tensor, cache, arguments: dict[str, Any] | None = None):
         """The layer's own forward on `hidden` with `cache` and `arguments` (default: the whole call's)."""
@@ -81,6 +101,8 @@ class LayerCall:
             return _cut_rows(value, start, end, self.length, name)
         if name == self.cache_name or name == "use_cache":
             return value
+        if self.per_token(value):
+            return value[:, start:end]
         self._check_passes(name, value)
         return value
 

@@ -8,16 +8,21 @@ tables, the mask of each layer type) and each layer runs as `OwnLayer`.
 
 `OwnLayer`, per layer:
 Forward (no grad): the layer's forward on the whole sequence with an empty `PrefixCache` (so the layer is
-checked to write its keys and values through the cache); only the input (B, T, d) is kept.
+checked to write its keys and values through the cache); only the input (B, T, d) is kept, with its
+per-token inputs that require grad (`arguments.LayerCall.graded`: Gemma 4's `per_layer_input`), which the
+function takes as inputs too.
 Backward:
 1. the whole sequence's keys and values K, V (B, H, T, D) from one no-grad forward that stops at the cache
    (`CaptureCache`), once per layer; their gradients dK, dV start at zero;
-2. for each chunk start..end, last first: the layer's forward on the chunk's input (a leaf) with a
-   `PrefixCache` whose prefix is K, V[..., :start, :] as leaves, the chunk's cut arguments
+2. for each chunk start..end, last first: the layer's forward on the chunk's input and per-token inputs
+   (leaves) with a `PrefixCache` whose prefix is K, V[..., :start, :] as leaves, the chunk's cut arguments
    (`arguments.LayerCall.chunk`); backward from the chunk's output gradient, plus dK, dV[..., start:end, :]
    (what later chunks' queries left on these positions) on the chunk's own keys and values;
-3. the chunk's input gradient is written into its slice; the prefix leaves' gradients add to
-   dK, dV[..., :start, :]; the parameters' gradients accumulate in `.grad`.
+3. the chunk's input and per-token input gradients are written into their slices; the prefix leaves'
+   gradients add to dK, dV[..., :start, :]; the parameters' gradients accumulate in `.grad`.
+Keys and values shared across layers (`sharing`): a store also returns its K, V, and starts its dK, dV from
+their gradient; a consumer takes its store's K, V as inputs instead of computing its own, its chunk attends to
+K, V[..., :end, :] as leaves, and it returns their gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from streambp_core.engine.chunks import (
 )
 from streambp_core.engine.own.arguments import LayerCall
 from streambp_core.engine.own.cache import CaptureCache, KeysCaptured, PrefixCache
+from streambp_core.engine.own.sharing import SHARED_NAME, KVSharing
 from streambp_core.measure.tags import KV, memory_category
 
 
@@ -57,43 +63,70 @@ class OwnPlan:
 
 
 @dataclass(frozen=True)
+class Inputs:
+    """What a layer's function takes beyond the hidden states: its per-token inputs that require grad (by
+    name, `LayerCall.graded`), then, for a consumer of shared keys and values, their store's K, V
+    (`sharing`)."""
+
+    graded: tuple[str, ...]
+    sharing: KVSharing
+
+    @property
+    def count(self) -> int:
+        """How many tensors the function takes beyond the hidden states, before the parameters."""
+        return len(self.graded) + (2 if self.sharing.role == "reuse" else 0)
+
+
+@dataclass(frozen=True)
 class StreamedCall:
     """What a decoder layer calls in place of its checkpoint function: the call as `OwnLayer`."""
 
     plan: OwnPlan
 
     def __call__(self, function: partial, *args):
-        hidden = args[0]
-        call = LayerCall.of(function, args, hidden.shape[1])
-        return OwnLayer.apply(hidden, call, self.plan, *trainable_parameters([call.layer]))
+        call = LayerCall.of(function, args)
+        inputs = Inputs(call.graded, KVSharing.of(call.layer))
+        extra = [*(call.arguments[name] for name in inputs.graded), *inputs.sharing.taken(call.arguments)]
+        params = trainable_parameters([call.layer])
+        outputs = OwnLayer.apply(args[0], call, self.plan, inputs, *extra, *params)
+        if inputs.sharing.role != "store":
+            return outputs
+        inputs.sharing.hand_over(call.arguments, *outputs[1:])
+        return outputs[0]
 
 
 class OwnLayer(torch.autograd.Function):
-    """autograd.Function: a decoder layer's input (B, T, d) -> its output, streamed in backward."""
+    """autograd.Function: a decoder layer's input (B, T, d), its per-token inputs that require grad and a
+    consumer's shared K, V -> its output (and a store's K, V), streamed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, call: LayerCall, plan: OwnPlan, *params):
-        ctx.call, ctx.plan, ctx.params = call, plan, params
+    def forward(ctx, hidden: Tensor, call: LayerCall, plan: OwnPlan, inputs: Inputs, *tensors):
+        extra, params = tensors[:inputs.count], tensors[inputs.count:]
+        ctx.call, ctx.plan, ctx.inputs, ctx.params = call, plan, inputs, params
         first = min(plan.partition_size, call.length)
         call.chunk(0, first, plan.attn_implementation, hidden.device)  # refuses what cannot be cut
         cache = PrefixCache(hidden.new_empty(0, 0), hidden.new_empty(0, 0))
-        output = _checked_run(call, hidden, cache)
-        ctx.save_for_backward(hidden)
+        arguments = call.arguments | inputs.sharing.handed(*extra[len(inputs.graded):])
+        output = _checked_run(call, hidden, cache, arguments)
+        ctx.save_for_backward(hidden, *extra)
+        if inputs.sharing.role == "store":
+            return (output, *arguments[SHARED_NAME][inputs.sharing.key])
         return output
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *grad_shared):
         check_accumulates(ctx, "streambp's own-layer stream")
-        (hidden,) = ctx.saved_tensors
-        grad_in = stream_backward(ctx.call, ctx.plan, hidden, grad_out, ctx.params)
-        return (grad_in, None, None, *([None] * len(ctx.params)))
+        hidden, *extra = ctx.saved_tensors
+        grads = stream_backward(ctx.call, ctx.plan, ctx.inputs, [hidden, *extra], grad_out, grad_shared,
+                                ctx.params)
+        return (grads[0], None, None, None, *grads[1:], *([None] * len(ctx.params)))
 
 
-def _checked_run(call: LayerCall, hidden: Tensor, cache: PrefixCache) -> Tensor:
+def _checked_run(call: LayerCall, hidden: Tensor, cache: PrefixCache, arguments: dict) -> Tensor:
     """The layer's output on the whole sequence; ConfigError when it cannot be streamed (module docstring)."""
     family = type(call.layer).__name__
     try:
-        output = call.run(hidden, cache)
+        output = call.run(hidden, cache, arguments)
     except AttributeError as error:
         raise ConfigError(f"streambp: {family}'s attention reads the cache's {error.name or 'attributes'} "
                           "beyond transformers' update(), which the generic stream's cache does not "
@@ -101,6 +134,8 @@ def _checked_run(call: LayerCall, hidden: Tensor, cache: PrefixCache) -> Tensor:
     if not isinstance(output, Tensor):
         raise ConfigError(f"streambp: {family}.forward returns a {type(output).__name__}, not the hidden "
                           "states alone")
+    if KVSharing.of(call.layer).role == "reuse":
+        return output  # a consumer attends to its store's keys and values (`sharing`)
     keys = cache.chunk_keys
     if keys is None:
         raise ConfigError(f"streambp: {family} does not write its keys and values through the cache, from "
@@ -112,38 +147,48 @@ def _checked_run(call: LayerCall, hidden: Tensor, cache: PrefixCache) -> Tensor:
     return output
 
 
-def whole_keys(call: LayerCall, hidden: Tensor) -> tuple[Tensor, Tensor]:
+def whole_keys(call: LayerCall, hidden: Tensor, arguments: dict | None = None) -> tuple[Tensor, Tensor]:
     """The layer's keys and values (B, H, T, D) for the whole sequence, from one forward stopped at its
     cache."""
     cache = CaptureCache()
     with torch.no_grad(), memory_category(KV):
         try:
-            call.run(hidden, cache)
+            call.run(hidden, cache, arguments)
         except KeysCaptured:
             return cache.keys, cache.values
     raise RuntimeError(f"{type(call.layer).__name__} wrote no keys to its cache in backward")
 
 
-def stream_backward(call: LayerCall, plan: OwnPlan, hidden: Tensor, grad_out: Tensor, params) -> Tensor:
-    """The layer input's gradient (B, T, d); the parameters' gradients land in `.grad` (module docstring)."""
-    keys, values = whole_keys(call, hidden)
+def stream_backward(call: LayerCall, plan: OwnPlan, inputs: Inputs, saved: list[Tensor], grad_out: Tensor,
+                    grad_shared: tuple, params) -> list[Tensor]:
+    """The gradients of the layer's input (B, T, d), of its graded per-token inputs (B, T, ...) and, for a
+    consumer, of its store's K, V; the parameters' gradients land in `.grad` (module docstring; `sharing` for
+    the K/V hand-over: a consumer's chunk attends to K, V[..., :end, :] as leaves and writes none of its own,
+    a store's dK, dV start from its consumers' gradient)."""
+    hidden, graded = saved[0], saved[1:1 + len(inputs.graded)]
+    reuse = inputs.sharing.role == "reuse"
+    keys, values = saved[-2:] if reuse else whole_keys(call, hidden, call.arguments | inputs.sharing.handed())
     with memory_category(KV):
-        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
-    grad_in = torch.empty_like(hidden)
+        grad_kv = [torch.zeros_like(t) if g is None else g.clone()
+                   for g, t in zip((*grad_shared, None, None)[:2], (keys, values), strict=True)]
+    grads = [torch.empty_like(t) for t in (hidden, *graded)]
     for start, end in reversed(chunk_bounds(call.length, plan.partition_size, plan.keep_chunks)):
-        h = leaf(hidden[:, start:end])
-        cache = PrefixCache(leaf(keys[..., :start, :]), leaf(values[..., :start, :]))
+        leaves = [leaf(t[:, start:end]) for t in (hidden, *graded)]
+        prefix = [leaf(t[..., :end if reuse else start, :]) for t in (keys, values)]
+        arguments = call.chunk(start, end, plan.attn_implementation, hidden.device)
+        arguments |= dict(zip(inputs.graded, leaves[1:], strict=True)) | inputs.sharing.handed(*prefix)
+        cache = PrefixCache(*(hidden.new_empty(0, 0),) * 2 if reuse else prefix)
         with torch.enable_grad():
-            output = call.run(h, cache, call.chunk(start, end, plan.attn_implementation, hidden.device))
-        backward_into([output, cache.chunk_keys, cache.chunk_values],
-                      [grad_out[:, start:end], grad_keys[..., start:end, :], grad_values[..., start:end, :]],
-                      [h, cache.prefix_keys, cache.prefix_values], params)
-        grad_in[:, start:end] = grad_or_zeros(h)
-        if start and cache.prefix_keys.grad is not None:
-            grad_keys[..., :start, :] += cache.prefix_keys.grad
-        if start and cache.prefix_values.grad is not None:
-            grad_values[..., :start, :] += cache.prefix_values.grad
-    return grad_in
+            output = call.run(leaves[0], cache, arguments)
+        own = [] if reuse else [cache.chunk_keys, cache.chunk_values]  # a consumer writes no K, V
+        own_grads = [g[..., start:end, :] for g in grad_kv][:len(own)]
+        backward_into([output, *own], [grad_out[:, start:end], *own_grads], [*leaves, *prefix], params)
+        for grad, tensor in zip(grads, leaves, strict=True):
+            grad[:, start:end] = grad_or_zeros(tensor)
+        for grad, tensor in zip(grad_kv, prefix, strict=True):
+            if tensor.grad is not None:
+                grad[..., :tensor.shape[-2], :] += tensor.grad
+    return [*grads, *grad_kv] if reuse else grads
 
 
 @contextmanager
