@@ -41,16 +41,14 @@ from streambp_core.engine.sequence.attention import (
     scatter_kv_grads,
 )
 from streambp_core.engine.sequence.group import SequenceGroup
+from streambp_core.engine.stream.kept import keep_input, kept_input, overwritable
 from streambp_core.engine.stream.layer import (
     LayerPlan,
     _chunk_outputs,
     _kv_by_hand,
     _kv_cache,
     _output_grads,
-    _overwritable,
     finish_chunk,
-    keep_input,
-    kept_input,
     project_kv,
     project_q,
 )
@@ -155,7 +153,7 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
     with memory_category("kv"):  # dK and dV side by side, as `scatter_kv_grads` sends them
         b, heads, t, key_width = keys.shape
         d_kv = keys.new_zeros((b, t, heads, key_width + values.shape[-1]))
-    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    grad_in = grad_out if plan.reuse_grad_out and overwritable(grad_out, h_in) else torch.empty_like(h_in)
     with memory_category("temporaries"):
         grad_normed = torch.empty_like(h_in)  # dL/d(input norm's output) through the queries, per position
     local = _whole_chunks(plan, shard, key_valid, h_in)

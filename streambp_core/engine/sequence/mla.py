@@ -33,11 +33,11 @@ from streambp_core.engine.sequence.attention import (
 )
 from streambp_core.engine.sequence.group import heads_to_seq, seq_to_heads
 from streambp_core.engine.sequence.layer import SequenceShard, ShardSteps, _KVGradSink
+from streambp_core.engine.stream.kept import overwritable
 from streambp_core.engine.stream.layer import (
     LayerPlan,
     _chunk_outputs,
     _output_grads,
-    _overwritable,
     finish_chunk,
 )
 from streambp_core.engine.stream.mla import _latent_cache, _tables, mla_latent, mla_query
@@ -94,7 +94,7 @@ def mla_sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin,
     whole = _whole_latent(plan, shard, h_in, cos, sin)
     with memory_category("kv"):  # the whole sequence's latent gradient, laid out as heads_to_seq sends it
         d_whole = whole.new_zeros((whole.shape[0], whole.shape[2], 1, whole.shape[3]))
-    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    grad_in = grad_out if plan.reuse_grad_out and overwritable(grad_out, h_in) else torch.empty_like(h_in)
     with memory_category("temporaries"):
         grad_normed = torch.empty_like(h_in)  # dL/d(input norm's output) through the queries
     for blocks in reversed(lockstep_chunks(shard.group, shard.total_tokens, plan.partition_size,

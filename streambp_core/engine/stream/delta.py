@@ -34,12 +34,10 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from streambp_core.engine.chunks import backward_into, check_accumulates, chunk_bounds, grad_or_zeros, leaf
+from streambp_core.engine.stream.kept import keep_input, kept_input, overwritable
 from streambp_core.engine.stream.layer import (
     LayerPlan,
     _output_grads,
-    _overwritable,
-    keep_input,
-    kept_input,
     residual_add,
 )
 from streambp_core.engine.stream.linear_grads import gated_mlp, hand_linear, mlp_inner
@@ -149,7 +147,7 @@ def delta_backward(plan: LayerPlan, h_in, key_valid, states, halos, grad_out, pa
                    chunk_done: Callable[[int, int], None] | None = None) -> Tensor:
     """Accumulate the layer's weight gradients in `.grad` and return dL/dH_in (module docstring, step 2);
     with `plan.reuse_grad_out` written over dL/dH_out chunk by chunk, as `layer.streamed_backward`."""
-    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    grad_in = grad_out if plan.reuse_grad_out and overwritable(grad_out, h_in) else torch.empty_like(h_in)
     d_state = d_halo = None  # gradients of the final state and next halo of the chunk being taken
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         index = start // plan.partition_size

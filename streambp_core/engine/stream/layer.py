@@ -47,6 +47,7 @@ from streambp_core.engine.chunks import (
 )
 from streambp_core.engine.host.checkpoints import HostChain
 from streambp_core.engine.packing import PackedRows, query_rows
+from streambp_core.engine.stream.kept import keep_input, kept_input, overwritable
 from streambp_core.engine.stream.linear_grads import (
     down_projection_backward,
     gated_mlp,
@@ -263,7 +264,7 @@ def streamed_backward(plan, h_in, cos, sin, key_valid, grad_out, params,
     keys, values, raw_keys = _kv_cache(plan, h_in, rope)
     with memory_category("kv"):
         d_keys, d_values = torch.zeros_like(keys), torch.zeros_like(values)
-    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    grad_in = grad_out if plan.reuse_grad_out and overwritable(grad_out, h_in) else torch.empty_like(h_in)
     local = layer_chunks(plan, key_valid, h_in)
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         first, valid = _chunk_keys(plan, key_valid, start, end, local)
@@ -348,25 +349,6 @@ def _output_grads(plan: LayerPlan, outputs: list[Tensor], grad_chunk: Tensor) ->
     multiplier = plan.parts.residual_multiplier  # the MLP output's share of the residual (Granite)
     grad_mlp = grad_chunk if multiplier == 1.0 else grad_chunk * multiplier
     return [grad_chunk, down_projection_backward(plan.parts.mlp, outputs[1], grad_mlp)]
-
-
-def _overwritable(grad_out: Tensor, h_in: Tensor) -> bool:
-    """Whether dL/dH_in can be written into grad_out's storage: same shape and dtype, dense."""
-    return grad_out.shape == h_in.shape and grad_out.dtype == h_in.dtype and grad_out.is_contiguous()
-
-
-def keep_input(ctx, plan: LayerPlan, h_in: Tensor) -> Tensor | None:
-    """A streamed layer's forward keeps its input: on the host when the plan offloads it (`ctx.host_input`),
-    else for `save_for_backward` (what to save there: h_in, or None when it went to the host)."""
-    ctx.host_input = None if plan.offload is None else plan.offload.save(h_in)
-    return h_in if ctx.host_input is None else None
-
-
-def kept_input(ctx, saved: Tensor | None) -> tuple[Tensor, Callable[[int, int], None] | None]:
-    """The input `keep_input` kept (`saved`, or loaded back from the host) and the host's per-chunk
-    release callback (None without offload)."""
-    host = ctx.host_input
-    return (saved, None) if host is None else (host.load(), host.chunk_done)
 
 
 class LayerSteps(NamedTuple):

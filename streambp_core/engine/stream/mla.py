@@ -30,13 +30,13 @@ from torch import Tensor
 from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
 from streambp_core.engine.packing import query_rows
+from streambp_core.engine.stream.kept import overwritable
 from streambp_core.engine.stream.layer import (
     LayerPlan,
     LayerSteps,
     _chunk_keys,
     _chunk_outputs,
     _output_grads,
-    _overwritable,
     _routed,
     _valid,
     finish_chunk,
@@ -135,7 +135,7 @@ def mla_backward(plan: LayerPlan, h_in, cos, sin, key_valid, grad_out, params,
         latent[:, :, start:end] = mla_latent(parts.mla, parts.input_norm(h_in[:, start:end]), c, s)
     with memory_category("kv"):
         d_latent = torch.zeros_like(latent)
-    grad_in = grad_out if plan.reuse_grad_out and _overwritable(grad_out, h_in) else torch.empty_like(h_in)
+    grad_in = grad_out if plan.reuse_grad_out and overwritable(grad_out, h_in) else torch.empty_like(h_in)
     chunked = mla_plan(plan)
     for start, end in reversed(bounds):
         first, valid = _chunk_keys(plan, key_valid, start, end)
