@@ -109,9 +109,10 @@ class StreamConfig:
     keeps the unblocked kernels at every length (to measure what blocking saves)."""
 
     baseline_attention: str = "auto"
-    """Attention of the transformers-driven methods (plain, checkpoint, mst): 'model' keeps the model's own
-    implementation; 'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no
-    T x T mask, as the meta device needs); 'auto' is 'engine' on the meta device and 'model' elsewhere."""
+    """Attention of the transformers-driven methods (plain, checkpoint, mst, and streambp through a
+    family's own decoder layers, `methods.own_stream`): 'model' keeps the model's own implementation;
+    'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no T x T mask, as the
+    meta device needs); 'auto' is 'engine' on the meta device and 'model' elsewhere."""
 
     keep_chunks: int | None = None
     """Simulation only (meta device): every chunk loop runs just its first and last `keep_chunks` chunks.

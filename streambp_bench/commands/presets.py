@@ -108,8 +108,8 @@ FAMILY_HEADINGS = {
     "engine": "engine (every method; streambp through the engine's own layer math)",
     "baselines": "baselines (plain and checkpoint: transformers' own forward and activation checkpointing; "
                  "mst where every decoder layer has a token-wise MLP and the logits are `lm_head`'s alone; "
-                 "streambp through the model's own decoder layers on CPU and CUDA, refused by name where "
-                 "a layer cannot be streamed, and not yet simulated)",
+                 "streambp through the model's own decoder layers on CPU and CUDA, and simulated under the "
+                 "engine's attention, refused by name where a layer cannot be streamed)",
     "refused": "refused by name, listing what each method accepts",
 }
 """How docs/models.md's generated family list heads each path."""

@@ -30,7 +30,7 @@ from streambp_core.engine.stream.router import RouterAux, aux_loss, router_aux, 
 from streambp_core.methods import guards, hook_guards, sequence
 from streambp_core.methods.objective_inputs import build_objective
 from streambp_core.methods.sequence import StepShard
-from streambp_core.models.adapters import DecoderParts, layer_parts
+from streambp_core.models.adapters import DecoderParts
 from streambp_core.models.precision import (
     eager_in_at_least_float32,
     islands_in_at_least_float32,
@@ -170,13 +170,12 @@ class Run:
     def packed_rows(self, input_ids: Tensor, attention_mask: Tensor | None,
                     position_ids: Tensor | None) -> PackedRows | None:
         """The documents of packed rows (`engine.packing.packed_rows`); None for ordinary rows.
-        ConfigError for position_ids that cannot be, and for an objective other than sft (GRPO and DPO
-        score whole sequences, and TRL's trainers for them do not pack)."""
+        ConfigError for position_ids that cannot be, for a model that cannot keep a row's documents apart
+        (`guards.check_packing`), and for an objective other than sft (GRPO and DPO score whole sequences,
+        and TRL's trainers for them do not pack)."""
         packed = packed_rows(position_ids, attention_mask, tuple(input_ids.shape))
-        if packed is not None and any(layer_parts(layer).delta is not None for layer in self.parts.layers):
-            raise ConfigError("packed rows (position_ids restarting per document) are not supported with "
-                              "Gated DeltaNet linear attention (Qwen3.5): its conv and recurrent state run "
-                              "across a row's documents (transformers' torch path does not reset them)")
+        if packed is not None:
+            guards.check_packing(self.parts)
         if packed is not None and self.objective_name != "sft":
             raise ConfigError(f"packed rows (position_ids restarting per document) cannot train the "
                               f"{self.objective_name} objective: it scores whole sequences; pack for sft")

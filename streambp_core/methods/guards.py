@@ -14,6 +14,7 @@ instead of a traceback or a silently wrong gradient:
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterable, Iterator
 
@@ -22,7 +23,8 @@ from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.stream.objectives import IGNORE_INDEX
-from streambp_core.models.adapters import DecoderParts, decoder_parts
+from streambp_core.models.adapters import DecoderParts, decoder_parts, layer_parts
+from streambp_core.models.catalogue import serving
 
 OPEN_RUN_ATTRIBUTE = "_streambp_open_run"
 """Attribute of a prepared model's decoder stack: a weak reference to the run that prepared it."""
@@ -51,10 +53,10 @@ def family_refusals(config, *, simulated: bool) -> dict[str, str]:
     """The methods a model of `config` (a checked transformers config) cannot run because of its family,
     each with its one-line refusal: none for an engine family; for the baselines tier (`models.catalogue`)
     mst where its pieces do not apply (`models.generic.mst_pieces`, decided on the model built on the meta
-    device) and, in a simulation (`simulated`), streambp, whose own-layer path (`methods.own_stream`) does
-    not run on the meta device. What a command running every method leaves out, naming why; streambp's
-    other refusals on that path come when its run is prepared."""
-    from streambp_core.models.catalogue import serving, streambp_refusal
+    device). What a command running every method leaves out, naming why; streambp's refusals on the
+    own-layer path (`methods.own_stream`) come when its run is prepared. `simulated` (a step on the meta
+    device) changes nothing now that the own-layer path simulates under the engine's attention; the
+    commands still say which they run."""
     from streambp_core.models.generic import mst_pieces
     from streambp_core.models.load import build_model
 
@@ -66,8 +68,6 @@ def family_refusals(config, *, simulated: bool) -> dict[str, str]:
         mst_pieces(model, decoder_parts(model).layers)
     except ConfigError as error:
         refusals["mst"] = str(error)
-    if simulated:
-        refusals["streambp"] = streambp_refusal(config.model_type, mst="mst" not in refusals)
     return refusals
 
 
@@ -219,3 +219,32 @@ def check_eager_padding(config, attention_mask: Tensor | None, method: str) -> N
             "build the model with attn_implementation='sdpa' or 'flash_attention_2' (Gemma 2, which has no "
             "SDPA: call streambp_core.models.precision.eager_in_at_least_float32(model) or build it with "
             "streambp_core.models.build_model)")
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+"""`layer_types` entries of layers that attend (and so take a packed row's per-document mask); any other
+kind (mamba, conv, linear_attention, ...) carries state from one token to the next."""
+
+
+def check_packing(parts: DecoderParts) -> None:
+    """ConfigError naming why packed rows (position_ids restarting per document) cannot run on this model:
+    an engine family with Gated DeltaNet layers; a family of the baselines tier (transformers' own forward)
+    whose forward takes no position_ids (it cannot tell the documents apart) or that has layers other than
+    attention (`ATTENTION_LAYER_TYPES`): their conv and recurrent state run across a row's documents, which
+    transformers' torch path does not reset."""
+    if serving(parts.family).path == "engine":
+        if any(layer_parts(layer).delta is not None for layer in parts.layers):
+            raise ConfigError("packed rows (position_ids restarting per document) are not supported with "
+                              "Gated DeltaNet linear attention (Qwen3.5): its conv and recurrent state run "
+                              "across a row's documents (transformers' torch path does not reset them)")
+        return
+    what = f"packed rows (position_ids restarting per document) are not supported for architecture " \
+           f"{parts.family!r}"
+    if "position_ids" not in inspect.signature(parts.backbone.forward).parameters:
+        raise ConfigError(f"{what}: its forward takes no position_ids, from which transformers tells the "
+                          "documents apart; pass each document in its own row")
+    kinds = getattr(parts.backbone.config, "layer_types", None) or ()
+    other = next((kind for kind in kinds if kind not in ATTENTION_LAYER_TYPES), None)
+    if other is not None:
+        raise ConfigError(f"{what}: its {other!r} layers carry state across a row's documents (transformers' "
+                          "torch path does not reset it); pass each document in its own row")

@@ -81,6 +81,10 @@ class StreamBPRun(Run):
         fused = cfg.head_mode == "fused"  # resolved against the objective by StreamConfig
         self._head_function = FusedHead if fused else StreamedHead
 
+    def _teardown(self) -> None:
+        if self._own is not None:
+            self._own.close()
+
     def _loss(self, input_ids, attention_mask, labels, packed=None, **objective_inputs):
         if self._own is not None:
             refuse_packed(packed)

@@ -6,8 +6,8 @@ transformers (so a command refuses a family before either is imported).
 2. `baselines`: any other decoder-only text family whose `*ForCausalLM` transformers builds (its causal-LM
    map): plain and checkpoint, which are transformers' own forward and its own activation checkpointing,
    and mst where its chunked MLP and head apply (`models.generic.mst_pieces`, decided on the built model);
-   streambp through the model's own decoder layers (`methods.own_stream`, on cpu and cuda), refused by
-   name where a layer does what that path cannot carry.
+   streambp through the model's own decoder layers (`methods.own_stream`, on cpu and cuda, and simulated
+   under the engine's attention), refused by name where a layer does what that path cannot carry.
 3. `refused`, by name: what is not a decoder-only text causal LM: a multimodal model, an encoder-decoder,
    a bidirectional encoder, a model_type outside transformers' causal-LM map.
 
@@ -140,15 +140,6 @@ def check_servable(model_type: str) -> Serving:
     if found.path == "refused":
         raise ConfigError(refusal(model_type, found.reason))
     return found
-
-
-def streambp_refusal(model_type: str, mst: bool) -> str:
-    """Why a simulation of streambp cannot run a family of the baselines tier, naming the methods that do:
-    its own-layer path (`methods.own_stream`) runs on CPU and CUDA tensors, not on the meta device."""
-    runs = ", ".join((*BASELINE_METHODS, *(("mst",) if mst else ())))
-    return (f"streambp: architecture {model_type!r} runs through its own decoder layers, which do not yet "
-            f"simulate on the meta device (transformers' own masks read tensor values there); {runs} "
-            "simulate it, and `verify` checks streambp on CPU")
 
 
 def causal_families() -> tuple[str, ...]:

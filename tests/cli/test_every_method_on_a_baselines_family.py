@@ -1,6 +1,6 @@
 """Every method asked of a family of the baselines tier (`--method all`): the methods its family runs answer
-and the others are named with the reason (streambp always, mst where its pieces do not apply), in
-max-len, sweep and verify alike; a method named alone is still refused by name."""
+(streambp through its own layers, simulated too) and the others are named with the reason (mst where its
+pieces do not apply), in max-len, sweep and verify alike; a method named alone is still refused by name."""
 
 from __future__ import annotations
 
@@ -36,15 +36,12 @@ def model_dir(tmp_path: Path, model_type: str) -> str:
     return str(directory)
 
 
-def test_family_refusals_name_streambp_in_a_simulation_and_mst_where_its_pieces_do_not_apply(tmp_path):
+def test_family_refusals_name_mst_where_its_pieces_do_not_apply(tmp_path):
     gpt2 = load_config(model_dir(tmp_path, "gpt2"))
-    (simulated,) = family_refusals(gpt2, simulated=True).values()
-    assert simulated.startswith("streambp: architecture 'gpt2' runs through its own decoder layers, which "
-                                "do not yet simulate on the meta device")
-    assert "plain, checkpoint, mst" in simulated
-    assert family_refusals(gpt2, simulated=False) == {}  # on CPU and CUDA streambp runs its own layers
+    assert family_refusals(gpt2, simulated=True) == {}  # streambp simulates through its own layers
+    assert family_refusals(gpt2, simulated=False) == {}
     cohere = load_config(model_dir(tmp_path, "cohere"))
-    assert set(family_refusals(cohere, simulated=True)) == {"mst", "streambp"}
+    assert set(family_refusals(cohere, simulated=True)) == {"mst"}
     (mst,) = family_refusals(cohere, simulated=False).values()
     assert mst.startswith("mst: architecture 'cohere' changes the logits after its lm_head")
     assert family_refusals(load_config("tiny/qwen3"), simulated=True) == {}
@@ -55,14 +52,11 @@ def test_max_len_plan_leaves_out_what_the_family_refuses_only_for_every_method(t
     specs = tuple(StepSpec.of(model=directory, method=method) for method in METHODS)
     resolved = ResolvedModel(directory)
     kept, refused = runnable(specs, resolved, every_method=True, simulated=True)
-    assert [spec.method for spec in kept] == ["plain", "checkpoint"]
-    assert [method for method, _ in refused] == ["mst", "streambp"]
-    assert refused[1][1].startswith("architecture 'cohere' runs through its own decoder layers, which do not "
-                                    "yet simulate on the meta device")
+    assert [spec.method for spec in kept] == ["plain", "checkpoint", "streambp"]
+    assert [method for method, _ in refused] == ["mst"]
+    assert refused[0][1].startswith("architecture 'cohere' changes the logits after its lm_head")
     with pytest.raises(ConfigError, match="^mst: architecture 'cohere' changes the logits"):
         runnable(specs, resolved, every_method=False, simulated=True)
-    with pytest.raises(ConfigError, match="^streambp: architecture 'cohere' runs through its own decoder"):
-        runnable(specs[3:], resolved, every_method=True, simulated=True)
 
 
 def test_verify_and_sweep_leave_out_the_same_methods(tmp_path):
@@ -76,9 +70,7 @@ def test_verify_and_sweep_leave_out_the_same_methods(tmp_path):
     points = tuple(StepSpec.of(model=directory, method=method, seq_len_tokens=length)
                    for method in METHODS for length in (64, 128))
     kept, left_out = _without_refused(points, {directory: load_config(directory)}, simulated=True)
-    assert {point.method for point in kept} == {"plain", "checkpoint", "mst"} and len(kept) == 6
-    reason = family_refusals(load_config(directory), simulated=True)["streambp"].removeprefix("streambp: ")
-    assert left_out == ((directory, "streambp", reason),)
+    assert kept == points and left_out == ()  # streambp simulates through its own layers
 
 
 @pytest.mark.slow
@@ -88,9 +80,9 @@ def test_max_len_every_method_on_a_baselines_family_answers_and_names_the_refuse
     result = CliRunner().invoke(app, [*command, "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.output)
-    assert [row["method"] for row in document["results"]] == ["plain", "checkpoint"]
+    assert [row["method"] for row in document["results"]] == ["plain", "checkpoint", "streambp"]
     assert all(row["max_len_tokens"] > 0 for row in document["results"])
-    assert [row["method"] for row in document["refused"]] == ["mst", "streambp"]
-    alone = CliRunner().invoke(app, [*command, "--method", "streambp"])
+    assert [row["method"] for row in document["refused"]] == ["mst"]
+    alone = CliRunner().invoke(app, [*command, "--method", "mst"])
     assert alone.exit_code == 2
-    assert "streambp: architecture 'cohere' runs through its own decoder layers" in alone.output
+    assert "mst: architecture 'cohere' changes the logits after its lm_head" in alone.output

@@ -3,8 +3,10 @@ chunk of query positions start..end against keys 0..end (`LayerCall.chunk`).
 
 What is cut, by argument name (transformers 5's decoder-layer arguments):
 - `attention_mask`: a (B or 1, 1, T, T) mask -> rows start..end, columns 0..end; a (B, T) padding mask
-  (flash attention) -> columns 0..end; None (SDPA with a purely causal mask, which transformers leaves to
-  `is_causal`, upper-left aligned and so wrong for a chunk) -> the chunk's lower-right causal rows;
+  (flash attention) or a (B, 1, 1, T) key mask (the engine's attention, `engine.attention.hf`) -> columns
+  0..end; None (SDPA with a purely causal mask, which transformers leaves to `is_causal`, upper-left
+  aligned and so wrong for a chunk) -> the chunk's lower-right causal rows; None under flash or the
+  engine's attention (lower-right aligned already) -> None;
 - `position_ids` (..., T) -> (..., start:end); `cache_position` (T,) -> start:end;
 - `position_embeddings`: each tensor (..., T, D) -> (..., start:end, D);
 - a per-token input, any other tensor of shape (B, T, ...) like the hidden states (Gemma 4's
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from streambp_core.config import ConfigError
+from streambp_core.engine.attention.hf import ENGINE_ATTENTION
 
 CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 """Names transformers gives a decoder layer's cache argument."""
@@ -143,8 +146,8 @@ def _cut_rows(value: Any, start: int, end: int, length: int, name: str) -> Any:
 def mask_rows(mask: Any, start: int, end: int, length: int, implementation: str, device: torch.device) -> Any:
     """The attention mask of query rows start..end against keys 0..end (module docstring)."""
     if mask is None:
-        if implementation.startswith("flash"):
-            return None  # flash attention's causal mask is lower-right aligned: right for a chunk
+        if implementation.startswith(("flash", ENGINE_ATTENTION)):
+            return None  # flash's and the engine's causal masks are lower-right aligned: right for a chunk
         return causal_rows(start, end, implementation, device)
     if not isinstance(mask, Tensor):
         raise ConfigError(f"streambp: the attention mask is a {type(mask).__name__} (attention "
@@ -152,6 +155,8 @@ def mask_rows(mask: Any, start: int, end: int, length: int, implementation: str,
                           "chunks; use eager or sdpa")
     if mask.dim() == 2 and mask.shape[-1] == length:
         return mask[:, :end]
+    if mask.dim() == 4 and mask.shape[-2:] == (1, length):
+        return mask[..., :end]
     if mask.dim() == 4 and mask.shape[-2:] == (length, length):
         return mask[..., start:end, :end]
     raise ConfigError(f"streambp: an attention mask of shape {tuple(mask.shape)} for {length} tokens cannot "
