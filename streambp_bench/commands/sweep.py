@@ -190,8 +190,7 @@ def sweep(
     from streambp_core.step.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)
-    points, refused = (_without_refused(points, configs, simulated=target.device == "sim")
-                       if method.strip() == "all" else (points, ()))
+    points, refused = _without_refused(points, configs) if method.strip() == "all" else (points, ())
     resolve = _auto_partitions(target, points)
     gpu = None if gpu_model is None else _gpu(gpu_model.value)
     results = ResultsFile(out)
@@ -233,14 +232,14 @@ def sweep(
     emit(summary, as_json, render)
 
 
-def _without_refused(points: tuple[StepSpec, ...], configs: dict, *, simulated: bool
+def _without_refused(points: tuple[StepSpec, ...], configs: dict
                      ) -> tuple[tuple[StepSpec, ...], tuple[tuple[str, str, str], ...]]:
     """`--method all`'s points without those of a method their model's family cannot run
-    (`methods.guards.family_refusals`: streambp, and mst, on a family of the baselines tier), and
+    (`methods.guards.family_refusals`: mst, on a baselines family whose pieces it lacks), and
     (model, method, why) of each method left out."""
     from streambp_core.methods.guards import family_refusals
 
-    refusals = {name: family_refusals(config, simulated=simulated) for name, config in configs.items()}
+    refusals = {name: family_refusals(config) for name, config in configs.items()}
     kept = tuple(point for point in points if point.method not in refusals[point.model])
     refused = tuple(dict.fromkeys((point.model, point.method,
                                    refusals[point.model][point.method].removeprefix(f"{point.method}: "))

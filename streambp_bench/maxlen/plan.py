@@ -38,7 +38,7 @@ class Plan:
     """Ranks sharing one node's host memory (`--gpus` runs: the node's budget / this is a rank's share)."""
     refused: tuple[tuple[str, str], ...] = ()
     """(method, why) of each method `--method all` left out because the model's family cannot run it
-    (`methods.guards.family_refusals`: streambp, and mst, on a family of the baselines tier)."""
+    (`methods.guards.family_refusals`: mst, on a baselines family whose pieces it lacks)."""
 
     @property
     def host_budget_words(self) -> str:
@@ -112,8 +112,7 @@ def make_plan(
     if target.device != "sim" and specs[0].shard != "none":
         raise ConfigError("a sharded step (--gpus/--shard) is simulated only: use --device sim")
     resolved = ResolvedModel(specs[0].model)
-    specs, refused = runnable(specs, resolved, every_method=every_method,
-                               simulated=target.device == "sim")
+    specs, refused = runnable(specs, resolved, every_method=every_method)
     needed = resident_bytes(specs[0], resolved.config)
     if needed >= (target.budget_bytes or 0):
         raise ConfigError(
@@ -129,14 +128,14 @@ def make_plan(
     return plan
 
 
-def runnable(specs: tuple[StepSpec, ...], resolved: ResolvedModel, *, every_method: bool, simulated: bool
+def runnable(specs: tuple[StepSpec, ...], resolved: ResolvedModel, *, every_method: bool
              ) -> tuple[tuple[StepSpec, ...], tuple[tuple[str, str], ...]]:
     """The specs whose method the model's family runs, and (method, why) of those it refuses
     (`methods.guards.family_refusals`, its reason without the method's name); ConfigError with the first
     refusal unless `every_method` leaves them out and another method remains."""
     from streambp_core.methods.guards import family_refusals
 
-    refusals = family_refusals(resolved.config, simulated=simulated)
+    refusals = family_refusals(resolved.config)
     kept = tuple(spec for spec in specs if spec.method not in refusals)
     refused = tuple(dict.fromkeys((spec.method, refusals[spec.method].removeprefix(f"{spec.method}: "))
                                   for spec in specs if spec.method in refusals))

@@ -49,14 +49,12 @@ def parts_of(model: nn.Module) -> DecoderParts:
         ) from None
 
 
-def family_refusals(config, *, simulated: bool) -> dict[str, str]:
+def family_refusals(config) -> dict[str, str]:
     """The methods a model of `config` (a checked transformers config) cannot run because of its family,
     each with its one-line refusal: none for an engine family; for the baselines tier (`models.catalogue`)
     mst where its pieces do not apply (`models.generic.mst_pieces`, decided on the model built on the meta
     device). What a command running every method leaves out, naming why; streambp's refusals on the
-    own-layer path (`methods.own_stream`) come when its run is prepared. `simulated` (a step on the meta
-    device) changes nothing now that the own-layer path simulates under the engine's attention; the
-    commands still say which they run."""
+    own-layer path (`methods.own_stream`) come when its run is prepared."""
     from streambp_core.models.generic import mst_pieces
     from streambp_core.models.load import build_model
 

@@ -38,25 +38,24 @@ def model_dir(tmp_path: Path, model_type: str) -> str:
 
 def test_family_refusals_name_mst_where_its_pieces_do_not_apply(tmp_path):
     gpt2 = load_config(model_dir(tmp_path, "gpt2"))
-    assert family_refusals(gpt2, simulated=True) == {}  # streambp simulates through its own layers
-    assert family_refusals(gpt2, simulated=False) == {}
+    assert family_refusals(gpt2) == {}  # streambp runs (and simulates) through its own layers
     cohere = load_config(model_dir(tmp_path, "cohere"))
-    assert set(family_refusals(cohere, simulated=True)) == {"mst"}
-    (mst,) = family_refusals(cohere, simulated=False).values()
+    assert set(family_refusals(cohere)) == {"mst"}
+    (mst,) = family_refusals(cohere).values()
     assert mst.startswith("mst: architecture 'cohere' changes the logits after its lm_head")
-    assert family_refusals(load_config("tiny/qwen3"), simulated=True) == {}
+    assert family_refusals(load_config("tiny/qwen3")) == {}
 
 
 def test_max_len_plan_leaves_out_what_the_family_refuses_only_for_every_method(tmp_path):
     directory = model_dir(tmp_path, "cohere")
     specs = tuple(StepSpec.of(model=directory, method=method) for method in METHODS)
     resolved = ResolvedModel(directory)
-    kept, refused = runnable(specs, resolved, every_method=True, simulated=True)
+    kept, refused = runnable(specs, resolved, every_method=True)
     assert [spec.method for spec in kept] == ["plain", "checkpoint", "streambp"]
     assert [method for method, _ in refused] == ["mst"]
     assert refused[0][1].startswith("architecture 'cohere' changes the logits after its lm_head")
     with pytest.raises(ConfigError, match="^mst: architecture 'cohere' changes the logits"):
-        runnable(specs, resolved, every_method=False, simulated=True)
+        runnable(specs, resolved, every_method=False)
 
 
 def test_verify_and_sweep_leave_out_the_same_methods(tmp_path):
@@ -69,7 +68,7 @@ def test_verify_and_sweep_leave_out_the_same_methods(tmp_path):
     assert named.methods == ("streambp",) and none == ()
     points = tuple(StepSpec.of(model=directory, method=method, seq_len_tokens=length)
                    for method in METHODS for length in (64, 128))
-    kept, left_out = _without_refused(points, {directory: load_config(directory)}, simulated=True)
+    kept, left_out = _without_refused(points, {directory: load_config(directory)})
     assert kept == points and left_out == ()  # streambp simulates through its own layers
 
 

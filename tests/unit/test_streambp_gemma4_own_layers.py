@@ -15,7 +15,7 @@ import torch
 
 import streambp_core
 from streambp_core.models.load import build_model
-from tests.unit.test_causal_lm_families import tiny_values
+from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch, relative_errors, step
 
 SEQ_LEN = 37
@@ -39,7 +39,7 @@ CONFIGS = {
 
 def gemma4_dir(tmp_path: Path, shape: str) -> str:
     """A directory holding a tiny gemma4_text config.json of `shape` (`CONFIGS`)."""
-    values = tiny_values("gemma4_text") | COMMON | CONFIGS[shape]
+    values = tiny_values("gemma4_text", SIZES) | COMMON | CONFIGS[shape]
     values.pop("per_layer_config")  # rebuilt from global_head_dim and num_global_key_value_heads
     directory = tmp_path / shape
     directory.mkdir(parents=True, exist_ok=True)

@@ -192,8 +192,8 @@ def _print_tables(console, report: VerifyReport, refused: tuple[tuple[str, str],
 
 def without_refused(spec: VerifySpec, *, every_method: bool
                     ) -> tuple[VerifySpec, tuple[tuple[str, str], ...]]:
-    """`spec` without the methods its model's family cannot run (`methods.guards.family_refusals`: streambp,
-    and mst, on a family of the baselines tier) and (method, why) of each, when `every_method`
+    """`spec` without the methods its model's family cannot run (`methods.guards.family_refusals`: mst,
+    on a baselines family whose pieces it lacks) and (method, why) of each, when `every_method`
     (`--method all`, or no --method) and another method remains; else `spec` itself (a method named is
     refused by name when it runs)."""
     from streambp_core.methods.guards import family_refusals
@@ -201,7 +201,7 @@ def without_refused(spec: VerifySpec, *, every_method: bool
 
     if not every_method:
         return spec, ()
-    refusals = family_refusals(load_config(spec.step.model), simulated=False)
+    refusals = family_refusals(load_config(spec.step.model))
     kept = tuple(method for method in spec.methods if method not in refusals)
     if not kept or len(kept) == len(spec.methods):
         return spec, ()
