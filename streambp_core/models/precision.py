@@ -119,7 +119,8 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
     return changed
 
 
-FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter", "NemotronHTopkRouter")
+FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter",
+                   "NemotronHTopkRouter")
 """Class names of routers whose weight and logits are float32 whatever the model's precision."""
 
 

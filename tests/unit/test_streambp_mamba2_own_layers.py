@@ -20,8 +20,9 @@ from tests.unit.test_exactness import assert_matches_plain, batch, step
 
 MAMBA = {"nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2,
                         "chunk_size": 16, "moe_shared_expert_intermediate_size": 32},
-         "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
-                              "mamba_chunk_size": 16, "shared_intermediate_size": 32, "num_hidden_layers": 3,
+         "granitemoehybrid": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+                              "mamba_n_groups": 2, "mamba_chunk_size": 16, "shared_intermediate_size": 32,
+                              "num_hidden_layers": 3,
                               "layer_types": ["mamba", "attention", "mamba"]},
          "bamba": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
                    "mamba_chunk_size": 16, "attn_layer_indices": [1], "num_hidden_layers": 3},

@@ -110,8 +110,8 @@ class OwnLayer(torch.autograd.Function):
         arguments = call.arguments | inputs.sharing.handed(*extra[len(inputs.graded):])
         output, ctx.kind = _checked_run(call, hidden, cache, arguments)
         if ctx.kind != ATTENTION and inputs.count:
-            raise ConfigError(f"streambp: {type(call.layer).__name__} takes per-token inputs that require grad "
-                              f"in a {ctx.kind} layer, which the own-layer stream does not carry")
+            raise ConfigError(f"streambp: {type(call.layer).__name__} takes per-token inputs that require "
+                              f"grad in a {ctx.kind} layer, which the own-layer stream does not carry")
         ctx.save_for_backward(hidden, *extra)
         if inputs.sharing.role == "store":
             return (output, *arguments[SHARED_NAME][inputs.sharing.key])
@@ -123,8 +123,8 @@ class OwnLayer(torch.autograd.Function):
         hidden, *extra = ctx.saved_tensors
         if ctx.kind != ATTENTION:
             plan = ctx.plan
-            grad_in = state_backward(ctx.call, ctx.kind, plan.partition_size, plan.attn_implementation, hidden,
-                                     grad_out, ctx.params)
+            grad_in = state_backward(ctx.call, ctx.kind, plan.partition_size, plan.attn_implementation,
+                                     hidden, grad_out, ctx.params)
             return (grad_in, None, None, None, *([None] * len(ctx.params)))
         grads = stream_backward(ctx.call, ctx.plan, ctx.inputs, [hidden, *extra], grad_out, grad_shared,
                                 ctx.params)
