@@ -101,7 +101,7 @@ FLOAT32_NORMS = {
     "Gemma4RMSNorm": _optional_weight_norm_in_at_least_float32,
     **dict.fromkeys(("Gemma3RMSNorm", "Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm",
                      "Qwen3NextRMSNorm"), _norm_in_at_least_float32),
-    "GptOssRMSNorm": _weight_norm_in_at_least_float32,
+    **dict.fromkeys(("GptOssRMSNorm", "NemotronHRMSNorm"), _weight_norm_in_at_least_float32),
     "Cohere2LayerNorm": _centred_norm_in_at_least_float32,
 }
 """Class names of norms that compute in `x.float()`, and their at-least-float32 forwards."""
@@ -119,7 +119,8 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
     return changed
 
 
-FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter")
+FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter",
+                   "NemotronHTopkRouter")
 """Class names of routers whose weight and logits are float32 whatever the model's precision."""
 
 
@@ -273,8 +274,10 @@ def eager_in_at_least_float32(model: nn.Module,
     AttentionMaskInterface.register(WIDE_EAGER, eager_mask)
     model.set_attn_implementation(WIDE_EAGER)
     return True
-FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
-"""Class names of linear attentions whose decay, delta rule and gated norm compute in float32."""
+FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
+                      "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
+"""Class names of linear attentions whose decay, delta rule and gated norm compute in float32 (and of Mamba2
+mixers, whose SSD scan and gated norm do)."""
 
 
 class WideFloat32Casts(TorchFunctionMode):
@@ -322,7 +325,7 @@ def hybrid_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.
         name = type(module).__name__
         if "forward" in vars(module) or name not in (*FLOAT32_NORMS, *FLOAT32_DELTA_NETS):
             continue
-        forward = _delta_in_at_least_float32 if name in FLOAT32_DELTA_NETS else _norm_in_at_least_float32
+        forward = _delta_in_at_least_float32 if name in FLOAT32_DELTA_NETS else FLOAT32_NORMS[name]
         module.forward = types.MethodType(forward, module)
         changed.append(module)
     return changed

@@ -45,6 +45,7 @@ from streambp_core.engine.chunks import (
 )
 from streambp_core.engine.own.arguments import LayerCall
 from streambp_core.engine.own.cache import CaptureCache, KeysCaptured, PrefixCache
+from streambp_core.engine.own.recurrent import ATTENTION, StateCache, mixing, state_backward
 from streambp_core.engine.own.sharing import SHARED_NAME, KVSharing
 from streambp_core.measure.tags import KV, memory_category
 
@@ -105,9 +106,12 @@ class OwnLayer(torch.autograd.Function):
         ctx.call, ctx.plan, ctx.inputs, ctx.params = call, plan, inputs, params
         first = min(plan.partition_size, call.length)
         call.chunk(0, first, plan.attn_implementation, hidden.device)  # refuses what cannot be cut
-        cache = PrefixCache(hidden.new_empty(0, 0), hidden.new_empty(0, 0))
+        cache = StateCache(prefix=(hidden.new_empty(0, 0), hidden.new_empty(0, 0)))
         arguments = call.arguments | inputs.sharing.handed(*extra[len(inputs.graded):])
-        output = _checked_run(call, hidden, cache, arguments)
+        output, ctx.kind = _checked_run(call, hidden, cache, arguments)
+        if ctx.kind != ATTENTION and inputs.count:
+            raise ConfigError(f"streambp: {type(call.layer).__name__} takes per-token inputs that require "
+                              f"grad in a {ctx.kind} layer, which the own-layer stream does not carry")
         ctx.save_for_backward(hidden, *extra)
         if inputs.sharing.role == "store":
             return (output, *arguments[SHARED_NAME][inputs.sharing.key])
@@ -117,13 +121,19 @@ class OwnLayer(torch.autograd.Function):
     def backward(ctx, grad_out, *grad_shared):
         check_accumulates(ctx, "streambp's own-layer stream")
         hidden, *extra = ctx.saved_tensors
+        if ctx.kind != ATTENTION:
+            plan = ctx.plan
+            grad_in = state_backward(ctx.call, ctx.kind, plan.partition_size, plan.attn_implementation,
+                                     hidden, grad_out, ctx.params)
+            return (grad_in, None, None, None, *([None] * len(ctx.params)))
         grads = stream_backward(ctx.call, ctx.plan, ctx.inputs, [hidden, *extra], grad_out, grad_shared,
                                 ctx.params)
         return (grads[0], None, None, None, *grads[1:], *([None] * len(ctx.params)))
 
 
-def _checked_run(call: LayerCall, hidden: Tensor, cache: PrefixCache, arguments: dict) -> Tensor:
-    """The layer's output on the whole sequence; ConfigError when it cannot be streamed (module docstring)."""
+def _checked_run(call: LayerCall, hidden: Tensor, cache: StateCache, arguments: dict) -> tuple[Tensor, str]:
+    """The layer's output on the whole sequence and how it mixes tokens (`recurrent.mixing`); ConfigError
+    when it cannot be streamed (module docstring)."""
     family = type(call.layer).__name__
     try:
         output = call.run(hidden, cache, arguments)
@@ -135,16 +145,16 @@ def _checked_run(call: LayerCall, hidden: Tensor, cache: PrefixCache, arguments:
         raise ConfigError(f"streambp: {family}.forward returns a {type(output).__name__}, not the hidden "
                           "states alone")
     if KVSharing.of(call.layer).role == "reuse":
-        return output  # a consumer attends to its store's keys and values (`sharing`)
+        return output, ATTENTION  # a consumer attends to its store's keys and values (`sharing`)
+    kind = mixing(call, cache)
     keys = cache.chunk_keys
-    if keys is None:
-        raise ConfigError(f"streambp: {family} does not write its keys and values through the cache, from "
-                          "which the generic stream takes the prefix's")
+    if kind != ATTENTION:
+        return output, kind
     if keys.shape[-2] != call.length or cache.chunk_values.shape[-2] != call.length:
         raise ConfigError(f"streambp: {family} writes keys of shape {tuple(keys.shape)} to its cache, with "
                           "no "
                           f"sequence axis -2 of {call.length}")
-    return output
+    return output, kind
 
 
 def whole_keys(call: LayerCall, hidden: Tensor, arguments: dict | None = None) -> tuple[Tensor, Tensor]:
