@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import math
-import os
-import re
 from dataclasses import dataclass, fields, replace
-from functools import cache
-from pathlib import Path
 
+from streambp_core.errors import ConfigError as ConfigError
+from streambp_core.inputs import MAX_BUDGET_GIB as MAX_BUDGET_GIB
+from streambp_core.inputs import PRESET_DIR as PRESET_DIR
+from streambp_core.inputs import available_cpus as available_cpus
+from streambp_core.inputs import check_budget_gib as check_budget_gib
+from streambp_core.inputs import check_model as check_model
+from streambp_core.inputs import preset_names as preset_names
 from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
 from streambp_core.tiers import TierError, Tiers, tier_problem
 
@@ -67,10 +69,6 @@ GPU_MODEL_NAMES = ("h100", "h200", "a100", "a800")
 """GPUs whose datasheet figures the step-time estimate knows (`streambp_core.step.estimate.GPU_MODELS`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 """How a figure of a step run on each device was obtained, as every result row says."""
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error; the CLI prints its message on one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,55 +218,6 @@ def require_positive(name: str, value: int) -> None:
     """Raise ConfigError unless `value` is a positive integer (bools are not integers here)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-PRESET_DIR = Path(__file__).parent / "models" / "presets"
-"""The shipped model presets: `<org>--<name>.json` for `<org>/<name>`."""
-
-
-@cache
-def preset_names() -> tuple[str, ...]:
-    """The shipped presets' names: real models by their hub name first (numbers compared as numbers:
-    0.6B < 4B < 14B), then the `tiny/*` test models. Cheap: no transformers import."""
-    names = [path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json")]
-    return tuple(sorted(names, key=_natural_key))
-
-
-def _natural_key(name: str) -> tuple:
-    """Sort key: tiny presets last, then by name with numbers compared as numbers."""
-    parts = re.split(r"(\d+(?:\.\d+)?)", name.lower())
-    return (name.startswith("tiny/"), [float(part) if i % 2 else part for i, part in enumerate(parts)])
-
-
-def check_model(name: str) -> str:
-    """`name` if it names a shipped preset (case-insensitive) or an existing path, else ConfigError.
-
-    Cheap (no transformers import), so bad input is refused at once; the config itself is read and
-    checked by `streambp_core.models.load_config`.
-    """
-    presets = preset_names()
-    if name.strip().lower() in {p.lower() for p in presets} or Path(name).expanduser().exists():
-        return name
-    raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
-                      f"presets: {', '.join(presets)}")
-
-
-def available_cpus() -> int:
-    """CPU cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-MAX_BUDGET_GIB = 2.0**20
-"""The largest budget taken, in GiB (1 PiB, far above any device or host): a larger one (1e308) has no byte
-count (inf) and is refused by name, not an OverflowError where it is first counted in bytes."""
-
-
-def check_budget_gib(budget_gib: float | None, option: str = "--budget-gib") -> float | None:
-    """`budget_gib` if None or a finite positive number up to `MAX_BUDGET_GIB`, else ConfigError."""
-    if budget_gib is not None and (not math.isfinite(budget_gib) or not 0 < budget_gib <= MAX_BUDGET_GIB):
-        raise ConfigError(f"{option} must be a finite positive number of GiB, at most {MAX_BUDGET_GIB:,.0f} "
-                          f"(1 PiB), got {budget_gib:g}")
-    return budget_gib
 
 
 def check_method(method: str) -> str:

@@ -38,9 +38,11 @@ def test_the_contracts_count_every_import() -> None:
     assert {c["type"] for c in contracts} == {"layers", "forbidden"}
     assert not any(c.get("ignore_imports") for c in contracts)
     floors = next(c for c in contracts if c.get("containers") == [CORE])
-    assert floors["exhaustive"] and floors["layers"][-2].startswith("config")
-    # the bottom floor: the offload tiers' rules, which config validates with, and the precision rule
-    assert floors["layers"][-1] == "tiers | dtypes"
+    assert floors["exhaustive"] and floors["layers"][-3].startswith("config")
+    assert floors["layers"][-2] == "inputs"  # the checks of what a user names: presets, budgets
+    # the bottom floor: the offload tiers' rules, which config validates with, the precision rule and the
+    # user-input error
+    assert floors["layers"][-1] == "tiers | dtypes | errors"
 
 
 def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> None:

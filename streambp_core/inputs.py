@@ -1,0 +1,60 @@
+"""Checks of what a user names before any work: a model (a shipped preset or a local directory), a memory
+budget in GiB, and the CPU cores this process may use. Cheap: no torch or transformers import."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+from streambp_core.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "models" / "presets"
+"""The shipped model presets: `<org>--<name>.json` for `<org>/<name>`."""
+
+
+@cache
+def preset_names() -> tuple[str, ...]:
+    """The shipped presets' names: real models by their hub name first (numbers compared as numbers:
+    0.6B < 4B < 14B), then the `tiny/*` test models. Cheap: no transformers import."""
+    names = [path.stem.replace("--", "/") for path in PRESET_DIR.glob("*.json")]
+    return tuple(sorted(names, key=_natural_key))
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key: tiny presets last, then by name with numbers compared as numbers."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", name.lower())
+    return (name.startswith("tiny/"), [float(part) if i % 2 else part for i, part in enumerate(parts)])
+
+
+def check_model(name: str) -> str:
+    """`name` if it names a shipped preset (case-insensitive) or an existing path, else ConfigError.
+
+    Cheap (no transformers import), so bad input is refused at once; the config itself is read and
+    checked by `streambp_core.models.load_config`.
+    """
+    presets = preset_names()
+    if name.strip().lower() in {p.lower() for p in presets} or Path(name).expanduser().exists():
+        return name
+    raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
+                      f"presets: {', '.join(presets)}")
+
+
+def available_cpus() -> int:
+    """CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+MAX_BUDGET_GIB = 2.0**20
+"""The largest budget taken, in GiB (1 PiB, far above any device or host): a larger one (1e308) has no byte
+count (inf) and is refused by name, not an OverflowError where it is first counted in bytes."""
+
+
+def check_budget_gib(budget_gib: float | None, option: str = "--budget-gib") -> float | None:
+    """`budget_gib` if None or a finite positive number up to `MAX_BUDGET_GIB`, else ConfigError."""
+    if budget_gib is not None and (not math.isfinite(budget_gib) or not 0 < budget_gib <= MAX_BUDGET_GIB):
+        raise ConfigError(f"{option} must be a finite positive number of GiB, at most {MAX_BUDGET_GIB:,.0f} "
+                          f"(1 PiB), got {budget_gib:g}")
+    return budget_gib
