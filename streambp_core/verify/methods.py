@@ -40,34 +40,16 @@ from streambp_core.step.batch import (
 )
 from streambp_core.tiers import Tiers
 from streambp_core.verify.compare import Gradients, max_grad_err
+from streambp_core.verify.criterion import (
+    CRITERION,
+    DTYPES,
+    LOW_PRECISION_EPS,
+    LOW_PRECISION_FACTOR,
+    LOW_PRECISION_LOSS_EPS,
+    TOLERANCE,
+)
 from streambp_core.verify.ram import check_ram
 from streambp_core.verify.update import adamw_step
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
-TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
-"""Largest accepted gradient error (CRITERION) and loss error relative to max(1, |loss|), per dtype."""
-
-CRITERION = (
-    "per parameter ||g - g_plain|| <= rtol * (||g_plain|| + sqrt(numel) * rms), rms = RMS of plain's "
-    "gradient over all parameters (assert_close's atol + rtol, in norms); loss: |l - l_plain| <= "
-    "loss tolerance"
-)
-"""How a method's gradients and loss are judged, as the report states it."""
-
-
-LOW_PRECISION_FACTOR = 2.0
-"""bfloat16, float16: a method may be this many times as far from the fp32 reference as plain is in the
-same precision."""
-
-LOW_PRECISION_EPS = 1e-6
-"""bfloat16, float16: absolute slack on the gradient bound, so a zero baseline error does not demand
-exactness."""
-
-LOW_PRECISION_LOSS_EPS = 2.0**-10
-"""bfloat16, float16: slack on the loss bound relative to max(1, |loss|) (1/8 of bf16's epsilon, 2x
-float16's): one scalar's
-baseline error can be near zero by chance, unlike the max over many gradient elements."""
 
 VERIFY_STEP = {"seq_len_tokens": 256, "partition_size": 100, "head_partition_size": 50, "dtype": "float32"}
 """Where a verification's step differs from `StepSpec`'s defaults (`VerifySpec.of`): short, small chunks."""
