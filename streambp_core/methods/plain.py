@@ -11,6 +11,7 @@ from contextlib import ExitStack
 import torch
 
 from streambp_core.engine.attention.hf import engine_attention, engine_mask_argument
+from streambp_core.engine.own.layer import indexed
 from streambp_core.engine.packing import PackedRows
 from streambp_core.engine.sequence.hf import sequence_attention, sequence_mask_argument
 from streambp_core.engine.stream.objectives import IGNORE_INDEX
@@ -46,7 +47,12 @@ class PlainRun(Run):
 
     @property
     def uses_engine_attention(self) -> bool:
-        """Whether the transformers layers attend through the engine kernel (see StreamConfig)."""
+        """Whether the transformers layers attend through the engine kernel (see StreamConfig). Never where
+        a layer's sparse-attention indexer picks each query's keys (DeepSeek-V3.2's and GLM-5's DSA): that
+        selection is a (B, T, T) mask the engine kernel does not take, so those layers keep their own
+        attention, on the meta device too."""
+        if any(indexed(layer) for layer in self.parts.layers):
+            return False
         choice = self.config.baseline_attention
         if choice == "auto":
             return next(self.model.parameters()).device.type == "meta"

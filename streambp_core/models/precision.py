@@ -119,12 +119,13 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
     return changed
 
 
-FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter")
+FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter", "GlmMoeDsaTopkRouter",
+                   "DeepseekV32TopkRouter")
 """Class names of routers whose weight and logits are float32 whatever the model's precision."""
 
 
 def _router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """transformers' `Glm4MoeTopkRouter.forward` (DeepSeek-V3's router is the same) with its logits in the
+    """transformers' `Glm4MoeTopkRouter.forward` (DeepSeek-V3's, V3.2's and GLM-5's are the same) with its logits in the
     wider of float32 and the input's precision: sigmoid scores; top-k experts of scores +
     e_score_correction_bias within the `topk_group` best groups (a group's score: its two best); their
     scores, normalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`, are the weights."""
