@@ -69,13 +69,22 @@ class PlainRun(Run):
         attention, a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet) get the (B, T)
         padding mask transformers builds for them, the attention layers the engine's (B, 1, 1, T) one."""
         if not self.uses_engine_attention:
-            return attention_mask
+            return self._meta_mask(attention_mask)
         key_valid = key_padding(attention_mask)
         mask = engine_mask_argument(key_valid)
         layer_types = getattr(self.parts.backbone.config, "layer_types", None) or ()
         if key_valid is None or "linear_attention" not in layer_types:
             return mask
         return {kind: key_valid if kind == "linear_attention" else mask for kind in set(layer_types)}
+
+    def _meta_mask(self, attention_mask):
+        """On the meta device, a model that keeps its own attention there (`uses_engine_attention`) gets an
+        all-ones (B, T) mask for an absent one: without a mask transformers reads the position_ids' values
+        to find packed rows, which meta tensors do not hold; the mask it builds is the same."""
+        ids = self._input_ids
+        if attention_mask is not None or ids.device.type != "meta":
+            return attention_mask
+        return torch.ones_like(ids)
 
     def model_inputs(self, attention_mask, packed: PackedRows | None) -> dict:
         """The attention mask and position_ids arguments of the model's forward. Packed rows go through
