@@ -69,7 +69,7 @@ class PrefixCache:
                 torch.cat((self.prefix_values, value_states), dim=-2))
 
     def update_indexer(self, indexer_keys: Tensor, layer_idx: int = 0, *args, **kwargs) -> Tensor:
-        """The indexer's keys as written: the whole sequence's (forward), as a chunk's indexer does not run."""
+        """The indexer's keys as written: the whole sequence's (forward); a chunk's indexer does not run."""
         if self.prefix_keys.shape[-2]:
             raise RuntimeError("a chunk's indexer ran against the prefix, whose pick it takes as given")
         return indexer_keys

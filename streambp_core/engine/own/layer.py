@@ -20,13 +20,13 @@ Backward:
    (what later chunks' queries left on these positions) on the chunk's own keys and values;
 3. the chunk's input and per-token input gradients are written into their slices; the prefix leaves'
    gradients add to dK, dV[..., :start, :]; the parameters' gradients accumulate in `.grad`.
-A layer with a sparse-attention indexer (DSA: DeepSeek-V3.2, GLM-5) picks each query's top-k keys under no grad:
-step 1 goes on to the indexer and records its pick for the whole sequence (B, T, k), and each chunk's indexer
-returns rows start..end of it (`arguments.key_indices_rows`) instead of scoring again: the indexer scores in
-float32 (and ties at ReLU's zero), so a chunk's own pick can differ from the whole forward's; its weights
-get no gradient, as in plain. A layer that returns more than its hidden
-states (GLM-5's returns its top-k key indices (B, T, k), which the next layer may reuse) returns the rest
-from the whole sequence's forward, with no gradient.
+A layer with a sparse-attention indexer (DSA: DeepSeek-V3.2, GLM-5) picks each query's top-k keys under no
+grad: step 1 goes on to the indexer and records its pick for the whole sequence (B, T, k), and each chunk's
+indexer returns rows start..end of it (`arguments.key_indices_rows`) instead of scoring again: the indexer
+scores in float32 (and ties at ReLU's zero), so a chunk's own pick can differ from the whole forward's; its
+weights get no gradient, as in plain. A layer that returns more than its hidden states (GLM-5's returns its
+top-k key indices (B, T, k), which the next layer may reuse) returns the rest from the whole sequence's
+forward, with no gradient.
 Keys and values shared across layers (`sharing`): a store also returns its K, V, and starts its dK, dV from
 their gradient; a consumer takes its store's K, V as inputs instead of computing its own, its chunk attends to
 K, V[..., :end, :] as leaves, and it returns their gradient.
