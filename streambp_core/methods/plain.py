@@ -20,6 +20,14 @@ from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.models.adapters import layer_parts
 
 
+def attends_beyond_the_kernel(layer) -> bool:
+    """Whether `layer`'s attention is more than the engine kernel takes: a sparse-attention indexer's pick of
+    each query's keys (DeepSeek-V3.2's and GLM-5's DSA, a (B, T, T) mask), or compressed keys appended to
+    its own with their own causal bias (DeepSeek-V4's CSA and HCA blocks)."""
+    attention = getattr(layer, "self_attn", None)
+    return indexed(layer) or getattr(attention, "compressor", None) is not None
+
+
 class PlainRun(Run):
     """Ordinary backpropagation: every activation of every layer and the full logits are kept."""
 
@@ -48,10 +56,9 @@ class PlainRun(Run):
     @property
     def uses_engine_attention(self) -> bool:
         """Whether the transformers layers attend through the engine kernel (see StreamConfig). Never where
-        a layer's sparse-attention indexer picks each query's keys (DeepSeek-V3.2's and GLM-5's DSA): that
-        selection is a (B, T, T) mask the engine kernel does not take, so those layers keep their own
-        attention, on the meta device too."""
-        if any(indexed(layer) for layer in self.parts.layers):
+        a layer's attention is more than the kernel takes (`attends_beyond_the_kernel`): those layers keep
+        their own attention, on the meta device too."""
+        if any(attends_beyond_the_kernel(layer) for layer in self.parts.layers):
             return False
         choice = self.config.baseline_attention
         if choice == "auto":
