@@ -100,6 +100,11 @@ def _refusal(run: Run) -> str | None:
         (zero_stage_of(run.model) is not None, "DeepSpeed ZeRO"),
         (any(is_sharded(layer) for layer in run.parts.layers), "FSDP2 sharding"),
         (run.router_aux is not None, "the router load-balancing loss (output_router_logits)"),
+        (any(hasattr(getattr(layer, "self_attn", None), "compressor") for layer in layers),
+         "DeepSeek-V4's attention: its compressed keys and values (blocks of 4 and 128 tokens, which carry "
+         "gradients and straddle chunk boundaries) are built through per-layer cache state, and the float32 "
+         "norms, hyper-connections and sinks it keeps in a float64 model hold even its sliding layers to "
+         "float32's accuracy"),
     )
     return next((cause for refused, cause in causes if refused), None)
 

@@ -11,12 +11,21 @@ from contextlib import ExitStack
 import torch
 
 from streambp_core.engine.attention.hf import engine_attention, engine_mask_argument
+from streambp_core.engine.own.layer import indexed
 from streambp_core.engine.packing import PackedRows
 from streambp_core.engine.sequence.hf import sequence_attention, sequence_mask_argument
 from streambp_core.engine.stream.objectives import IGNORE_INDEX
 from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.models.adapters import layer_parts
+
+
+def attends_beyond_the_kernel(layer) -> bool:
+    """Whether `layer`'s attention is more than the engine kernel takes: a sparse-attention indexer's pick of
+    each query's keys (DeepSeek-V3.2's and GLM-5's DSA, a (B, T, T) mask), or compressed keys appended to
+    its own with their own causal bias (DeepSeek-V4's CSA and HCA blocks)."""
+    attention = getattr(layer, "self_attn", None)
+    return indexed(layer) or getattr(attention, "compressor", None) is not None
 
 
 class PlainRun(Run):
@@ -46,7 +55,11 @@ class PlainRun(Run):
 
     @property
     def uses_engine_attention(self) -> bool:
-        """Whether the transformers layers attend through the engine kernel (see StreamConfig)."""
+        """Whether the transformers layers attend through the engine kernel (see StreamConfig). Never where
+        a layer's attention is more than the kernel takes (`attends_beyond_the_kernel`): those layers keep
+        their own attention, on the meta device too."""
+        if any(attends_beyond_the_kernel(layer) for layer in self.parts.layers):
+            return False
         choice = self.config.baseline_attention
         if choice == "auto":
             return next(self.model.parameters()).device.type == "meta"
@@ -63,13 +76,22 @@ class PlainRun(Run):
         attention, a hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet) get the (B, T)
         padding mask transformers builds for them, the attention layers the engine's (B, 1, 1, T) one."""
         if not self.uses_engine_attention:
-            return attention_mask
+            return self._meta_mask(attention_mask)
         key_valid = key_padding(attention_mask)
         mask = engine_mask_argument(key_valid)
         layer_types = getattr(self.parts.backbone.config, "layer_types", None) or ()
         if key_valid is None or "linear_attention" not in layer_types:
             return mask
         return {kind: key_valid if kind == "linear_attention" else mask for kind in set(layer_types)}
+
+    def _meta_mask(self, attention_mask):
+        """On the meta device, a model that keeps its own attention there (`uses_engine_attention`) gets an
+        all-ones (B, T) mask for an absent one: without a mask transformers reads the position_ids' values
+        to find packed rows, which meta tensors do not hold; the mask it builds is the same."""
+        ids = self._input_ids
+        if attention_mask is not None or ids.device.type != "meta":
+            return attention_mask
+        return torch.ones_like(ids)
 
     def model_inputs(self, attention_mask, packed: PackedRows | None) -> dict:
         """The attention mask and position_ids arguments of the model's forward. Packed rows go through

@@ -120,13 +120,13 @@ def norms_in_at_least_float32(model: nn.Module) -> int:
 
 
 FLOAT32_ROUTERS = ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter", "Glm4MoeLiteTopkRouter",
-                   "NemotronHTopkRouter")
+                   "NemotronHTopkRouter", "GlmMoeDsaTopkRouter", "DeepseekV32TopkRouter")
 """Class names of routers whose weight and logits are float32 whatever the model's precision."""
 
 
 def _router_in_at_least_float32(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """transformers' `Glm4MoeTopkRouter.forward` (DeepSeek-V3's router is the same) with its logits in the
-    wider of float32 and the input's precision: sigmoid scores; top-k experts of scores +
+    """transformers' `Glm4MoeTopkRouter.forward` (DeepSeek-V3's, V3.2's and GLM-5's are the same) with its
+    logits in the wider of float32 and the input's precision: sigmoid scores; top-k experts of scores +
     e_score_correction_bias within the `topk_group` best groups (a group's score: its two best); their
     scores, normalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`, are the weights."""
     work = at_least_float32(hidden_states.dtype)
@@ -246,12 +246,13 @@ def _eager_in_at_least_float32(module: nn.Module, query: Tensor, key: Tensor, va
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-EAGER_KEYLESS_ZEROS = ("gpt_oss",)
-"""Model types whose eager attention gives a query that sees no key zeros, as the engine does: gpt-oss's
-sinks take its whole softmax (every other eager averages every value of the row)."""
-EAGER_SOFTMAX_IN_SCORES_DTYPE = ("llama4", "llama4_text", "gpt_oss")
-"""Model types whose eager attention takes its softmax in the scores' precision (gpt-oss's with its
-sinks), not in float32: a float64 model of theirs attends in float64 already."""
+EAGER_KEYLESS_ZEROS = ("gpt_oss", "deepseek_v4")
+"""Model types whose eager attention gives a query that sees no key zeros, as the engine does: gpt-oss's and
+DeepSeek-V4's sinks take its whole softmax (every other eager averages every value of the row)."""
+EAGER_SOFTMAX_IN_SCORES_DTYPE = ("llama4", "llama4_text", "gpt_oss", "deepseek_v4")
+"""Model types whose eager attention takes its softmax in the scores' precision (gpt-oss's and DeepSeek-V4's
+with their sinks, which `WIDE_EAGER` would drop), not in float32: a float64 model of theirs attends in
+float64 already."""
 
 
 def eager_in_at_least_float32(model: nn.Module,

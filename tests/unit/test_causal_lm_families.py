@@ -23,6 +23,9 @@ SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "n
          "rotary_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16,
          "q_lora_rank": 32}
 """Common size fields, set where a family's config has them (hidden 64, 2 layers)."""
+FAMILY_SIZES = {"glm_moe_dsa": {"num_key_value_heads": 4}, "deepseek_v32": {"num_key_value_heads": 4}}
+"""Sizes a family needs beyond `SIZES`: multi-head latent attention expanded by transformers' own code has as
+many key heads as query heads, as in the released models (with 2 its SDPA call fails on any device)."""
 DEFAULT_FAMILIES = ("gemma4_text", "cohere", "olmoe", "mamba", "ctrl", "bart", "fuyu", "bert")
 """The default run's handful: a Gemma 4, a dense, a mixture of experts, a state-space model, one without
 transformers' checkpointing, an encoder-decoder, a multimodal model and an encoder."""
@@ -51,7 +54,8 @@ def config_values(model_type: str) -> dict:
     the error)."""
     for sizes in (SIZES, {"num_hidden_layers": 2}, {}):
         try:
-            return tiny_values(model_type, sizes)
+            extra = FAMILY_SIZES.get(model_type, {}) if sizes is SIZES else {}
+            return tiny_values(model_type, sizes) | extra
         except Exception:  # noqa: BLE001, S112 (transformers' validation error types vary by family)
             continue
     return {"model_type": model_type}

@@ -105,8 +105,8 @@ def test_a_users_from_config_nemotron_h_matches_plain(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["bamba", "falcon_h1"])
-def test_hybrids_whose_layers_return_a_tuple_are_refused_by_name(tmp_path, family):
+def test_hybrids_whose_layers_return_more_than_the_hidden_states_are_refused_by_name(tmp_path, family):
     model = model_of(tmp_path, family)
     ids, mask = batch(model.config.vocab_size, 1, 12, "right")
-    with pytest.raises(ConfigError, match="DecoderLayer.forward returns a tuple"):
+    with pytest.raises(ConfigError, match="DecoderLayer.forward returns more than the hidden states"):
         step(model, "streambp", ids, mask, partition_size=4, head_partition_size=8)

@@ -9,6 +9,10 @@ What is cut, by argument name (transformers 5's decoder-layer arguments):
   engine's attention (lower-right aligned already) -> None;
 - `position_ids` (..., T) -> (..., start:end); `cache_position` (T,) -> start:end;
 - `position_embeddings`: each tensor (..., T, D) -> (..., start:end, D);
+- `prev_topk_indices` (B, T, k), the key positions an earlier layer's sparse-attention indexer picked for
+  each query (GLM-5's shared DSA layers) -> rows start..end, a position past the chunk's keys (end or later)
+  replaced by the query's own: the top-k takes such a masked key only once every key the query sees is
+  taken, its own included, and a masked one stays masked (`key_indices_rows`);
 - a per-token input, any other tensor of shape (B, T, ...) like the hidden states (Gemma 4's
   `per_layer_input`) -> (B, start:end, ...), as the hidden states are cut; where it requires grad
   (`LayerCall.graded`) the layer's function takes it as an input and returns its gradient;
@@ -34,7 +38,9 @@ CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 """Names transformers gives a decoder layer's cache argument."""
 POSITIONS = ("position_ids",)
 """Arguments whose last axis is the sequence."""
-CUT_OTHERWISE = ("attention_mask", "cache_position", "position_embeddings", *POSITIONS)
+KEY_INDICES = ("prev_topk_indices",)
+"""Arguments holding key positions (B, T, k) per query."""
+CUT_OTHERWISE = ("attention_mask", "cache_position", "position_embeddings", *POSITIONS, *KEY_INDICES)
 """Arguments cut by their own rule, never as a per-token input."""
 
 
@@ -104,6 +110,8 @@ class LayerCall:
             return _cut_rows(value, start, end, self.length, name)
         if name == self.cache_name or name == "use_cache":
             return value
+        if name in KEY_INDICES and self.per_token(value):
+            return key_indices_rows(value, start, end)
         if self.per_token(value):
             return value[:, start:end]
         self._check_passes(name, value)
@@ -141,6 +149,14 @@ def _cut_rows(value: Any, start: int, end: int, length: int, name: str) -> Any:
                               f"{length}")
         return value[..., start:end, :]
     return value
+
+
+def key_indices_rows(indices: Tensor, start: int, end: int) -> Tensor:
+    """Rows start..end of the key positions (B, T, k), each position past key end - 1 replaced by its
+    query's own (module docstring): every index a valid column of the chunk's (B, end - start, end) mask."""
+    rows = indices[:, start:end]
+    own = torch.arange(start, end, device=rows.device, dtype=rows.dtype)[None, :, None]
+    return torch.where(rows < end, rows, own)
 
 
 def mask_rows(mask: Any, start: int, end: int, length: int, implementation: str, device: torch.device) -> Any:

@@ -6,6 +6,12 @@ right there (`KeysCaptured`), so per layer they are computed once, not once per 
 `PrefixCache`: a chunk's keys and values appended to the prefix's, which are leaves of their own graph
 (their gradients are collected and pushed back to the positions that made them); it keeps the chunk's own
 keys and values so their gradient from later chunks can be fed in.
+
+A sparse-attention indexer (DeepSeek-V3.2's and GLM-5's DSA: a no-grad scorer picking each query's top-k
+keys) writes its own keys (B, T, D) through `update_indexer` after the attention's `update`: both caches hand
+them back as they are, the whole sequence's; `CaptureCache(indexed=True)` lets the layer's forward go on to
+its indexer's pick (`engine.own.layer.whole_keys`), and a chunk's indexer does not run (its pick is the whole
+sequence's, `engine.own.layer`).
 """
 
 from __future__ import annotations
@@ -19,17 +25,24 @@ class KeysCaptured(Exception):  # noqa: N818 (a signal, not an error)
 
 
 class CaptureCache:
-    """Records the keys and values of one layer's forward, then stops it (`KeysCaptured`)."""
+    """Records the keys and values of one layer's forward, then stops it (`KeysCaptured`); with `indexed`,
+    lets it go on to its indexer (whose pick the caller records and stops at)."""
 
     is_compileable = False
 
-    def __init__(self) -> None:
+    def __init__(self, indexed: bool = False) -> None:
+        self.indexed = indexed
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         self.keys, self.values = key_states, value_states
-        raise KeysCaptured
+        if not self.indexed:
+            raise KeysCaptured
+        return key_states, value_states
+
+    def update_indexer(self, indexer_keys: Tensor, layer_idx: int = 0, *args, **kwargs) -> Tensor:
+        return indexer_keys
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -54,6 +67,12 @@ class PrefixCache:
             return key_states, value_states
         return (torch.cat((self.prefix_keys, key_states), dim=-2),
                 torch.cat((self.prefix_values, value_states), dim=-2))
+
+    def update_indexer(self, indexer_keys: Tensor, layer_idx: int = 0, *args, **kwargs) -> Tensor:
+        """The indexer's keys as written: the whole sequence's (forward); a chunk's indexer does not run."""
+        if self.prefix_keys.shape[-2]:
+            raise RuntimeError("a chunk's indexer ran against the prefix, whose pick it takes as given")
+        return indexer_keys
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.prefix_keys.shape[-2]

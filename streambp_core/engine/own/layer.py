@@ -20,6 +20,13 @@ Backward:
    (what later chunks' queries left on these positions) on the chunk's own keys and values;
 3. the chunk's input and per-token input gradients are written into their slices; the prefix leaves'
    gradients add to dK, dV[..., :start, :]; the parameters' gradients accumulate in `.grad`.
+A layer with a sparse-attention indexer (DSA: DeepSeek-V3.2, GLM-5) picks each query's top-k keys under no
+grad: step 1 goes on to the indexer and records its pick for the whole sequence (B, T, k), and each chunk's
+indexer returns rows start..end of it (`arguments.key_indices_rows`) instead of scoring again: the indexer
+scores in float32 (and ties at ReLU's zero), so a chunk's own pick can differ from the whole forward's; its
+weights get no gradient, as in plain. A layer that returns more than its hidden states (GLM-5's returns its
+top-k key indices (B, T, k), which the next layer may reuse) returns the rest from the whole sequence's
+forward, with no gradient.
 Keys and values shared across layers (`sharing`): a store also returns its K, V, and starts its dK, dV from
 their gradient; a consumer takes its store's K, V as inputs instead of computing its own, its chunk attends to
 K, V[..., :end, :] as leaves, and it returns their gradient.
@@ -43,7 +50,7 @@ from streambp_core.engine.chunks import (
     leaf,
     trainable_parameters,
 )
-from streambp_core.engine.own.arguments import LayerCall
+from streambp_core.engine.own.arguments import LayerCall, key_indices_rows
 from streambp_core.engine.own.cache import CaptureCache, KeysCaptured, PrefixCache
 from streambp_core.engine.own.recurrent import ATTENTION, StateCache, mixing, state_backward
 from streambp_core.engine.own.sharing import SHARED_NAME, KVSharing
@@ -90,10 +97,13 @@ class StreamedCall:
         extra = [*(call.arguments[name] for name in inputs.graded), *inputs.sharing.taken(call.arguments)]
         params = trainable_parameters([call.layer])
         outputs = OwnLayer.apply(args[0], call, self.plan, inputs, *extra, *params)
-        if inputs.sharing.role != "store":
+        if not isinstance(outputs, tuple):
             return outputs
-        inputs.sharing.hand_over(call.arguments, *outputs[1:])
-        return outputs[0]
+        shared = inputs.sharing.outputs
+        if shared:
+            inputs.sharing.hand_over(call.arguments, *outputs[1:1 + shared])
+        rest = outputs[1 + shared:]
+        return (outputs[0], *rest) if rest else outputs[0]
 
 
 class OwnLayer(torch.autograd.Function):
@@ -108,17 +118,19 @@ class OwnLayer(torch.autograd.Function):
         call.chunk(0, first, plan.attn_implementation, hidden.device)  # refuses what cannot be cut
         cache = StateCache(prefix=(hidden.new_empty(0, 0), hidden.new_empty(0, 0)))
         arguments = call.arguments | inputs.sharing.handed(*extra[len(inputs.graded):])
-        output, ctx.kind = _checked_run(call, hidden, cache, arguments)
+        outputs, ctx.kind = _checked_run(call, hidden, cache, arguments)
+        output, *rest = outputs
         if ctx.kind != ATTENTION and inputs.count:
             raise ConfigError(f"streambp: {type(call.layer).__name__} takes per-token inputs that require "
                               f"grad in a {ctx.kind} layer, which the own-layer stream does not carry")
         ctx.save_for_backward(hidden, *extra)
-        if inputs.sharing.role == "store":
-            return (output, *arguments[SHARED_NAME][inputs.sharing.key])
-        return output
+        ctx.mark_non_differentiable(*rest)
+        shared = arguments[SHARED_NAME][inputs.sharing.key] if inputs.sharing.role == "store" else ()
+        return (output, *shared, *rest) if shared or rest else output
 
     @staticmethod
-    def backward(ctx, grad_out, *grad_shared):
+    def backward(ctx, grad_out, *grad_outputs):
+        grad_shared = grad_outputs[:ctx.inputs.sharing.outputs]
         check_accumulates(ctx, "streambp's own-layer stream")
         hidden, *extra = ctx.saved_tensors
         if ctx.kind != ATTENTION:
@@ -131,41 +143,85 @@ class OwnLayer(torch.autograd.Function):
         return (grads[0], None, None, None, *grads[1:], *([None] * len(ctx.params)))
 
 
-def _checked_run(call: LayerCall, hidden: Tensor, cache: StateCache, arguments: dict) -> tuple[Tensor, str]:
-    """The layer's output on the whole sequence and how it mixes tokens (`recurrent.mixing`); ConfigError
-    when it cannot be streamed (module docstring)."""
+def _checked_run(call: LayerCall, hidden: Tensor, cache: StateCache, arguments: dict
+                 ) -> tuple[tuple[Tensor, ...], str]:
+    """The layer's outputs on the whole sequence (the hidden states, then any tensors it returns beside them
+    that need no gradient) and how it mixes tokens (`recurrent.mixing`); ConfigError when it cannot be
+    streamed (module docstring)."""
     family = type(call.layer).__name__
     try:
-        output = call.run(hidden, cache, arguments)
+        outputs = _outputs(call.run(hidden, cache, arguments))
     except AttributeError as error:
         raise ConfigError(f"streambp: {family}'s attention reads the cache's {error.name or 'attributes'} "
-                          "beyond transformers' update(), which the generic stream's cache does not "
-                          "have") from None
-    if not isinstance(output, Tensor):
-        raise ConfigError(f"streambp: {family}.forward returns a {type(output).__name__}, not the hidden "
-                          "states alone")
+                          "beyond transformers' update() and update_indexer(), which the generic stream's "
+                          "cache does not have") from None
+    if outputs is None or any(t.requires_grad for t in outputs[1:]):
+        raise ConfigError(f"streambp: {family}.forward returns more than the hidden states and tensors "
+                          "that carry no gradient")
     if KVSharing.of(call.layer).role == "reuse":
-        return output, ATTENTION  # a consumer attends to its store's keys and values (`sharing`)
+        return outputs, ATTENTION  # a consumer attends to its store's keys and values (`sharing`)
     kind = mixing(call, cache)
     keys = cache.chunk_keys
     if kind != ATTENTION:
-        return output, kind
+        return outputs, kind
     if keys.shape[-2] != call.length or cache.chunk_values.shape[-2] != call.length:
         raise ConfigError(f"streambp: {family} writes keys of shape {tuple(keys.shape)} to its cache, with "
                           "no "
                           f"sequence axis -2 of {call.length}")
-    return output, kind
+    return outputs, kind
 
 
-def whole_keys(call: LayerCall, hidden: Tensor, arguments: dict | None = None) -> tuple[Tensor, Tensor]:
-    """The layer's keys and values (B, H, T, D) for the whole sequence, from one forward stopped at its
-    cache."""
-    cache = CaptureCache()
+def _outputs(output) -> tuple[Tensor, ...] | None:
+    """A layer's return as a tuple of tensors (the hidden states first); None when it is not one."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    return outputs if all(isinstance(t, Tensor) for t in outputs) else None
+
+
+def _indexer(layer: nn.Module) -> nn.Module | None:
+    return getattr(getattr(layer, "self_attn", None), "indexer", None)
+
+
+def indexed(layer: nn.Module) -> bool:
+    """Whether `layer`'s attention runs a sparse-attention indexer that picks each query's keys."""
+    return _indexer(layer) is not None
+
+
+@contextmanager
+def _picked(layer: nn.Module, pick: Tensor | None, start: int, end: int):
+    """Inside: `layer`'s indexer returns rows start..end of the whole sequence's `pick` (module docstring);
+    its own forward is given back on leaving."""
+    indexer = _indexer(layer)
+    if indexer is None or pick is None:
+        yield
+        return
+    rows = key_indices_rows(pick, start, end)
+    indexer.forward = lambda *args, **kwargs: rows
+    try:
+        yield
+    finally:
+        del indexer.forward
+
+
+def whole_keys(call: LayerCall, hidden: Tensor, arguments: dict | None = None,
+               ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The layer's keys and values (B, H, T, D) for the whole sequence and its indexer's pick (B, T, k) or
+    None, from one forward stopped at its cache or, with an indexer, at the indexer's output."""
+    indexer = _indexer(call.layer)
+    cache, pick = CaptureCache(indexer is not None), []
+
+    def record(module, args, output):
+        pick.append(output)
+        raise KeysCaptured
+
+    handle = None if indexer is None else indexer.register_forward_hook(record)
     with torch.no_grad(), memory_category(KV):
         try:
             call.run(hidden, cache, arguments)
         except KeysCaptured:
-            return cache.keys, cache.values
+            return cache.keys, cache.values, (pick or [None])[0]
+        finally:
+            if handle is not None:
+                handle.remove()
     raise RuntimeError(f"{type(call.layer).__name__} wrote no keys to its cache in backward")
 
 
@@ -177,7 +233,8 @@ def stream_backward(call: LayerCall, plan: OwnPlan, inputs: Inputs, saved: list[
     a store's dK, dV start from its consumers' gradient)."""
     hidden, graded = saved[0], saved[1:1 + len(inputs.graded)]
     reuse = inputs.sharing.role == "reuse"
-    keys, values = saved[-2:] if reuse else whole_keys(call, hidden, call.arguments | inputs.sharing.handed())
+    keys, values, pick = (*saved[-2:], None) if reuse else whole_keys(
+        call, hidden, call.arguments | inputs.sharing.handed())
     with memory_category(KV):
         grad_kv = [torch.zeros_like(t) if g is None else g.clone()
                    for g, t in zip((*grad_shared, None, None)[:2], (keys, values), strict=True)]
@@ -188,8 +245,8 @@ def stream_backward(call: LayerCall, plan: OwnPlan, inputs: Inputs, saved: list[
         arguments = call.chunk(start, end, plan.attn_implementation, hidden.device)
         arguments |= dict(zip(inputs.graded, leaves[1:], strict=True)) | inputs.sharing.handed(*prefix)
         cache = PrefixCache(*(hidden.new_empty(0, 0),) * 2 if reuse else prefix)
-        with torch.enable_grad():
-            output = call.run(leaves[0], cache, arguments)
+        with torch.enable_grad(), _picked(call.layer, pick, start, end):
+            output = _outputs(call.run(leaves[0], cache, arguments))[0]
         own = [] if reuse else [cache.chunk_keys, cache.chunk_values]  # a consumer writes no K, V
         own_grads = [g[..., start:end, :] for g in grad_kv][:len(own)]
         backward_into([output, *own], [grad_out[:, start:end], *own_grads], [*leaves, *prefix], params)

@@ -1,0 +1,123 @@
+"""streambp through the own decoder layers of DeepSeek Sparse Attention families (GLM-5's `glm_moe_dsa`,
+DeepSeek-V3.2's `deepseek_v32`): multi-head latent attention restricted to the top-k keys a no-grad indexer
+picks per query. Every parameter's gradient equals plain's in float64 (batch 2, left and right padding,
+T not a multiple of the partition), the indexer's weights get none in either, GLM-5's shared layers reuse
+the pick of the layer before; plain, checkpoint and mst simulate on the meta device. DeepSeek-V4 (compressed
+sparse attention) is refused by name, and its plain keeps its attention sinks in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streambp_core
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.engine.own.arguments import key_indices_rows
+from streambp_core.models.load import build_model
+from streambp_core.step.simulate import simulate
+from tests.unit.test_exactness import batch, relative_errors
+from tests.unit.test_streambp_own_layers import config_dir
+
+SEQ_LEN = 37
+"""Tokens per row: not a multiple of the partition (8)."""
+INDEX_TOPK = 4
+"""Keys the indexer keeps per query: fewer than most queries see, so the pick shapes the attention."""
+DSA = {
+    "glm_moe_dsa": {"indexer_types": ["full", "shared"], "mlp_layer_types": ["dense", "sparse"]},
+    "deepseek_v32": {"mlp_layer_types": ["dense", "sparse"]},
+}
+"""Each family's tiny config beyond `config_dir`'s: GLM-5's second layer reuses the first's pick; a routed
+MoE layer after a dense one."""
+
+
+def dsa_dir(tmp_path, family: str, **overrides) -> str:
+    """A tiny config of `family` with a small indexer (4 heads of 16) keeping `INDEX_TOPK` keys; MLA's key
+    heads are its query heads (4)."""
+    values = {"index_topk": INDEX_TOPK, "index_head_dim": 16, "index_n_heads": 4, "num_key_value_heads": 4,
+              "n_group": 1, "topk_group": 1}
+    return config_dir(tmp_path, family, **values | DSA[family] | overrides)
+
+
+def grads_of(model, method: str, ids, mask, **options) -> tuple[float, dict]:
+    """The loss and every parameter's gradient (None where none reached it) after one prepared step."""
+    model.zero_grad(set_to_none=True)
+    with streambp_core.prepare(model, method, **options) as run:
+        loss = run.loss(ids, attention_mask=mask)
+        loss.backward()
+    return loss.item(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", list(DSA))
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_streambp_through_sparse_attention_layers_matches_plain(tmp_path, family, padding):
+    torch.manual_seed(0)
+    model = build_model(dsa_dir(tmp_path, family), dtype=torch.float64, seed=0)
+    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
+    plain_loss, plain = grads_of(model, "plain", ids, mask)
+    loss, grads = grads_of(model, "streambp", ids, mask, partition_size=8, head_partition_size=8)
+    assert abs(loss - plain_loss) <= 1e-12 * abs(plain_loss)
+    without = {name for name, grad in plain.items() if grad is None}
+    assert without == {name for name, grad in grads.items() if grad is None}
+    assert without and all(".indexer." in name for name in without)
+    errors = relative_errors({n: g for n, g in grads.items() if g is not None},
+                             {n: g for n, g in plain.items() if g is not None})
+    assert max(errors.values()) <= 1e-12, max(errors.items(), key=lambda item: item[1])
+
+
+def test_the_indexer_pick_shapes_the_loss(tmp_path):
+    """The tests' configs are not vacuous: keeping every key changes the loss."""
+    ids, mask = batch(512, 2, SEQ_LEN, "right")
+    losses = []
+    for topk in (INDEX_TOPK, SEQ_LEN):
+        directory = dsa_dir(tmp_path / str(topk), "glm_moe_dsa", index_topk=topk)
+        model = build_model(directory, dtype=torch.float64, seed=0)
+        losses.append(grads_of(model, "plain", ids, mask)[0])
+    assert abs(losses[0] - losses[1]) > 1e-6
+
+
+def test_a_pick_past_the_chunks_keys_becomes_the_querys_own_position():
+    """Rows 2..4 of a (1, 5, 3) pick against keys 0..3: indices 4 and 3 (masked keys the top-k took once
+    the query's own were taken) turn into each row's own position; the rest are kept."""
+    pick = torch.tensor([[[0, 1, 2], [1, 0, 2], [2, 1, 4], [3, 0, 4], [4, 3, 0]]])
+    rows = key_indices_rows(pick, 2, 4)
+    assert rows.tolist() == [[[2, 1, 2], [3, 0, 3]]]
+
+
+@pytest.mark.parametrize("method", ["plain", "checkpoint", "mst"])
+def test_the_baselines_simulate_on_the_meta_device(tmp_path, method):
+    """They keep the model's own attention (the engine kernel takes no per-query pick), given an all-ones
+    mask where the batch has none (transformers would read the positions' values to find packed rows)."""
+    result = simulate(StepSpec.of(model=dsa_dir(tmp_path, "glm_moe_dsa"), method=method, seq_len_tokens=64))
+    assert result.peak_bytes > 0
+
+
+def v4_dir(tmp_path) -> str:
+    """A tiny DeepSeek-V4: a sliding layer, a compressed sparse (4:1) and a heavily compressed (16:1) one."""
+    return config_dir(tmp_path, "deepseek_v4", num_hidden_layers=3, sliding_window=8, index_n_heads=4,
+                      index_head_dim=16, index_topk=4, o_groups=2, o_lora_rank=16,
+                      layer_types=["sliding_attention", "compressed_sparse_attention",
+                                   "heavily_compressed_attention"],
+                      compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                      mlp_layer_types=["hash_moe", "moe", "moe"])
+
+
+def test_deepseek_v4_streambp_is_refused_by_name(tmp_path):
+    model = build_model(v4_dir(tmp_path), dtype=torch.float64, seed=0)
+    with pytest.raises(ConfigError, match="'deepseek_v4' runs through its own decoder layers, which do not "
+                                          "carry DeepSeek-V4's attention: its compressed keys and values"):
+        streambp_core.prepare(model, "streambp")
+
+
+@pytest.mark.parametrize("attention", ["model", "engine"])
+def test_deepseek_v4_plain_is_its_own_forward(tmp_path, attention):
+    """plain's loss is the model's own forward's: its eager attention (gpt-oss's form, sinks, softmax in the
+    scores' precision) is not swapped for the widened eager, which has no sinks (1.1e-3 apart), and its
+    compressed blocks are not handed to the engine kernel, which does not take them."""
+    model = build_model(v4_dir(tmp_path), dtype=torch.float64, seed=0)
+    ids = batch(model.config.vocab_size, 2, SEQ_LEN, "right")[0]
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1].flatten(0, 1)
+        expected = torch.nn.functional.cross_entropy(logits, ids[:, 1:].flatten()).item()
+        with streambp_core.prepare(model, "plain", baseline_attention=attention) as run:
+            loss = run.loss(ids).item()
+    assert abs(loss - expected) <= 1e-12 * abs(expected)
