@@ -28,8 +28,8 @@ def emittable(entry: dict) -> str | None:
                 "streambp_core.prepare with a SequenceGroup)")
     tiers = [tier for tier in entry["offload"].split(",") if tier not in ("none", "checkpoints")]
     if tiers:
-        return (f"offload {entry['offload']}: the trainer's own optimizer steps on the device; stream_trainer "
-                f"takes no {' or '.join(tiers)} tier")
+        return (f"offload {entry['offload']}: the trainer's own optimizer steps on the device; "
+                f"stream_trainer takes no {' or '.join(tiers)} tier")
     return None
 
 

@@ -58,8 +58,8 @@ def prepare(model: str, methods: tuple[str, ...], gpus: int, gpu_name: str, seq_
 
 
 def search(job: Job, progress, workers: int, context) -> dict:
-    """Every chain searched (`search.chain_at_length`, or `chain_frontier` for the longest lengths) on
-    up to `workers` processes, with a progress line per chain; the document (`report.to_dict`)."""
+    """Every chain searched (`recipes.search.chain_at_length`, or `chain_frontier` for the longest
+    lengths) on up to `workers` processes, with a progress line per chain; the document (`report.to_dict`)."""
     from streambp_bench.workers import Task, run_tasks
 
     work = chain_frontier if job.context.seq_len_tokens is None else chain_at_length
