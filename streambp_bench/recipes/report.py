@@ -124,14 +124,17 @@ def frontier(fitting: list[Outcome]) -> dict:
 def render(console, document: dict, limit: int = 20) -> None:
     """The ranking table (fastest first, `limit` rows), the nearest misses, the frontier's answer."""
     settings = document["settings"]
+    length = settings["seq_len_tokens"]
+    length = "each recipe's longest length" if length == "max" else f"{length:,} tokens"
     title = (f"recipes that fit {settings['model']} on {settings['gpus']} x {settings['gpu_model']} "
              f"({settings['budget_gib']:g} GiB each, host {settings['host_gib_per_node']}), "
-             f"{settings['seq_len_tokens']} tokens, fastest first: times estimated, memory simulated")
+             f"{length}, fastest first: times estimated, memory simulated")
     table = Table(title=title, title_justify="left")
     columns = ("#", "recipe", "length", "partitions", "est. step s (band)", "regime", "tok/s/GPU", "MFU",
                "GPU peak GiB", "host GiB/node", "GiB to host / device")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("recipe", "regime") else "right")
+        table.add_column(column, justify="left" if column in ("recipe", "regime") else "right",
+                         no_wrap=column == "recipe")
     for rank, entry in enumerate(document["ranking"][:limit], 1):
         table.add_row(str(rank), entry["recipe"], f"{entry['seq_len_tokens']:,}", _partitions(entry),
                       *_timing(entry), _gib(entry["simulated_peak_gib"]),
