@@ -133,8 +133,7 @@ def render(console, document: dict, limit: int = 20) -> None:
     columns = ("#", "recipe", "length", "partitions", "est. step s (band)", "regime", "tok/s/GPU", "MFU",
                "GPU peak GiB", "host GiB/node", "GiB to host / device")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("recipe", "regime") else "right",
-                         no_wrap=column == "recipe")
+        table.add_column(column, justify="left" if column in ("recipe", "regime") else "right")
     for rank, entry in enumerate(document["ranking"][:limit], 1):
         table.add_row(str(rank), entry["recipe"], f"{entry['seq_len_tokens']:,}", _partitions(entry),
                       *_timing(entry), _gib(entry["simulated_peak_gib"]),
