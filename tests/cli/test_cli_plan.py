@@ -81,3 +81,20 @@ def test_bad_input_is_one_error_line_before_any_search(cli_runner, args, words) 
 def test_an_unknown_gpu_model_is_one_error_line(cli_runner) -> None:
     result = cli_runner.invoke(app, ["plan", "-m", "tiny/qwen3", "--gpu-model", "v100"])
     one_line_error(result, "--gpu-model")
+
+
+def test_the_frontier_gives_each_recipe_max_lens_longest_length(cli_runner) -> None:
+    common = ["-m", "tiny/qwen3", "--method", "plain", "--optimizer", "none", "--budget-gib", "0.02",
+              "-j", "1"]
+    result = cli_runner.invoke(app, ["plan", "--gpu-model", "h100", *common, "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["settings"]["seq_len_tokens"] == "max"
+    (entry,) = document["ranking"]  # plain without an optimizer: one rung, no offload
+    max_len = cli_runner.invoke(app, ["max-len", *common, "--device", "sim", "--json"])
+    assert max_len.exit_code == 0, max_len.output
+    assert entry["seq_len_tokens"] == json.loads(max_len.stdout)["results"][0]["max_len_tokens"] > 2
+    assert entry["simulated_peak_gib"] <= 0.02 and entry["estimated_step_time_s"] > 0
+    assert document["frontier"]["longest"] == {"recipe": entry["recipe"],
+                                               "seq_len_tokens": entry["seq_len_tokens"]}
+    assert document["frontier"]["fastest_at_longest"]["recipe"] == entry["recipe"]
