@@ -4,6 +4,7 @@ answer for the same recipe, the misses, and bad input."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +17,15 @@ TINY = ["plan", "-m", "tiny/qwen3", "--gpu-model", "h100", "--seq-len", "2k", "-
 
 
 @pytest.fixture(scope="module")
-def ranking() -> dict:
+def emitted(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("emitted")
+
+
+@pytest.fixture(scope="module")
+def ranking(emitted) -> dict:
     from typer.testing import CliRunner
 
-    result = CliRunner().invoke(app, [*TINY, "--json"])
+    result = CliRunner().invoke(app, [*TINY, "--json", "--emit", str(emitted)])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -58,6 +64,15 @@ def test_plans_answer_for_a_recipe_is_max_lens_at_the_same_length(cli_runner, ra
     assert (at["partition_size"], at["head_partition_size"]) == (top["partition_size"],
                                                                   top["head_partition_size"])
     assert at["estimated_step_time_ms"] / 1e3 == pytest.approx(top["estimated_step_time_s"], rel=1e-12)
+
+
+def test_emit_writes_the_fastest_recipes_launch_files(ranking, emitted) -> None:
+    top = ranking["ranking"][0]
+    assert ranking["emitted"] == {"recipe": top["recipe"], "pick": 1, "folder": str(emitted),
+                                  "files": ["accelerate_config.yaml", "launch.sh", "train.py"]}
+    script = (emitted / "train.py").read_text()
+    assert f'"partition_size": {top["partition_size"]}' in script and "MAX_LENGTH = 2000" in script
+    assert "distributed_type: 'NO'" in (emitted / "accelerate_config.yaml").read_text()  # one GPU
 
 
 def test_a_plan_where_nothing_fits_names_the_nearest_miss(cli_runner) -> None:
