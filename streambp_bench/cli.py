@@ -14,7 +14,16 @@ _loading.__enter__()  # Ctrl-C while the modules below load is one line and exit
 import typer  # noqa: E402 (below the handler)
 
 import streambp_core  # noqa: E402
-from streambp_bench.commands import max_len, plot, presets, reproduce, selfcheck, sweep, verify  # noqa: E402
+from streambp_bench.commands import (  # noqa: E402
+    max_len,
+    plan,
+    plot,
+    presets,
+    reproduce,
+    selfcheck,
+    sweep,
+    verify,
+)
 from streambp_bench.errors import (  # noqa: E402
     USER_ERROR_EXIT_CODE,
     USER_ERRORS,
@@ -51,6 +60,7 @@ def _main(
 
 
 app.command("max-len", help=max_len.HELP, epilog=max_len.EPILOG)(max_len.max_len)
+app.command("plan", help=plan.HELP, epilog=plan.EPILOG)(plan.plan)
 app.add_typer(verify.app, name="verify")
 app.command("presets", help=presets.HELP, epilog=presets.EPILOG)(presets.presets)
 app.command("plot")(plot.plot)
