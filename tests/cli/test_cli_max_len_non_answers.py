@@ -20,7 +20,7 @@ TINY = ["max-len", "-m", "tiny/llama"]
 
 
 def test_the_search_cap_is_printed_as_a_lower_bound_not_a_max_length() -> None:
-    args = [*TINY, "--method", "checkpoint", "--budget-gib", "1e9"]
+    args = [*TINY, "--method", "checkpoint", "--budget-gib", "1048576"]
     shown = CliRunner().invoke(app, args)
     assert shown.exit_code == 0, shown.output
     assert f"≥ {SEARCH_CAP_TOKENS:,}" in shown.stdout and "No maximum found" in shown.stdout

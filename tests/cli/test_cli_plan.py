@@ -53,9 +53,9 @@ def test_recipes_above_a_rung_at_the_largest_partitions_are_dominated_not_evalua
     assert all("already runs the largest partitions" in entry["why"] for entry in dominated)
 
 
-def test_plans_answer_for_a_recipe_is_max_lens_at_the_same_length(cli_runner, ranking) -> None:
+def test_plans_answer_for_a_recipe_is_max_lens_at_the_same_length(runner, ranking) -> None:
     top = ranking["ranking"][0]
-    result = cli_runner.invoke(app, [
+    result = runner.invoke(app, [
         "max-len", "-m", "tiny/qwen3", "--method", "streambp", "--head-mode", top["head_mode"],
         "--optimizer", "adamw", "--ps", "auto", "--ps-head", "auto", "--at", "2k", "--gpu-model", "h100",
         "--budget-gib", "0.02", "--device", "sim", "-j", "1", "--json"])
@@ -75,8 +75,8 @@ def test_emit_writes_the_fastest_recipes_launch_files(ranking, emitted) -> None:
     assert "distributed_type: 'NO'" in (emitted / "accelerate_config.yaml").read_text()  # one GPU
 
 
-def test_a_plan_where_nothing_fits_names_the_nearest_miss(cli_runner) -> None:
-    result = cli_runner.invoke(app, [*TINY[:-4], "--budget-gib", "0.001", "-j", "1", "--method",
+def test_a_plan_where_nothing_fits_names_the_nearest_miss(runner) -> None:
+    result = runner.invoke(app, [*TINY[:-4], "--budget-gib", "0.001", "-j", "1", "--method",
                                      "checkpoint"])
     one_line_error(result, "no recipe fits 0.001 GiB", "GPU OOM by")
 
@@ -89,24 +89,24 @@ def test_a_plan_where_nothing_fits_names_the_nearest_miss(cli_runner) -> None:
     (["--method", "fast"], ("unknown method 'fast'",)),
     (["-m", "no/such-model"], ("unknown model",)),
 ])
-def test_bad_input_is_one_error_line_before_any_search(cli_runner, args, words) -> None:
-    one_line_error(cli_runner.invoke(app, ["plan", "-m", "tiny/qwen3", *args]), *words)
+def test_bad_input_is_one_error_line_before_any_search(runner, args, words) -> None:
+    one_line_error(runner.invoke(app, ["plan", "-m", "tiny/qwen3", *args]), *words)
 
 
-def test_an_unknown_gpu_model_is_one_error_line(cli_runner) -> None:
-    result = cli_runner.invoke(app, ["plan", "-m", "tiny/qwen3", "--gpu-model", "v100"])
+def test_an_unknown_gpu_model_is_one_error_line(runner) -> None:
+    result = runner.invoke(app, ["plan", "-m", "tiny/qwen3", "--gpu-model", "v100"])
     one_line_error(result, "--gpu-model")
 
 
-def test_the_frontier_gives_each_recipe_max_lens_longest_length(cli_runner) -> None:
+def test_the_frontier_gives_each_recipe_max_lens_longest_length(runner) -> None:
     common = ["-m", "tiny/qwen3", "--method", "plain", "--optimizer", "none", "--budget-gib", "0.02",
               "-j", "1"]
-    result = cli_runner.invoke(app, ["plan", "--gpu-model", "h100", *common, "--json"])
+    result = runner.invoke(app, ["plan", "--gpu-model", "h100", *common, "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert document["settings"]["seq_len_tokens"] == "max"
     (entry,) = document["ranking"]  # plain without an optimizer: one rung, no offload
-    max_len = cli_runner.invoke(app, ["max-len", *common, "--device", "sim", "--json"])
+    max_len = runner.invoke(app, ["max-len", *common, "--device", "sim", "--json"])
     assert max_len.exit_code == 0, max_len.output
     assert entry["seq_len_tokens"] == json.loads(max_len.stdout)["results"][0]["max_len_tokens"] > 2
     assert entry["simulated_peak_gib"] <= 0.02 and entry["estimated_step_time_s"] > 0

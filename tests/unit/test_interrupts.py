@@ -3,7 +3,6 @@ one-line exit 130 inside one, and SIGINT held back from the fork server and its 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from streambp_bench import interrupts, workers
-from streambp_bench.workers import Task, run_tasks
+from streambp_bench import interrupts
 
 LINUX = sys.platform.startswith("linux")
 
@@ -104,34 +102,47 @@ def worker_sigint(value: int, progress) -> tuple[bool, bool]:
     return _blocked_and_ignored(os.getpid())
 
 
+FORK_SERVER_CHECK = """
+import os, signal
+from multiprocessing import forkserver
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's foreground job has it
+from streambp_bench import workers
+from streambp_bench.workers import Task, run_tasks
+from tests.unit.test_interrupts import _blocked_and_ignored, worker_sigint
+started, calls = forkserver.ensure_running, []
+
+def interrupted_while_starting():
+    started()
+    calls.append(1)
+    if len(calls) == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+
+forkserver.ensure_running = interrupted_while_starting
+context = None
+try:
+    try:
+        workers.start_server(2, preload=())
+    except KeyboardInterrupt:
+        print("interrupted")
+    context = workers.start_server(2, preload=())  # running already: this returns its context
+    print("server", _blocked_and_ignored(forkserver._forkserver._forkserver_pid))
+    tasks = [Task(f"t{value}", worker_sigint, (value,)) for value in (1, 2)]
+    print("workers", run_tasks(tasks, 2, context, lambda *event: None))
+finally:
+    workers.stop_server(context)
+"""
+"""The fork-server check, run in a process of its own: no fork server, resource tracker, thread or signal
+state another test left in the test process can reach it."""
+
+
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
-def test_the_fork_server_and_its_workers_never_see_sigint_and_the_parent_loses_none(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fork_server_and_its_workers_never_see_sigint_and_the_parent_loses_none() -> None:
     """A Ctrl-C reaches every process of the group: the fork server (importing torch) and its workers must
     not answer it (a traceback each), and the parent must not miss one sent while it starts the server (it
     once ignored SIGINT then, and a Ctrl-C in that window was lost: the run went on and exited 0)."""
-    from multiprocessing import forkserver
-
-    started = forkserver.ensure_running
-    calls: list[int] = []
-
-    def interrupted_while_starting() -> None:
-        started()
-        calls.append(1)
-        if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    # a server another test left running (started under its signal settings) is not the one under test
-    workers.stop_server(multiprocessing.get_context("forkserver"))
-    monkeypatch.setattr(forkserver, "ensure_running", interrupted_while_starting)
-    context = None
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            context = workers.start_server(2, preload=())
-        context = workers.start_server(2, preload=())  # running already: this returns its context
-        server = forkserver._forkserver._forkserver_pid
-        assert _blocked_and_ignored(server) == (True, False)
-        tasks = [Task(f"t{value}", worker_sigint, (value,)) for value in (1, 2)]
-        assert run_tasks(tasks, 2, context, lambda *event: None) == [(True, False), (True, False)]
-    finally:
-        workers.stop_server(context)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", FORK_SERVER_CHECK], capture_output=True, text=True,
+                          timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])})
+    assert done.stdout.splitlines() == [
+        "interrupted", "server (True, False)", "workers [(True, False), (True, False)]"], done.stderr
