@@ -13,11 +13,6 @@ from streambp_bench.recipes.search import DOMINATED, FITS, GPU_OOM, HOST_OOM, PR
 from streambp_bench.recipes.space import ENGINES
 from streambp_core.measure.units import GIB
 
-BAND = (0.86, 1.16)
-"""The band around an estimated step time: the committed estimate-vs-measured comparison
-(results/benchmarks/step_time_estimate.csv) has estimated / measured from 0.87 to 1.15 over six H200
-steps, so the measured time lies within estimated / 1.16 .. estimated / 0.86."""
-
 MISS_ORDER = {GPU_OOM: 0, HOST_OOM: 1, REFUSED: 2, PRUNED: 3}
 
 
@@ -34,14 +29,6 @@ class Setting:
     attention_width: int
     """Query heads x head dimension, summed over the decoder layers: causal attention's FLOPs per token
     pair."""
-
-
-def regime(estimate) -> str:
-    """What bounds the step: the largest part of its estimated time."""
-    parts = {"GEMM-bound": estimate.matmul_s, "attention-bound": estimate.attention_s,
-             "PCIe-bound": estimate.transfer_s, "collective-bound": estimate.all_to_all_s + estimate.zero_s,
-             "launch/memory-bound": estimate.other_s + estimate.launch_s}
-    return max(parts, key=parts.get)
 
 
 def model_flops(outcome: Outcome, setting: Setting) -> float:
@@ -75,8 +62,8 @@ def recipe_dict(outcome: Outcome, setting: Setting) -> dict:
     seconds = estimate.step_time_ms / 1e3
     flops = model_flops(outcome, setting) / spec.sp
     entry |= {"estimated_step_time_s": seconds,
-              "estimated_band_s": [seconds * BAND[0], seconds * BAND[1]],
-              "estimated_regime": regime(estimate),
+              "estimated_band_s": list(estimate.band_s),
+              "estimated_regime": estimate.regime,
               "estimated_tokens_per_s_per_gpu": spec.seq_len_tokens * spec.sequences / spec.sp / seconds,
               "estimated_mfu": flops / seconds / setting.gpu.peak_bf16_flops}
     return entry
