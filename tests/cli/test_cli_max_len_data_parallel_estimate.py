@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from streambp_bench.cli import app
@@ -12,6 +13,7 @@ from streambp_bench.cli import app
 TINY = ["max-len", "-m", "tiny/llama", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.01"]
 
 
+@pytest.mark.slow
 def test_a_data_parallel_rank_gets_an_estimated_step_time():
     result = CliRunner().invoke(app, [*TINY, "--method", "streambp", "--gpus", "2", "--shard", "zero2",
                                       "--gpu-model", "h100", "--json"])

@@ -53,6 +53,7 @@ def test_recipes_above_a_rung_at_the_largest_partitions_are_dominated_not_evalua
     assert all("already runs the largest partitions" in entry["why"] for entry in dominated)
 
 
+@pytest.mark.slow
 def test_plans_answer_for_a_recipe_is_max_lens_at_the_same_length(runner, ranking) -> None:
     top = ranking["ranking"][0]
     result = runner.invoke(app, [
