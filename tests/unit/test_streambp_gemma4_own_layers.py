@@ -50,7 +50,6 @@ def gemma4_dir(tmp_path: Path, shape: str) -> str:
 @pytest.mark.parametrize("shape", list(CONFIGS))
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_streambp_on_gemma4_matches_plain(tmp_path, shape, padding):
-    torch.set_num_threads(2)
     model = build_model(gemma4_dir(tmp_path, shape), dtype=torch.float64, seed=0)
     ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
     assert_matches_plain(model, ids, mask, methods=("checkpoint", "streambp"), partition_size=8,
