@@ -91,8 +91,8 @@ def specs(args: argparse.Namespace) -> list[StepSpec]:
 def rows(args: argparse.Namespace) -> list[dict]:
     """A measured-cpu and a simulated row per spec (see COLUMNS)."""
     from streambp_core.parallel.memory import measure_ranks
-    from streambp_core.step.resolved import ResolvedModel
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.parts.resolved import ResolvedModel
+    from streambp_core.step.simulation.simulate import simulate
 
     chosen = specs(args)
     if any(spec.gpus < 2 for spec in chosen):

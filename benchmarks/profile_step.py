@@ -4,7 +4,7 @@
         --methods checkpoint,streambp --ps-head 100,1024 --out results/gpu/profile.csv
     python benchmarks/profile_step.py --model tiny/qwen3 --seq-len 512 --device cpu --dtype float32
 
-Per (method, head partition): the step time over a few timed repeats (`streambp_core.step.timing`: CUDA
+Per (method, head partition): the step time over a few timed repeats (`streambp_core.step.run.timing`: CUDA
 events on a GPU, the wall clock on a CPU), then one profiled step whose kernels are summed by class
 (attention forward/backward, GEMM, copy, other; `streambp_core.measure.kernels`). Prints a table and,
 with `--out`, upserts results rows into that CSV (the project's results schema: metric `step_time` and
@@ -27,8 +27,8 @@ from streambp_core.config import ConfigError, StepSpec, check_model
 from streambp_core.measure.cuda import cuda_available
 from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.models.load import build_model
-from streambp_core.step.setup import build_setup
-from streambp_core.step.timing import spec_step, time_step
+from streambp_core.step.run.setup import build_setup
+from streambp_core.step.run.timing import spec_step, time_step
 
 
 def parse_args() -> argparse.Namespace:

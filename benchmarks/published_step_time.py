@@ -1,4 +1,4 @@
-"""Our estimated step time (roofline, `streambp_core.step.step_estimate.estimate_step`) next to step
+"""Our estimated step time (roofline, `streambp_core.step.estimate.step_estimate.estimate_step`) next to step
 times the peers published for their own long-sequence setups, with the ratio, the band every estimate
 carries, and the regime the step is in.
 
@@ -15,7 +15,7 @@ implies: the step's tokens (gpus / sp sequences) / (tokens/s/GPU x GPUs).
 
 ratio = estimated / published; `estimate.STEP_BAND` (0.75-1.25) is the band every estimate carries, and
 `in_band` says whether this row lies in it. Nothing here is tuned to a published number: the efficiencies
-are the kernels' published ones (`step.attention_kernels`). A row the model does not reach names why in
+are the kernels' published ones (`step.estimate.attention_kernels`). A row the model does not reach names why in
 `outside_model` (empty for the rows the band is held to). Rows are labelled `estimated` (ours) and
 `published` (theirs).
 """
@@ -116,8 +116,8 @@ SETUPS = (
 
 def row_of(published: Published) -> dict:
     """The CSV row of one published setup: our estimate beside it, their ratio and the band's verdict."""
-    from streambp_core.step.estimate import STEP_BAND, gpu_model
-    from streambp_core.step.step_estimate import estimate_step
+    from streambp_core.step.estimate.roofline import STEP_BAND, gpu_model
+    from streambp_core.step.estimate.step_estimate import estimate_step
 
     spec = published.spec
     estimate = estimate_step(spec, gpu_model(published.gpu))

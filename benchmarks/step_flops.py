@@ -4,7 +4,7 @@
 
 Runs one step (loss and backward) per variant on meta tensors (no memory, no GPU, seconds on a CPU) of
 a model cut to a few decoder layers (default: two layers of Qwen3-1.7B at 16k tokens, layer partition
-T/3 as in the paper's timing protocol), and records every aten op (`streambp_core.step.ops`): matmul
+T/3 as in the paper's timing protocol), and records every aten op (`streambp_core.step.estimate.ops`): matmul
 FLOPs by torch's formulas, ops dispatched (views included) and kernels launched (ops that move data).
 Each variant's figures are also given relative to checkpoint's. Rows are labelled `simulated` (meta
 tensors). Targets: matmul FLOPs <= 1.00x checkpoint, dispatched ops <= 2x checkpoint.
@@ -87,7 +87,7 @@ def auto_partitions(args, budget_gib: float) -> tuple[int, int]:
     """The (layer, head) partitions the automatic choice makes for the full-depth model's fused-head step
     at `budget_gib` (simulated); ConfigError when even the smallest do not fit."""
     from streambp_core.measure.units import GIB
-    from streambp_core.step.partitions import fitting_partitions
+    from streambp_core.step.search.partitions import fitting_partitions
 
     spec = StepSpec.of(model=args.model, method="streambp", seq_len_tokens=args.seq_len, head_mode="fused")
     chosen = fitting_partitions(spec, int(budget_gib * GIB))
@@ -96,7 +96,7 @@ def auto_partitions(args, budget_gib: float) -> tuple[int, int]:
 
 def measure(args, chosen: list[tuple[str, int, int, str, float | None]]) -> list[dict]:
     """One row per variant of `chosen` (see COLUMNS)."""
-    from streambp_core.step.ops import meta_step_ops
+    from streambp_core.step.estimate.ops import meta_step_ops
 
     rows, reference = [], None
     for method, partition, head, mode, budget in chosen:

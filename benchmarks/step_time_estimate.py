@@ -1,4 +1,4 @@
-"""Estimated step time (roofline, `streambp_core.step.estimate`) next to measured CUDA step times.
+"""Estimated step time (roofline, `streambp_core.step.estimate.roofline`) next to measured CUDA step times.
 
     python benchmarks/step_time_estimate.py --measured results/gpu/selfcheck-h200.csv \\
         --out results/benchmarks/step_time_estimate.csv
@@ -10,7 +10,7 @@ With `--measured`: every `measured-cuda` step_time row of the CSV is estimated w
 the ratio estimated / measured. Otherwise: an estimate for each method and length given (layer partition
 T/3 unless `--ps`). The ops come from one step on meta tensors of the model cut to two depths whole
 periods of its layer pattern apart (one and two layers on a uniform model), scaled to the full depth
-(`streambp_core.step.estimate.estimate_by_depth`), with the code installed here: a measured row taken
+(`streambp_core.step.estimate.roofline.estimate_by_depth`), with the code installed here: a measured row taken
 on other code is compared with what this code would do. Rows are labelled `estimated`. Bad input
 (options, model, GPU, a --measured file that is not a results CSV) is one `error:` line and exit code 2,
 before any estimate.
@@ -65,7 +65,7 @@ def code_version() -> str:
 
 def gpu_key(device_name: str) -> str:
     """'NVIDIA H200' -> 'h200'; ConfigError for a GPU without datasheet figures here."""
-    from streambp_core.step.estimate import GPU_MODELS
+    from streambp_core.step.estimate.roofline import GPU_MODELS
 
     for key in GPU_MODELS:
         if key in device_name.lower():
@@ -98,7 +98,7 @@ def measured_settings(path: Path) -> list[dict]:
 
 def requested_settings(args) -> list[dict]:
     """One setting per length, method and (streambp) head partition given."""
-    from streambp_core.step.estimate import gpu_model
+    from streambp_core.step.estimate.roofline import gpu_model
 
     gpu_model(args.gpu)
     lengths = parse_token_list(args.seq_len)
@@ -129,9 +129,9 @@ def estimate_row(settings: dict) -> dict:
     import torch
 
     from streambp_core.models.load import load_config
-    from streambp_core.step.depth import with_depth
-    from streambp_core.step.estimate import estimate_by_depth, gpu_model
-    from streambp_core.step.ops import meta_step_ops
+    from streambp_core.step.parts.depth import with_depth
+    from streambp_core.step.estimate.roofline import estimate_by_depth, gpu_model
+    from streambp_core.step.estimate.ops import meta_step_ops
 
     config = load_config(settings["model"])
     options = {key: settings[key] for key in ("partition_size", "head_partition_size")}

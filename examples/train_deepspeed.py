@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     import streambp_core
     from streambp_core.models import build_model, load_config
     from streambp_core.parallel.deepspeed import check_engine, zero_config
-    from streambp_core.step.batch import random_batch
+    from streambp_core.step.parts.batch import random_batch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny/qwen3", help="preset name or local config directory")

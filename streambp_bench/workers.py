@@ -22,7 +22,7 @@ from typing import Any
 from streambp_bench import interrupts
 from streambp_core.config import available_cpus
 
-PRELOAD = ("streambp_core.step.probe", "streambp_bench.maxlen.plan")
+PRELOAD = ("streambp_core.step.search.probe", "streambp_bench.maxlen.plan")
 """Modules the fork server imports once for all its workers."""
 
 POLL_S = 0.1

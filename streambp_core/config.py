@@ -23,7 +23,7 @@ BASELINE_ATTENTION = ("auto", "engine", "model")
 PADDINGS = ("none", "right", "left")
 """Where padding goes in each row of a random batch."""
 PROTOCOLS = ("default", "paper", "trl")
-"""Step protocols of a memory figure (see `streambp_core.step.protocol`)."""
+"""Step protocols of a memory figure (see `streambp_core.step.run.protocol`)."""
 BASELINE_LOSSES = ("full", "trl")
 """How plain and checkpoint compute a GRPO or DPO loss from the model's logits (see StreamConfig)."""
 HEAD_MODES = ("auto", "fused", "recompute")
@@ -41,10 +41,10 @@ allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp3
 moments and a bf16 gradient partition per rank, gradient buckets); deepspeed-zero3: what DeepSpeed
 ZeRO-3 allocates with bf16 (partitioned bf16 parameters, one unit gathered at a time plus its prefetch,
 the same fp32 partitions; with the optimizer or params tier DeepSpeed's own `offload_optimizer` or
-`offload_param`, `step.deepspeed_host`). Both simulated (see `streambp_core.step.shards`);
+`offload_param`, `step.simulation.deepspeed_host`). Both simulated (see `streambp_core.step.parts.shards`);
 `streambp_core.parallel.deepspeed` runs the methods on DeepSpeed itself."""
 DEEPSPEED_SHARDS = ("deepspeed-zero2", "deepspeed-zero3")
-"""The shard modes laid out as DeepSpeed allocates (`step.shards.deepspeed_breakdown`)."""
+"""The shard modes laid out as DeepSpeed allocates (`step.parts.shards.deepspeed_breakdown`)."""
 FSDP_STAGES = ("zero2", "zero3")
 """The shard stages the engine runs (torch FSDP2; `streambp_core.parallel.fsdp`)."""
 GRADS_MODES = ("resident", "fresh")
@@ -56,17 +56,17 @@ DEVICES = ("sim", "cpu", "cuda")
 """Where a step runs: simulated on meta tensors, or measured on CPU or CUDA tensors."""
 MIN_AUTO_PARTITION = 64
 """The smallest layer and head partition (tokens) the automatic choice considers
-(`streambp_core.step.partitions`)."""
+(`streambp_core.step.search.partitions`)."""
 AUTO = "auto"
 """A partition size left to the automatic choice: `StreamConfig.partition_size` or `head_partition_size`
-reads AUTO until `step.partitions.resolve_partitions` puts the largest that fit there. A max-length
-search runs an automatic partition at MIN_AUTO_PARTITION (`step.partitions.searched`: the smallest
+reads AUTO until `step.search.partitions.resolve_partitions` puts the largest that fit there. A max-length
+search runs an automatic partition at MIN_AUTO_PARTITION (`step.search.partitions.searched`: the smallest
 candidate, which reaches the longest length). What runs a step takes sizes in tokens only
 (`require_sized`)."""
 PARTITION_FIELDS = ("partition_size", "head_partition_size")
 """The `StreamConfig` fields that may read AUTO."""
 GPU_MODEL_NAMES = ("h100", "h200", "a100", "a800")
-"""GPUs whose datasheet figures the step-time estimate knows (`streambp_core.step.estimate.GPU_MODELS`)."""
+"""GPUs whose datasheet figures the step-time estimate knows (`streambp_core.step.estimate.roofline.GPU_MODELS`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 """How a figure of a step run on each device was obtained, as every result row says."""
 
@@ -170,11 +170,11 @@ class StreamConfig:
 
 def require_sized(config: StreamConfig) -> None:
     """Raise ValueError when a partition of `config` still reads AUTO: a step runs sizes in tokens, and
-    an automatic partition is resolved before (`step.partitions.resolve_partitions`), so one that gets
+    an automatic partition is resolved before (`step.search.partitions.resolve_partitions`), so one that gets
     here is a caller's mistake, not a user's."""
     if config.automatic:
         raise ValueError(f"{' and '.join(config.automatic)} {AUTO}: resolve the automatic partitions "
-                         "before running a step (streambp_core.step.partitions.resolve_partitions)")
+                         "before running a step (streambp_core.step.search.partitions.resolve_partitions)")
 
 
 def check_offload(method: str, offload: Tiers, optimizer: str | None = None) -> None:

@@ -187,7 +187,7 @@ def sweep(
     from streambp_core.models.load import load_config
 
     configs = {name: load_config(name) for name in models}  # a model that cannot run is refused here
-    from streambp_core.step.target import resolve_target
+    from streambp_core.step.parts.target import resolve_target
 
     target = resolve_target(where, budget_gib, cpu_budget=False)
     points, refused = _without_refused(points, configs) if method.strip() == "all" else (points, ())
@@ -253,7 +253,7 @@ def _streambp_head(points: tuple[StepSpec, ...]) -> str:
 
 
 def _gpu(name: str):
-    from streambp_core.step.estimate import gpu_model
+    from streambp_core.step.estimate.roofline import gpu_model
 
     return gpu_model(name)
 
@@ -266,7 +266,7 @@ def _auto_partitions(target, points: tuple[StepSpec, ...]):
         return None
     if target.budget_bytes is None:
         raise ConfigError("--ps auto / --ps-head auto need a budget: give --budget-gib")
-    from streambp_core.step.partitions import resolve_partitions, searched
+    from streambp_core.step.search.partitions import resolve_partitions, searched
 
     def resolve(point: StepSpec, model) -> StepSpec:
         try:

@@ -2,12 +2,12 @@
 
 - Automatic partitions: the specs read AUTO (`config.AUTO`). A length is reachable when the smallest
   partitions the automatic choice considers fit (64 tokens: peaks only grow with a partition), so the
-  search runs with those (`step.partitions.searched`); at each method's maximum the partitions that
-  reach it are the largest that still fit there (`step.partitions.resolve_partitions`). Rows and the
+  search runs with those (`step.search.partitions.searched`); at each method's maximum the partitions that
+  reach it are the largest that still fit there (`step.search.partitions.resolve_partitions`). Rows and the
   trainer call carry those sizes.
 - `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
   paper's advice: fewer and larger chunks), or that nothing fits.
-- `--gpu-model`: the estimated step time (`step.step_estimate.estimate_step`, labelled estimated) at each
+- `--gpu-model`: the estimated step time (`step.estimate.step_estimate.estimate_step`, labelled estimated) at each
   method's maximum and at each `--at` length, with its band (`StepEstimate.band_s`) and regime
   (`StepEstimate.regime`).
 """
@@ -28,7 +28,7 @@ class Extras:
     lengths."""
 
     gpu: object | None = None
-    """A `step.estimate.GpuModel`, or None."""
+    """A `step.estimate.roofline.GpuModel`, or None."""
     at_lengths: tuple[int, ...] = ()
 
 
@@ -81,7 +81,7 @@ class StepAt:
 
 
 def copies_of(estimate) -> dict | None:
-    """The offload copies of a `step.estimate.StepEstimate` (None without any): bytes each way, the PCIe
+    """The offload copies of a `step.estimate.roofline.StepEstimate` (None without any): bytes each way, the PCIe
     bandwidth assumed (one direction, the GPU's), their whole time (both directions' bytes over it) and
     the part the step's compute does not hide (in the step time)."""
     if not estimate.pcie_bytes_per_s:
@@ -95,7 +95,7 @@ def finish(plan: Plan, results: list[MethodResult],
            extras: Extras) -> tuple[list[MethodResult], list[StepAt]]:
     """(results with the partitions reaching each maximum, one StepAt per method at its maximum and at
     each `--at` length)."""
-    from streambp_core.step.partitions import searched
+    from streambp_core.step.search.partitions import searched
 
     finished, steps = [], []
     for result in results:
@@ -107,9 +107,9 @@ def finish(plan: Plan, results: list[MethodResult],
 
 
 def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt:
-    from streambp_core.step.partitions import resolve_partitions
-    from streambp_core.step.simulate import simulate
-    from streambp_core.step.step_estimate import estimate_step
+    from streambp_core.step.search.partitions import resolve_partitions
+    from streambp_core.step.simulation.simulate import simulate
+    from streambp_core.step.estimate.step_estimate import estimate_step
 
     if seq_len < 2:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)
@@ -207,7 +207,7 @@ def estimated_rows(steps: list[StepAt], extras: Extras) -> list:
 
 
 def gpu(name: str):
-    """The `step.estimate.GpuModel` named `name`."""
-    from streambp_core.step.estimate import gpu_model
+    """The `step.estimate.roofline.GpuModel` named `name`."""
+    from streambp_core.step.estimate.roofline import gpu_model
 
     return gpu_model(name)

@@ -1,5 +1,5 @@
 """`--packing DOCS` of max-len and sweep: a note beside their figures, for packed rows of each length
-(`streambp_core.step.packed`): the same peak memory, less attention work (estimated)."""
+(`streambp_core.step.estimate.packed`): the same peak memory, less attention work (estimated)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def packing_notes(text: str | None, specs: list, gpu=None) -> list:
     without `--packing`."""
     if not text:
         return []
-    from streambp_core.step.batch import document_lengths
-    from streambp_core.step.packed import packed_attention
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.parts.batch import document_lengths
+    from streambp_core.step.estimate.packed import packed_attention
+    from streambp_core.step.parts.resolved import ResolvedModel
 
     notes, models = [], {}
     for spec in dict.fromkeys(specs):

@@ -13,17 +13,17 @@ from streambp_bench.specs import spec_label
 from streambp_core.config import ConfigError, StepSpec, check_budget_gib
 from streambp_core.measure.units import GIB, format_size
 from streambp_core.search import ProbeResult, SearchResult
-from streambp_core.step.partitions import searched
-from streambp_core.step.probe import max_len
-from streambp_core.step.resolved import ResolvedModel
-from streambp_core.step.setup import resident_bytes
-from streambp_core.step.target import Target, resolve_target
+from streambp_core.step.search.partitions import searched
+from streambp_core.step.search.probe import max_len
+from streambp_core.step.parts.resolved import ResolvedModel
+from streambp_core.step.run.setup import resident_bytes
+from streambp_core.step.parts.target import Target, resolve_target
 
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """What to search: one step spec per method (AUTO partitions as asked; each searched as
-    `step.partitions.searched` runs it), where, the model (its config resolved once, with the
+    `step.search.partitions.searched` runs it), where, the model (its config resolved once, with the
     simulation memo its searches share) and what every step holds whatever its length (weights, grads,
     optimizer state)."""
 
@@ -153,8 +153,8 @@ def check_host_budget(plan: Plan) -> None:
     at the shortest length a search probes (simulated): then no length fits, whatever the device."""
     if plan.host_budget_bytes is None:
         return
-    from streambp_core.step.host_pool import host_resident_bytes
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.parts.host_pool import host_resident_bytes
+    from streambp_core.step.simulation.simulate import simulate
 
     for spec in (spec for spec in plan.specs if spec.offload.optimizer):
         held = host_resident_bytes(spec, plan.resolved.config)["optimizer"]
@@ -180,7 +180,7 @@ def check_host_budget(plan: Plan) -> None:
 
 def _trainable_fraction(plan: Plan, spec: StepSpec) -> float:
     """A rank's share of the trainable parameters under `spec`'s sharding (`simulate.shard_layout`)."""
-    from streambp_core.step.simulate import shard_layout
+    from streambp_core.step.simulation.simulate import shard_layout
 
     return shard_layout(spec, plan.resolved.config, plan.resolved.memo).trainable_fraction
 
@@ -188,7 +188,7 @@ def _trainable_fraction(plan: Plan, spec: StepSpec) -> float:
 def check_cpu_ram(plan: Plan) -> None:
     """ConfigError (one line) when even the shortest real CPU step of a spec would need more RAM than the
     machine may give it: every probe would be refused, so there is no length to report."""
-    from streambp_core.step.probe import cpu_ram_refusal
+    from streambp_core.step.search.probe import cpu_ram_refusal
 
     for spec in plan.specs:
         refusal = cpu_ram_refusal(searched(spec).at(SHORTEST_PROBE_TOKENS), plan.resolved)
@@ -231,7 +231,7 @@ OnProbe = Callable[[str, ProbeResult, int, int | None], None]
 
 def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | None = None
              ) -> list[MethodResult]:
-    """Search every step of the plan (`step.probe.max_len`: guided by the extrapolated simulation,
+    """Search every step of the plan (`step.search.probe.max_len`: guided by the extrapolated simulation,
     confirmed at full depth or refined by measurement); `on_probe(label, result, ok_len, fail_len)`
     after each probe.
 

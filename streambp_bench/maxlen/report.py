@@ -23,7 +23,7 @@ from streambp_bench.results import (
 from streambp_core.measure.tags import CATEGORIES
 from streambp_core.measure.units import GIB, format_size, memory_unit
 from streambp_core.search import SEARCH_CAP_TOKENS, ProbeResult
-from streambp_core.step.partitions import searched
+from streambp_core.step.search.partitions import searched
 
 
 def peak_gib(result: MethodResult) -> float | None:
@@ -69,7 +69,7 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
     """The JSON document: model, budget, source, settings (a partition given as auto says "auto", with
-    the size the search ran it at, `step.partitions.searched`, in `searched_partitions`) and one entry per
+    the size the search ran it at, `step.search.partitions.searched`, in `searched_partitions`) and one entry per
     method."""
     first = plan.specs[0]
     fields = first.to_dict()

@@ -57,7 +57,7 @@ def ranks_per_node(gpus: int | None, gpus_per_node: int) -> int:
 
 def check_heads(specs, model) -> None:
     """ConfigError (one line) when the model's heads cannot be split over the specs' sp ranks."""
-    from streambp_core.step.sequence_layout import check_sequence_parallel
+    from streambp_core.step.simulation.sequence_layout import check_sequence_parallel
 
     for spec in specs:
         check_sequence_parallel(spec, model.config)

@@ -10,7 +10,7 @@ for StreamBP under the same protocol, beside ALST's published lengths; its figur
   streambp, a max-length search (simulated, confirmed at full depth) bounded by the device (the GPU's
   whole memory in GiB, as `host_tiers.GPUS_GIB`) and by the host: 1.9 TB per node (the machine ALST ran
   on), each rank's share 1/8 of it on 8-GPU nodes, the whole of it for one GPU.
-- Each cell's estimated step time at its max length (`step.sequence_time.estimate_sequence_step`: the
+- Each cell's estimated step time at its max length (`step.estimate.sequence_time.estimate_sequence_step`: the
   roofline fitted in length, all-to-alls at NVLink and InfiniBand datasheet bandwidths) is a
   `step_time` row of the same cell.
 Rows go to `alst.csv`, the figure (max length vs GPUs, log scale) to `alst-maxlen.png`.
@@ -87,9 +87,9 @@ def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, es
     step_time row estimated at that length on the cell's GPU."""
     from streambp_bench.maxlen.report import max_len_row
     from streambp_bench.results import ResultRow, provenance, spec_fields
-    from streambp_core.step.estimate import gpu_model
-    from streambp_core.step.probe import max_len
-    from streambp_core.step.sequence_time import estimate_sequence_step
+    from streambp_core.step.estimate.roofline import gpu_model
+    from streambp_core.step.search.probe import max_len
+    from streambp_core.step.estimate.sequence_time import estimate_sequence_step
 
     note(f"max length: {spec.method} on {spec.gpus} GPU(s)")
     search = max_len(spec, int(budget_gib * GIB), "sim", model, host_budget_bytes=int(host_gib * GIB))
@@ -108,7 +108,7 @@ def run(settings: Settings) -> list[Path]:
     """Search every cell (side by side on the settings' workers), write the CSV and the figure."""
     from streambp_bench.maxlen.plan import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.parts.resolved import ResolvedModel
 
     grid = cells(settings.quick)
     model = ResolvedModel(grid[0][0].model)

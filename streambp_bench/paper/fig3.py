@@ -18,7 +18,7 @@ from streambp_bench.paper import plots, published
 from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import METHODS, Settings, k_tokens, max_len_rows, memory_curve
 from streambp_core.config import StepSpec
-from streambp_core.step.target import resolve_target
+from streambp_core.step.parts.target import resolve_target
 
 
 def run(settings: Settings) -> list[Path]:

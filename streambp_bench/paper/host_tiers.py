@@ -26,7 +26,7 @@ from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, frame_of, max_len_row
 from streambp_bench.specs import spec_label
 from streambp_core.config import METHODS, StepSpec
-from streambp_core.step.resolved import ResolvedModel
+from streambp_core.step.parts.resolved import ResolvedModel
 from streambp_core.tiers import ALL_TIERS, OFFLOAD_MODES, Tiers, tier_problem
 
 GPUS_GIB = {"H100 80GB": 81_559 / 1024, "H200 141GB": 143_771 / 1024}

@@ -23,7 +23,7 @@ from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, max_len_rows, memory_curve
 from streambp_bench.specs import with_offload
 from streambp_core.config import METHODS, StepSpec
-from streambp_core.step.target import resolve_target
+from streambp_core.step.parts.target import resolve_target
 
 CURVE_TOKENS = (32_000, 64_000, 128_000, 256_000, 512_000, 768_000, 1_000_000, 1_250_000, 1_500_000,
                 1_750_000, 2_000_000)

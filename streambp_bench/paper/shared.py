@@ -20,8 +20,8 @@ from streambp_bench.results import ResultRow, ResultsFile, provenance, rows_to_f
 from streambp_bench.sweep import grid
 from streambp_core.config import StepSpec
 from streambp_core.measure.units import GIB
-from streambp_core.step.resolved import ResolvedModel
-from streambp_core.step.target import DEFAULT_BUDGET_GIB, Target
+from streambp_core.step.parts.resolved import ResolvedModel
+from streambp_core.step.parts.target import DEFAULT_BUDGET_GIB, Target
 
 METHODS = ("plain", "checkpoint", "streambp")
 """The methods of Fig. 3 and Table 3."""
@@ -63,7 +63,7 @@ def max_len_row(spec: StepSpec, budget_gib: float, model: ResolvedModel | None =
     """Search the simulated max length of `spec` within `budget_gib` (confirmed at full depth) and return
     it as a max_len row; `model`: the spec's model resolved once (None: resolved here)."""
     from streambp_bench.maxlen.report import max_len_row as row_of
-    from streambp_core.step.probe import max_len
+    from streambp_core.step.search.probe import max_len
 
     note(f"max length: {spec.method} {spec.model}" + (f" LoRA r{spec.lora_rank}" if spec.lora_rank else "")
          + ("" if spec.objective == "sft" else f" {spec.objective}"))

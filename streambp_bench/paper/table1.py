@@ -17,7 +17,7 @@ from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, sources
 from streambp_bench.sweep import grid
 from streambp_core.config import StepSpec
-from streambp_core.step.target import resolve_target
+from streambp_core.step.parts.target import resolve_target
 
 
 def run(settings: Settings) -> list[Path]:

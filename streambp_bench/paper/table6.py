@@ -22,7 +22,7 @@ from streambp_bench.paper.prose import prose
 from streambp_bench.paper.shared import Settings, sources
 from streambp_bench.results import ResultRow, provenance
 from streambp_core.models import build_model, load_config
-from streambp_core.step.batch import random_batch
+from streambp_core.step.parts.batch import random_batch
 from streambp_core.verify.compare import Gradients
 from streambp_core.verify.methods import VerifySpec, run_step
 

@@ -1,6 +1,6 @@
 """`plan`'s answer: the ranking (fastest first), the misses nearest first, as JSON and as tables.
 
-Every time is labelled estimated (`step.estimate`), every memory figure simulated (`step.simulate`).
+Every time is labelled estimated (`step.estimate.roofline`), every memory figure simulated (`step.simulation.simulate`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Setting:
     """What the figures of every recipe are read against."""
 
     gpu: object
-    """The `step.estimate.GpuModel`."""
+    """The `step.estimate.roofline.GpuModel`."""
     gpus: int
     ranks_per_node: int
     parameters: int

@@ -26,8 +26,8 @@ def prepare(model: str, methods: tuple[str, ...], gpus: int, gpu_name: str, seq_
             budget_gib: float, host_gib: float | None, gpus_per_node: int, fields: dict) -> Job:
     """The plan's chains and context (ConfigError, one line, for a model or length nothing can run)."""
     from streambp_core.models.load import build_model, count_parameters
-    from streambp_core.step.estimate import gpu_model
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.estimate.roofline import gpu_model
+    from streambp_core.step.parts.resolved import ResolvedModel
 
     resolved = ResolvedModel(model)
     degrees = space.sp_degrees(gpus, resolved.config)

@@ -1,9 +1,9 @@
 """`plan`'s search: each chain of recipes (`recipes.space`) at one length, or at its longest, pruned.
 
 Every figure comes from the functions `max-len` uses, on the same `StepSpec`s: a recipe at a length runs
-at the largest partitions that fit (`step.partitions.resolve_partitions`, checked at full depth), its
+at the largest partitions that fit (`step.search.partitions.resolve_partitions`, checked at full depth), its
 peak and host pool are `simulate`'s at full depth, its time `step_estimate.estimate_step`'s; its longest
-length is `step.probe.max_len`'s. So an answer equals what `max-len` gives for the same recipe.
+length is `step.search.probe.max_len`'s. So an answer equals what `max-len` gives for the same recipe.
 
 At one length, per chain (stages strongest first):
 1. The highest rung of the stage at the smallest partitions (extrapolated: it can only under-estimate,
@@ -34,9 +34,9 @@ class Context:
     """What every recipe of one plan is judged against (pickled to each worker)."""
 
     model: object
-    """The `step.resolved.ResolvedModel` (a worker gets its config and starts its own memo)."""
+    """The `step.parts.resolved.ResolvedModel` (a worker gets its config and starts its own memo)."""
     gpu: object
-    """The `step.estimate.GpuModel` the step times are estimated for."""
+    """The `step.estimate.roofline.GpuModel` the step times are estimated for."""
     budget_bytes: int
     host_budget_bytes: int | None
     """One rank's share of a node's host memory; None: reported, not bounded."""
@@ -57,7 +57,7 @@ class Outcome:
     to_host_bytes: int | None = None
     to_device_bytes: int | None = None
     estimate: object | None = None
-    """The `step.estimate.StepEstimate`; None where the step-time model does not cover it (`why`)."""
+    """The `step.estimate.roofline.StepEstimate`; None where the step-time model does not cover it (`why`)."""
     capped: bool = False
     """`--seq-len max`: the search's cap fits (the true longest is at least this)."""
 
@@ -73,8 +73,8 @@ class Outcome:
 def _check_small(spec: StepSpec, ctx: Context) -> Outcome | None:
     """None when `spec` fits at the smallest partitions, extrapolated (cheap; it only under-estimates, so a
     miss here is a miss); else its GPU or host OOM, or its refusal by name (ConfigError)."""
-    from streambp_core.step.partitions import searched
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.search.partitions import searched
+    from streambp_core.step.simulation.simulate import simulate
 
     try:
         return _miss(spec, simulate(searched(spec), ctx.model), ctx)
@@ -101,9 +101,9 @@ def step_at(spec: StepSpec, ctx: Context) -> Outcome:
     """`spec` at its length as `max-len --at` runs it: the largest partitions that fit (full depth), its
     full-depth peak and host pool, and its estimated time (None with the reason where the step-time
     model raises ConfigError for it)."""
-    from streambp_core.step.partitions import resolve_partitions
-    from streambp_core.step.simulate import simulate
-    from streambp_core.step.step_estimate import estimate_step
+    from streambp_core.step.search.partitions import resolve_partitions
+    from streambp_core.step.simulation.simulate import simulate
+    from streambp_core.step.estimate.step_estimate import estimate_step
 
     try:
         run = resolve_partitions(spec, ctx.budget_bytes, ctx.model)
@@ -209,10 +209,10 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, floor: int, ctx: Conte
 
 
 def chain_frontier(chain: Chain, ctx: Context, progress) -> list[Outcome]:
-    """Every recipe of `chain` at its longest length (`step.probe.max_len`, as `max-len` searches it),
+    """Every recipe of `chain` at its longest length (`step.search.probe.max_len`, as `max-len` searches it),
     with the largest partitions and the estimated step time there (module docstring)."""
-    from streambp_core.step.partitions import searched
-    from streambp_core.step.probe import max_len
+    from streambp_core.step.search.partitions import searched
+    from streambp_core.step.search.probe import max_len
 
     outcomes: list[Outcome] = []
     failed_to = -1  # rungs up to this index have no length under a stronger stage

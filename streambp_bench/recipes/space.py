@@ -5,7 +5,7 @@ sequence-parallel degree, offload tiers. The axes:
 
 - methods: plain, checkpoint, mst, streambp (streambp once per head mode the objective allows);
 - engine and stage: one GPU holds the whole state (shard none); more GPUs: torch FSDP2 zero3 and zero2,
-  DeepSpeed ZeRO-3 and ZeRO-2 (what `step.shards` lays out; ZeRO-1 is not simulated, so not searched);
+  DeepSpeed ZeRO-3 and ZeRO-2 (what `step.parts.shards` lays out; ZeRO-1 is not simulated, so not searched);
 - sequence parallelism: every divisor of the GPU count whose heads the model can split
   (`sequence_layout.check_sequence_parallel`), under FSDP2 only (`config.SP_UNDER_DEEPSPEED`);
 - offload tiers: a ladder of nested sets, each rung one tier more (none, checkpoints,
@@ -83,7 +83,7 @@ def recipe_label(spec: StepSpec) -> str:
 
 def sp_degrees(gpus: int, config) -> tuple[tuple[int, str | None], ...]:
     """Each divisor of `gpus` with None, or with why the model's heads cannot be split over it."""
-    from streambp_core.step.sequence_layout import check_sequence_parallel
+    from streambp_core.step.simulation.sequence_layout import check_sequence_parallel
 
     degrees = []
     for sp in (d for d in range(1, gpus + 1) if gpus % d == 0):

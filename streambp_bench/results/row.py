@@ -66,7 +66,7 @@ class ResultRow:
     attn: str = "auto"
     """Attention kernel asked for: auto, sdpa or flash (a simulation uses its flash-like fake kernel)."""
     protocol: str = "default"
-    """Step protocol: default or paper (`streambp_core.step.protocol`)."""
+    """Step protocol: default or paper (`streambp_core.step.run.protocol`)."""
     grads: str = "resident"
     """Gradients allocated before the step (resident) or made by it (fresh)."""
     offload: str = "none"

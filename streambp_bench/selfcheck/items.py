@@ -51,8 +51,8 @@ class Context:
         return self._model
 
     def resolved(self, name: str):
-        """`name` resolved once (`step.resolved.ResolvedModel`)."""
-        from streambp_core.step.resolved import ResolvedModel
+        """`name` resolved once (`step.parts.resolved.ResolvedModel`)."""
+        from streambp_core.step.parts.resolved import ResolvedModel
 
         if name not in self._resolved:
             self._resolved[name] = ResolvedModel(name)

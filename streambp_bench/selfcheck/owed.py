@@ -50,7 +50,7 @@ def measured_step(setup, device: str, *, warmup: int = 0) -> StepFigures:
     events on CUDA, the wall clock elsewhere); an out-of-memory step is an 'oom' probe. The gradients are
     freed afterwards."""
     from streambp_core.measure.cuda import is_oom
-    from streambp_core.step.timing import spec_step
+    from streambp_core.step.run.timing import spec_step
 
     spec = setup.spec
     try:
@@ -104,7 +104,7 @@ def _source(device: str) -> str:
 
 def simulated_probe(spec: StepSpec, model) -> ProbeResult:
     """The simulator's peak and host pool for `spec` (meta tensors; `model` resolved or None)."""
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     sim = simulate(spec, model)
     return ProbeResult(seq_len_tokens=spec.seq_len_tokens, status=OK, peak_bytes=sim.peak_bytes,
@@ -136,7 +136,7 @@ def offload_rows(specs: tuple[StepSpec, ...], network, resolved_model, where: st
                  warmup: int) -> Iterator[ResultRow]:
     """Each spec's measured peak with its step time (step_time_ms; the first spec's after `warmup` steps)
     and simulated peak; the ratio of their step times is the summary's (`report`)."""
-    from streambp_core.step.setup import build_setup
+    from streambp_core.step.run.setup import build_setup
 
     for index, spec in enumerate(specs):
         setup = build_setup(spec, resolved_model.config, device, model=network)
@@ -157,7 +157,7 @@ def fsdp_rank(rank: int, world: int, spec: StepSpec, config, device: str) -> tup
     from functools import partial
 
     from streambp_core.parallel.fsdp import shard_model
-    from streambp_core.step.setup import build_setup, build_training_model
+    from streambp_core.step.run.setup import build_setup, build_training_model
 
     wrap = partial(shard_model, stage=spec.shard)
     network, optimizer = build_training_model(spec, config, device, wrap=wrap)
@@ -178,8 +178,8 @@ def fsdp_rows(spec: StepSpec, resolved_model, where: str, device: str) -> Iterat
 def max_len_rows(spec: StepSpec, budget_gib: float, where: str, device: str) -> Iterator[ResultRow]:
     """`max-len` on `device` (each probe a fresh process on CUDA) and on the simulator, one max_len row
     each (tokens; a capped answer is an error row saying so)."""
-    from streambp_core.step.probe import max_len
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.search.probe import max_len
+    from streambp_core.step.parts.resolved import ResolvedModel
 
     resolved_model = ResolvedModel(spec.model)
     for target in (device, "sim"):
@@ -204,7 +204,7 @@ def tier_specs(model: str, dtype: str, seq_len: int) -> tuple[StepSpec, ...]:
 def tier_rows(specs: tuple[StepSpec, ...], resolved_model, where: str, device: str) -> Iterator[ResultRow]:
     """Each tier set's measured device and pinned host peaks (a fresh model: the tiers move its state) and
     the simulated device peak and host pool."""
-    from streambp_core.step.setup import build_setup, build_training_model
+    from streambp_core.step.run.setup import build_setup, build_training_model
 
     for spec in specs:
         network, optimizer = build_training_model(spec, resolved_model.config, device)

@@ -3,15 +3,15 @@
 A point is one training step: a `StepSpec` (method, model, objective, length, batch, partition sizes,
 dtype, LoRA rank, optimizer, attention kernel, protocol, gradients). `run_point(spec, target)` turns it
 into result rows:
-- on "sim": the peak simulated on meta tensors with every layer (`step.simulate.simulate` at
+- on "sim": the peak simulated on meta tensors with every layer (`step.simulation.simulate.simulate` at
   `depth="full"`: a row reports a peak, which an extrapolation in depth may under-estimate, and one
   sharded rank's may over-estimate, so no row is left unconfirmed); a peak above the budget is status
   "oom" (value empty, peak kept);
-- on "cpu" / "cuda": a real step (`step.probe.measure_setup` for the tracked or allocator peak, on CUDA
-  with the reserved peak, alloc retries and OOM count), then timed steps (`step.timing.time_step`): a
+- on "cpu" / "cuda": a real step (`step.search.probe.measure_setup` for the tracked or allocator peak, on CUDA
+  with the reserved peak, alloc retries and OOM count), then timed steps (`step.run.timing.time_step`): a
   second row, metric step_time, with the median and the p20/p80 of the repeats.
 - with a GPU model (`gpu`): a row more, metric step_time, source "estimated", device the GPU's name:
-  the roofline estimate of the step (`step.step_estimate.estimate_step`); empty with the peak row's status
+  the roofline estimate of the step (`step.estimate.step_estimate.estimate_step`); empty with the peak row's status
   when the point does not fit.
 `run_points` writes each point's rows as soon as it finishes (appended: a point costs its own bytes, not
 the file's; a re-run point rewrites the file atomically), so Ctrl-C or a kill
@@ -64,14 +64,14 @@ def expand_grid(
 
 
 def estimate_key(spec: StepSpec, gpu) -> tuple[str, ...]:
-    """The key of the estimated step_time row of `spec` on `gpu` (a `step.estimate.GpuModel`)."""
+    """The key of the estimated step_time row of `spec` on `gpu` (a `step.estimate.roofline.GpuModel`)."""
     return ResultRow.key_of(**spec_fields(spec), source="estimated", device_name=gpu.name, metric="step_time")
 
 
 def estimated_row(spec: StepSpec, gpu, peak_row: ResultRow, model=None) -> ResultRow:
     """The estimated step_time row of `spec` on `gpu` (ms in `value`), given the point's peak row; `model`:
-    the spec's model resolved once (`step.resolved.ResolvedModel`; None: resolved here)."""
-    from streambp_core.step.step_estimate import estimate_step
+    the spec's model resolved once (`step.parts.resolved.ResolvedModel`; None: resolved here)."""
+    from streambp_core.step.estimate.step_estimate import estimate_step
 
     fields = {**spec_fields(spec), **provenance("estimated", gpu.name), "metric": "step_time"}
     if peak_row.status != "ok":
@@ -92,7 +92,7 @@ def point_keys(spec: StepSpec, target) -> set[tuple[str, ...]]:
 
 def run_point(spec: StepSpec, target, model=None) -> list[ResultRow]:
     """Run one point (simulated or measured, see the module docstring) and return its rows; `model` is the
-    spec's model when the caller resolved it (`step.resolved.ResolvedModel`)."""
+    spec's model when the caller resolved it (`step.parts.resolved.ResolvedModel`)."""
     from streambp_core.measure.cuda import is_oom
 
     base = {**spec_fields(spec), **provenance(target.source, target.device_name),
@@ -113,10 +113,10 @@ def run_point(spec: StepSpec, target, model=None) -> list[ResultRow]:
 
 def _measured(spec: StepSpec, device: str, model):
     """A tracked step on real tensors (the peak), then `MEASURE_REPEATS` timed steps after a warm-up."""
-    from streambp_core.step.probe import cpu_ram_refusal, measure_setup
-    from streambp_core.step.resolved import resolved
-    from streambp_core.step.setup import build_setup
-    from streambp_core.step.timing import timed_step
+    from streambp_core.step.search.probe import cpu_ram_refusal, measure_setup
+    from streambp_core.step.parts.resolved import resolved
+    from streambp_core.step.run.setup import build_setup
+    from streambp_core.step.run.timing import timed_step
 
     model = resolved(spec.model, model)
     if device == "cpu" and (refusal := cpu_ram_refusal(spec, model)) is not None:
@@ -129,7 +129,7 @@ def _measured(spec: StepSpec, device: str, model):
 
 
 def _simulated_row(spec: StepSpec, base: dict, target, model) -> ResultRow:
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     sim = simulate(spec, model, depth="full")
     fits = target.budget_bytes is None or sim.peak_bytes <= target.budget_bytes
@@ -168,10 +168,10 @@ def run_points(
 
     `on_point(point, rows)` is called after each point (rows None for a point skipped as done).
     `resolve(point, model)` gives the point to run (module docstring); `gpu` adds the estimated row. Each
-    model is resolved once (`step.resolved.ResolvedModel`: its config and the simulation memo its points
+    model is resolved once (`step.parts.resolved.ResolvedModel`: its config and the simulation memo its points
     share). A KeyboardInterrupt propagates after the finished points are on disk.
     """
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.parts.resolved import ResolvedModel
 
     models = {name: ResolvedModel(name) for name in dict.fromkeys(p.model for p in points)}
     done = set() if force else {row.key() for row in results.rows() if finished(row, target)}

@@ -94,7 +94,7 @@ def packed_rows(position_ids: Tensor | None, attention_mask: Tensor | None, shap
                           f"{tuple(shape)}: give one position per token (batch x seq_len, or 1 x seq_len)")
     if position_ids.device.type == "meta":
         raise ConfigError("packed rows need real position_ids, not meta tensors: a simulated step of an "
-                          "unpacked row of the same length has the same peak memory (`step.packed`)")
+                          "unpacked row of the same length has the same peak memory (`step.estimate.packed`)")
     positions = position_ids.long().expand(shape[0], -1)
     if bool((positions == torch.arange(shape[1], device=positions.device)).all()):
         return None

@@ -33,7 +33,7 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
 
     `config` is a `StreamConfig` (default: the defaults); `options` are its fields by keyword
     (objective, partition_size, head_partition_size, head_mode, attn, offload, ...), replacing the
-    config's; its partitions are sizes in tokens (an AUTO one is resolved first: `step.partitions`,
+    config's; its partitions are sizes in tokens (an AUTO one is resolved first: `step.search.partitions`,
     ValueError here). Preparing never copies the weights; `run.close()` (or leaving a `with` block)
     undoes it. `sequence_group` (`engine.sequence.group.SequenceGroup`, real or simulated): Ulysses sequence
     parallelism over its ranks, each computing its shard of every sequence (`methods.sequence`).

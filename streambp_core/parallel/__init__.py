@@ -1,7 +1,7 @@
 """Sharded training on existing engines: torch FSDP2 (`fsdp.py`), DeepSpeed (`deepspeed.py`), ranks on
 one machine (`launch.py`), collective counts (`comms.py`) and one rank of N measured on CPU ranks
 (`memory.py`, `deepspeed_memory.py`). Exactness across ranks is checked in `streambp_core.verify`; one
-rank of N in the simulator is `streambp_core.step.shards`, and a unit's work runs as its forward through
+rank of N in the simulator is `streambp_core.step.parts.shards`, and a unit's work runs as its forward through
 `streambp_core.engine.engines.fsdp_unit`. Public names load on first use, so importing one submodule
 stays light."""
 

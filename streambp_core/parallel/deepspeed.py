@@ -53,7 +53,7 @@ units gather them as any partition); `offload_sections` writes them for a tier s
 checkpoints tier stays the method's). Checked on two gloo CPU ranks (`deepspeed_verify`, `offload=`):
 every method under ZeRO-3 with both sections hands its optimizer the gradient it hands it without them
 (bitwise), and the applied update is that optimizer's step on it (torch's Adam or DeepSpeed's CPU Adam,
-bitwise), one reduction per parameter. `step.deepspeed_host` lays the rank out.
+bitwise), one reduction per parameter. `step.simulation.deepspeed_host` lays the rank out.
 
 Refused by name (`check_engine`, `prepare`): DeepSpeed below 0.17.0 (no `ds_grad_is_ready`), a stage
 other than 1, 2, 3, the optimizer or params tier under an engine whose config does not offload it (or

@@ -1,5 +1,5 @@
 """One rank's memory under DeepSpeed ZeRO, measured: the step run for real on CPU ranks (gloo) under the
-memory tracker, the counterpart of the `deepspeed-zero2`/`deepspeed-zero3` layouts (`step.shards`).
+memory tracker, the counterpart of the `deepspeed-zero2`/`deepspeed-zero3` layouts (`step.parts.shards`).
 
 `measure_deepspeed_ranks(specs, config)` starts `gpus` ranks (`launch.run_ranks`). For each spec, each
 rank builds the spec's model in bf16 with seeded weights, hands it to `deepspeed.initialize` (ZeRO stage
@@ -117,7 +117,7 @@ def _tracked_engine_step(spec: StepSpec, config: PretrainedConfig) -> list[tuple
     import streambp_core
     from streambp_core.measure.tracker import MemoryTracker
     from streambp_core.models import build_model
-    from streambp_core.step.setup import step_inputs
+    from streambp_core.step.run.setup import step_inputs
 
     model = build_model(config, dtype=torch.bfloat16, device="cpu", seed=spec.seed, checked=True)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

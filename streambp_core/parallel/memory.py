@@ -1,5 +1,5 @@
 """One rank's memory under torch FSDP2, measured: the sharded step run for real on CPU ranks (gloo) under
-the memory tracker, the counterpart of the sharded simulation (`StepSpec.gpus`/`shard`, `step.shards`).
+the memory tracker, the counterpart of the sharded simulation (`StepSpec.gpus`/`shard`, `step.parts.shards`).
 
 `measure_ranks(specs)` starts `gpus` ranks (`launch.run_ranks`). For each spec in turn, each rank builds
 the spec's model with seeded weights, shards it (`fsdp.shard_model`: one unit per decoder layer, and the
@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
-from streambp_core.step.resolved import ResolvedModel, resolved
+from streambp_core.step.parts.resolved import ResolvedModel, resolved
 
 SOURCE = "measured-cpu"
 
@@ -87,7 +87,7 @@ def _rank_memory(spec: StepSpec, phases: list[tuple[str, int, dict[str, int]]]) 
 def _check_ram(spec: StepSpec, model: ResolvedModel) -> None:
     """ConfigError when the ranks together would need more RAM than a CPU step may use."""
     from streambp_core.measure import host_ram
-    from streambp_core.step.probe import cpu_ram_refusal
+    from streambp_core.step.search.probe import cpu_ram_refusal
 
     refusal = cpu_ram_refusal(spec, model, host_ram.available_ram_bytes() // spec.gpus)
     if refusal is not None:
@@ -99,8 +99,8 @@ def _rank_steps(rank: int, world: int, specs: tuple[StepSpec, ...], config: Pret
     """Body of each rank: per spec, a freshly built and sharded setup and one tracked step; per phase
     (name, peak, breakdown)."""
     from streambp_core.parallel.fsdp import gathered_parameters, shard_model
-    from streambp_core.step.run import tracked_step
-    from streambp_core.step.setup import build_setup, build_training_model
+    from streambp_core.step.run.tracked import tracked_step
+    from streambp_core.step.run.setup import build_setup, build_training_model
 
     steps = []
     for spec in specs:

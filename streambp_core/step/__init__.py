@@ -1,20 +1,24 @@
-"""One training step, from its spec to its figures: setup, one tracked step, the simulator, timing, probes.
+"""One training step, from its spec to its figures, in rooms whose imports only point down
+(pyproject's import contract): `search` and `estimate` over `simulation`, over `run`, over `parts`.
 
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     spec = StepSpec.of(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=65536)
     simulate(spec).peak_gib
 
-- `setup`: StepSpec -> model (random weights, LoRA), optimizer, inputs;
-- `run`: one tracked step with phase cuts (forward, backward, embedding backward, optimizer step);
-- `simulate`: the one simulator (meta tensors; depth extrapolation and chunk thinning as parameters);
-- `timing`: warm-up, repeats, p20/p50/p80;
-- `probe`: probes for the max-length search (simulated, measured on CPU, measured on CUDA in a child
-  process) and `max_len`, the guided search over them;
-- `simulation_mode` (memoised meta kernels and the logits category, a dispatch mode the tracked step
-  enters), `protocol` (the paper's measurement script as reversible patches around a step), `shards`
-  (one rank of N: how a shard stage lays out the model state), `batch` (random batches and objective
-  inputs), `optim` (the step's optimizer), `estimate` (roofline step time), `partitions` (the largest
-  partitions that fit), `target` (device and budget), `ops` (the aten ops a step dispatches).
+- `search`: the largest partitions that fit (`partitions`); probes for the max-length search (simulated,
+  measured on CPU, measured on CUDA in a child process) and `max_len`, the guided search over them
+  (`probe`);
+- `estimate`: step time on a named GPU: the aten ops a step dispatches (`ops`), the roofline over them
+  (`roofline`), attention kernels' speed curves, several GPUs (`sequence_time`), one entry point
+  (`step_estimate`), packing (`packed`);
+- `simulation`: the one simulator (meta tensors; depth extrapolation and chunk thinning as parameters),
+  one sequence-parallel rank, one DeepSpeed ZeRO-3 rank with its own offload;
+- `run`: StepSpec -> model, optimizer, inputs (`setup`); one tracked step with phase cuts (`tracked`);
+  the paper's measurement script as reversible patches (`protocol`); memoised meta kernels and the logits
+  category (`simulation_mode`); warm-up, repeats, p20/p50/p80 (`timing`);
+- `parts`: the model config resolved once (`resolved`) and its simulated depths (`depth`), device and
+  budget (`target`), random batches and objective inputs (`batch`), the optimizer (`optim`), the host pool
+  (`host_pool`), one rank of N under a shard stage (`shards`).
 """

@@ -57,7 +57,7 @@ from streambp_core.parallel.deepspeed import (
     zero_config,
 )
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, run_ranks
-from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.step.parts.batch import objective_inputs, random_batch
 from streambp_core.tiers import Tiers
 from streambp_core.verify.compare import max_grad_err, max_rel_err
 from streambp_core.verify.deepspeed_update import (

@@ -27,7 +27,7 @@ import math
 import torch
 
 from streambp_core.config import ConfigError
-from streambp_core.step.batch import Batch
+from streambp_core.step.parts.batch import Batch
 
 OPTIMIZERS = ("adam", "sgd")
 """The optimizers a DeepSpeed verify steps: torch's Adam from DeepSpeed's config, or a client SGD."""

@@ -30,7 +30,7 @@ import streambp_core
 from streambp_core.config import VERIFY_METHODS, ConfigError, StepSpec, packing_problem, require_choice
 from streambp_core.models import build_model, load_config
 from streambp_core.models.lora import apply_lora
-from streambp_core.step.batch import (
+from streambp_core.step.parts.batch import (
     PADDINGS,
     Batch,
     document_lengths,

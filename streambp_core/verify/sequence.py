@@ -35,7 +35,7 @@ from streambp_core.models.lora import apply_lora
 from streambp_core.parallel.comms import CollectiveLog
 from streambp_core.parallel.fsdp import SHARD_STAGES, full_gradients, shard_model
 from streambp_core.parallel.launch import DEFAULT_TIMEOUT_S, check_nproc, run_ranks
-from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.step.parts.batch import objective_inputs, random_batch
 from streambp_core.verify.compare import max_grad_err
 from streambp_core.verify.methods import DTYPES, TOLERANCE, MethodResult, VerifySpec, run_step
 from streambp_core.verify.sharded import Reference, ShardedReport

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 import streambp_core
 from streambp_core.config import StepSpec
 from streambp_core.engine.host.optimizer import HostAdamW
-from streambp_core.step.batch import Batch, objective_inputs
+from streambp_core.step.parts.batch import Batch, objective_inputs
 from streambp_core.verify.compare import Gradients
 
 VERIFY_LR = 1e-3

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from streambp_bench.cli import app
 from streambp_bench.maxlen import auto
 from streambp_bench.results import ResultsFile
-from streambp_core.step.estimate import gpu_model
+from streambp_core.step.estimate.roofline import gpu_model
 
 STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--budget-gib", "0.00466",
         "--ps", "auto", "--ps-head", "auto", "--gpu-model", "h100", "--device", "sim"]

@@ -8,7 +8,7 @@ import pytest
 
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
-from streambp_core.step import target as target_module
+from streambp_core.step.parts import target as target_module
 from tests.cli.errors import one_line_error
 
 TINY = ["max-len", "--model", "tiny/qwen3", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]

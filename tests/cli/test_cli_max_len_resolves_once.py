@@ -1,5 +1,5 @@
 """A max-len run resolves its model's config once: model builds trust it, and the only copies are the
-config at the depths the simulation runs (`step.resolved.ResolvedModel`)."""
+config at the depths the simulation runs (`step.parts.resolved.ResolvedModel`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from streambp_bench.cli import app
-from streambp_core.step.batch import document_lengths
+from streambp_core.step.parts.batch import document_lengths
 from tests.cli.errors import one_line_error
 
 PACKED = ["verify", "--model", "tiny/mistral", "--dtype", "float64", "--seq-len", "24", "--ps", "5",

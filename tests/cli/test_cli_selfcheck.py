@@ -142,7 +142,7 @@ class _FakeCudaPeak:
 
 
 def test_cuda_timing_counts_retries_over_the_timed_steps_only():
-    from streambp_core.step import timing as timing_module
+    from streambp_core.step.run import timing as timing_module
 
     log: list[str] = []
     times = iter([5.0, 6.0, 7.0])
@@ -162,7 +162,7 @@ def test_cuda_timing_counts_retries_over_the_timed_steps_only():
 
 def test_time_rows_record_the_timings_allocator_counters():
     plan = dataclasses.replace(check.CPU_PLAN, lengths=(48,))
-    from streambp_core.step.timing import Timing
+    from streambp_core.step.run.timing import Timing
 
     timing = Timing(times_ms=(3.0, 1.0, 2.0), alloc_retries=2, num_ooms=0)
     with mock.patch.object(check, "timed_step", return_value=timing):

@@ -11,7 +11,7 @@ import streambp_core.methods
 from streambp_bench.cli import app
 from streambp_bench.results import ResultsFile
 from streambp_bench.sweep import grid
-from streambp_core.step import run as run_module
+from streambp_core.step.run import tracked as run_module
 
 TINY = ["-m", "tiny/llama", "--seq-len", "64,128", "--ps", "16,32", "--ps-head", "16", "--device", "sim"]
 

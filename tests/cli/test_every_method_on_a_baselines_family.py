@@ -17,7 +17,7 @@ from streambp_bench.maxlen.plan import runnable
 from streambp_core.config import METHODS, VERIFY_METHODS, ConfigError, StepSpec
 from streambp_core.methods.guards import family_refusals
 from streambp_core.models.load import load_config
-from streambp_core.step.resolved import ResolvedModel
+from streambp_core.step.parts.resolved import ResolvedModel
 from streambp_core.verify.methods import VerifySpec
 
 TINY = {

@@ -158,7 +158,7 @@ def test_the_owed_rows_run_on_a_cpu_with_a_tiny_model() -> None:
     import torch
 
     from streambp_core.models.load import build_model
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.parts.resolved import ResolvedModel
 
     model = ResolvedModel("tiny/qwen3")
     network = build_model("tiny/qwen3", dtype=torch.float32, device="cpu", seed=0)
@@ -180,7 +180,7 @@ def test_the_owed_rows_run_on_a_cpu_with_a_tiny_model() -> None:
 def test_max_len_rows_put_the_measured_search_beside_the_simulated_one(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    import streambp_core.step.probe as probe_module
+    import streambp_core.step.search.probe as probe_module
 
     answers = {"cuda": SimpleNamespace(max_len_tokens=21_000, capped=False),
                "sim": SimpleNamespace(max_len_tokens=10_000_000, capped=True)}

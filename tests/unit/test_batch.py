@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from streambp_core.config import ConfigError
-from streambp_core.step.batch import IGNORE_INDEX, padding_lengths, random_batch
+from streambp_core.step.parts.batch import IGNORE_INDEX, padding_lengths, random_batch
 
 
 def test_no_padding_has_no_mask_and_labels_equal_ids():

@@ -14,7 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models.catalogue import causal_families, serving
-from streambp_core.step.simulate import simulate
+from streambp_core.step.simulation.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -14,7 +14,7 @@ import torch
 from streambp_core.engine.attention import cuda as cuda_attention
 from streambp_core.engine.attention.prefix import prefix_attention
 from streambp_core.measure.tracker import MemoryTracker
-from streambp_core.step.simulation_mode import SimulationMode
+from streambp_core.step.run.simulation_mode import SimulationMode
 from tests.unit.test_attention import qkv
 
 

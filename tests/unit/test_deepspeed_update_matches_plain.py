@@ -12,7 +12,7 @@ import torch
 
 from streambp_core.models import load_config
 from streambp_core.parallel.launch import available_cpus
-from streambp_core.step.batch import random_batch
+from streambp_core.step.parts.batch import random_batch
 from streambp_core.verify.deepspeed_update import rank_padded, update_ratio
 from streambp_core.verify.methods import VerifySpec
 

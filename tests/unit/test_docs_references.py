@@ -87,7 +87,7 @@ def _texts() -> dict[str, str]:
 
 def test_every_backticked_module_name_resolves():
     """A docstring or document that names a module of the project (`engine.host.checkpoints`,
-    `streambp_core.step.estimate.GpuModel`) names one that exists: moved modules leave no stale names."""
+    `streambp_core.step.estimate.roofline.GpuModel`) names one that exists: moved modules leave no stale names."""
     tops = _top_names()
     stale = sorted(
         f"{where}: `{dotted}`"
@@ -101,6 +101,6 @@ def test_every_backticked_module_name_resolves():
 def test_the_name_check_finds_a_stale_name():
     tops = _top_names()
     assert _resolves("engine.host.checkpoints.HostChain", tops)
-    assert _resolves("streambp_core.step.estimate", tops)
+    assert _resolves("streambp_core.step.estimate.roofline", tops)
     assert not _resolves("engine.offload.HostChain", tops)
     assert not _resolves("engine.host.checkpoints.NoSuchThing", tops)

@@ -229,7 +229,7 @@ def test_deepseek_v3s_stored_prefix_is_the_latent() -> None:
     """Simulated: a streamed MLA layer's K/V (and their gradients) are one latent + rotary key per position,
     2 x T x (kv_lora_rank + qk_rope_head_dim) values, not heads x (qk + v head dims) per position."""
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     tokens, width, bf16 = 128, 16 + 8, 2
     result = simulate(StepSpec.of(model="tiny/deepseek-v3", method="streambp", seq_len_tokens=tokens,

@@ -156,7 +156,7 @@ def test_soft_capped_chunks_never_take_an_uncapped_kernel() -> None:
 
 def test_a_simulated_step_runs() -> None:
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     for method in ("streambp", "plain"):
         result = simulate(StepSpec.of(model="tiny/gemma2", method=method, seq_len_tokens=128,

@@ -205,7 +205,7 @@ def test_the_simulator_runs_the_sinks_on_meta() -> None:
 
 def test_a_simulated_streambp_step_of_gpt_oss_answers() -> None:
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     result = simulate(StepSpec.of(model="tiny/gpt-oss", method="streambp", seq_len_tokens=128,
                                   partition_size=32, head_partition_size=16, dtype="bfloat16"))

@@ -143,7 +143,7 @@ def test_the_router_loss_is_not_added() -> None:
 def test_a_simulated_step_runs_the_chunked_layers() -> None:
     """Simulated in bfloat16, streambp and the baselines run a chunked layer on meta tensors."""
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     for method in ("streambp", "checkpoint"):
         spec = StepSpec.of(model="tiny/llama4", method=method, seq_len_tokens=128, partition_size=32,

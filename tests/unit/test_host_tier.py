@@ -19,7 +19,7 @@ from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods import host_tier
 from streambp_core.models.load import build_model, tiny_config
 from streambp_core.models.lora import apply_lora
-from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.step.parts.batch import objective_inputs, random_batch
 
 ALL = "checkpoints,optimizer,params"
 
@@ -244,7 +244,7 @@ def test_close_takes_the_host_optimizers_hooks_off(method):
 def test_params_tier_never_raises_the_simulated_peak(method, family):
     """Weights gathered a unit at a time are a subset of the resident weights, and nothing else changes:
     the params tier's simulated peak is at most the resident step's, with fewer weight bytes at it."""
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     fields = dict(model=f"tiny/{family}", method=method, seq_len_tokens=300, partition_size=32,
                   head_partition_size=16)

@@ -14,9 +14,9 @@ from streambp_bench.paper.shared import Settings
 from streambp_bench.results import ResultRow, ResultsFile
 from streambp_core.config import StepSpec
 from streambp_core.models.load import build_model, load_config
-from streambp_core.step.host_pool import host_resident_bytes
-from streambp_core.step.setup import resident_bytes
-from streambp_core.step.simulate import simulate
+from streambp_core.step.parts.host_pool import host_resident_bytes
+from streambp_core.step.run.setup import resident_bytes
+from streambp_core.step.simulation.simulate import simulate
 
 BF16, F32 = 2, 4
 

@@ -11,7 +11,7 @@ import torch
 
 from streambp_core.config import ATTN_BACKENDS, VERIFY_METHODS, StepSpec
 from streambp_core.models.families import TINY_FAMILIES
-from streambp_core.step.simulate import simulate
+from streambp_core.step.simulation.simulate import simulate
 from streambp_core.verify.methods import LOW_PRECISION_FACTOR, VerifySpec, verify_spec
 
 LOW_PRECISION_DEFAULT = ("olmo3", "deepseek-v3")

@@ -6,9 +6,9 @@ import pytest
 
 from streambp_core.config import StepSpec
 from streambp_core.models import tiny_config
-from streambp_core.step.probe import max_len
-from streambp_core.step.setup import resident_bytes
-from streambp_core.step.simulate import simulate
+from streambp_core.step.search.probe import max_len
+from streambp_core.step.run.setup import resident_bytes
+from streambp_core.step.simulation.simulate import simulate
 
 
 @pytest.mark.slow

@@ -205,7 +205,7 @@ def test_a_moe_step_outside_bfloat16_is_refused_by_the_simulator_by_name(family)
     """The experts' grouped matmul has a bfloat16 meta kernel only and their per-expert loop reads token
     values: a float32 MoE step cannot be simulated, and says so (it runs measured on the CPU)."""
     from streambp_core.config import ConfigError, StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     spec = StepSpec.of(model=f"tiny/{family}", method="streambp", seq_len_tokens=100, dtype="float32",
                        partition_size=32, head_partition_size=16)

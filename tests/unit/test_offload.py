@@ -13,7 +13,7 @@ from streambp_core.measure import MemoryTracker, memory_category
 from streambp_core.measure.tags import OFFLOADED
 from streambp_core.methods.checkpoint import activation_checkpointing, enable_activation_checkpointing
 from streambp_core.models.load import build_model, tiny_config
-from streambp_core.step.batch import objective_inputs, random_batch
+from streambp_core.step.parts.batch import objective_inputs, random_batch
 from streambp_core.verify.methods import verify_methods
 
 F64 = 8  # bytes per float64 element
@@ -152,7 +152,7 @@ def test_verify_runs_every_method_offloaded_against_plain():
 
 def test_simulated_host_pool_extrapolates_exactly_and_plain_spec_refuses_offload():
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     config = tiny_config("qwen3", num_hidden_layers=5)
     spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=512, partition_size=64,
@@ -172,7 +172,7 @@ def test_params_tier_under_fsdp2_is_refused_by_name_not_laid_out_below_zero(shar
     """The FSDP2 layout takes the simulated step's weights as the whole model's; with the params tier they
     are one gathered unit, and the rank's weights came out negative. DeepSpeed ZeRO-3 lays it out."""
     from streambp_core.config import StepSpec
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     fields = dict(model="tiny/qwen3", method="streambp", seq_len_tokens=128, partition_size=32,
                   head_partition_size=32, gpus=2, offload="params")

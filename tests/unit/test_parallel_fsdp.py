@@ -15,7 +15,7 @@ from streambp_core.config import ConfigError
 from streambp_core.engine.engines.fsdp_unit import sharded_forward
 from streambp_core.models import build_model, load_config
 from streambp_core.parallel.fsdp import full_gradients, shard_model
-from streambp_core.step.batch import random_batch
+from streambp_core.step.parts.batch import random_batch
 from streambp_core.verify.compare import max_rel_err
 
 SEQ_LEN = 64

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from streambp_core.step.estimate import STEP_BAND, gpu_model
-from streambp_core.step.step_estimate import estimate_step
+from streambp_core.step.estimate.roofline import STEP_BAND, gpu_model
+from streambp_core.step.estimate.step_estimate import estimate_step
 from tests.cli.errors import benchmark_script
 
 CSV = Path(__file__).resolve().parents[2] / "results" / "benchmarks" / "published_step_time.csv"

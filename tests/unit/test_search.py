@@ -210,11 +210,11 @@ def test_child_process_probe_reports_one_json_line(tmp_path):
     import sys
 
     from streambp_core.config import StepSpec
-    from streambp_core.step.probe import parse_child_output
+    from streambp_core.step.search.probe import parse_child_output
 
     spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=100, dtype="float32",
                        partition_size=32, head_partition_size=16)  # fmt: skip
-    command = [sys.executable, "-m", "streambp_core.step.probe", "--spec", json.dumps(spec.to_dict()),
+    command = [sys.executable, "-m", "streambp_core.step.search.probe", "--spec", json.dumps(spec.to_dict()),
                "--device", "cpu"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     result = parse_child_output(100, done.returncode, done.stdout, done.stderr)
@@ -222,7 +222,7 @@ def test_child_process_probe_reports_one_json_line(tmp_path):
 
 
 def test_child_failures_are_oom_data_points_or_errors():
-    from streambp_core.step.probe import parse_child_output
+    from streambp_core.step.search.probe import parse_child_output
 
     oom = parse_child_output(9000, 1, "", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
     killed = parse_child_output(9000, -9, "", "")

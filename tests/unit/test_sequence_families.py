@@ -165,7 +165,7 @@ def test_every_method_with_an_empty_trailing_chunk_matches_single_process_plain(
 @pytest.mark.parametrize("model", ["tiny/gemma2", "tiny/gpt-oss", "tiny/llama4", "mla"])
 @pytest.mark.parametrize("method", ["plain", "streambp"])
 def test_a_simulated_rank_runs(model, method, tmp_path) -> None:
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     result = simulate(StepSpec.of(model=_model(model, tmp_path), method=method, seq_len_tokens=128,
                                   partition_size=32, head_partition_size=16, dtype="bfloat16", gpus=2, sp=2))

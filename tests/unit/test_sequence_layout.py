@@ -1,19 +1,19 @@
-"""One simulated rank of a Ulysses sequence-parallel step (`step.sequence_layout`) and its estimated time
-(`step.sequence_time`), on tiny presets."""
+"""One simulated rank of a Ulysses sequence-parallel step (`step.simulation.sequence_layout`) and its estimated time
+(`step.estimate.sequence_time`), on tiny presets."""
 
 from __future__ import annotations
 
 import pytest
 
 from streambp_core.config import ConfigError, StepSpec
-from streambp_core.step import sequence_time
-from streambp_core.step.attention_kernels import attention_kernel
-from streambp_core.step.estimate import GPU_MODELS, estimate_by_depth
-from streambp_core.step.ops import spec_step_ops
-from streambp_core.step.resolved import ResolvedModel
-from streambp_core.step.sequence_layout import SequenceLayout, check_sequence_parallel
-from streambp_core.step.setup import build_setup
-from streambp_core.step.simulate import simulate
+from streambp_core.step.estimate import sequence_time
+from streambp_core.step.estimate.attention_kernels import attention_kernel
+from streambp_core.step.estimate.roofline import GPU_MODELS, estimate_by_depth
+from streambp_core.step.estimate.ops import spec_step_ops
+from streambp_core.step.parts.resolved import ResolvedModel
+from streambp_core.step.simulation.sequence_layout import SequenceLayout, check_sequence_parallel
+from streambp_core.step.run.setup import build_setup
+from streambp_core.step.simulation.simulate import simulate
 
 SIZES = {"partition_size": 32, "head_partition_size": 16}
 
@@ -64,7 +64,7 @@ def test_a_rank_holds_its_share_of_the_optimizers_host_state(tiny):
     tiers = {"optimizer": "adamw", "offload": "checkpoints,optimizer"}
     one = simulate(_spec("streambp", 512, **tiers), tiny)
     rank = simulate(_spec("streambp", 1024, 2, **tiers), tiny)
-    from streambp_core.step.host_pool import host_resident_bytes
+    from streambp_core.step.parts.host_pool import host_resident_bytes
 
     state = host_resident_bytes(_spec("streambp", 512, **tiers), tiny.config)["optimizer"]
     assert state > 0 and rank.host_peak_bytes < one.host_peak_bytes - state // 3

@@ -15,7 +15,7 @@ from streambp_core.config import METHODS, PRESET_DIR
 from streambp_core.engine.sequence.attention import KV_PIECES
 from streambp_core.models import load_config
 from streambp_core.parallel.launch import available_cpus
-from streambp_core.step.batch import random_batch
+from streambp_core.step.parts.batch import random_batch
 from streambp_core.verify.methods import VerifySpec
 
 pytestmark = [pytest.mark.slow,

@@ -8,7 +8,7 @@ import torch
 
 from streambp_core.config import ConfigError
 from streambp_core.models import build_model, load_config
-from streambp_core.step.shards import ShardLayout, sharded_breakdown
+from streambp_core.step.parts.shards import ShardLayout, sharded_breakdown
 
 GIB = 2**30
 

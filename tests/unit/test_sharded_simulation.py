@@ -13,14 +13,14 @@ import pytest
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
-from streambp_core.step.resolved import ResolvedModel
-from streambp_core.step.setup import build_training_model, resident_bytes
-from streambp_core.step.shards import (
+from streambp_core.step.parts.resolved import ResolvedModel
+from streambp_core.step.run.setup import build_training_model, resident_bytes
+from streambp_core.step.parts.shards import (
     DEEPSPEED_PREFETCH_ELEMENTS,
     DEEPSPEED_REDUCE_BUCKET_ELEMENTS,
     ShardLayout,
 )
-from streambp_core.step.simulate import shard_layout, simulate
+from streambp_core.step.simulation.simulate import shard_layout, simulate
 
 MODEL = "tiny/qwen3"
 ACTIVATIONS = ("checkpoints", "kv", "logits", "temporaries")
@@ -127,7 +127,7 @@ def test_resident_bytes_are_one_ranks():
 
 
 def test_a_sharded_step_is_not_measured_as_one_unsharded_gpu():
-    from streambp_core.step.probe import max_len
+    from streambp_core.step.search.probe import max_len
 
     with pytest.raises(ConfigError, match="simulated only"):
         max_len(_spec(gpus=2, shard="zero2"), 2**30, "cpu")

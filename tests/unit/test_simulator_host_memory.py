@@ -12,14 +12,14 @@ import pytest
 from streambp_core.config import StepSpec
 from streambp_core.measure.cuda import HostMemoryFailure, is_oom
 from streambp_core.search import ProbeResult, max_trainable_length
-from streambp_core.step import simulate as simulate_module
+from streambp_core.step.simulation import simulate as simulate_module
 
 REPO = Path(__file__).parents[2]
 
 GROWTH = """
 import resource
 from streambp_core.config import StepSpec
-from streambp_core.step.simulate import simulate
+from streambp_core.step.simulation.simulate import simulate
 simulate(StepSpec(model="tiny/llama", method="streambp", seq_len_tokens=4096, batch_size=2))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 simulate(StepSpec.of(model="tiny/llama", method="streambp", seq_len_tokens=1_000_000, batch_size=64,

@@ -7,7 +7,7 @@ import torch
 
 from streambp_core.config import ConfigError
 from streambp_core.models.load import tiny_config
-from streambp_core.step.estimate import (
+from streambp_core.step.estimate.roofline import (
     GPU_MODELS,
     LAUNCH_S,
     estimate_by_depth,
@@ -15,8 +15,8 @@ from streambp_core.step.estimate import (
     gpu_model,
     op_time_s,
 )
-from streambp_core.step.ops import OpRecord, OpRecorder, meta_step_ops, prefix_attention_flops
-from streambp_core.step.partitions import auto_partitions, head_candidates, largest_fitting, layer_candidates
+from streambp_core.step.estimate.ops import OpRecord, OpRecorder, meta_step_ops, prefix_attention_flops
+from streambp_core.step.search.partitions import auto_partitions, head_candidates, largest_fitting, layer_candidates
 
 
 def test_bytes_moved_count_each_tensor_once_wherever_it_is_nested():
@@ -24,7 +24,7 @@ def test_bytes_moved_count_each_tensor_once_wherever_it_is_nested():
     lists, tuples, dicts and torch's return types, as torch's `tree_flatten` finds them."""
     from torch.utils._pytree import tree_flatten
 
-    from streambp_core.step.ops import _tensor_bytes
+    from streambp_core.step.estimate.ops import _tensor_bytes
 
     a, b = torch.ones(3, 5, device="meta"), torch.ones(2, dtype=torch.float64, device="meta")
     out = torch.max(torch.ones(4, 6, dtype=torch.bfloat16, device="meta"), dim=1)  # (values, indices)

@@ -12,7 +12,7 @@ from streambp_core.config import ConfigError, StreamConfig
 from streambp_core.engine.stream.linear_grads import hand_linear, linear_backward
 from streambp_core.engine.stream.rope import Rope, rope_transpose, rotate
 from streambp_core.models.load import build_model, tiny_config
-from streambp_core.step.ops import OpRecorder
+from streambp_core.step.estimate.ops import OpRecorder
 from streambp_core.verify.methods import VerifySpec
 from tests.unit.test_exactness import assert_matches_plain, batch, model_of, relative_errors
 from tests.unit.test_objectives import grpo_inputs

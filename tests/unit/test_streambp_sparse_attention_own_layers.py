@@ -14,7 +14,7 @@ import streambp_core
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.engine.own.arguments import key_indices_rows
 from streambp_core.models.load import build_model
-from streambp_core.step.simulate import simulate
+from streambp_core.step.simulation.simulate import simulate
 from tests.unit.test_exactness import batch, relative_errors
 from tests.unit.test_streambp_own_layers import config_dir
 

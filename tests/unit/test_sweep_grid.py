@@ -9,7 +9,7 @@ from streambp_bench.results import ResultsFile
 from streambp_bench.results.schema_history import SCHEMA_1_COLUMNS
 from streambp_bench.sweep import grid
 from streambp_core.config import ConfigError, StepSpec
-from streambp_core.step.target import resolve_target
+from streambp_core.step.parts.target import resolve_target
 
 
 def test_a_grid_too_large_to_run_is_refused_before_it_is_built() -> None:
@@ -66,8 +66,8 @@ def test_a_simulated_row_is_the_full_depth_peak_where_extrapolation_is_not_exact
     """12 Qwen3.5 layers (3 linear, 1 full) under streambp at 64 tokens: extrapolated from 4 and 8 layers
     the peak is 1 KiB over the full depth's; the row reports the full depth's."""
     from streambp_core.models import tiny_config
-    from streambp_core.step.resolved import ResolvedModel
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.parts.resolved import ResolvedModel
+    from streambp_core.step.simulation.simulate import simulate
 
     layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 3
     model = ResolvedModel(tiny_config("qwen3.5", num_hidden_layers=12, layer_types=layer_types))

@@ -24,10 +24,10 @@ from streambp_core.measure.tags import OFFLOADED, WEIGHTS
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.methods import prepare
 from streambp_core.models.adapters import decoder_parts
-from streambp_core.step.host_pool import host_pool_tensors
-from streambp_core.step.protocol import step_protocol
-from streambp_core.step.setup import Setup
-from streambp_core.step.simulation_mode import SimulationMode, checkpoint_tags
+from streambp_core.step.parts.host_pool import host_pool_tensors
+from streambp_core.step.run.protocol import step_protocol
+from streambp_core.step.run.setup import Setup
+from streambp_core.step.run.simulation_mode import SimulationMode, checkpoint_tags
 
 
 @dataclass(frozen=True, kw_only=True)

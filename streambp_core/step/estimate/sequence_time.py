@@ -30,9 +30,9 @@ import math
 from dataclasses import dataclass, replace
 
 from streambp_core.config import StepSpec
-from streambp_core.step.attention_kernels import attention_kernel
-from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth, host_optimizer_s
-from streambp_core.step.sequence_layout import SequenceLayout
+from streambp_core.step.estimate.attention_kernels import attention_kernel
+from streambp_core.step.estimate.roofline import GpuModel, StepEstimate, estimate_by_depth, host_optimizer_s
+from streambp_core.step.simulation.sequence_layout import SequenceLayout
 
 REFERENCE_TOKENS = (2_048, 4_096, 8_192)
 """The shard lengths whose op-by-op estimates the length fit goes through."""
@@ -64,8 +64,8 @@ the time)."""
 def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     """The compute estimate of one rank of `spec` at its length, fitted through sp x `REFERENCE_TOKENS`
     (module docstring, 1), or recorded directly when it is no longer than the longest of them."""
-    from streambp_core.step.ops import spec_step_ops
-    from streambp_core.step.setup import build_setup
+    from streambp_core.step.estimate.ops import spec_step_ops
+    from streambp_core.step.run.setup import build_setup
 
     length = spec.seq_len_tokens
     kernel = attention_kernel(spec.stream.attn, gpu.name)
@@ -99,8 +99,8 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate
     """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring):
     the fitted compute with the offload copies, the host optimizer step, the all-to-alls and ZeRO's
     collectives in its fields."""
-    from streambp_core.step.resolved import resolved
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.parts.resolved import resolved
+    from streambp_core.step.simulation.simulate import simulate
 
     model = resolved(spec.model, model)
     compute = fitted_estimate(spec, gpu, model)
@@ -116,7 +116,7 @@ def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate
     sent = layout.all_to_all_bytes(spec.method) if spec.sp > 1 else 0
     zero = 0.0
     if spec.shard != "none" and spec.gpus > 1:
-        from streambp_core.step.simulate import shard_layout
+        from streambp_core.step.simulation.simulate import shard_layout
 
         trainable = shard_layout(spec, model.config, model.memo).total("trainable_full")
         passes = 3 if spec.shard.endswith("zero3") else 2
@@ -143,7 +143,7 @@ def host_step_s(spec, model, gpu: GpuModel) -> float:
     parameter of the model, whichever rank steps it (`estimate.host_optimizer_s`)."""
     if not spec.stream.offload.optimizer or spec.optimizer in (None, "none"):
         return 0.0
-    from streambp_core.step.simulate import shard_layout
+    from streambp_core.step.simulation.simulate import shard_layout
 
     bytes_per_param = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[spec.dtype]
     trainable_bytes = shard_layout(spec, model.config, model.memo).total("trainable_full")

@@ -104,13 +104,13 @@ def resolve_partitions(spec, budget_bytes: int, model=None):
 def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = True, head: bool = True):
     """`spec` (a `StepSpec`) with the largest layer (`layer`) and/or head (`head`) partitions whose
     simulated peak fits `budget_bytes` (`auto_partitions`); the others as given. The search simulates
-    at two shallow depths extrapolated (`step.depth`); its answer is checked with every layer and, when
+    at two shallow depths extrapolated (`step.parts.depth`); its answer is checked with every layer and, when
     that does not fit (extrapolation can only under-estimate), searched again at full depth. Raises
     ConfigError when even the smallest candidates do not fit. Methods without partitions come back
-    unchanged. `model`: the spec's model resolved once (`step.resolved.ResolvedModel`; None: resolved
+    unchanged. `model`: the spec's model resolved once (`step.parts.resolved.ResolvedModel`; None: resolved
     here)."""
-    from streambp_core.step.resolved import resolved
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.parts.resolved import resolved
+    from streambp_core.step.simulation.simulate import simulate
 
     if not spec.partitioned or not (layer or head):
         return spec

@@ -8,7 +8,7 @@ Protocol of a step (the same simulated and measured):
    the step (`grads` resident: a gradient-accumulation micro-step) unless `grads` is fresh.
 3. Inputs: `spec.sequences` rows of random tokens, no padding. A backprop-only SFT step passes the ids
    alone (labels are the inputs, made inside the step); a training step passes labels and the
-   objective's inputs from `streambp_core.step.batch.objective_inputs` (first quarter of each row the prompt;
+   objective's inputs from `streambp_core.step.parts.batch.objective_inputs` (first quarter of each row the prompt;
    reference log-probs are inputs: no reference model). GRPO's completion is the last three quarters
    (`logits_to_keep`); under the trl protocol its logits are divided by TRL's sampling temperature.
 """
@@ -25,8 +25,8 @@ from streambp_core.config import ConfigError, StepSpec, require_sized
 from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE
 from streambp_core.models.load import build_model
 from streambp_core.models.lora import apply_lora
-from streambp_core.step.batch import meta_batch, objective_inputs, random_batch
-from streambp_core.step.host_pool import device_resident, step_optimizer
+from streambp_core.step.parts.batch import meta_batch, objective_inputs, random_batch
+from streambp_core.step.parts.host_pool import device_resident, step_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +121,7 @@ def resident_bytes(spec: StepSpec, config: PretrainedConfig) -> int:
         optimizer.remove_hooks()
     held = {"weights": sum(p.nbytes for p in params), "grads": trainable, "optimizer": state}
     if spec.shard != "none":  # one rank's: its shards (and what DeepSpeed ZeRO-2 keeps whole)
-        from streambp_core.step.shards import ShardLayout, rank_breakdown
+        from streambp_core.step.parts.shards import ShardLayout, rank_breakdown
 
         phase = "forward" if spec.shard.startswith("deepspeed-") else "optimizer"
         held = rank_breakdown(spec, ShardLayout.from_model(model, spec.gpus), held, phase)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from streambp_core.step.attention_kernels import attention_kernel
-from streambp_core.step.estimate import GpuModel, StepEstimate, estimate_by_depth
-from streambp_core.step.sequence_time import estimate_sequence_step, host_step_s
+from streambp_core.step.estimate.attention_kernels import attention_kernel
+from streambp_core.step.estimate.roofline import GpuModel, StepEstimate, estimate_by_depth
+from streambp_core.step.estimate.sequence_time import estimate_sequence_step, host_step_s
 
 
 def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
@@ -18,13 +18,13 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     attention at the speed of the kernel `spec.stream.attn` runs on `gpu`
     (`attention_kernels.attention_kernel`), plus offload copies not hidden by compute (bytes each way from
     `simulate`, at `gpu.pcie_bytes_per_s` per direction) and the host optimizer step. `model`: the spec's
-    model resolved once (`step.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
+    model resolved once (`step.parts.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
     resolved here). A step over several GPUs (`spec.gpus` > 1, sequence parallel or not) is one rank's
     (`sequence_time`): the same `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`,
     `zero_s` and `interconnect`."""
-    from streambp_core.step.ops import spec_step_ops
-    from streambp_core.step.resolved import resolved
-    from streambp_core.step.setup import build_setup
+    from streambp_core.step.estimate.ops import spec_step_ops
+    from streambp_core.step.parts.resolved import resolved
+    from streambp_core.step.run.setup import build_setup
 
     if spec.sp > 1 or spec.gpus > 1:  # one rank: its shard's step fitted in length, plus the collectives
         return estimate_sequence_step(spec, gpu, model)
@@ -35,7 +35,7 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
         model.config, gpu, kernel)
     if not spec.stream.offload:
         return estimate
-    from streambp_core.step.simulate import simulate
+    from streambp_core.step.simulation.simulate import simulate
 
     sim = simulate(spec, model)
     copies = replace(estimate, to_host_bytes=sim.to_host_bytes, to_device_bytes=sim.to_device_bytes,

@@ -1,6 +1,6 @@
 """One rank of a Ulysses sequence-parallel step, as the simulation runs it through the engine's code path.
 
-A sequence-parallel step is simulated through the engine itself (`step.run.sequence_group`:
+A sequence-parallel step is simulated through the engine itself (`step.run.tracked.sequence_group`:
 `prepare(..., sequence_group=SequenceGroup.simulated(sp))` on meta tensors): the rank embeds and runs
 its shard of the whole batch (ceil(T/sp) tokens on rank 0, the longest), swaps to its H/sp heads over all
 T tokens for attention, holds the head-sharded whole-sequence K/V (each KV head replicated when there
@@ -112,7 +112,7 @@ def sharded_host(host_bytes: tuple[int, int, int], spec: StepSpec, config: Pretr
     its `fraction` of the optimizer's host state (masters and moments), of the gradients it sends and of
     the updated weights it gets back, where the simulated one-GPU layout counts all of them. Without
     that tier, unchanged."""
-    from streambp_core.step.host_pool import host_resident_bytes
+    from streambp_core.step.parts.host_pool import host_resident_bytes
 
     if not spec.offload.optimizer or spec.optimizer == "none":
         return host_bytes

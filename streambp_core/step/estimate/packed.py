@@ -6,7 +6,7 @@ row adds is each chunk's (B, c, e) boolean document mask, built and dropped chun
 Attention work: causal attention costs the sum of its documents' squared lengths instead of T^2 (per
 row), so a kernel that skips other documents' keys (flash-attn's varlen kernel) does that fraction of the
 unpacked row's attention FLOPs; the estimated time saved is the roofline's attention time of the unpacked
-step (`step.estimate`) times 1 - fraction. Every figure here is labelled estimated.
+step (`step.estimate.roofline`) times 1 - fraction. Every figure here is labelled estimated.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ class PackedAttention:
 
 def packed_attention(spec, documents: list[list[int]], gpu=None, model=None) -> PackedAttention:
     """`PackedAttention` of `spec` (a `StepSpec`) with rows packed from `documents`; with `gpu` (a
-    `step.estimate.GpuModel`), the unpacked step's estimated attention time too. `model`: the spec's model
-    resolved once (`step.resolved.ResolvedModel`; None: resolved here)."""
+    `step.estimate.roofline.GpuModel`), the unpacked step's estimated attention time too. `model`: the spec's model
+    resolved once (`step.parts.resolved.ResolvedModel`; None: resolved here)."""
     fraction = attention_flops_fraction(documents, spec.seq_len_tokens)
     attention_ms = None
     if gpu is not None:
-        from streambp_core.step.step_estimate import estimate_step
+        from streambp_core.step.estimate.step_estimate import estimate_step
 
         attention_ms = 1e3 * estimate_step(spec, gpu, model).attention_s
     return PackedAttention(spec.seq_len_tokens, tuple(map(tuple, documents)), fraction, attention_ms)

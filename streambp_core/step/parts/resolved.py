@@ -14,7 +14,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from streambp_core.models.load import checked_config
-from streambp_core.step.depth import DepthPlan, depth_plan, with_depth
+from streambp_core.step.parts.depth import DepthPlan, depth_plan, with_depth
 
 
 class ResolvedModel:

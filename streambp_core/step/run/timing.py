@@ -17,7 +17,7 @@ import torch
 
 from streambp_core.config import ConfigError
 from streambp_core.measure.cuda import CudaPeak
-from streambp_core.step.setup import Setup, reset_grads
+from streambp_core.step.run.setup import Setup, reset_grads
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 `OpRecorder` is a `TorchDispatchMode`; it works on any device, the meta device included (shapes are all
 it reads), so the ops of a step on a 1.7B model at 16k tokens are known on a CPU in about a second.
 It is the common input of the CPU proxies of step time (matmul FLOPs, ops dispatched) and of the roofline
-estimate in `streambp_core.step.estimate`.
+estimate in `streambp_core.step.estimate.roofline`.
 
 FLOPs come from torch's own formulas (`torch.utils.flop_counter.flop_registry`, the table
 `FlopCounterMode` uses: matmuls, convolutions, torch's attention kernels) plus the engine's prefix
@@ -160,14 +160,14 @@ def meta_step_ops(config, method: str, seq_len_tokens: int, *, batch_size: int =
 
 
 def spec_step_ops(setup, cache: dict | None = None) -> list[OpRecord]:
-    """The ops of one step of a meta `step.setup.Setup`: the spec's method, protocol and options, its loss
+    """The ops of one step of a meta `step.run.setup.Setup`: the spec's method, protocol and options, its loss
     and backward, then its optimizer's step when it has one (one rank's, simulated, under sequence
     parallelism: `run.sequence_group`). Meta kernels are memoised
     (`simulation_mode.SimulationMode`, `cache` shared between calls), which changes no op or shape."""
     from streambp_core.methods import prepare
-    from streambp_core.step.protocol import step_protocol
-    from streambp_core.step.run import sequence_group
-    from streambp_core.step.simulation_mode import SimulationMode
+    from streambp_core.step.run.protocol import step_protocol
+    from streambp_core.step.run.tracked import sequence_group
+    from streambp_core.step.run.simulation_mode import SimulationMode
 
     spec = setup.spec
     group = sequence_group(spec, "meta")  # one simulated rank of a sequence-parallel step

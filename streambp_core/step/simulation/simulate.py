@@ -13,7 +13,7 @@ whose last dimension is the vocabulary and that has a token dimension), temporar
 
 Speed, as parameters (nothing is patched):
 - `depth="extrapolate"`: the step is simulated at two shallow depths made of whole periods of the
-  model's layer pattern (`step.depth.depth_plan`: 2 and 3 layers for a uniform model; 2 and 4 for
+  model's layer pattern (`step.parts.depth.depth_plan`: 2 and 3 layers for a uniform model; 2 and 4 for
   Gemma 2's sliding/full alternation, 4 and 8 for Qwen3.5's and Llama 4's period of 4, 4 and 5 for
   DeepSeek-V3 after its 3 dense layers), every per-layer property at its index, and each phase's figures
   are extrapolated linearly in whole periods, f(L) = f(d1) + (L - d1) / P * (f(d1 + P) - f(d1)); when
@@ -28,13 +28,13 @@ Speed, as parameters (nothing is patched):
   chunk can peak while what the previous one left is still held: the third is the first full chunk whose
   predecessor is full too (2 missed such a peak, see the tests). Equal to all chunks to the byte in the
   tests (`keep_chunks=None`), over random shapes, objectives, offload and sharding too.
-- `model`: the model resolved once (`step.resolved.ResolvedModel`): its config, its depth variants, and
+- `model`: the model resolved once (`step.parts.resolved.ResolvedModel`): its config, its depth variants, and
   the memo of meta kernels' output metadata (`simulation_mode.SimulationMode`) and of the shard layout of
   a sharded step's model, shared by every call on it.
 
 One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
 step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
-as the shard stage holds the model state (`streambp_core.step.shards`): weights, gradients and
+as the shard stage holds the model state (`streambp_core.step.parts.shards`): weights, gradients and
 optimizer state become the rank's shards plus what the stage keeps gathered or in flight, activations
 stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
 is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
@@ -62,13 +62,13 @@ from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.models.catalogue import serving
 from streambp_core.models.generic import step_failure
-from streambp_core.step.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
-from streambp_core.step.depth import DepthPlan
-from streambp_core.step.resolved import ResolvedModel, resolved
-from streambp_core.step.run import tracked_step
-from streambp_core.step.sequence_layout import SequenceLayout, check_sequence_parallel, sharded_host
-from streambp_core.step.setup import build_setup, build_training_model
-from streambp_core.step.shards import ShardLayout, check_sharded_params, rank_breakdown
+from streambp_core.step.simulation.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
+from streambp_core.step.parts.depth import DepthPlan
+from streambp_core.step.parts.resolved import ResolvedModel, resolved
+from streambp_core.step.run.tracked import tracked_step
+from streambp_core.step.simulation.sequence_layout import SequenceLayout, check_sequence_parallel, sharded_host
+from streambp_core.step.run.setup import build_setup, build_training_model
+from streambp_core.step.parts.shards import ShardLayout, check_sharded_params, rank_breakdown
 
 KEEP_CHUNKS = 3
 """Chunks kept at each end of an engine chunk loop when thinning."""
@@ -86,7 +86,7 @@ class SimResult:
     num_layers: int
     """Decoder layers of the model the figures are for."""
     layers_simulated: tuple[int, ...]
-    """Depths actually simulated: two shallow ones when extrapolated (`step.depth.DepthPlan.depths`),
+    """Depths actually simulated: two shallow ones when extrapolated (`step.parts.depth.DepthPlan.depths`),
     (num_layers,) otherwise."""
     peak_bytes: int
     breakdown_bytes: dict[str, int]

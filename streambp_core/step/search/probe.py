@@ -3,7 +3,7 @@
 - `simulated_probe`: `simulate` on meta tensors (source "simulated"), at extrapolated or full depth.
 - `cpu_probe`: a real step on CPU tensors measured by the tracker (source "measured-cpu"); it refuses a
   length whose simulated peak plus the CPU attention kernel's workspace exceeds the RAM available.
-- `cuda_probe`: a real step on the GPU, each in a child process (`python -m streambp_core.step.probe`)
+- `cuda_probe`: a real step on the GPU, each in a child process (`python -m streambp_core.step.search.probe`)
   so that a failed probe cannot leave fragments or a broken context behind for the next; the child caps
   the caching allocator at the budget and reports the allocator's peak (source "measured-cuda") or "oom".
 - `max_len(spec, budget_bytes, device)`: `search.guided_max_len` over them: guided by the extrapolated
@@ -35,10 +35,10 @@ from streambp_core.search import (
     SearchResult,
     guided_max_len,
 )
-from streambp_core.step.resolved import ResolvedModel, resolved
-from streambp_core.step.run import StepOutOfMemory, tracked_step
-from streambp_core.step.setup import Setup, build_setup, build_training_model
-from streambp_core.step.simulate import simulate
+from streambp_core.step.parts.resolved import ResolvedModel, resolved
+from streambp_core.step.run.tracked import StepOutOfMemory, tracked_step
+from streambp_core.step.run.setup import Setup, build_setup, build_training_model
+from streambp_core.step.simulation.simulate import simulate
 
 CPU_RAM_FRACTION = 0.8
 """A CPU probe may use at most this fraction of the RAM available when the search starts."""
@@ -118,7 +118,7 @@ def cuda_probe(spec: StepSpec, budget_bytes: int, timeout_s: float = 1800) -> Pr
     """probe(seq_len) -> a measured step in a fresh child process on the GPU (see module docstring)."""
 
     def probe(seq_len: int) -> ProbeResult:
-        command = [sys.executable, "-m", "streambp_core.step.probe", "--spec",
+        command = [sys.executable, "-m", "streambp_core.step.search.probe", "--spec",
                    json.dumps(spec.at(seq_len).to_dict()), "--device", "cuda",
                    "--budget-bytes", str(budget_bytes)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)

@@ -5,7 +5,7 @@ The project's tiers map onto DeepSpeed's sections (`streambp_core.parallel.deeps
 optimizer is `offload_optimizer: {device: cpu}`, params is `offload_param: {device: cpu}`; checkpoints
 stays the methods' own. So the step is simulated with the checkpoints tier only (`engine_spec`: DeepSpeed,
 not `HostAdamW` or the params tier, holds the rest) and laid out as DeepSpeed 0.19.8's `stage3.py` holds
-the state, its defaults (`step.shards.deepspeed_zero3_breakdown` for the device; `deepspeed_host` here):
+the state, its defaults (`step.parts.shards.deepspeed_zero3_breakdown` for the device; `deepspeed_host` here):
 
 - offload_param: every parameter's partition (`ds_tensor`) lives in one flat host buffer
   (`param_groups_fp16_flat_cpu_memory`, pinned): the rank's shards in the parameters' dtype. A unit's
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.engine.engines.deepspeed_tiers import OFFLOAD_SECTIONS
-from streambp_core.step.shards import FP32_BYTES, ShardLayout
+from streambp_core.step.parts.shards import FP32_BYTES, ShardLayout
 from streambp_core.tiers import Tiers
 
 DEEPSPEED_SECTIONS = tuple(OFFLOAD_SECTIONS)
