@@ -33,8 +33,6 @@ CAUSAL_LM = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 MULTIMODAL = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",)
 ENCODER_DECODER = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES")
 ENCODER = ("MODEL_FOR_MASKED_LM_MAPPING_NAMES",)
-BASELINE_METHODS = ("plain", "checkpoint")
-"""Methods that run every family of the second tier: transformers' own forward and checkpointing."""
 
 
 @dataclass(frozen=True)
