@@ -9,7 +9,6 @@ from streambp_core.inputs import MAX_BUDGET_GIB as MAX_BUDGET_GIB
 from streambp_core.inputs import PRESET_DIR as PRESET_DIR
 from streambp_core.inputs import available_cpus as available_cpus
 from streambp_core.inputs import check_budget_gib as check_budget_gib
-from streambp_core.inputs import check_model as check_model
 from streambp_core.inputs import preset_names as preset_names
 from streambp_core.registry import METHODS as METHODS
 from streambp_core.registry import method_class, methods_where
