@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from streambp_core.config import PRESET_DIR as PRESET_DIR
 from streambp_core.config import ConfigError, preset_names
 from streambp_core.models.adapters import (
     MOE_FAMILIES,
@@ -24,12 +25,7 @@ from streambp_core.models.adapters import (
 from streambp_core.models.catalogue import ModelFile, model_file, refusal, serving
 from streambp_core.models.config_file import check_geometry, config_from_values
 from streambp_core.models.families import TEXT_WRAPPERS
-from streambp_core.models.precision import (
-    eager_in_at_least_float32,
-    hybrid_in_at_least_float32,
-    norms_in_at_least_float32,
-    routers_in_at_least_float32,
-)
+from streambp_core.models.precision import float32_islands_widened
 from streambp_core.models.wrapped import load_wrapped_weights
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
@@ -118,12 +114,8 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     """Train mode with the dropout the config sets (trained as configured: plain and checkpoint, whose
     recompute replays the forward's random masks, run it exactly; streambp and mst, which recompute
     without replaying them, refuse it by name when prepared); norms and routers that would round a float64
-    model to float32 compute in at least float32 (see `models.precision`)."""
-    hybrid_in_at_least_float32(model, model.dtype)
-    norms_in_at_least_float32(model)
-    routers_in_at_least_float32(model, model.dtype)
-    eager_in_at_least_float32(model)
-    return model.train()
+    model to float32 compute in at least float32 (`models.precision.float32_islands_widened`)."""
+    return float32_islands_widened(model).train()
 
 
 def build_model(
