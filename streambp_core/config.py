@@ -9,13 +9,13 @@ from streambp_core.inputs import MAX_BUDGET_GIB as MAX_BUDGET_GIB
 from streambp_core.inputs import PRESET_DIR as PRESET_DIR
 from streambp_core.inputs import available_cpus as available_cpus
 from streambp_core.inputs import check_budget_gib as check_budget_gib
-from streambp_core.inputs import check_model as check_model
 from streambp_core.inputs import preset_names as preset_names
+from streambp_core.registry import METHODS as METHODS
+from streambp_core.registry import method_class, methods_where
 from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
 from streambp_core.tiers import TierError, Tiers, tier_problem
 
-METHODS = ("plain", "checkpoint", "mst", "streambp")
-VERIFY_METHODS = ("checkpoint", "mst", "streambp")
+VERIFY_METHODS = methods_where(reference=False)
 """The methods `verify` compares with plain when none are named."""
 OBJECTIVES = ("sft", "grpo", "dpo")
 ATTN_BACKENDS = ("auto", "sdpa", "flash")
@@ -221,9 +221,12 @@ def require_positive(name: str, value: int) -> None:
 
 
 def check_method(method: str) -> str:
-    """Return `method` if it names a known method, else raise ConfigError listing them."""
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    """Return `method` if it names a known method (`registry.method_class`), else raise ConfigError
+    listing them."""
+    try:
+        method_class(method)
+    except KeyError as err:
+        raise ConfigError(err.args[0]) from None
     return method
 
 
@@ -371,8 +374,8 @@ class StepSpec:
 
     @property
     def partitioned(self) -> bool:
-        """Whether the method takes partition sizes (streambp, mst); the others ignore them."""
-        return self.method in PARTITIONED
+        """Whether the method takes partition sizes (`registry.Method.partitioned`); others ignore them."""
+        return method_class(self.method).partitioned
 
     def at(self, seq_len_tokens: int) -> StepSpec:
         """This step at another length."""
@@ -387,6 +390,3 @@ class StepSpec:
 STREAM_FIELDS = tuple(f.name for f in fields(StreamConfig))
 """The `StreamConfig` field names, which `StepSpec.of` and `replaced` route into the step's stream."""
 
-
-PARTITIONED = ("streambp", "mst")
-"""Methods that take partition sizes."""

@@ -1,5 +1,6 @@
-"""Checks of what a user names before any work: a model (a shipped preset or a local directory), a memory
-budget in GiB, and the CPU cores this process may use. Cheap: no torch or transformers import."""
+"""Checks of what a user names before any work: the shipped presets' names (a name is matched to one by
+`models.catalogue.model_file`), a memory budget in GiB, and the CPU cores this process may use. Cheap: no
+torch or transformers import."""
 
 from __future__ import annotations
 
@@ -27,19 +28,6 @@ def _natural_key(name: str) -> tuple:
     """Sort key: tiny presets last, then by name with numbers compared as numbers."""
     parts = re.split(r"(\d+(?:\.\d+)?)", name.lower())
     return (name.startswith("tiny/"), [float(part) if i % 2 else part for i, part in enumerate(parts)])
-
-
-def check_model(name: str) -> str:
-    """`name` if it names a shipped preset (case-insensitive) or an existing path, else ConfigError.
-
-    Cheap (no transformers import), so bad input is refused at once; the config itself is read and
-    checked by `streambp_core.models.load_config`.
-    """
-    presets = preset_names()
-    if name.strip().lower() in {p.lower() for p in presets} or Path(name).expanduser().exists():
-        return name
-    raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
-                      f"presets: {', '.join(presets)}")
 
 
 def available_cpus() -> int:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields
 from itertools import combinations
 from typing import ClassVar
 
+from streambp_core.registry import method_class, methods_where
+
 OFFLOAD_TIERS = ("checkpoints", "optimizer", "params")
 """Every tier, in canonical order."""
 OFFLOAD_MODES = ("none", *(",".join(c) for n in range(1, 4) for c in combinations(OFFLOAD_TIERS, n)))
@@ -102,13 +104,15 @@ def tier_problem(method: str, tiers: Tiers, optimizer: str | None = None) -> str
     to backward), so it takes the optimizer tier only. With an optimizer, params needs optimizer: the
     weights the step updates live on the host, so the step runs there. The optimizer tier needs an
     optimizer to offload."""
-    if method == "plain" and tiers == Tiers(checkpoints=True):
-        return "offload does not apply to plain: it keeps no checkpoints, so there is nothing to offload"
-    if method == "plain" and (tiers.checkpoints or tiers.params):
+    keeps = method_class(method).keeps_checkpoints
+    if not keeps and tiers == Tiers(checkpoints=True):
+        return f"offload does not apply to {method}: it keeps no checkpoints, so there is nothing to offload"
+    if not keeps and (tiers.checkpoints or tiers.params):
         refused = [tier for tier in tiers.names if tier != "optimizer"]
-        return (f"offload {','.join(refused)} does not apply to plain: it keeps no checkpoints and cannot "
-                "stream layers (autograd holds every layer's weights from forward to backward); use "
-                "checkpoint, mst or streambp, or offload optimizer only")
+        others = ", ".join(methods_where(keeps_checkpoints=True))
+        return (f"offload {','.join(refused)} does not apply to {method}: it keeps no checkpoints and cannot "
+                f"stream layers (autograd holds every layer's weights from forward to backward); use "
+                f"{others}, or offload optimizer only")
     if optimizer == "none" and tiers.optimizer:
         return "offload optimizer needs an optimizer (optimizer adamw): a backprop-only step has none"
     if optimizer not in (None, "none") and tiers.params and not tiers.optimizer:

@@ -203,7 +203,7 @@ def max_len(
     document = report.to_dict(plan, results) | (auto.to_dict(steps, extras, automatic) if extra else {})
     notes = packing_note.packing_notes(
         packing, [r.spec.at(r.search.max_len_tokens) for r in results if r.search.max_len_tokens >= 2],
-        extras.gpu)
+        extras.gpu, {plan.specs[0].model: plan.resolved})
     if packing:
         document["packing"] = packing_note.to_dict(notes)
 

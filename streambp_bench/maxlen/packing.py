@@ -45,16 +45,17 @@ def check_packing(text: str | None, most_tokens: int, specs: tuple = ()) -> str 
     return ",".join(map(str, lengths))
 
 
-def packing_notes(text: str | None, specs: list, gpu=None) -> list:
+def packing_notes(text: str | None, specs: list, gpu=None, resolved: dict | None = None) -> list:
     """One `PackedAttention` per distinct (model, method, length) of `specs` that the documents fit; []
-    without `--packing`."""
+    without `--packing`. `resolved`: the models the command resolved already, by name
+    (`step.parts.resolved.ResolvedModel`); another model of `specs` is resolved here, once."""
     if not text:
         return []
     from streambp_core.step.parts.batch import document_lengths
     from streambp_core.step.estimate.packed import packed_attention
     from streambp_core.step.parts.resolved import ResolvedModel
 
-    notes, models = [], {}
+    notes, models = [], dict(resolved or {})
     for spec in dict.fromkeys(specs):
         try:
             documents = document_lengths(text, spec.seq_len_tokens, spec.batch_size, spec.seed)

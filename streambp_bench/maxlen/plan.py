@@ -12,6 +12,7 @@ from typing import Any
 from streambp_bench.specs import spec_label
 from streambp_core.config import ConfigError, StepSpec, check_budget_gib
 from streambp_core.measure.units import GIB, format_size
+from streambp_core.registry import method_class
 from streambp_core.search import ProbeResult, SearchResult
 from streambp_core.step.search.partitions import searched
 from streambp_core.step.search.probe import max_len
@@ -244,15 +245,11 @@ def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | 
     from streambp_bench.workers import Task, run_tasks
 
     context = context if plan.target.device == "sim" else None
-    tasks = [Task(spec_label(spec), _search, (plan, spec), SEARCH_COST.get(spec.method, 0))
+    tasks = [Task(spec_label(spec), _search, (plan, spec), method_class(spec.method).search_cost)
              for spec in plan.specs]
     found = run_tasks(tasks, workers, context, on_probe)
     return [MethodResult(spec=spec, search=search, how=_how(plan, spec, search))
             for spec, search in zip(plan.specs, found, strict=True)]
-
-
-SEARCH_COST = {"streambp": 4, "mst": 3, "checkpoint": 2, "plain": 1}
-"""Relative cost of a method's simulated search (more chunk loops: more ops), to start the costliest first."""
 
 
 def _search(plan: Plan, spec: StepSpec, on_probe: OnProbe) -> SearchResult:

@@ -106,14 +106,14 @@ def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, es
 
 def run(settings: Settings) -> list[Path]:
     """Search every cell (side by side on the settings' workers), write the CSV and the figure."""
-    from streambp_bench.maxlen.plan import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
+    from streambp_core.registry import method_class
     from streambp_core.step.parts.resolved import ResolvedModel
 
     grid = cells(settings.quick)
     model = ResolvedModel(grid[0][0].model)
     tasks = [Task(f"{spec.method} x{spec.gpus}", cell_rows, (spec, budget, host, model, not settings.quick),
-                  SEARCH_COST.get(spec.method, 0) + spec.gpus) for spec, budget, host in grid]
+                  method_class(spec.method).search_cost + spec.gpus) for spec, budget, host in grid]
     found = run_tasks(tasks, settings.jobs, settings.context, settings.note)
     results = settings.csv("alst")
     new_rows = [row for rows in found for row in rows]

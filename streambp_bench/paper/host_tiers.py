@@ -62,13 +62,13 @@ def run(settings: Settings, select: Callable[[StepSpec], bool] | None = None) ->
     """Search every cell (side by side on the settings' workers) and write each GPU's CSV; `select`: only
     the cells whose spec it accepts, their rows replacing the same cells' rows in the CSVs (the others
     stay as they are), to rerun the cells a change touches."""
-    from streambp_bench.maxlen.plan import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
+    from streambp_core.registry import method_class
 
     grid = [(spec, budget) for spec, budget in cells(settings.quick) if select is None or select(spec)]
     models = {name: ResolvedModel(name) for name in dict.fromkeys(spec.model for spec, _ in grid)}
     tasks = [Task(spec_label(spec), max_len_row, (spec, budget, models[spec.model]),
-                  SEARCH_COST.get(spec.method, 0) + max(0, len(spec.offload.names) - 1))
+                  method_class(spec.method).search_cost + max(0, len(spec.offload.names) - 1))
              for spec, budget in grid]
     rows = run_tasks(tasks, settings.jobs, settings.context, settings.note)
     for name in {CSV_NAMES[_gpu(budget)] for _, budget in grid}:

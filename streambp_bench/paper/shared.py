@@ -77,12 +77,12 @@ def max_len_rows(specs: Sequence[StepSpec], settings: Settings) -> list[ResultRo
     `max-len` starts them): side by side on the settings' workers when it has them (each worker with its
     own memo: the memo changes no figure), else here one after another sharing each model's memo (each
     model resolved once). Their progress reaches `settings.note`."""
-    from streambp_bench.maxlen.plan import SEARCH_COST
     from streambp_bench.workers import Task, run_tasks
+    from streambp_core.registry import method_class
 
     models = {name: ResolvedModel(name) for name in dict.fromkeys(spec.model for spec in specs)}
     tasks = [Task(spec.method, max_len_row, (spec, settings.budget_gib(), models[spec.model]),
-                  SEARCH_COST.get(spec.method, 0)) for spec in specs]
+                  method_class(spec.method).search_cost) for spec in specs]
     return run_tasks(tasks, settings.jobs, settings.context, settings.note)
 
 

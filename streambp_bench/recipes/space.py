@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streambp_core.config import AUTO, FUSED_HEAD_OBJECTIVES, METHODS, ConfigError, StepSpec
+from streambp_core.registry import method_class
 from streambp_core.tiers import Tiers
 
 GPU_MEMORY_GIB = {"h100": 79.65, "h200": 139.8, "a100": 80.0, "a800": 80.0}
@@ -38,7 +39,7 @@ FAMILIES = {"fsdp2": ("zero3", "zero2"), "deepspeed": ("deepspeed-zero3", "deeps
 
 def ladder(method: str, optimizer: str) -> tuple[Tiers, ...]:
     """The nested tier sets searched for `method`, fewest first (module docstring)."""
-    if method == "plain":
+    if not method_class(method).keeps_checkpoints:
         return (Tiers.NONE, Tiers(optimizer=True)) if optimizer != "none" else (Tiers.NONE,)
     if optimizer == "none":
         return (Tiers.NONE, Tiers(checkpoints=True), Tiers(checkpoints=True, params=True))
@@ -67,7 +68,7 @@ class Chain:
     @property
     def cost(self) -> float:
         """Relative cost of the chain's simulations (to start the costliest first)."""
-        return {"streambp": 4, "mst": 3, "checkpoint": 2, "plain": 1}[self.base.method] * len(self.stages)
+        return method_class(self.base.method).search_cost * len(self.stages)
 
 
 def head_label(spec: StepSpec) -> str:

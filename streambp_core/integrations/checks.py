@@ -6,14 +6,12 @@ import gc
 
 import torch
 
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, check_method
 from streambp_core.integrations.engines import engine_refusals
+from streambp_core.registry import method_class
 
 FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RLOOTrainer", "KTOTrainer")
 """TRL trainers that score tokens with TRL's fused LM head on top of the decoder stack (TRL >= 1.15)."""
-NO_LOGITS_METHODS = ("mst", "streambp")
-"""Methods whose model answers a trainer's loss call without the full logits (`checkpoint` keeps them, so
-the settings that read logits are refused only for these)."""
 LOGITS = "it needs the full logits"
 
 
@@ -37,7 +35,7 @@ def check_trainer(trainer, method: str) -> None:
 def _refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
     args = trainer.args
     packing = getattr(args, "padding_free", False) or getattr(args, "packing", False)
-    no_logits = method in NO_LOGITS_METHODS
+    no_logits = method_class(check_method(method)).drives_modules  # answers a loss call without full logits
     return [
         (packing and not _packs_sft(trainer), f"padding_free or packing with {type(trainer).__name__}",
          "packed rows train the sft objective only (sequence scores would mix documents)"),

@@ -8,15 +8,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from streambp_core.config import StreamConfig, check_method
+from streambp_core.registry import METHOD_CLASSES, method_class
 from streambp_core.tiers import Tiers
-
-METHOD_OPTIONS = {
-    "plain": (),
-    "checkpoint": (),
-    "mst": ("partition_size", "mlp_chunk_size", "head_partition_size"),
-    "streambp": ("partition_size", "head_partition_size", "head_mode", "attn"),
-}
-"""The StreamConfig fields each method reads; other fields do not change its step."""
 
 TRAINER_KINDS = ("trainer", "sft", "dpo", "grpo")
 """Trainers a parity check builds: transformers' `Trainer`, TRL's SFT, DPO and GRPO trainers."""
@@ -25,7 +18,8 @@ PARITY_DATA_KINDS = ("text", "prompt-completion")
 NOT_FOR_TRAINERS = ("objective", "baseline_attention", "keep_chunks", "baseline_loss")
 """StreamConfig fields a trainer does not take: the objective is the trainer's own loss; the others only
 matter to measurement and simulation, never to a real training step."""
-KNOWN_OPTIONS = {name for names in METHOD_OPTIONS.values() for name in names} | set(NOT_FOR_TRAINERS)
+KNOWN_OPTIONS = {name for cls in METHOD_CLASSES for name in cls.options} | set(NOT_FOR_TRAINERS)
+"""Every field a method reads (`registry.Method.options`) and every field no trainer takes."""
 
 
 def trainer_settings(spec_or_method, **options) -> dict[str, object]:
@@ -46,7 +40,7 @@ def trainer_settings(spec_or_method, **options) -> dict[str, object]:
         values.update(options)
     check_method(method)
     config = StreamConfig(**values)
-    read = set(METHOD_OPTIONS[method])
+    read = set(method_class(method).options)
     settings: dict[str, object] = {"method": method}
     for field in fields(StreamConfig):
         value = getattr(config, field.name)

@@ -34,9 +34,7 @@ from streambp_core.integrations.forwards import (
 )
 from streambp_core.integrations.zero3_trainer import Zero3Preparation
 from streambp_core.methods import Run, prepare
-
-STREAMED_LOSS_METHODS = ("mst", "streambp")
-"""Methods whose loss differs from the model's own forward (chunked or streamed head)."""
+from streambp_core.registry import method_class
 
 
 class TrainerStream:
@@ -96,7 +94,7 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
         ref_model = getattr(trainer, "ref_model", None)
         if type(ref_model).__name__ == "DeepSpeedEngine" and not zero3:  # TRL wraps a frozen reference
             ref_model = ref_model.module  # ZeRO-1/2: the module; ZeRO-3: the engine itself (`prepare`)
-        if ref_model is not None and method == "streambp":
+        if ref_model is not None and method_class(method).streams_layers:
             runs.append(_prepare_frozen(ref_model, options, undo))
     except BaseException:
         stream.close()
@@ -124,10 +122,10 @@ def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list,
     """`model` (or a ZeRO-3 engine wrapping it) prepared for `method`, the trainer's forwards set on it."""
     run = _prepare_in_engine(model, method, options)
     arm = None if reduction is None else reduction.arm
-    if method in STREAMED_LOSS_METHODS:
+    if run.drives_modules:  # its loss is its chunked or streamed head's, not the model's own forward
         causal_lm = _causal_lm(run.model)
         undo.append(set_forward(causal_lm, streamed_loss_forward(run, causal_lm.forward, arm)))
-    if method == "streambp":
+    if run.streams_layers:
         _stream_backbone(run, undo)
     if reduction is not None:
         undo.append(run.parts.backbone.register_forward_hook(reduction.hook_output).remove)

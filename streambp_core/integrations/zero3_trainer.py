@@ -44,7 +44,8 @@ from transformers import TrainerCallback
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.engines.reduction import engine_and_module
-from streambp_core.methods import RUN_CLASSES, Run
+from streambp_core.methods import Run
+from streambp_core.registry import METHODS, method_class
 
 PrepareStep = Callable[[torch.nn.Module], tuple[Run, list[Callable[[], None]]]]
 """Prepare the trained model's run on an engine; (the run, its undo in order of doing)."""
@@ -55,8 +56,7 @@ def zero3_refusals(trainer, method: str) -> list[tuple[bool, str, str]]:
     optimizer step (module docstring); nothing for a trainer without generation."""
     args = trainer.args
     per_generation = getattr(args, "steps_per_generation", None)
-    run_class = RUN_CLASSES.get(method)
-    if per_generation is None or run_class is None or not run_class.drives_modules:
+    if per_generation is None or method not in METHODS or not method_class(method).drives_modules:
         return []  # only a run that drives its units takes DeepSpeed's hooks off them
     every = per_generation * int(getattr(args, "num_iterations", 1) or 1)
     return [(every % args.gradient_accumulation_steps != 0,

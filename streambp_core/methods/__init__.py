@@ -15,12 +15,14 @@ from streambp_core.methods.mst import MstRun
 from streambp_core.methods.plain import PlainRun
 from streambp_core.methods.streambp import StreamBPRun
 
-RUN_CLASSES: dict[str, type[Run]] = {
-    "plain": PlainRun,
-    "checkpoint": CheckpointRun,
-    "mst": MstRun,
-    "streambp": StreamBPRun,
-}
+RUN_CLASSES: tuple[type[Run], ...] = (PlainRun, CheckpointRun, MstRun, StreamBPRun)
+"""Each method's run: its method's class (`registry.method_class`) extended with what running it takes."""
+
+
+def run_class(method: str) -> type[Run]:
+    """The run class of `method` (ConfigError listing the methods for an unknown name)."""
+    check_method(method)
+    return next(cls for cls in RUN_CLASSES if cls.method == method)
 
 
 def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *,
@@ -38,7 +40,7 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     undoes it. `sequence_group` (`engine.sequence.group.SequenceGroup`, real or simulated): Ulysses sequence
     parallelism over its ranks, each computing its shard of every sequence (`methods.sequence`).
     """
-    check_method(method)
+    cls = run_class(method)
     try:
         config = StreamConfig(**options) if config is None else replace(config, **options)
     except TypeError as err:
@@ -48,7 +50,7 @@ def prepare(model: nn.Module, method: str, config: StreamConfig | None = None, *
     if config.keep_chunks is not None and any(p.device.type != "meta" for p in model.parameters()):
         raise ConfigError("keep_chunks thins the chunk loops for simulation: only on the meta device")
     engine, module = engine_and_module(model)
-    return RUN_CLASSES[method](module, config, sequence_group, engine=engine)
+    return cls(module, config, sequence_group, engine=engine)
 
 
-__all__ = ["RUN_CLASSES", "Run", "prepare"]
+__all__ = ["RUN_CLASSES", "Run", "prepare", "run_class"]

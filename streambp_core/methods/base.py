@@ -36,18 +36,15 @@ from streambp_core.models.precision import (
     islands_in_at_least_float32,
     restore_forwards,
 )
+from streambp_core.registry import Method
 
 
-class Run:
-    """A model prepared for one method. Subclasses set `method` and implement `_loss`.
+class Run(Method):
+    """A model prepared for one method. Each method's run class extends its method's class
+    (`registry`: `method`, `drives_modules`, `partitioned`, ...) and implements `_loss`.
 
     Use as a context manager, or call `close()`, to undo whatever `prepare` changed on the model.
     """
-
-    method = "base"
-    drives_modules = False
-    """Whether the method calls the decoder's modules itself rather than the model's forward (so a peft
-    wrapper's own forward, e.g. prompt tuning's virtual tokens, does not run)."""
 
     def __init__(self, model: nn.Module, config: StreamConfig, sequence_group: SequenceGroup | None = None,
                  engine: nn.Module | None = None) -> None:

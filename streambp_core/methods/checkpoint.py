@@ -20,12 +20,12 @@ from streambp_core.config import ConfigError
 from streambp_core.engine.host.checkpoints import offloaded_checkpoint
 from streambp_core.methods.hook_guards import FORWARD_HOOKS, HookScope
 from streambp_core.methods.plain import PlainRun
+from streambp_core.registry import Checkpoint
 
 
-class CheckpointRun(PlainRun):
+class CheckpointRun(Checkpoint, PlainRun):
     """Gradient checkpointing: keep each layer's input, recompute the layer in backward."""
 
-    method = "checkpoint"
 
     def _setup(self) -> None:
         if not getattr(self.model, "supports_gradient_checkpointing", True):

@@ -21,13 +21,12 @@ from streambp_core.methods.hook_guards import PARAM_HOOKS, HookScope, above
 from streambp_core.models.adapters import layer_mlp, layer_parts
 from streambp_core.models.catalogue import serving
 from streambp_core.models.generic import mst_pieces, returns_pair
+from streambp_core.registry import Mst
 
 
-class MstRun(CheckpointRun):
+class MstRun(Mst, CheckpointRun):
     """Checkpointed layers with chunked MLPs; the head never materialises T x vocab logits."""
 
-    method = "mst"
-    drives_modules = True
 
     @functools.cached_property
     def _mlps(self) -> tuple[tuple[nn.Module, bool], ...]:

@@ -29,8 +29,8 @@ from streambp_core.engine.own.layer import OwnPlan, streamed_layers
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
-from streambp_core.models.catalogue import BASELINE_METHODS
 from streambp_core.models.generic import head_is_lm_head
+from streambp_core.registry import methods_where
 
 
 class OwnStream:
@@ -41,7 +41,7 @@ class OwnStream:
         self.run = run
         cause = _refusal(run)
         if cause is not None:
-            runs = ", ".join(BASELINE_METHODS)
+            runs = ", ".join(methods_where(drives_modules=False))
             raise ConfigError(f"streambp: architecture {run.parts.family!r} runs through its own decoder "
                               f"layers, which do not carry {cause}; {runs} run it")
         config = run.config

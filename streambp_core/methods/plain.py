@@ -18,6 +18,7 @@ from streambp_core.engine.stream.objectives import IGNORE_INDEX
 from streambp_core.methods import guards, trl_loss
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.models.adapters import layer_parts
+from streambp_core.registry import Plain
 
 
 def attends_beyond_the_kernel(layer) -> bool:
@@ -28,10 +29,9 @@ def attends_beyond_the_kernel(layer) -> bool:
     return indexed(layer) or getattr(attention, "compressor", None) is not None
 
 
-class PlainRun(Run):
+class PlainRun(Plain, Run):
     """Ordinary backpropagation: every activation of every layer and the full logits are kept."""
 
-    method = "plain"
 
     def _check_dropout(self) -> None:
         if self.uses_engine_attention or self.sequence_group is not None:

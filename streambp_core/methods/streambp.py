@@ -37,13 +37,12 @@ from streambp_core.methods.hook_guards import HookScope, above
 from streambp_core.methods.own_stream import OwnStream, refuse_packed
 from streambp_core.models.adapters import layer_parts
 from streambp_core.models.catalogue import serving
+from streambp_core.registry import StreamBP
 
 
-class StreamBPRun(Run):
+class StreamBPRun(StreamBP, Run):
     """Exact backpropagation with one chunk's activations alive per layer."""
 
-    method = "streambp"
-    drives_modules = True
     _own: OwnStream | None = None
     """A family of the baselines tier streamed through its own decoder layers (`methods.own_stream`)."""
 

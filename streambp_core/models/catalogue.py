@@ -1,5 +1,12 @@
-"""Which path serves a model family: the model catalogue's three tiers, decided without importing torch or
-transformers (so a command refuses a family before either is imported).
+"""The model catalogue: a model's name found (`model_file`: the one place a name is matched to a shipped
+preset and a config.json is read), and the path that serves its family. Neither imports torch or
+transformers, so a command refuses a name or a family before either is imported.
+
+A name is a preset's (case-insensitive, surrounding spaces ignored: `find_preset`) or a local directory
+(or file) with config.json; `model_file` reads it once, and whoever needs its values (the cheap checks,
+`models.load_config`, `models.load_model`, `models.tiny_config`) takes them from what it returns.
+
+The path that serves a family is one of three tiers:
 
 1. `engine`: a family of `families.FAMILIES` (or a multimodal wrapper of one, `families.TEXT_WRAPPERS`):
    every method; streambp through the engine's own layer math.
@@ -22,19 +29,89 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from streambp_core.config import ConfigError
+from streambp_core.config import PRESET_DIR, ConfigError, preset_names
 from streambp_core.models.families import SUPPORTED_FAMILIES, TEXT_WRAPPERS
 
 CAUSAL_LM = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 MULTIMODAL = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",)
 ENCODER_DECODER = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES")
 ENCODER = ("MODEL_FOR_MASKED_LM_MAPPING_NAMES",)
-BASELINE_METHODS = ("plain", "checkpoint")
-"""Methods that run every family of the second tier: transformers' own forward and checkpointing."""
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A model name found in the catalogue and its config.json, read once (`model_file`)."""
+
+    preset: str | None
+    """The shipped preset the name matched; None for a local directory or file."""
+    path: Path
+    """The preset's file, or the directory (or file) the name gave."""
+    file: Path
+    """The config.json read."""
+    values: dict = field(compare=False, repr=False)
+    """Its JSON object, as read: copy before changing it."""
+
+    @property
+    def source(self) -> str:
+        """How an error names the model: the preset's name, or the path given."""
+        return self.preset or str(self.path)
+
+
+def find_preset(name: str) -> str | None:
+    """The shipped preset `name` names (case-insensitive, surrounding spaces ignored), or None."""
+    wanted = name.strip().lower()
+    return next((preset for preset in preset_names() if preset.lower() == wanted), None)
+
+
+def preset_file(preset: str) -> Path:
+    """The config.json of the shipped preset `preset`: `<org>--<name>.json` for `<org>/<name>`."""
+    return PRESET_DIR / f"{preset.replace('/', '--')}.json"
+
+
+def model_file(name: str) -> ModelFile:
+    """The model `name` names, its config.json read: a shipped preset (`find_preset`), else a local
+    directory with config.json (or the file itself). ConfigError (one line) for a name that is neither
+    (listing the presets), a directory without config.json, or a file that is not a JSON object."""
+    preset = find_preset(name)
+    if preset is not None:
+        file = preset_file(preset)
+        return ModelFile(preset, file, file, read_config_file(file))
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ConfigError(f"unknown model {name!r}: not a preset nor a local directory with config.json; "
+                          f"presets: {', '.join(preset_names())}")
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{path} has no config.json")
+    return ModelFile(None, path, file, read_config_file(file))
+
+
+def read_config_file(path: Path) -> dict:
+    """The JSON object in `path`, or ConfigError naming the file and what is wrong with it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (config.json must be JSON)") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror or error}") from None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno}, column {error.colno}"
+        raise ConfigError(f"{path}: not valid JSON ({error.msg} at {where})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got a JSON {_json_kind(values)}")
+    return values
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), "null")
 
 
 @dataclass(frozen=True)

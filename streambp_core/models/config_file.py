@@ -7,13 +7,11 @@ ConfigError here, before a model is built, instead of a traceback from deep insi
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from streambp_core.config import PRESET_DIR, ConfigError, check_model, preset_names
-from streambp_core.models.catalogue import refusal, serving
+from streambp_core.config import ConfigError
+from streambp_core.models.catalogue import model_file, refusal, serving
 from streambp_core.models.families import SUPPORTED_FAMILIES, TEXT_WRAPPERS
 from streambp_core.models.known_names import ACTIVATIONS, ROPE_TYPES, rope_types, transformers_names
 
@@ -39,29 +37,6 @@ POSITIVE_SIZES = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
 )  # fmt: skip
 """Config sizes that must be positive integers when present."""
-
-
-def read_config_file(path: Path) -> dict:
-    """The JSON object in `path`, or ConfigError naming the file and what is wrong with it."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (config.json must be JSON)") from None
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read: {error.strerror or error}") from None
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as error:
-        where = f"line {error.lineno}, column {error.colno}"
-        raise ConfigError(f"{path}: not valid JSON ({error.msg} at {where})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got a JSON {_json_kind(values)}")
-    return values
-
-
-def _json_kind(value: object) -> str:
-    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return kinds.get(type(value), "null")
 
 
 def config_from_values(values: dict, source: str) -> PretrainedConfig:
@@ -103,17 +78,12 @@ def text_model_values(values: dict, source: str) -> dict:
 
 
 def precheck_model(name: str) -> str:
-    """`check_model(name)`, then, on the preset's or the local directory's config.json, the checks that
-    need no transformers (a config.json there, JSON, a family the engine runs, geometry, activation and
-    RoPE names): a broken one is refused in well under a second, before torch is imported; the rest is
-    checked when the config is loaded."""
-    check_model(name)
-    preset = next((p for p in preset_names() if p.lower() == name.strip().lower()), None)
-    path = PRESET_DIR / f"{preset.replace('/', '--')}.json" if preset else Path(name).expanduser()
-    file = path if path.is_file() else path / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{path} has no config.json")
-    precheck_values(read_config_file(file), preset or str(file))
+    """The model `name` names, found (`catalogue.model_file`: a preset or a local directory with
+    config.json), then on its config.json the checks that need no transformers (JSON, a family a path
+    serves, geometry, activation and RoPE names): a broken one is refused in well under a second, before
+    torch is imported; the rest is checked when the config is loaded."""
+    found = model_file(name)
+    precheck_values(found.values, found.preset or str(found.file))
     return name
 
 

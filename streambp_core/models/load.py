@@ -7,14 +7,14 @@ directories are read with `local_files_only=True`.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from streambp_core.config import PRESET_DIR, ConfigError, preset_names
+from streambp_core.config import PRESET_DIR as PRESET_DIR
+from streambp_core.config import ConfigError, preset_names
 from streambp_core.models.adapters import (
     MOE_FAMILIES,
     SUPPORTED_FAMILIES,
@@ -22,45 +22,19 @@ from streambp_core.models.adapters import (
     family_of,
     model_family,
 )
-from streambp_core.models.catalogue import refusal, serving
-from streambp_core.models.config_file import check_geometry, config_from_values, read_config_file
+from streambp_core.models.catalogue import ModelFile, model_file, refusal, serving
+from streambp_core.models.config_file import check_geometry, config_from_values
 from streambp_core.models.families import TEXT_WRAPPERS
-from streambp_core.models.precision import (
-    eager_in_at_least_float32,
-    hybrid_in_at_least_float32,
-    norms_in_at_least_float32,
-    routers_in_at_least_float32,
-)
+from streambp_core.models.precision import float32_islands_widened
 from streambp_core.models.wrapped import load_wrapped_weights
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_FAMILIES
 """`model_type`s of the decoder families the engine supports (`adapters.FAMILIES`)."""
 
 
-def _preset_file(name: str) -> Path:
-    return PRESET_DIR / (name.replace("/", "--") + ".json")
-
-
 def list_presets() -> list[str]:
     """Names of the shipped presets: real models by their hub name first, then the `tiny/*` test models."""
     return list(preset_names())
-
-
-def _find_preset(name: str) -> str | None:
-    wanted = name.strip().lower()
-    return next((preset for preset in preset_names() if preset.lower() == wanted), None)
-
-
-def _config_from_dict(values: dict, source: str) -> PretrainedConfig:
-    return config_from_values(values, source)
-
-
-def _config_from_path(path: Path) -> PretrainedConfig:
-    """The config in a config.json file or in a directory's config.json (ConfigError naming the file)."""
-    file = path if path.is_file() else path / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{path} has no config.json")
-    return config_from_values(read_config_file(file), str(file))
 
 
 def check_supported(config: PretrainedConfig, source: str = "model") -> PretrainedConfig:
@@ -90,17 +64,12 @@ def load_config(name_or_path: str) -> PretrainedConfig:
 
     Raises ConfigError, on one line, for an unknown name (listing the presets) or an unsupported family.
     """
-    preset = _find_preset(name_or_path)
-    if preset is not None:
-        values = json.loads(_preset_file(preset).read_text())
-        return check_supported(_config_from_dict(values, preset), preset)
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        return check_supported(_config_from_path(path), str(path))
-    raise ConfigError(
-        f"unknown model {name_or_path!r}: not a preset nor a local directory with config.json; "
-        f"presets: {', '.join(preset_names())}"
-    )
+    return config_of(model_file(name_or_path))
+
+
+def config_of(found: ModelFile) -> PretrainedConfig:
+    """The checked config of a model the catalogue found (`catalogue.model_file`), from the values it read."""
+    return check_supported(config_from_values(found.values, found.preset or str(found.file)), found.source)
 
 
 def tiny_config(family: str = "qwen3", **overrides: object) -> PretrainedConfig:
@@ -110,11 +79,11 @@ def tiny_config(family: str = "qwen3", **overrides: object) -> PretrainedConfig:
     """
     if family not in TINY_FAMILIES:
         raise ConfigError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
-    values = json.loads(_preset_file(f"tiny/{family}").read_text())
+    values = model_file(f"tiny/{family}").values
     unknown = sorted(set(overrides) - set(values) - _known_keys(values["model_type"]))
     if unknown:
         raise ConfigError(f"tiny_config({family!r}): unknown config keys {', '.join(unknown)}")
-    return _config_from_dict({**values, **overrides}, f"tiny/{family}")
+    return config_from_values({**values, **overrides}, f"tiny/{family}")
 
 
 def _known_keys(model_type: str) -> set[str]:
@@ -145,12 +114,8 @@ def _prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
     """Train mode with the dropout the config sets (trained as configured: plain and checkpoint, whose
     recompute replays the forward's random masks, run it exactly; streambp and mst, which recompute
     without replaying them, refuse it by name when prepared); norms and routers that would round a float64
-    model to float32 compute in at least float32 (see `models.precision`)."""
-    hybrid_in_at_least_float32(model, model.dtype)
-    norms_in_at_least_float32(model)
-    routers_in_at_least_float32(model, model.dtype)
-    eager_in_at_least_float32(model)
-    return model.train()
+    model to float32 compute in at least float32 (`models.precision.float32_islands_widened`)."""
+    return float32_islands_widened(model).train()
 
 
 def build_model(
@@ -226,8 +191,9 @@ def load_model(
     text model's weights (`models.wrapped`)."""
     if not has_weights(path):
         raise ConfigError(f"{path} has no *.safetensors weights")
-    config = check_supported(load_config(str(path)), str(path))
-    if read_config_file(Path(path) / "config.json").get("model_type") in dict(TEXT_WRAPPERS):
+    found = model_file(str(path))
+    config = config_of(found)
+    if found.values.get("model_type") in dict(TEXT_WRAPPERS):
         model = build_model(config, dtype=dtype, device=device, attn_implementation=attn_implementation,
                             checked=True)
         return load_wrapped_weights(model, path)

@@ -28,11 +28,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from streambp_core.config import ConfigError
-from streambp_core.integrations.checks import NO_LOGITS_METHODS, check_trainer
+from streambp_core.config import VERIFY_METHODS, ConfigError
+from streambp_core.integrations.checks import check_trainer
 from streambp_core.integrations.trainers import stream_trainer
+from streambp_core.registry import method_class
 
-STREAM_METHODS = ("checkpoint", "mst", "streambp")
+STREAM_METHODS = VERIFY_METHODS
+"""The methods a parity check compares with plain when none are named: every one but the reference."""
 SGD_RTOL = {"float64": 1e-10, "float32": 1e-4}
 """Relative update tolerance with SGD: the gradient tolerance of `verify` in that dtype."""
 ADAM_AMPLIFICATION = 1e4
@@ -153,7 +155,7 @@ def train_updates(make_trainer, method: str | None, options: dict):
     """({name: update} of the trainable parameters, whether the embedding is tied, the trainer) over one
     `trainer.train()`, plain (`method` None) or with `stream_trainer(trainer, method, **options)`."""
     trainer = make_trainer()
-    if method not in NO_LOGITS_METHODS:  # plain and checkpoint: the model's own logits and loss
+    if method is None or not method_class(method).drives_modules:  # the model's own logits and loss
         float64_reference_loss(trainer)
     model = trainer.model
     before = full_tensors({n: p for n, p in model.named_parameters() if p.requires_grad})

@@ -38,11 +38,14 @@ def test_the_contracts_count_every_import() -> None:
     assert {c["type"] for c in contracts} == {"layers", "forbidden"}
     assert not any(c.get("ignore_imports") for c in contracts)
     floors = next(c for c in contracts if c.get("containers") == [CORE])
-    assert floors["exhaustive"] and floors["layers"][-3].startswith("config")
-    assert floors["layers"][-2] == "inputs"  # the checks of what a user names: presets, budgets
-    # the bottom floor: the offload tiers' rules, which config validates with, the precision rule and the
+    assert floors["exhaustive"] and floors["layers"][-4].startswith("config")
+    assert floors["layers"][-3] == "inputs"  # the checks of what a user names: presets, budgets
+    # above the bottom: the offload tiers' rules, which config validates with, the precision rule and the
     # user-input error
-    assert floors["layers"][-1] == "tiers | dtypes | errors"
+    assert floors["layers"][-2] == "tiers | dtypes | errors"
+    # under it, the methods by name (what each partitions, streams, accepts, costs), which the tier rules
+    # and the step's validation ask
+    assert floors["layers"][-1] == "registry"
 
 
 def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> None:

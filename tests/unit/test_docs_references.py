@@ -63,7 +63,9 @@ def _resolves(dotted: str, tops: dict[str, list[str]]) -> bool:
             except ModuleNotFoundError:
                 continue
             for attribute in candidate[cut:]:
-                found = getattr(found, attribute, None)
+                # a field a class declares (a ClassVar or dataclass annotation) exists without a value
+                declared = attribute in getattr(found, "__annotations__", {})
+                found = getattr(found, attribute, attribute if declared else None)
             if found is not None:
                 return True
             break

@@ -30,8 +30,6 @@ from streambp_core.methods.base import Run
 from streambp_core.models.adapters import decoder_parts
 
 REPEAT_KV_ATTENTION = "streambp_prefix_repeat_kv"
-HOLDS_LOGITS = ("plain", "checkpoint")
-"""Methods whose model forward returns full logits (the output object would hold them)."""
 
 
 def check_protocol(protocol: str) -> str:
@@ -48,7 +46,7 @@ def step_protocol(run: Run, protocol: str) -> Iterator[None]:
         return
     held: list[Tensor] = []
     handles = []
-    if run.method in HOLDS_LOGITS:
+    if not run.drives_modules:  # its model forward returns the full logits (the output would hold them)
         lm_head = decoder_parts(run.model).lm_head
         handles.append(lm_head.register_forward_hook(lambda module, inputs, out: held.append(out)))
     original = run.model.config._attn_implementation

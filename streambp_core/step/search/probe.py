@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 from streambp_core.config import SOURCES, ConfigError, StepSpec
 from streambp_core.measure import host_ram
 from streambp_core.measure.cuda import is_oom, oom_pool
+from streambp_core.registry import method_class
 from streambp_core.search import (
     HOST_PINNED_POOL,
     OK,
@@ -182,7 +183,7 @@ def cpu_attention_workspace_bytes(spec: StepSpec, config: PretrainedConfig) -> i
     """RAM the engine's exact CPU attention kernel uses inside itself (the tracker sees only its outputs):
     float32 scores, probabilities and their gradient, (rows, heads, query chunk, seq_len) each."""
     seq_len = spec.seq_len_tokens
-    queries = spec.stream.partition_size if spec.method == "streambp" else seq_len
+    queries = spec.stream.partition_size if method_class(spec.method).streams_layers else seq_len
     return 3 * 4 * spec.sequences * config.num_attention_heads * min(queries, seq_len) * seq_len
 
 

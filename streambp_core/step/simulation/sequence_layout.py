@@ -23,11 +23,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError, StepSpec
-
-ATTENTION_PASSES = {"plain": 2, "checkpoint": 3, "mst": 3, "streambp": 3}
-"""All-to-all passes over a layer's attention tensors per step: forward and backward (plain); forward,
-recomputed forward and backward (checkpoint, mst; streambp's backward recomputes the layer's K/V and each
-chunk's queries from its checkpoint)."""
+from streambp_core.registry import method_class
 
 
 def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -94,9 +90,11 @@ class SequenceLayout:
 
     def all_to_all_bytes(self, method: str) -> int:
         """Bytes one rank sends in a step's all-to-alls: each pass over a layer's q, k, v and output, all but
-        its own 1/sp share."""
+        its own 1/sp share; a pass per attention pass of the method (`registry.Method.attention_passes`:
+        forward and backward for plain; forward, recomputed forward and backward for checkpoint, mst and
+        streambp, whose backward recomputes the layer's K/V and each chunk's queries from its checkpoint)."""
         per_pass = 2 * self.q_bytes() + self.kv_bytes()
-        return ATTENTION_PASSES[method] * self.layers * per_pass * (self.sp - 1) // self.sp
+        return method_class(method).attention_passes * self.layers * per_pass * (self.sp - 1) // self.sp
 
     def how(self) -> str:
         """The simulation of a rank, in words."""
