@@ -23,9 +23,10 @@ from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_bench.results import ResultRow, ResultsFile, provenance, row_head_mode
 from streambp_bench.specs import writable_results
 from streambp_bench.tokens import UNITS, parse_token_list, token_count
-from streambp_core.config import ConfigError, StepSpec, check_model
+from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.cuda import cuda_available
 from streambp_core.measure.kernels import profile_kernel_time
+from streambp_core.models.config_file import precheck_model
 from streambp_core.models.load import build_model
 from streambp_core.step.run.setup import build_setup
 from streambp_core.step.run.timing import spec_step, time_step
@@ -71,7 +72,7 @@ def _device_name(device: str) -> str:
 
 def variants(args: argparse.Namespace, partition: int) -> list[StepSpec]:
     """The step of each (method, LM-head partition) to profile, checked (ConfigError) before any work."""
-    check_model(args.model)
+    precheck_model(args.model)
     head_partitions = parse_token_list(args.ps_head, "LM-head partition")
     return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len,
                         partition_size=partition, head_partition_size=head, dtype=args.dtype, attn=args.attn,

@@ -24,7 +24,8 @@ from csv_out import emit_rows
 
 from streambp_bench.results import RESOLVED_HEAD_MODES as HEAD_MODES
 from streambp_bench.tokens import UNITS, parse_token_list, token_count
-from streambp_core.config import ConfigError, StepSpec, check_model
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.models.config_file import precheck_model
 
 COLUMNS = ("model", "num_layers", "seq_len_tokens", "method", "partition_size", "head_partition_size",
            "head_mode", "auto_budget_gib", "matmul_tflop", "dispatched_ops", "launches",
@@ -52,7 +53,7 @@ def variants(args) -> list[tuple[str, int, int, str, float | None]]:
     """(method, layer partition, head partition, head mode, budget of an automatic choice or None) to run;
     checkpoint first, as the reference. Every value is checked (ConfigError, one line) before any step
     runs."""
-    check_model(args.model)
+    precheck_model(args.model)
     for name, value in (("--layers", args.layers), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, not {value}")

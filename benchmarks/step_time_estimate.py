@@ -26,7 +26,8 @@ from pathlib import Path
 from csv_out import emit_rows
 
 from streambp_bench.tokens import UNITS, parse_token_list, token_count
-from streambp_core.config import ConfigError, StepSpec, check_model
+from streambp_core.config import ConfigError, StepSpec
+from streambp_core.models.config_file import precheck_model
 
 COLUMNS = ("gpu", "model", "method", "seq_len_tokens", "batch_size", "partition_size",
            "head_partition_size", "head_mode", "estimated_ms", "matmul_ms", "attention_ms", "other_ms",
@@ -116,7 +117,7 @@ def check_settings(settings: list[dict]) -> list[dict]:
     if not settings:
         raise ConfigError("nothing to estimate: no lengths, methods or measured-cuda step_time rows")
     for item in settings:
-        check_model(item["model"])
+        precheck_model(item["model"])
         head = {"head_mode": item["head_mode"]} if item["head_mode"] else {}
         StepSpec.of(model=item["model"], method=item["method"], seq_len_tokens=item["seq_len_tokens"],
                     batch_size=item["batch_size"], partition_size=item["partition_size"],
@@ -129,9 +130,9 @@ def estimate_row(settings: dict) -> dict:
     import torch
 
     from streambp_core.models.load import load_config
-    from streambp_core.step.parts.depth import with_depth
-    from streambp_core.step.estimate.roofline import estimate_by_depth, gpu_model
     from streambp_core.step.estimate.ops import meta_step_ops
+    from streambp_core.step.estimate.roofline import estimate_by_depth, gpu_model
+    from streambp_core.step.parts.depth import with_depth
 
     config = load_config(settings["model"])
     options = {key: settings[key] for key in ("partition_size", "head_partition_size")}

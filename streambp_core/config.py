@@ -66,7 +66,8 @@ candidate, which reaches the longest length). What runs a step takes sizes in to
 PARTITION_FIELDS = ("partition_size", "head_partition_size")
 """The `StreamConfig` fields that may read AUTO."""
 GPU_MODEL_NAMES = ("h100", "h200", "a100", "a800")
-"""GPUs whose datasheet figures the step-time estimate knows (`streambp_core.step.estimate.roofline.GPU_MODELS`)."""
+"""GPUs whose datasheet figures the step-time estimate knows
+(`streambp_core.step.estimate.roofline.GPU_MODELS`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 """How a figure of a step run on each device was obtained, as every result row says."""
 

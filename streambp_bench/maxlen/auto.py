@@ -7,7 +7,8 @@
   trainer call carry those sizes.
 - `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
   paper's advice: fewer and larger chunks), or that nothing fits.
-- `--gpu-model`: the estimated step time (`step.estimate.step_estimate.estimate_step`, labelled estimated) at each
+- `--gpu-model`: the estimated step time (`step.estimate.step_estimate.estimate_step`, labelled estimated) at
+  each
   method's maximum and at each `--at` length, with its band (`StepEstimate.band_s`) and regime
   (`StepEstimate.regime`).
 """
@@ -81,7 +82,8 @@ class StepAt:
 
 
 def copies_of(estimate) -> dict | None:
-    """The offload copies of a `step.estimate.roofline.StepEstimate` (None without any): bytes each way, the PCIe
+    """The offload copies of a `step.estimate.roofline.StepEstimate` (None without any): bytes each way, the
+    PCIe
     bandwidth assumed (one direction, the GPU's), their whole time (both directions' bytes over it) and
     the part the step's compute does not hide (in the step time)."""
     if not estimate.pcie_bytes_per_s:
@@ -107,9 +109,9 @@ def finish(plan: Plan, results: list[MethodResult],
 
 
 def _step_at(plan: Plan, spec: StepSpec, seq_len: int, extras: Extras) -> StepAt:
+    from streambp_core.step.estimate.step_estimate import estimate_step
     from streambp_core.step.search.partitions import resolve_partitions
     from streambp_core.step.simulation.simulate import simulate
-    from streambp_core.step.estimate.step_estimate import estimate_step
 
     if seq_len < 2:
         return StepAt(method=spec.method, seq_len_tokens=seq_len, spec=None)

@@ -51,8 +51,8 @@ def packing_notes(text: str | None, specs: list, gpu=None, resolved: dict | None
     (`step.parts.resolved.ResolvedModel`); another model of `specs` is resolved here, once."""
     if not text:
         return []
-    from streambp_core.step.parts.batch import document_lengths
     from streambp_core.step.estimate.packed import packed_attention
+    from streambp_core.step.parts.batch import document_lengths
     from streambp_core.step.parts.resolved import ResolvedModel
 
     notes, models = [], dict(resolved or {})

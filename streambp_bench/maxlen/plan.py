@@ -14,11 +14,11 @@ from streambp_core.config import ConfigError, StepSpec, check_budget_gib
 from streambp_core.measure.units import GIB, format_size
 from streambp_core.registry import method_class
 from streambp_core.search import ProbeResult, SearchResult
+from streambp_core.step.parts.resolved import ResolvedModel
+from streambp_core.step.parts.target import Target, resolve_target
+from streambp_core.step.run.setup import resident_bytes
 from streambp_core.step.search.partitions import searched
 from streambp_core.step.search.probe import max_len
-from streambp_core.step.parts.resolved import ResolvedModel
-from streambp_core.step.run.setup import resident_bytes
-from streambp_core.step.parts.target import Target, resolve_target
 
 
 @dataclass(frozen=True, kw_only=True)

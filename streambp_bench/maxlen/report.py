@@ -69,7 +69,8 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
     """The JSON document: model, budget, source, settings (a partition given as auto says "auto", with
-    the size the search ran it at, `step.search.partitions.searched`, in `searched_partitions`) and one entry per
+    the size the search ran it at, `step.search.partitions.searched`, in `searched_partitions`) and one entry
+    per
     method."""
     first = plan.specs[0]
     fields = first.to_dict()

@@ -88,8 +88,8 @@ def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, es
     from streambp_bench.maxlen.report import max_len_row
     from streambp_bench.results import ResultRow, provenance, spec_fields
     from streambp_core.step.estimate.roofline import gpu_model
-    from streambp_core.step.search.probe import max_len
     from streambp_core.step.estimate.sequence_time import estimate_sequence_step
+    from streambp_core.step.search.probe import max_len
 
     note(f"max length: {spec.method} on {spec.gpus} GPU(s)")
     search = max_len(spec, int(budget_gib * GIB), "sim", model, host_budget_bytes=int(host_gib * GIB))

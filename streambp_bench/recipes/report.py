@@ -1,6 +1,7 @@
 """`plan`'s answer: the ranking (fastest first), the misses nearest first, as JSON and as tables.
 
-Every time is labelled estimated (`step.estimate.roofline`), every memory figure simulated (`step.simulation.simulate`).
+Every time is labelled estimated (`step.estimate.roofline`), every memory figure simulated
+(`step.simulation.simulate`).
 """
 
 from __future__ import annotations

@@ -101,9 +101,9 @@ def step_at(spec: StepSpec, ctx: Context) -> Outcome:
     """`spec` at its length as `max-len --at` runs it: the largest partitions that fit (full depth), its
     full-depth peak and host pool, and its estimated time (None with the reason where the step-time
     model raises ConfigError for it)."""
+    from streambp_core.step.estimate.step_estimate import estimate_step
     from streambp_core.step.search.partitions import resolve_partitions
     from streambp_core.step.simulation.simulate import simulate
-    from streambp_core.step.estimate.step_estimate import estimate_step
 
     try:
         run = resolve_partitions(spec, ctx.budget_bytes, ctx.model)

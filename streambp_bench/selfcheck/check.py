@@ -51,12 +51,12 @@ from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.measure.units import GIB
 from streambp_core.models.load import build_model
 from streambp_core.search import OK, ProbeResult
-from streambp_core.step.search.partitions import fitting_partitions
-from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.parts.resolved import ResolvedModel
 from streambp_core.step.run.setup import build_setup
-from streambp_core.step.simulation.simulate import simulate
 from streambp_core.step.run.timing import spec_step, timed_step
+from streambp_core.step.search.partitions import fitting_partitions
+from streambp_core.step.search.probe import measure_setup
+from streambp_core.step.simulation.simulate import simulate
 from streambp_core.verify.methods import VerifySpec
 
 AUTO = "auto"

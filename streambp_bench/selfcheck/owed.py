@@ -178,8 +178,8 @@ def fsdp_rows(spec: StepSpec, resolved_model, where: str, device: str) -> Iterat
 def max_len_rows(spec: StepSpec, budget_gib: float, where: str, device: str) -> Iterator[ResultRow]:
     """`max-len` on `device` (each probe a fresh process on CUDA) and on the simulator, one max_len row
     each (tokens; a capped answer is an error row saying so)."""
-    from streambp_core.step.search.probe import max_len
     from streambp_core.step.parts.resolved import ResolvedModel
+    from streambp_core.step.search.probe import max_len
 
     resolved_model = ResolvedModel(spec.model)
     for target in (device, "sim"):

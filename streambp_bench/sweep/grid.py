@@ -11,7 +11,8 @@ into result rows:
   with the reserved peak, alloc retries and OOM count), then timed steps (`step.run.timing.time_step`): a
   second row, metric step_time, with the median and the p20/p80 of the repeats.
 - with a GPU model (`gpu`): a row more, metric step_time, source "estimated", device the GPU's name:
-  the roofline estimate of the step (`step.estimate.step_estimate.estimate_step`); empty with the peak row's status
+  the roofline estimate of the step (`step.estimate.step_estimate.estimate_step`); empty with the peak row's
+  status
   when the point does not fit.
 `run_points` writes each point's rows as soon as it finishes (appended: a point costs its own bytes, not
 the file's; a re-run point rewrites the file atomically), so Ctrl-C or a kill
@@ -113,10 +114,10 @@ def run_point(spec: StepSpec, target, model=None) -> list[ResultRow]:
 
 def _measured(spec: StepSpec, device: str, model):
     """A tracked step on real tensors (the peak), then `MEASURE_REPEATS` timed steps after a warm-up."""
-    from streambp_core.step.search.probe import cpu_ram_refusal, measure_setup
     from streambp_core.step.parts.resolved import resolved
     from streambp_core.step.run.setup import build_setup
     from streambp_core.step.run.timing import timed_step
+    from streambp_core.step.search.probe import cpu_ram_refusal, measure_setup
 
     model = resolved(spec.model, model)
     if device == "cpu" and (refusal := cpu_ram_refusal(spec, model)) is not None:

@@ -99,8 +99,8 @@ def _rank_steps(rank: int, world: int, specs: tuple[StepSpec, ...], config: Pret
     """Body of each rank: per spec, a freshly built and sharded setup and one tracked step; per phase
     (name, peak, breakdown)."""
     from streambp_core.parallel.fsdp import gathered_parameters, shard_model
-    from streambp_core.step.run.tracked import tracked_step
     from streambp_core.step.run.setup import build_setup, build_training_model
+    from streambp_core.step.run.tracked import tracked_step
 
     steps = []
     for spec in specs:

@@ -127,7 +127,8 @@ def test_a_cpu_sweep_point_that_would_not_fit_in_ram_is_not_run(tmp_path: Path, 
     from streambp_core.measure import host_ram
 
     monkeypatch.setattr(host_ram, "available_ram_bytes", lambda: 2**20)  # 1 MiB of RAM: nothing fits
-    monkeypatch.setattr("streambp_core.step.run.setup.build_setup", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr("streambp_core.step.run.setup.build_setup",
+                        lambda *a, **k: pytest.fail("built a model"))
     out = tmp_path / "cpu.csv"
     result = CliRunner().invoke(app, ["sweep", *TINY, "--device", "cpu", "--seq-len", "64", "--method",
                                       "checkpoint", "--out", str(out)])

@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 from streambp_core.config import StepSpec
-from streambp_core.step.estimate.roofline import gpu_model
 from streambp_core.step.estimate.packed import packed_attention
+from streambp_core.step.estimate.roofline import gpu_model
 from tests.cli.errors import one_line_error
 
 

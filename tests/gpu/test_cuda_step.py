@@ -7,8 +7,8 @@ import pytest
 
 from streambp_core.config import StepSpec
 from streambp_core.models import load_config
-from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.simulation.simulate import simulate
 from streambp_core.verify.methods import VerifySpec, verify_spec
 

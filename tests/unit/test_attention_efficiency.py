@@ -8,6 +8,7 @@ import pytest
 
 from streambp_core.config import StepSpec
 from streambp_core.step.estimate.attention_kernels import attention_efficiency, attention_kernel
+from streambp_core.step.estimate.ops import OpRecord
 from streambp_core.step.estimate.roofline import (
     STEP_BAND,
     StepEstimate,
@@ -15,7 +16,6 @@ from streambp_core.step.estimate.roofline import (
     host_optimizer_s,
     op_time_s,
 )
-from streambp_core.step.estimate.ops import OpRecord
 
 H100 = gpu_model("h100").name
 
@@ -80,9 +80,9 @@ def test_a_data_parallel_step_is_estimated_with_its_collectives():
 
 
 def test_the_host_optimizer_step_is_added_with_the_optimizer_tier():
+    from streambp_core.step.estimate.step_estimate import estimate_step
     from streambp_core.step.parts.resolved import resolved
     from streambp_core.step.simulation.simulate import shard_layout
-    from streambp_core.step.estimate.step_estimate import estimate_step
 
     gpu = gpu_model("h100")
     spec = _tiny(offload="optimizer")

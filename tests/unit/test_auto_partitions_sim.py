@@ -8,9 +8,9 @@ import pytest
 
 from streambp_core.config import GPU_MODEL_NAMES, ConfigError, StepSpec
 from streambp_core.step.estimate.roofline import GPU_MODELS, gpu_model
+from streambp_core.step.estimate.step_estimate import estimate_step
 from streambp_core.step.search.partitions import fitting_partitions, head_candidates, layer_candidates
 from streambp_core.step.simulation.simulate import simulate
-from streambp_core.step.estimate.step_estimate import estimate_step
 
 SPEC = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=1024, dtype="float32")
 BUDGET = 5_003_706  # bytes: partitions (171, 256) fit, (256, 64) and (171, 512) do not

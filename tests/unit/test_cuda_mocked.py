@@ -24,10 +24,10 @@ from streambp_core.measure import (
     is_oom,
 )
 from streambp_core.models import load_config
-from streambp_core.step.search import probe
 from streambp_core.step.run import tracked as run_module
 from streambp_core.step.run.setup import build_setup
 from streambp_core.step.run.timing import time_step
+from streambp_core.step.search import probe
 
 
 class _NVMLError(Exception):

@@ -1,5 +1,6 @@
 """The simulated DeepSpeed ZeRO-3 rank with DeepSpeed's own offload (`--shard deepspeed-zero3 --offload
-optimizer[,params]`, `step.simulation.deepspeed_host`): the methods' step runs with the checkpoints tier only, the
+optimizer[,params]`, `step.simulation.deepspeed_host`): the methods' step runs with the checkpoints tier
+only, the
 device keeps the gathered units, DeepSpeed's buckets and the gradients in flight, and the host holds what
 DeepSpeed allocates there (fp32 masters, moments, gradient partitions; with params the partitions)."""
 
@@ -9,8 +10,8 @@ import pytest
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
-from streambp_core.step.simulation.deepspeed_host import engine_spec
 from streambp_core.step.parts.resolved import ResolvedModel
+from streambp_core.step.simulation.deepspeed_host import engine_spec
 from streambp_core.step.simulation.simulate import shard_layout, simulate
 
 MODEL = "tiny/qwen3"

@@ -8,13 +8,13 @@ import pytest
 
 from streambp_core.config import StepSpec
 from streambp_core.models import load_config, tiny_config
-from streambp_core.step.parts.depth import depth_plan, layer_kinds, with_depth
-from streambp_core.step.estimate.roofline import GPU_MODELS, estimate_ops
 from streambp_core.step.estimate.ops import spec_step_ops
+from streambp_core.step.estimate.roofline import GPU_MODELS, estimate_ops
+from streambp_core.step.estimate.step_estimate import estimate_step
+from streambp_core.step.parts.depth import depth_plan, layer_kinds, with_depth
 from streambp_core.step.parts.resolved import ResolvedModel
 from streambp_core.step.run.setup import build_setup
 from streambp_core.step.simulation.simulate import simulate
-from streambp_core.step.estimate.step_estimate import estimate_step
 
 SMALL = dict(partition_size=32, head_partition_size=16, dtype="bfloat16")
 NOPE_EVERY_4TH = [1, 1, 1, 0] * 3

@@ -89,7 +89,8 @@ def _texts() -> dict[str, str]:
 
 def test_every_backticked_module_name_resolves():
     """A docstring or document that names a module of the project (`engine.host.checkpoints`,
-    `streambp_core.step.estimate.roofline.GpuModel`) names one that exists: moved modules leave no stale names."""
+    `streambp_core.step.estimate.roofline.GpuModel`) names one that exists: moved modules leave no stale
+    names."""
     tops = _top_names()
     stale = sorted(
         f"{where}: `{dotted}`"

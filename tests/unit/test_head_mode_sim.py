@@ -7,8 +7,8 @@ import pytest
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.methods import prepare
 from streambp_core.models import load_config
-from streambp_core.step.run.tracked import tracked_step
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.run.tracked import tracked_step
 
 TINY = "tiny/qwen3"  # vocab 512, hidden 64, tied embeddings: head parameters = final norm + lm_head weight
 

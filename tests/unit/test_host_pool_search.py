@@ -11,8 +11,8 @@ from streambp_core.measure import is_oom
 from streambp_core.measure.cuda import oom_pool
 from streambp_core.models import load_config
 from streambp_core.search import OK, OOM, ProbeResult, default_tolerance, guided_max_len, max_trainable_length
-from streambp_core.step.search import probe
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.search import probe
 
 GIB = 2**30
 

@@ -6,8 +6,8 @@ import pytest
 
 from streambp_core.config import StepSpec
 from streambp_core.models import tiny_config
-from streambp_core.step.search.probe import max_len
 from streambp_core.step.run.setup import resident_bytes
+from streambp_core.step.search.probe import max_len
 from streambp_core.step.simulation.simulate import simulate
 
 

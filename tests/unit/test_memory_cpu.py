@@ -9,8 +9,8 @@ import torch
 import streambp_core
 from streambp_core.config import StepSpec
 from streambp_core.models.load import build_model, tiny_config
-from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.search.probe import measure_setup
 
 
 def measure_step(model, spec: StepSpec, seq_len: int):

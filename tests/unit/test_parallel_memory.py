@@ -20,9 +20,9 @@ from streambp_core.config import StepSpec
 from streambp_core.models import tiny_config
 from streambp_core.parallel.launch import available_cpus
 from streambp_core.parallel.memory import measure_ranks
-from streambp_core.step.run.tracked import tracked_step
-from streambp_core.step.run.setup import build_setup
 from streambp_core.step.parts.shards import rank_breakdown
+from streambp_core.step.run.setup import build_setup
+from streambp_core.step.run.tracked import tracked_step
 from streambp_core.step.simulation.simulate import shard_layout, simulate
 
 pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")

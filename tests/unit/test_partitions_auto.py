@@ -8,8 +8,8 @@ import pytest
 from streambp_core.config import AUTO, MIN_AUTO_PARTITION, ConfigError, StepSpec, StreamConfig
 from streambp_core.methods import prepare
 from streambp_core.models.load import load_config
-from streambp_core.step.search.partitions import fitting_partitions, resolve_partitions, searched
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.search.partitions import fitting_partitions, resolve_partitions, searched
 from streambp_core.step.simulation.simulate import simulate
 
 SPEC = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=1024, dtype="float32")

@@ -20,8 +20,8 @@ from streambp_core.engine.host.params import HostParams
 from streambp_core.measure.cuda import PinnedHostOutOfMemory, is_oom, oom_pool, pinned_host_allocation
 from streambp_core.models import load_config
 from streambp_core.search import HOST_PINNED_POOL, OK, OOM, ProbeResult, max_trainable_length
-from streambp_core.step.search import probe
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.search import probe
 
 GIB = 2**30
 PINNED_OOM = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at another API"

@@ -1,4 +1,5 @@
-"""One simulated rank of a Ulysses sequence-parallel step (`step.simulation.sequence_layout`) and its estimated time
+"""One simulated rank of a Ulysses sequence-parallel step (`step.simulation.sequence_layout`) and its
+estimated time
 (`step.estimate.sequence_time`), on tiny presets."""
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ import pytest
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.step.estimate import sequence_time
 from streambp_core.step.estimate.attention_kernels import attention_kernel
-from streambp_core.step.estimate.roofline import GPU_MODELS, estimate_by_depth
 from streambp_core.step.estimate.ops import spec_step_ops
+from streambp_core.step.estimate.roofline import GPU_MODELS, estimate_by_depth
 from streambp_core.step.parts.resolved import ResolvedModel
-from streambp_core.step.simulation.sequence_layout import SequenceLayout, check_sequence_parallel
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.simulation.sequence_layout import SequenceLayout, check_sequence_parallel
 from streambp_core.step.simulation.simulate import simulate
 
 SIZES = {"partition_size": 32, "head_partition_size": 16}

@@ -14,12 +14,12 @@ import pytest
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
 from streambp_core.step.parts.resolved import ResolvedModel
-from streambp_core.step.run.setup import build_training_model, resident_bytes
 from streambp_core.step.parts.shards import (
     DEEPSPEED_PREFETCH_ELEMENTS,
     DEEPSPEED_REDUCE_BUCKET_ELEMENTS,
     ShardLayout,
 )
+from streambp_core.step.run.setup import build_training_model, resident_bytes
 from streambp_core.step.simulation.simulate import shard_layout, simulate
 
 MODEL = "tiny/qwen3"

@@ -10,11 +10,11 @@ from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.measure.units import GIB
 from streambp_core.methods import prepare
 from streambp_core.models import load_config, tiny_config
-from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.parts.resolved import ResolvedModel
 from streambp_core.step.run.setup import build_setup, resident_bytes
-from streambp_core.step.simulation.simulate import KEEP_CHUNKS, simulate
 from streambp_core.step.run.simulation_mode import SimulationMode
+from streambp_core.step.search.probe import measure_setup
+from streambp_core.step.simulation.simulate import KEEP_CHUNKS, simulate
 
 TINY = "tiny/qwen3"  # 2 layers, hidden 64, 4 heads x 32, vocab 512
 SMALL = dict(partition_size=32, head_partition_size=16)

@@ -16,8 +16,8 @@ from streambp_bench.cli import app
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models import load_config
 from streambp_core.models.load import build_model
-from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.run.setup import build_setup
+from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.simulation.simulate import simulate
 from tests.unit.test_exactness import assert_matches_plain, batch
 from tests.unit.test_streambp_own_layers import SEQ_LEN, config_dir

@@ -7,6 +7,7 @@ import torch
 
 from streambp_core.config import ConfigError
 from streambp_core.models.load import tiny_config
+from streambp_core.step.estimate.ops import OpRecord, OpRecorder, meta_step_ops, prefix_attention_flops
 from streambp_core.step.estimate.roofline import (
     GPU_MODELS,
     LAUNCH_S,
@@ -15,8 +16,12 @@ from streambp_core.step.estimate.roofline import (
     gpu_model,
     op_time_s,
 )
-from streambp_core.step.estimate.ops import OpRecord, OpRecorder, meta_step_ops, prefix_attention_flops
-from streambp_core.step.search.partitions import auto_partitions, head_candidates, largest_fitting, layer_candidates
+from streambp_core.step.search.partitions import (
+    auto_partitions,
+    head_candidates,
+    largest_fitting,
+    layer_candidates,
+)
 
 
 def test_bytes_moved_count_each_tensor_once_wherever_it_is_nested():

@@ -15,8 +15,8 @@ import streambp_core
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.methods.trl_loss import TRL_GRPO_TEMPERATURE, selective_log_softmax
 from streambp_core.models.load import build_model, tiny_config
-from streambp_core.step.run.tracked import tracked_step
 from streambp_core.step.run.setup import build_setup, step_inputs
+from streambp_core.step.run.tracked import tracked_step
 from tests.unit.test_exactness import GRAD_RTOL, batch, relative_errors
 from tests.unit.test_objectives import grpo_inputs
 from tests.unit.test_objectives import run_step as objectives_run_step

@@ -166,8 +166,8 @@ def spec_step_ops(setup, cache: dict | None = None) -> list[OpRecord]:
     (`simulation_mode.SimulationMode`, `cache` shared between calls), which changes no op or shape."""
     from streambp_core.methods import prepare
     from streambp_core.step.run.protocol import step_protocol
-    from streambp_core.step.run.tracked import sequence_group
     from streambp_core.step.run.simulation_mode import SimulationMode
+    from streambp_core.step.run.tracked import sequence_group
 
     spec = setup.spec
     group = sequence_group(spec, "meta")  # one simulated rank of a sequence-parallel step

@@ -9,7 +9,8 @@ times the estimate answers to (`benchmarks/published_step_time.py`):
 
 - matmuls: 70 % of peak (cuBLAS bf16 GEMMs of transformer sizes);
 - attention: by kernel, pass and the call's key length, from the kernels' published speed curves
-  (`step.estimate.attention_kernels`): on Hopper with torch's SDPA (cuDNN) 60 % forward and 52 % backward at 16k
+  (`step.estimate.attention_kernels`): on Hopper with torch's SDPA (cuDNN) 60 % forward and 52 % backward at
+  16k
   keys and more, 37 % and 33 % with FlashAttention-2. A flash kernel's backward does 2.5x its forward's
   matmul FLOPs (`ops.prefix_attention_flops`), so a checkpointed step's attention is 4.5 forwards:
   forward, recomputed forward, backward. (A flat 35 % for every pass and kernel, as before, made TRL's
@@ -31,7 +32,8 @@ x16), the links' nominal rates. The host optimizer step (optimizer tier) runs on
 hidden by nothing: `HOST_ADAM_BYTES_PER_PARAM` streamed per trainable parameter at the host's DRAM
 bandwidth (`GpuModel.host_dram_bytes_per_s`, the reference board's two CPU sockets at their datasheet
 rate). Depth (`estimate_by_depth`): the ops of the model cut to two depths that are whole periods of its layer
-pattern apart (`step.parts.depth.depth_plan` with `min_layers=1`: 1 and 2 layers on a uniform model, 4 and 8 on
+pattern apart (`step.parts.depth.depth_plan` with `min_layers=1`: 1 and 2 layers on a uniform model, 4 and 8
+on
 Qwen3.5's 3-linear-1-full hybrid) are recorded and the difference scaled to the full depth (every whole
 period dispatches the same ops), so a 36-layer model costs two short meta steps.
 
@@ -50,8 +52,8 @@ from transformers import PretrainedConfig
 
 from streambp_core.config import ConfigError
 from streambp_core.step.estimate.attention_kernels import attention_efficiency, attention_kernel
-from streambp_core.step.parts.depth import depth_plan
 from streambp_core.step.estimate.ops import OpRecord
+from streambp_core.step.parts.depth import depth_plan
 
 MATMUL_EFFICIENCY = 0.70
 BANDWIDTH_EFFICIENCY = 0.80

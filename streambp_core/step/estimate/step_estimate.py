@@ -18,7 +18,8 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     attention at the speed of the kernel `spec.stream.attn` runs on `gpu`
     (`attention_kernels.attention_kernel`), plus offload copies not hidden by compute (bytes each way from
     `simulate`, at `gpu.pcie_bytes_per_s` per direction) and the host optimizer step. `model`: the spec's
-    model resolved once (`step.parts.resolved.ResolvedModel`, whose memo of meta kernels the calls share; None:
+    model resolved once (`step.parts.resolved.ResolvedModel`, whose memo of meta kernels the calls share;
+    None:
     resolved here). A step over several GPUs (`spec.gpus` > 1, sequence parallel or not) is one rank's
     (`sequence_time`): the same `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`,
     `zero_s` and `interconnect`."""

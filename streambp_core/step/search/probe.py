@@ -37,8 +37,8 @@ from streambp_core.search import (
     guided_max_len,
 )
 from streambp_core.step.parts.resolved import ResolvedModel, resolved
-from streambp_core.step.run.tracked import StepOutOfMemory, tracked_step
 from streambp_core.step.run.setup import Setup, build_setup, build_training_model
+from streambp_core.step.run.tracked import StepOutOfMemory, tracked_step
 from streambp_core.step.simulation.simulate import simulate
 
 CPU_RAM_FRACTION = 0.8

@@ -62,20 +62,50 @@ from streambp_core.measure.units import gib_of
 from streambp_core.models.adapters import MOE_FAMILIES
 from streambp_core.models.catalogue import serving
 from streambp_core.models.generic import step_failure
-from streambp_core.step.simulation.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
 from streambp_core.step.parts.depth import DepthPlan
 from streambp_core.step.parts.resolved import ResolvedModel, resolved
-from streambp_core.step.run.tracked import tracked_step
-from streambp_core.step.simulation.sequence_layout import SequenceLayout, check_sequence_parallel, sharded_host
-from streambp_core.step.run.setup import build_setup, build_training_model
 from streambp_core.step.parts.shards import ShardLayout, check_sharded_params, rank_breakdown
+from streambp_core.step.run.setup import build_setup, build_training_model
+from streambp_core.step.run.tracked import tracked_step
+from streambp_core.step.simulation.deepspeed_host import check_deepspeed_offload, deepspeed_host, engine_spec
+from streambp_core.step.simulation.sequence_layout import (
+    SequenceLayout,
+    check_sequence_parallel,
+    sharded_host,
+)
 
 KEEP_CHUNKS = 3
 """Chunks kept at each end of an engine chunk loop when thinning."""
 DEPTHS = ("extrapolate", "full")
 
-_Phases = list[tuple[str, int, dict[str, int], dict[str, int]]]
-"""Per phase: its name, its peak bytes, the bytes by category at the peak and at its end."""
+
+
+@dataclass(frozen=True)
+class PhaseFigures:
+    """One phase of a simulated step: its name, its peak bytes, the bytes by category at the peak and at
+    its end (what a sharded rank's layout is applied to)."""
+
+    name: str
+    peak_bytes: int
+    at_peak: dict[str, int]
+    at_end: dict[str, int]
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """The host pool of a simulated step: its peak and the bytes copied each way (affine in depth)."""
+
+    peak_bytes: int
+    to_host_bytes: int
+    to_device_bytes: int
+
+
+@dataclass(frozen=True)
+class SteppedFigures:
+    """What one simulated step at one depth gives: its phases and its host pool."""
+
+    phases: list[PhaseFigures]
+    host: HostFigures
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,32 +182,30 @@ def simulate(
     total = config.num_hidden_layers
     plan = model.depth_plan if depth == "extrapolate" else None
     depths = (total,) if plan is None else plan.depths
-    hosts: list[tuple[int, int, int]] = []
     stepped = engine_spec(spec)  # DeepSpeed's offload sections hold what they hold instead of the tiers
-    measured = [_phases(stepped, model.at_depth(n), keep_chunks, model.memo, hosts) for n in depths]
-    phases = measured[0] if plan is None else _extrapolate(*measured, plan)
-    if _negative(phases, sharded=spec.shard != "none"):
-        depths, hosts = (total,), []  # the peak moved between sub-phases: simulate every layer
-        phases = _phases(stepped, config, keep_chunks, model.memo, hosts)
-    peak, by_category = (_largest(phases) if spec.shard == "none"
-                         else _rank_peak(spec, config, phases, model.memo))
-    host = hosts[0] if len(hosts) == 1 else [plan.extend(a, b) for a, b in zip(*hosts, strict=True)]
+    measured = [_stepped(stepped, model.at_depth(n), keep_chunks, model.memo) for n in depths]
+    figures = measured[0] if plan is None else _extrapolate(*measured, plan)
+    if _negative(figures.phases, sharded=spec.shard != "none"):
+        depths = (total,)  # the peak moved between sub-phases: simulate every layer
+        figures = _stepped(stepped, config, keep_chunks, model.memo)
+    peak, by_category = (_largest(figures.phases) if spec.shard == "none"
+                         else _rank_peak(spec, config, figures.phases, model.memo))
+    host = (figures.host.peak_bytes, figures.host.to_host_bytes, figures.host.to_device_bytes)
     if stepped is not spec:  # DeepSpeed's host buffers and copies, on the checkpoints tier's
-        host = deepspeed_host(spec, shard_layout(spec, config, model.memo), tuple(host))
+        host = deepspeed_host(spec, shard_layout(spec, config, model.memo), host)
     elif spec.shard != "none":  # the rank's share of the optimizer's host state and copies
         fraction = shard_layout(spec, config, model.memo).trainable_fraction
-        host = sharded_host(tuple(host), spec, config, fraction)
+        host = sharded_host(host, spec, config, fraction)
     note = SequenceLayout.of(spec, config).how() if spec.sp > 1 else ""
     return SimResult(spec=spec, num_layers=total, layers_simulated=depths, peak_bytes=peak,
                      breakdown_bytes=by_category, host_peak_bytes=host[0], to_host_bytes=host[1],
                      to_device_bytes=host[2], note=note)
 
 
-def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict,
-            hosts: list[tuple[int, int, int]]) -> _Phases:
-    """Per phase, (peak bytes, bytes by category at that peak) of one simulated step of `config`; appends
-    the step's host figures (host-pool peak, bytes to host, bytes to device: affine in depth too) to
-    `hosts`."""
+def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict
+             ) -> SteppedFigures:
+    """The phases (peak bytes, bytes by category at that peak and at the end) and the host pool of one
+    simulated step of `config`."""
     try:
         record = _baseline_step(spec, config, keep_chunks, cache)
     except Exception as exc:  # a meta step allocates no device memory: running out is the host's failure
@@ -188,9 +216,10 @@ def _phases(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, c
             "memory (a simulated step holds no real tensors, so this is no simulated out-of-memory)"
         ) from None
     host = record.host_figures()
-    hosts.append((host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
-    return [(phase.name, phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes),
-             dict(phase.result.end_breakdown_bytes)) for phase in record.phases]
+    return SteppedFigures(
+        phases=[PhaseFigures(phase.name, phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes),
+                             dict(phase.result.end_breakdown_bytes)) for phase in record.phases],
+        host=HostFigures(host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
 
 
 def _baseline_step(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict):
@@ -207,21 +236,21 @@ def _baseline_step(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | 
         raise ConfigError(step_failure(spec.method, config.model_type, exc)) from None
 
 
-def _negative(phases: _Phases, *, sharded: bool) -> bool:
+def _negative(phases: list[PhaseFigures], *, sharded: bool) -> bool:
     """Whether an extrapolated breakdown that is used has a negative category (the peak's; a sharded
     step's uses every phase's peak and end)."""
     if not sharded:
         return min(_largest(phases)[1].values()) < 0
-    return any(min(at.values()) < 0 for phase in phases for at in phase[2:])
+    return any(min(at.values()) < 0 for phase in phases for at in (phase.at_peak, phase.at_end))
 
 
-def _largest(phases: _Phases) -> tuple[int, dict[str, int]]:
+def _largest(phases: list[PhaseFigures]) -> tuple[int, dict[str, int]]:
     """The highest phase peak and its breakdown."""
-    _, peak, by_category, _ = max(phases, key=lambda phase: phase[1])
-    return peak, by_category
+    top = max(phases, key=lambda phase: phase.peak_bytes)
+    return top.peak_bytes, top.at_peak
 
 
-def _extrapolate(shallow: _Phases, deep: _Phases, plan: DepthPlan) -> _Phases:
+def _extrapolate(shallow: SteppedFigures, deep: SteppedFigures, plan: DepthPlan) -> SteppedFigures:
     """Each phase's peak and breakdowns extrapolated linearly in whole periods from the plan's depths.
 
     Phases keep the same shape at every depth, so within a phase the peak is affine in depth; across
@@ -231,21 +260,28 @@ def _extrapolate(shallow: _Phases, deep: _Phases, plan: DepthPlan) -> _Phases:
     def grow(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
         return {k: plan.extend(a[k], b[k]) for k in CATEGORIES}
 
-    return [(name, plan.extend(p1, p2), grow(c1, c2), grow(e1, e2))
-            for (name, p1, c1, e1), (_, p2, c2, e2) in zip(shallow, deep, strict=True)]
+    a, b = shallow.host, deep.host
+    return SteppedFigures(
+        phases=[PhaseFigures(one.name, plan.extend(one.peak_bytes, two.peak_bytes),
+                             grow(one.at_peak, two.at_peak), grow(one.at_end, two.at_end))
+                for one, two in zip(shallow.phases, deep.phases, strict=True)],
+        host=HostFigures(plan.extend(a.peak_bytes, b.peak_bytes),
+                         plan.extend(a.to_host_bytes, b.to_host_bytes),
+                         plan.extend(a.to_device_bytes, b.to_device_bytes)))
 
 
-def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: _Phases, cache: dict
+def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: list[PhaseFigures], cache: dict
                ) -> tuple[int, dict[str, int]]:
     """One rank's peak and breakdown: every phase's peak and end laid out as `spec.shard` holds the state
     (module docstring); a phase's end after the last backward phase is the state the optimizer sees."""
     layout = shard_layout(spec, config, cache)
-    last_backward = max((i for i, phase in enumerate(phases) if phase[0] not in ("forward", "optimizer")),
+    last_backward = max((i for i, phase in enumerate(phases) if phase.name not in ("forward", "optimizer")),
                         default=-1)
     points = []
-    for i, (name, _, at_peak, at_end) in enumerate(phases):
-        points.append(rank_breakdown(spec, layout, at_peak, name))
-        points.append(rank_breakdown(spec, layout, at_end, "optimizer" if i == last_backward else name))
+    for i, phase in enumerate(phases):
+        points.append(rank_breakdown(spec, layout, phase.at_peak, phase.name))
+        at_end = "optimizer" if i == last_backward else phase.name
+        points.append(rank_breakdown(spec, layout, phase.at_end, at_end))
     best = max(points, key=lambda point: sum(point.values()))
     return sum(best.values()), best
 
