@@ -49,7 +49,7 @@ def test_the_contracts_count_every_import() -> None:
 
 
 def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> None:
-    """The graph sees imports placed inside functions: `parallel.memory` imports `step.search.probe` in one."""
+    """The graph sees imports placed inside functions: `parallel.memory` imports `step.search.probe`."""
     probe = f"{CORE}.step.search.probe"
     assert graph.direct_import_exists(importer=f"{CORE}.parallel.memory", imported=probe)
     lines = [d["line_contents"] for d in graph.get_import_details(
