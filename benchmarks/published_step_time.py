@@ -8,7 +8,8 @@ Each setup (`SETUPS`) is the peer's recipe as close as this project's `StepSpec`
 parallelism (a ring) as Ulysses sequence parallelism over as many ranks (the same attention FLOPs per
 rank; its all-to-alls in place of the ring's sends), FSDP as ZeRO-3 over all GPUs, activation
 checkpointing as the `checkpoint` method, AdamW, bf16, batch 1 per data-parallel group, the attention
-kernel the peer's stack ran (`attn`: sdpa is cuDNN on Hopper, flash FlashAttention-2). The estimate is
+kernel the peer's stack ran (`attn`: sdpa is cuDNN on Hopper, flash FlashAttention-2); a one-GPU
+setup (axolotl) is `checkpoint` on one GPU without an optimizer step. The estimate is
 one rank's step: its compute fitted in the length, plus the all-to-alls, ZeRO's collectives and offload
 copies compute does not hide. A published throughput (tokens/s/GPU) is turned into the step time it
 implies: the step's tokens (gpus / sp sequences) / (tokens/s/GPU x GPUs).
@@ -84,12 +85,34 @@ _TITAN_SETUP = ("torchtitan: FSDP {fsdp} x context parallel {cp} (torch ring att
                 "(Grand Teton; estimated as the H100 SXM5 datasheet part)")
 
 
-_TITAN_RING = ("torch's ring attention of Dec 2024 at CP >= 4: 1.6-1.8x its FLOPs at FlashAttention-2's "
-               "published speed, where CP 1 and 2 of the same table are within 12 %; its causal load "
-               "balancing was on by default (pytorch issue #141429), the ring's K/V sends are ~1 % of a "
-               "step over NVLink, and the 500 W cap or Float8 would move every row alike: not explained "
-               "by this model, so not held to its band")
+_TITAN_RING = ("torch's ring attention as the table ran it (torch 1963fc8; "
+               "torch/distributed/tensor/experimental/_attention.py, read at 0123248: causal load balancing "
+               "on, K/V all-gathered once per call) makes the same FlashAttention-2 calls per ring step at "
+               "CP 2, 4 and 8 (each rank's 32k queries causal, then 32k x 16k or 16k x 32k keys non-causal) "
+               "and the T^2/(2 cp) pairs this model counts; its float32 merges of partial outputs and the "
+               "float32 dK/dV ring of the backward (K/V at 32 heads: torchtitan repeats the 8 KV heads "
+               "before SDPA) come to ~1.1 s at CP 4 and ~2.3 s at CP 8 at the HBM2e part's 2.4 TB/s, and its"
+               " K/V all-gathers and dK/dV sends to at most ~0.6 s and ~1.3 s over NVLink, not the 11.7 s "
+               "and 25.9 s missing. With this model's other parts taken as right, attention runs 1.2x its "
+               "FlashAttention-2 time at CP 1-2 and 1.8-1.9x at CP 4-8 of the same table, a step at CP 4 "
+               "that nothing published in the recipe explains (the 500 W cap and Float8 act on every row): "
+               "not held to the band")
 
+
+_AXOLOTL_3776 = ("axolotl PR #3776 (description's table for Qwen3-8B; "
+                 "benchmarks/bench_checkpoint_activation_offload.py, mode gc)")
+_AXOLOTL_3733 = "axolotl PR #3733 (description's table: Qwen3-8B full-param, single GPU, bf16)"
+_AXOLOTL_SETUP = ("axolotl: Qwen3-8B, one GPU, transformers' gradient checkpointing (use_reentrant False), "
+                  "flash_attention_2, bf16, batch 1, forward and backward only, logits_to_keep=1 "
+                  "(estimated with the whole head and loss: ~3 % more FLOPs)")
+_AXOLOTL_NO_GPU = ("no GPU is named in {where}, so no datasheet part can stand for it: estimated on the H100 "
+                   "SXM5 part and not held to the band")
+
+
+def _single(model: str, seq_len: int) -> StepSpec:
+    """One GPU, activation checkpointing, no optimizer step, FlashAttention-2."""
+    return StepSpec.of(model=model, method="checkpoint", seq_len_tokens=seq_len, optimizer="none",
+                       attn="flash")
 
 def _titan(fsdp: int, cp: int, seq_len: int, tokens_per_s_per_gpu: float) -> Published:
     return Published(_TITAN, _TITAN_SETUP.format(fsdp=fsdp, cp=cp),
@@ -112,6 +135,14 @@ SETUPS = (
     _titan(4, 2, 65_536, 2_540.0),
     _titan(2, 4, 131_072, 1_071.0),
     _titan(1, 8, 262_144, 548.0),
+    Published(_AXOLOTL_3776, _AXOLOTL_SETUP + "; 16,384 tokens: 6,417.9 ms/step (2,552.8 tokens/s)",
+              _single("Qwen/Qwen3-8B", 16_384), "h100", "s_per_step", 6.4179,
+              _AXOLOTL_NO_GPU.format(where="the PR's results table or its benchmark script")),
+    Published(_AXOLOTL_3733, "axolotl: Qwen3-8B full-parameter, one GPU, gradient checkpointing without "
+              "offload, bf16; batch, optimizer and attention kernel not stated (estimated as batch 1, no "
+              "optimizer step, FlashAttention-2); 32,768 tokens: 1,954 tokens/s, 73.1 GB",
+              _single("Qwen/Qwen3-8B", 32_768), "h100", "tokens_per_s_per_gpu", 1_954.0,
+              _AXOLOTL_NO_GPU.format(where="the PR's results table")),
 )
 
 

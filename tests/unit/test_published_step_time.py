@@ -50,6 +50,7 @@ def test_every_committed_row_the_model_is_held_to_is_within_25_percent_and_names
         assert row["regime"].endswith("-bound")
     for row in rows:
         assert row["source"].strip(), row
+        assert row["in_band"] == "True" or row["outside_model"], (row["model"], row["seq_len_tokens"])
 
 
 def test_a_row_is_our_estimate_of_the_setup_beside_the_published_figure(script):
@@ -67,3 +68,6 @@ def test_a_row_is_our_estimate_of_the_setup_beside_the_published_figure(script):
     assert per_step["published_step_s"] == 3.0
     data_parallel = replace(published, spec=spec.replaced(sp=1))  # two sequences a step over two GPUs
     assert data_parallel.step_s() == pytest.approx(2 * 4_096 / (1_000 * 2))
+    one_gpu = replace(published, spec=script._single("tiny/llama", 4_096))  # axolotl's: one GPU, no optimizer
+    assert (one_gpu.spec.gpus, one_gpu.spec.sp, one_gpu.spec.optimizer) == (1, 1, "none")
+    assert one_gpu.step_s() == pytest.approx(4_096 / 1_000)
