@@ -14,7 +14,7 @@ from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.maxlen import sequence
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import sharding, step_specs, writable_results
-from streambp_bench.tokens import UNITS, parse_partition
+from streambp_bench.tokens import UNITS, parse_tokens
 from streambp_bench.workers import start_server, stop_server, worker_count
 from streambp_core.config import ConfigError, check_budget_gib
 from streambp_core.search import SEARCH_CAP_TOKENS
@@ -99,7 +99,10 @@ EPILOG = """[bold]Examples[/]
 
 def _at_length(text: str) -> int:
     """One `--at` length in tokens: 2 up to the search cap (ConfigError otherwise, before any work)."""
-    tokens = None if text.strip().lower() == "auto" else parse_partition(text, "--at")
+    try:
+        tokens = parse_tokens(text, "--at")
+    except ConfigError:
+        tokens = None
     if tokens is None or not 2 <= tokens <= SEARCH_CAP_TOKENS:
         raise ConfigError(f"--at: a length must be a number of tokens from 2 to {SEARCH_CAP_TOKENS:,} "
                           f"(k = 1000, ki = 1024), got {text!r}")
@@ -107,27 +110,16 @@ def _at_length(text: str) -> int:
 
 
 @user_errors
+@opt.step_options("ps", "ps_head", "batch_size", "dtype", "grads", "protocol", "attn", "head_mode",
+                  "objective", "lora_rank", "optimizer", "offload")
 def max_len(
     model: opt.Model = "Qwen/Qwen3-8B",
     method: opt.Methods = "all",
     device: opt.DeviceOption = opt.Device.auto,
     budget_gib: opt.BudgetGib = None,
-    ps: Annotated[str, typer.Option("--ps", help=f"Tokens per decoder-layer chunk (streambp partition, mst "
-                                    f"chunk; {UNITS}), or auto: the largest that fits.")] = "500",
-    ps_head: opt.AutoHeadPartitionSize = "100",
     gpu_model: opt.GpuModelOption = None,
     at: Annotated[str | None, typer.Option("--at", help=f"Comma list of lengths ({UNITS}): the partitions "
                                            "that fit at each, and the estimated step time.")] = None,
-    batch_size: opt.BatchSize = 1,
-    dtype: opt.DtypeOption = opt.Dtype.bfloat16,
-    grads: opt.GradsOption = opt.Grads.auto,
-    protocol: opt.ProtocolOption = opt.Protocol.default,
-    attn: opt.AttnOption = opt.Attn.auto,
-    head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
-    objective: opt.ObjectiveOption = opt.Objective.sft,
-    lora_rank: opt.LoraRank = 0,
-    optimizer: opt.OptimizerOption = opt.Optimizer.none,
-    offload: opt.OffloadOrBothOption = opt.Tiers.NONE,
     host_budget_gib: Annotated[
         float | None,
         typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take (per "
@@ -146,18 +138,15 @@ def max_len(
         Path | None,
         typer.Option("--out", help="Also upsert one row per method (metric max_len) into this results CSV."),
     ] = None,
+    **step: object,
 ) -> None:
-    """Search every method's maximum length and print it (help text: `HELP`)."""
+    """Search every method's maximum length and print it (help text: `HELP`; the step's options, `step`:
+    `options.STEP_OPTIONS`)."""
     ranks = sequence.sequence_fields(sp, gpus, device.value)
     shards, where = sharding(gpus, shard, device.value)
     ranks.update(shards)
-    specs = step_specs(
-        model, method, batch_size=batch_size, dtype=dtype.value,
-        partition_size=parse_partition(ps, "--ps"), head_partition_size=parse_partition(ps_head, "--ps-head"),
-        grads=grads.value, protocol=protocol.value, attn=attn.value, head_mode=head_mode.value,
-        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload,
-        **ranks,
-    )  # every cheap check, before torch is imported
+    fields = opt.step_fields(step)  # every cheap check, before torch is imported
+    specs = step_specs(model, method, fields.pop("offload"), **fields, **ranks)
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
     if host_budget_gib is not None and not any(spec.offload for spec in specs):
