@@ -11,6 +11,8 @@ from streambp_core.inputs import available_cpus as available_cpus
 from streambp_core.inputs import check_budget_gib as check_budget_gib
 from streambp_core.inputs import check_model as check_model
 from streambp_core.inputs import preset_names as preset_names
+from streambp_core.inputs import sequence_group_problem as sequence_group_problem
+from streambp_core.inputs import simulated_ranks_problem as simulated_ranks_problem
 from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
 from streambp_core.tiers import TierError, Tiers, tier_problem
 
@@ -289,9 +291,8 @@ class StepSpec:
             require_positive(name, getattr(self, name))
         if self.sp > 1 and self.shard.startswith("deepspeed"):
             raise ConfigError(f"sp {self.sp} with shard {self.shard}: {SP_UNDER_DEEPSPEED}")
-        if self.gpus % self.sp:
-            raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: the GPUs form groups of sp "
-                              "ranks, each group sharing its sequences")
+        if (problem := sequence_group_problem(self.sp, self.gpus)) is not None:
+            raise ConfigError(problem)
         if self.gpus > 1 and self.shard == "none" and self.sp == 1:
             raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3, deepspeed-zero2/3): "
                               "replicated data parallelism holds on each GPU what one GPU holds")
