@@ -40,9 +40,9 @@ def test_the_contracts_count_every_import() -> None:
     floors = next(c for c in contracts if c.get("containers") == [CORE])
     assert floors["exhaustive"] and floors["layers"][-3].startswith("config")
     assert floors["layers"][-2] == "inputs"  # the checks of what a user names: presets, budgets
-    # the bottom floor: the offload tiers' rules, which config validates with, the precision rule and the
-    # user-input error
-    assert floors["layers"][-1] == "tiers | dtypes | errors"
+    # the bottom floor: the offload tiers' rules, which config validates with, the precision rule, the
+    # user-input error and the settings' choices
+    assert floors["layers"][-1] == "tiers | dtypes | errors | choices"
 
 
 def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> None:
