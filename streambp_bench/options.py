@@ -165,19 +165,21 @@ STEP_OPTIONS = {option.name: option for option in (
 
 
 def step_options(*names: str, **defaults: object) -> Callable[[F], F]:
-    """Decorate a command `f(*, own..., **step)`: Typer sees its own parameters, then the step options
-    `names` and those in `defaults` (`STEP_OPTIONS`, in the table's order), each at the table's default or
-    the one given; their values arrive in `step` (`step_fields` reads them)."""
+    """Decorate a command `f(*, own..., **step)`: Typer sees its own parameters with the step options
+    `names` and those in `defaults` (`STEP_OPTIONS`, in the table's order) before its --json, each at the
+    table's default or the one given; their values arrive in `step` (`step_fields` reads them)."""
     chosen = {name: None for name in names} | defaults
     unknown = set(chosen) - set(STEP_OPTIONS)
     if unknown:
         raise ValueError(f"no step option {sorted(unknown)}")
 
     def decorate(command: F) -> F:
-        own = [parameter for parameter in inspect.signature(command, eval_str=True).parameters.values()
+        own = [parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY)  # Typer passes every one by name
+               for parameter in inspect.signature(command, eval_str=True).parameters.values()
                if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
         named = [option.parameter(chosen[name]) for name, option in STEP_OPTIONS.items() if name in chosen]
-        command.__signature__ = inspect.Signature([*own, *named])  # type: ignore[attr-defined]
+        at = next((i for i, parameter in enumerate(own) if parameter.name == "as_json"), len(own))
+        command.__signature__ = inspect.Signature([*own[:at], *named, *own[at:]])  # type: ignore[attr-defined]
         return command
 
     return decorate
