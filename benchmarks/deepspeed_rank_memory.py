@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from csv_out import script_main
-from fsdp_rank_memory import add_step_arguments, model_config, rank_rows
+from fsdp_rank_memory import add_step_arguments, model_config, partitions, rank_rows
 
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
@@ -61,9 +61,9 @@ def specs(args: argparse.Namespace) -> list[StepSpec]:
               for shard, method, offload in itertools.product(args.shards.split(","), args.methods.split(","),
                                                               args.offloads)
               if offload == "none" or shard != "deepspeed-zero2"]
-    return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=args.ps,
-                        head_partition_size=args.ps_head, dtype="bfloat16", optimizer="adamw",
-                        gpus=args.gpus, shard=shard, offload=offload) for shard, method, offload in combos]
+    return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, **partitions(args),
+                        dtype="bfloat16", optimizer="adamw", gpus=args.gpus, shard=shard, offload=offload)
+            for shard, method, offload in combos]
 
 
 def rows(args: argparse.Namespace) -> list[dict]:

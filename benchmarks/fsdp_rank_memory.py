@@ -20,6 +20,7 @@ from pathlib import Path
 
 from csv_out import script_main
 
+from streambp_bench import options as opt
 from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.tags import CATEGORIES
@@ -37,10 +38,12 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=128, help="0: the preset's")
     parser.add_argument("--intermediate-size", type=int, default=256, help="0: the preset's")
     parser.add_argument("--seq-len", type=token_count("length"), default=256, help=f"tokens ({UNITS})")
-    parser.add_argument("--ps", type=token_count("partition size"), default=64,
-                        help=f"layer partition (streambp; {UNITS})")
-    parser.add_argument("--ps-head", type=token_count("head partition size"), default=64,
-                        help=f"LM-head partition (streambp; {UNITS})")
+    opt.add_step_arguments(parser, ps="64", ps_head="64")
+
+
+def partitions(args: argparse.Namespace) -> dict[str, object]:
+    """The `StepSpec` fields of --ps and --ps-head (ConfigError, one line, for a bad value)."""
+    return opt.step_fields({"ps": args.ps, "ps_head": args.ps_head}, automatic=False)
 
 
 def rank_rows(args: argparse.Namespace, config, spec: StepSpec, rank, sim, compared: dict) -> list[dict]:
@@ -60,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     add_step_arguments(parser)
-    parser.add_argument("--dtype", default="float32")
+    opt.add_step_arguments(parser, dtype="float32")
     parser.add_argument("--gpus", type=int, default=2, help="CPU ranks (at most the cores)")
     parser.add_argument("--shards", default="zero2,zero3", help="comma-separated FSDP2 stages")
     parser.add_argument("--methods", default="streambp,checkpoint", help="comma-separated methods")
@@ -83,9 +86,9 @@ def model_config(args: argparse.Namespace):
 def specs(args: argparse.Namespace) -> list[StepSpec]:
     """One spec per (shard, method, optimizer); bad values are ConfigError before anything runs."""
     combos = itertools.product(*(value.split(",") for value in (args.shards, args.methods, args.optimizers)))
-    return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, partition_size=args.ps,
-                        head_partition_size=args.ps_head, dtype=args.dtype, optimizer=optimizer,
-                        gpus=args.gpus, shard=shard) for shard, method, optimizer in combos]
+    return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len, **partitions(args),
+                        dtype=args.dtype, optimizer=optimizer, gpus=args.gpus, shard=shard)
+            for shard, method, optimizer in combos]
 
 
 def rows(args: argparse.Namespace) -> list[dict]:

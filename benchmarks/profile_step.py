@@ -4,11 +4,12 @@
         --methods checkpoint,streambp --ps-head 100,1024 --out results/gpu/profile.csv
     python benchmarks/profile_step.py --model tiny/qwen3 --seq-len 512 --device cpu --dtype float32
 
-Per (method, head partition): the step time over a few timed repeats (`streambp_core.step.run.timing`: CUDA
-events on a GPU, the wall clock on a CPU), then one profiled step whose kernels are summed by class
-(attention forward/backward, GEMM, copy, other; `streambp_core.measure.kernels`). Prints a table and,
-with `--out`, upserts results rows into that CSV (the project's results schema: metric `step_time` and
-`kernel_ms_<class>`, source measured-cuda or measured-cpu).
+Per (method, head partition; layer partition seq_len / 3 unless `--ps`): the step time over a few timed
+repeats (`streambp_core.step.run.timing`: CUDA events on a GPU, the wall clock on a CPU), then one profiled
+step
+whose kernels are summed by class (attention forward/backward, GEMM, copy, other;
+`streambp_core.measure.kernels`). Prints a table and, with `--out`, upserts results rows into that CSV (the
+project's results schema: metric `step_time` and `kernel_ms_<class>`, source measured-cuda or measured-cpu).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from streambp_bench import options as opt
 from streambp_bench.errors import USER_ERRORS, print_error
 from streambp_bench.results import ResultRow, ResultsFile, provenance, row_head_mode
 from streambp_bench.specs import writable_results
-from streambp_bench.tokens import UNITS, parse_token_list, token_count
+from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.measure.cuda import cuda_available
 from streambp_core.measure.kernels import profile_kernel_time
@@ -38,14 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
     parser.add_argument("--seq-len", type=token_count("length"), default=16384, help=f"tokens ({UNITS})")
     parser.add_argument("--methods", default="checkpoint,streambp")
-    parser.add_argument("--ps", type=token_count("partition size"), default=0,
-                        help=f"layer partition ({UNITS}); 0 means seq_len / 3")
-    parser.add_argument("--ps-head", default="100", help=f"comma-separated LM-head partitions ({UNITS})")
-    parser.add_argument("--attn", default="auto", choices=("auto", "sdpa", "flash"))
-    parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
-                        help="streambp's LM head (auto: fused for sft)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    opt.add_step_arguments(parser, ps=None, ps_head="100", dtype="bfloat16", attn="auto", head_mode="auto")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))  # --ps not given: T / 3
     parser.add_argument("--out", type=Path, help="results CSV to upsert the rows into")
     return parser.parse_args()
 
@@ -70,10 +66,9 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
-def variants(args: argparse.Namespace, partition: int) -> list[StepSpec]:
+def variants(args: argparse.Namespace, partition: int, head_partitions: tuple[int, ...]) -> list[StepSpec]:
     """The step of each (method, LM-head partition) to profile, checked (ConfigError) before any work."""
     precheck_model(args.model)
-    head_partitions = parse_token_list(args.ps_head, "LM-head partition")
     return [StepSpec.of(model=args.model, method=method, seq_len_tokens=args.seq_len,
                         partition_size=partition, head_partition_size=head, dtype=args.dtype, attn=args.attn,
                         head_mode=args.head_mode)
@@ -96,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
     device = ("cuda" if cuda_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not cuda_available():
         raise ConfigError("--device cuda: no CUDA device is available; use --device cpu")
-    partition = args.ps or max(1, -(-args.seq_len // 3))
-    chosen = variants(args, partition)
+    sizes = opt.step_fields({"ps": args.ps, "ps_head": args.ps_head}, listed=("ps_head",), automatic=False)
+    partition = sizes.get("partition_size") or max(1, -(-args.seq_len // 3))
+    chosen = variants(args, partition, sizes["head_partition_size"])
     writable_results(args.out)
     model = build_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     rows = []

@@ -2,12 +2,13 @@
 
     python benchmarks/step_flops.py --auto-budget-gib 24,80,139 --out results/benchmarks/step_flops.csv
 
-Runs one step (loss and backward) per variant on meta tensors (no memory, no GPU, seconds on a CPU) of
-a model cut to a few decoder layers (default: two layers of Qwen3-1.7B at 16k tokens, layer partition
-T/3 as in the paper's timing protocol), and records every aten op (`streambp_core.step.estimate.ops`): matmul
-FLOPs by torch's formulas, ops dispatched (views included) and kernels launched (ops that move data).
-Each variant's figures are also given relative to checkpoint's. Rows are labelled `simulated` (meta
-tensors). Targets: matmul FLOPs <= 1.00x checkpoint, dispatched ops <= 2x checkpoint.
+Runs one step (loss and backward) per variant on meta tensors (no memory, no GPU, seconds on a CPU) of a model
+cut to a few decoder layers (default: two layers of Qwen3-1.7B at 16k tokens, layer partition T/3 unless
+`--ps`, as in the paper's timing protocol), and records every aten op (`streambp_core.step.estimate.ops`):
+matmul FLOPs
+by torch's formulas, ops dispatched (views included) and kernels launched (ops that move data). Each variant's
+figures are also given relative to checkpoint's. Rows are labelled `simulated` (meta tensors). Targets: matmul
+FLOPs <= 1.00x checkpoint, dispatched ops <= 2x checkpoint.
 
 --auto-budget-gib 80,139 adds a streambp row (fused head) per budget at the partitions the automatic
 choice (`--ps auto --ps-head auto`) makes for the full-depth model at that budget, the sizes a GPU step
@@ -22,8 +23,9 @@ from pathlib import Path
 
 from csv_out import emit_rows
 
+from streambp_bench import options as opt
 from streambp_bench.results import RESOLVED_HEAD_MODES as HEAD_MODES
-from streambp_bench.tokens import UNITS, parse_token_list, token_count
+from streambp_bench.tokens import UNITS, token_count
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models.config_file import precheck_model
 
@@ -38,9 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B", help="preset name or local config directory")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers kept (default 2)")
     parser.add_argument("--seq-len", type=token_count("length"), default=16384, help=f"tokens ({UNITS})")
-    parser.add_argument("--ps", type=token_count("partition size"), default=0,
-                        help=f"layer partition ({UNITS}); 0 means seq_len / 3")
-    parser.add_argument("--ps-head", default="1024,100", help=f"comma-separated LM-head partitions ({UNITS})")
+    opt.add_step_arguments(parser, ps=None, ps_head="1024,100")  # --ps not given: seq_len / 3
     parser.add_argument("--head-modes", default="fused,recompute", help="comma-separated head modes")
     parser.add_argument("--auto-budget-gib", default="",
                         help="comma-separated GPU budgets (GiB): a streambp row at the automatic "
@@ -57,8 +57,9 @@ def variants(args) -> list[tuple[str, int, int, str, float | None]]:
     for name, value in (("--layers", args.layers), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, not {value}")
-    partition = args.ps or -(-args.seq_len // 3)
-    heads = parse_token_list(args.ps_head, "LM-head partition")
+    sizes = opt.step_fields({"ps": args.ps, "ps_head": args.ps_head}, listed=("ps_head",), automatic=False)
+    partition = sizes.get("partition_size") or -(-args.seq_len // 3)
+    heads = sizes["head_partition_size"]
     modes = [mode.strip() for mode in args.head_modes.split(",") if mode.strip()]
     unknown = sorted(set(modes) - set(HEAD_MODES))
     if not heads or not modes or unknown:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from csv_out import emit_rows
 
-from streambp_bench.tokens import UNITS, parse_token_list, token_count
+from streambp_bench import options as opt
+from streambp_bench.tokens import UNITS, parse_token_list
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models.config_file import precheck_model
 
@@ -43,11 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B")
     parser.add_argument("--seq-len", default="16384,32768", help=f"comma-separated lengths ({UNITS})")
     parser.add_argument("--methods", default="checkpoint,streambp")
-    parser.add_argument("--ps", type=token_count("partition size"), default=0,
-                        help=f"layer partition ({UNITS}); 0 means seq_len / 3")
-    parser.add_argument("--ps-head", default="1024", help=f"comma-separated LM-head partitions ({UNITS})")
-    parser.add_argument("--head-mode", default="auto", choices=("auto", "fused", "recompute"),
-                        help="streambp's head (auto: fused for sft)")
+    opt.add_step_arguments(parser, ps=None, ps_head="1024", head_mode="auto")  # --ps not given: seq_len / 3
     parser.add_argument("--out", type=Path, help="CSV file for the rows (overwritten); none: print only")
     return parser.parse_args(argv)
 
@@ -103,11 +100,12 @@ def requested_settings(args) -> list[dict]:
 
     gpu_model(args.gpu)
     lengths = parse_token_list(args.seq_len)
-    heads = parse_token_list(args.ps_head, "LM-head partition")
+    sizes = opt.step_fields({"ps": args.ps, "ps_head": args.ps_head}, listed=("ps_head",), automatic=False)
+    heads = sizes["head_partition_size"]
     variants = [(method, head) for method in args.methods.split(",")
                 for head in (heads[:1] if method == "checkpoint" else heads)]
     return [dict(gpu=args.gpu, model=args.model, method=method, seq_len_tokens=length, batch_size=1,
-                 partition_size=args.ps or -(-length // 3), head_partition_size=head,
+                 partition_size=sizes.get("partition_size") or -(-length // 3), head_partition_size=head,
                  head_mode=args.head_mode if method == "streambp" else "", dtype="bfloat16", measured_ms=None)
             for length in lengths for method, head in variants]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from streambp_bench import options as opt
-from streambp_core.config import METHODS, ConfigError, StepSpec
+from streambp_core.config import METHODS, ConfigError, StepSpec, simulated_ranks_problem
 from streambp_core.models.config_file import precheck_model
 from streambp_core.tiers import Tiers, tier_label
 
@@ -79,15 +79,14 @@ def writable_results(out: Path | None) -> Path | None:
 def sharding(gpus: int | None, shard: object | None, device: str) -> tuple[dict[str, object], str]:
     """StepSpec fields of `--gpus`/`--shard` and the device to run on (auto -> sim when --gpus is given).
 
-    ConfigError (one line): --shard without --gpus; --gpus on cpu or cuda (one rank of N is simulated)."""
+    ConfigError (one line): --shard without --gpus; --gpus on cpu or cuda (`simulated_ranks_problem`)."""
     value = getattr(shard, "value", shard)
     if value is not None and gpus is None:
         raise ConfigError("--shard needs --gpus N: the GPUs to shard the model state across")
     if gpus is None:
         return {}, device
-    if device in ("cpu", "cuda"):
-        raise ConfigError(f"--gpus is simulated (one rank of N on meta tensors); it does not apply to "
-                          f"--device {device}: use --device sim")
+    if (problem := simulated_ranks_problem(device, gpus=gpus, shard=value)) is not None:
+        raise ConfigError(problem)
     return {"gpus": gpus, "shard": value or "none"}, "sim"
 
 

@@ -3,7 +3,7 @@
 A count is a number with an optional suffix (`SUFFIXES`): k = 1000, the paper's unit, as on every plot
 axis and in every table (4k = 4000, 1.5k = 1500); ki = 1024 (4ki = 4096); m = 10^6 and mi = 2^20.
 Lists are comma-separated counts and/or inclusive ranges START:STOP:STEP (`parse_token_list`); a
-partition option also takes `auto` (`parse_partition`). Bad text is a ConfigError of one line.
+partition option also takes `auto` (`parse_partitions`). Bad text is a ConfigError of one line.
 
 Nothing here imports torch or transformers, so bad input is refused at once.
 """
@@ -76,28 +76,32 @@ def check_count(count: int, what: str, hint: str = "use a larger STEP") -> None:
         raise ConfigError(f"{what} has {count:,} points; a sweep runs at most {MAX_GRID_POINTS:,} ({hint})")
 
 
-PARTITION_FIELDS = {"--ps": "partition_size", "--ps-head": "head_partition_size"}
-"""The step field each partition option sets."""
+PARTITION_OPTIONS = {"--ps": ("partition size", "partition_size"),
+                     "--ps-head": ("LM-head partition", "head_partition_size")}
+"""Each partition option: what its values are called, and the step field it sets."""
 
 
-def parse_partition(text: str, option: str) -> int | str:
-    """A partition option's value: a token count (`parse_tokens`), or `config.AUTO` for 'auto' (in any
-    case; ConfigError otherwise). `option`: the command line's name of the option (--ps, --ps-head or
-    --at)."""
-    value = text.strip().lower()
-    if value == AUTO:
-        return AUTO
+def parse_partitions(text: str, option: str) -> tuple[int | str, ...]:
+    """A partition option's value: a comma list of token counts and/or ranges (`parse_token_list`), or
+    `config.AUTO` alone for 'auto' (in any case). ConfigError, one line, naming the value, the option
+    (`PARTITION_OPTIONS`) and the field it sets."""
+    what, field = PARTITION_OPTIONS[option]
+    if text.strip().lower() == AUTO:
+        return (AUTO,)
     try:
-        return parse_tokens(value, option)
-    except ConfigError:
-        field = PARTITION_FIELDS.get(option, "length")
-        raise ConfigError(f"{option}: {field} must be a positive number of tokens ({UNITS}) or auto, "
-                          f"got {text!r}") from None
+        return parse_token_list(text, what)
+    except ConfigError as error:
+        raise ConfigError(f"{error} ({option} sets {field}: positive numbers of tokens, {UNITS}, or auto)"
+                          ) from None
 
 
-class BadTokenCount(ValueError, argparse.ArgumentTypeError):
-    """A bad token count in an option's value: what Typer (a ValueError) and argparse (an
-    ArgumentTypeError) both report as one line naming the option."""
+class BadValue(ValueError, argparse.ArgumentTypeError):
+    """A bad option value: what Typer (a ValueError) and argparse (an ArgumentTypeError) both report as one
+    line naming the option."""
+
+
+class BadTokenCount(BadValue):
+    """A bad token count in an option's value."""
 
 
 def token_count(what: str, minimum: int = 0) -> Callable[[str], int]:
@@ -110,6 +114,21 @@ def token_count(what: str, minimum: int = 0) -> Callable[[str], int]:
             return text
         try:
             return parse_tokens(text, what, minimum=minimum)
+        except ConfigError as error:
+            raise BadTokenCount(str(error)) from None
+
+    return parse
+
+
+def partitions(option: str) -> Callable[[str], tuple[int | str, ...]]:
+    """A parser of a partition option's value (Typer's `parser=`, argparse's `type=`): `parse_partitions`,
+    its ConfigError as a `BadTokenCount`; a value already parsed (a default) passes as it is."""
+
+    def parse(text: str | tuple) -> tuple[int | str, ...]:
+        if isinstance(text, tuple):
+            return text
+        try:
+            return parse_partitions(str(text), option)
         except ConfigError as error:
             raise BadTokenCount(str(error)) from None
 

@@ -4,70 +4,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from streambp_core.choices import ATTN_BACKENDS as ATTN_BACKENDS
+from streambp_core.choices import AUTO as AUTO
+from streambp_core.choices import BASELINE_ATTENTION as BASELINE_ATTENTION
+from streambp_core.choices import BASELINE_LOSSES as BASELINE_LOSSES
+from streambp_core.choices import DEEPSPEED_SHARDS as DEEPSPEED_SHARDS
+from streambp_core.choices import DEVICES as DEVICES
+from streambp_core.choices import DTYPES as DTYPES
+from streambp_core.choices import FSDP_STAGES as FSDP_STAGES
+from streambp_core.choices import FUSED_HEAD_OBJECTIVES as FUSED_HEAD_OBJECTIVES
+from streambp_core.choices import GPU_MODEL_NAMES as GPU_MODEL_NAMES
+from streambp_core.choices import GRADS_MODES as GRADS_MODES
+from streambp_core.choices import HEAD_MODES as HEAD_MODES
+from streambp_core.choices import METHODS as METHODS
+from streambp_core.choices import MIN_AUTO_PARTITION as MIN_AUTO_PARTITION
+from streambp_core.choices import OBJECTIVES as OBJECTIVES
+from streambp_core.choices import OPTIMIZERS as OPTIMIZERS
+from streambp_core.choices import PADDINGS as PADDINGS
+from streambp_core.choices import PARTITION_FIELDS as PARTITION_FIELDS
+from streambp_core.choices import PROTOCOLS as PROTOCOLS
+from streambp_core.choices import SHARD_MODES as SHARD_MODES
+from streambp_core.choices import VERIFY_METHODS as VERIFY_METHODS
+from streambp_core.choices import (
+    AttnBackend,
+    Auto,
+    BaselineAttention,
+    BaselineLoss,
+    Dtype,
+    Grads,
+    HeadMode,
+    Method,
+    Objective,
+    Optimizer,
+    Protocol,
+    Shard,
+)
 from streambp_core.errors import ConfigError as ConfigError
 from streambp_core.inputs import MAX_BUDGET_GIB as MAX_BUDGET_GIB
 from streambp_core.inputs import PRESET_DIR as PRESET_DIR
 from streambp_core.inputs import available_cpus as available_cpus
 from streambp_core.inputs import check_budget_gib as check_budget_gib
 from streambp_core.inputs import preset_names as preset_names
-from streambp_core.registry import METHODS as METHODS
-from streambp_core.registry import method_class, methods_where
+from streambp_core.inputs import sequence_group_problem as sequence_group_problem
+from streambp_core.inputs import simulated_ranks_problem as simulated_ranks_problem
+from streambp_core.registry import method_class
 from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
 from streambp_core.tiers import TierError, Tiers, tier_problem
 
-VERIFY_METHODS = methods_where(reference=False)
-"""The methods `verify` compares with plain when none are named."""
-OBJECTIVES = ("sft", "grpo", "dpo")
-ATTN_BACKENDS = ("auto", "sdpa", "flash")
-BASELINE_ATTENTION = ("auto", "engine", "model")
-PADDINGS = ("none", "right", "left")
-"""Where padding goes in each row of a random batch."""
-PROTOCOLS = ("default", "paper", "trl")
-"""Step protocols of a memory figure (see `streambp_core.step.run.protocol`)."""
-BASELINE_LOSSES = ("full", "trl")
-"""How plain and checkpoint compute a GRPO or DPO loss from the model's logits (see StreamConfig)."""
-HEAD_MODES = ("auto", "fused", "recompute")
-"""How streambp's LM head differentiates (see `streambp_core.engine.stream.head`)."""
-FUSED_HEAD_OBJECTIVES = ("sft", "grpo")
-"""Objectives whose loss is linear in its per-sequence sums, so the fused head can serve them."""
 OFFLOAD_MODES = TIER_SETS
 """Which parts of a step live in host memory: "none", or a canonical comma list of tiers (checkpoints,
 optimizer, params; see `streambp_core.tiers`)."""
-SHARD_MODES = ("none", "zero2", "zero3", "deepspeed-zero2", "deepspeed-zero3")
-"""How one rank of `gpus` holds the model state. none: all of it (one GPU). zero2 and zero3: torch FSDP2,
-what `streambp_core.parallel.shard_model` runs (zero2: gradients and optimizer states sharded, parameters
-gathered from forward to backward; zero3: parameters sharded too). deepspeed-zero2: what DeepSpeed ZeRO-2
-allocates with bf16 (the paper's Table 4 engine: replicated bf16 parameters, fp32 master weights and AdamW
-moments and a bf16 gradient partition per rank, gradient buckets); deepspeed-zero3: what DeepSpeed
-ZeRO-3 allocates with bf16 (partitioned bf16 parameters, one unit gathered at a time plus its prefetch,
-the same fp32 partitions; with the optimizer or params tier DeepSpeed's own `offload_optimizer` or
-`offload_param`, `step.simulation.deepspeed_host`). Both simulated (see `streambp_core.step.parts.shards`);
-`streambp_core.parallel.deepspeed` runs the methods on DeepSpeed itself."""
-DEEPSPEED_SHARDS = ("deepspeed-zero2", "deepspeed-zero3")
-"""The shard modes laid out as DeepSpeed allocates (`step.parts.shards.deepspeed_breakdown`)."""
-FSDP_STAGES = ("zero2", "zero3")
-"""The shard stages the engine runs (torch FSDP2; `streambp_core.parallel.fsdp`)."""
-GRADS_MODES = ("resident", "fresh")
-"""Whether parameter gradients exist before the step (resident) or are made by it (fresh)."""
-OPTIMIZERS = ("none", "adamw")
-"""The optimizer of a training step: none (backprop only) or AdamW over the trainable parameters."""
-DTYPES = ("bfloat16", "float16", "float32", "float64")
-DEVICES = ("sim", "cpu", "cuda")
-"""Where a step runs: simulated on meta tensors, or measured on CPU or CUDA tensors."""
-MIN_AUTO_PARTITION = 64
-"""The smallest layer and head partition (tokens) the automatic choice considers
-(`streambp_core.step.search.partitions`)."""
-AUTO = "auto"
-"""A partition size left to the automatic choice: `StreamConfig.partition_size` or `head_partition_size`
-reads AUTO until `step.search.partitions.resolve_partitions` puts the largest that fit there. A max-length
-search runs an automatic partition at MIN_AUTO_PARTITION (`step.search.partitions.searched`: the smallest
-candidate, which reaches the longest length). What runs a step takes sizes in tokens only
-(`require_sized`)."""
-PARTITION_FIELDS = ("partition_size", "head_partition_size")
-"""The `StreamConfig` fields that may read AUTO."""
-GPU_MODEL_NAMES = ("h100", "h200", "a100", "a800")
-"""GPUs whose datasheet figures the step-time estimate knows
-(`streambp_core.step.estimate.roofline.GPU_MODELS`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 """How a figure of a step run on each device was obtained, as every result row says."""
 
@@ -79,17 +65,17 @@ class StreamConfig:
     Validated once, here: the choices, the sizes, and streambp's LM head resolved against the objective
     (auto -> fused where the objective allows it; fused refused where it does not)."""
 
-    objective: str = "sft"
+    objective: Objective = "sft"
     """sft, grpo or dpo (see `streambp_core.engine.stream.objectives`)."""
 
-    partition_size: int | str = 500
+    partition_size: int | Auto = 500
     """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward); or
-    AUTO (resolved before a step runs)."""
+    AUTO (`choices.Auto`, resolved before a step runs)."""
 
-    head_partition_size: int | str = 100
+    head_partition_size: int | Auto = 100
     """Tokens per chunk of the streamed LM head and loss; or AUTO (resolved before a step runs)."""
 
-    head_mode: str = "recompute"
+    head_mode: HeadMode = "recompute"
     """streambp's LM head: 'recompute' recomputes each chunk's logits in backward (least memory, every
     objective); 'fused' takes each chunk's gradients in the forward pass from the logits it already has
     (3 head GEMMs per chunk, not 4, and the logits' softmax once; costs one vocab x hidden gradient buffer
@@ -99,7 +85,7 @@ class StreamConfig:
     mlp_chunk_size: int | None = None
     """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""
 
-    attn: str = "auto"
+    attn: AttnBackend = "auto"
     """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
 
     attn_blocking: bool = True
@@ -107,7 +93,7 @@ class StreamConfig:
     its attention backward over tiles of keys on CUDA, so no kernel buffer grows with the prefix; False
     keeps the unblocked kernels at every length (to measure what blocking saves)."""
 
-    baseline_attention: str = "auto"
+    baseline_attention: BaselineAttention = "auto"
     """Attention of the transformers-driven methods (plain, checkpoint, mst, and streambp through a
     family's own decoder layers, `methods.own_stream`): 'model' keeps the model's own implementation;
     'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no T x T mask, as the
@@ -118,7 +104,7 @@ class StreamConfig:
     A chunk's memory depends only on its position, so the peak is unchanged while the step is not a
     real step; `prepare` refuses it on a model whose parameters are not on the meta device."""
 
-    baseline_loss: str = "full"
+    baseline_loss: BaselineLoss = "full"
     """plain and checkpoint, GRPO and DPO: 'full' takes the objective from the logits of every position in
     at least float32 (`engine.stream.objectives`); 'trl' computes it as TRL 0.17's GRPOTrainer and DPOTrainer
     do
@@ -142,7 +128,9 @@ class StreamConfig:
         if self.keep_chunks is not None:
             require_positive("keep_chunks", self.keep_chunks)
         for name in PARTITION_FIELDS:
-            if getattr(self, name) != AUTO:
+            if getattr(self, name) == AUTO:
+                object.__setattr__(self, name, AUTO)  # the text 'auto' too: the one Auto
+            else:
                 require_positive(name, getattr(self, name))
         if self.mlp_chunk_size is not None:
             require_positive("mlp_chunk_size", self.mlp_chunk_size)
@@ -243,7 +231,7 @@ class StepSpec:
 
     model: str
     """Preset name (`streambp-bench presets`) or a local directory with config.json."""
-    method: str
+    method: Method
     """plain, checkpoint, mst or streambp."""
     seq_len_tokens: int = 4096
     """Tokens per sequence (>= 2)."""
@@ -251,13 +239,13 @@ class StepSpec:
     """Sequences (sft), completions in the group (grpo) or chosen/rejected pairs (dpo)."""
     lora_rank: int = 0
     """0: full-parameter training; R > 0: LoRA adapters of rank R (peft, alpha 4R) on every linear."""
-    optimizer: str = "none"
+    optimizer: Optimizer = "none"
     """none (backprop only) or adamw (a full training step; its moments exist before the step)."""
-    dtype: str = "bfloat16"
-    protocol: str = "default"
+    dtype: Dtype = "bfloat16"
+    protocol: Protocol = "default"
     """default (this project's step), paper (the paper's script; backprop-only steps) or trl (the baselines'
     GRPO and DPO losses as TRL 0.17's trainers compute them, with GRPOTrainer's sampling temperature)."""
-    grads: str = "auto"
+    grads: Grads = "auto"
     """resident (zero gradients exist before the step: a gradient-accumulation micro-step) or fresh (the
     step makes them); auto resolves to fresh with an optimizer (its step sets them to None), else
     resident."""
@@ -269,7 +257,7 @@ class StepSpec:
     """Ranks sharing each sequence (Ulysses sequence parallelism; divides `gpus`): each holds a shard of
     `seq_len_tokens`, and the step runs through `prepare(..., sequence_group=SequenceGroup(...))` (on the
     meta device `SequenceGroup.simulated(sp)`); 1: none."""
-    shard: str = "none"
+    shard: Shard = "none"
     """How each rank holds the model state (`SHARD_MODES`); more than one GPU needs a stage, and a stage
     on one GPU is one FSDP rank (what a single-GPU sharded run holds)."""
     stream: StreamConfig = StreamConfig()
@@ -293,9 +281,8 @@ class StepSpec:
             require_positive(name, getattr(self, name))
         if self.sp > 1 and self.shard.startswith("deepspeed"):
             raise ConfigError(f"sp {self.sp} with shard {self.shard}: {SP_UNDER_DEEPSPEED}")
-        if self.gpus % self.sp:
-            raise ConfigError(f"sp {self.sp} does not divide gpus {self.gpus}: the GPUs form groups of sp "
-                              "ranks, each group sharing its sequences")
+        if (problem := sequence_group_problem(self.sp, self.gpus)) is not None:
+            raise ConfigError(problem)
         if self.gpus > 1 and self.shard == "none" and self.sp == 1:
             raise ConfigError(f"gpus {self.gpus} needs a shard stage (zero2, zero3, deepspeed-zero2/3): "
                               "replicated data parallelism holds on each GPU what one GPU holds")

@@ -46,3 +46,28 @@ def check_budget_gib(budget_gib: float | None, option: str = "--budget-gib") -> 
         raise ConfigError(f"{option} must be a finite positive number of GiB, at most {MAX_BUDGET_GIB:,.0f} "
                           f"(1 PiB), got {budget_gib:g}")
     return budget_gib
+
+
+def sequence_group_problem(sp: int, ranks: int, ranks_flag: str = "--gpus") -> str | None:
+    """Why `sp` sequence-parallel ranks cannot group `ranks` ranks (`ranks_flag`: the option that gives
+    them), in one line; None when they can. The one statement of the rule: sp divides the ranks, which form
+    groups of sp, each group sharing its sequences."""
+    if ranks % sp:
+        return (f"--sp {sp} does not divide {ranks_flag} {ranks}: the ranks form groups of sp, each group "
+                "sharing its sequences")
+    return None
+
+
+def simulated_ranks_problem(device: str, *, gpus: int | None = None, sp: int | None = None,
+                            shard: str | None = None) -> str | None:
+    """Why a step of one rank among several (`gpus`, `sp` per sequence, model state held as `shard`; None
+    or 1 or "none": not given) cannot run on `device` (cpu or cuda: measured), in one line; None when it
+    can. The one statement of
+    the rule: such a rank is simulated only (meta tensors), as measured on cpu or cuda it would be one
+    unsharded GPU."""
+    given = [f"--{name} {value}" for name, value in (("gpus", gpus), ("sp", sp), ("shard", shard))
+             if value not in (None, 1, "none")]
+    if device not in ("cpu", "cuda") or not given:
+        return None
+    return (f"{' '.join(given)}: one rank of N GPUs is simulated only (on meta tensors); it does not apply "
+            f"to --device {device}: use --device sim")

@@ -14,7 +14,7 @@ from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.maxlen import sequence
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import sharding, step_specs, writable_results
-from streambp_bench.tokens import UNITS, parse_partition
+from streambp_bench.tokens import UNITS, parse_tokens
 from streambp_bench.workers import start_server, stop_server, worker_count
 from streambp_core.config import ConfigError, check_budget_gib
 from streambp_core.search import SEARCH_CAP_TOKENS
@@ -36,15 +36,11 @@ HELP = (
     "allocated (--grads resident: a gradient-accumulation micro-step, as in the paper's Fig. 3) or not "
     "(--grads fresh); no optimizer. --protocol paper mimics the paper's script on transformers 4.51 "
     "(output logits held through backward, GQA K/V expanded).\n\n"
-    "[bold]--offload checkpoints[/] keeps what each method saves for backward in host memory (rows "
-    "'+ offload'; 'mst + offload' is the ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint "
-    "offload; with the default --method all, plain, which has nothing to offload, is left out); "
-    "[bold]--offload both[/] searches each method with and without. The table then shows the "
-    "host pool's peak and the GiB copied each way per step; [bold]--host-budget-gib[/] bounds the search "
-    "by the host pool too (without it the host figure is reported, not bounded). More tiers, comma-"
-    "separated: [bold]optimizer[/] (AdamW's states and fp32 masters in host memory, the step run there; "
-    "needs --optimizer adamw) and [bold]params[/] (weights in host memory, a layer gathered at a time), "
-    "e.g. [bold]--offload checkpoints,optimizer,params[/] (or all).\n\n"
+    "[bold]--offload TIERS[/] keeps the tiers the option's help names in host memory (rows '+ offload'; "
+    "with the default --method all, plain, which has nothing to offload, is left out); [bold]--offload "
+    "both[/] searches each method with and without. The table then shows the host pool's peak and the GiB "
+    "copied each way per step; [bold]--host-budget-gib[/] bounds the search by the host pool too (without "
+    "it the host figure is reported, not bounded).\n\n"
     "[bold]--gpus N --shard STAGE[/] simulates one rank of N data-parallel GPUs (one sequence each): its "
     "shards of the weights, gradients and optimizer state, the layers it holds gathered, the gradients in "
     "flight and the buckets (zero2/zero3: torch FSDP2, what the engine runs; deepspeed-zero2/-zero3: "
@@ -99,7 +95,10 @@ EPILOG = """[bold]Examples[/]
 
 def _at_length(text: str) -> int:
     """One `--at` length in tokens: 2 up to the search cap (ConfigError otherwise, before any work)."""
-    tokens = None if text.strip().lower() == "auto" else parse_partition(text, "--at")
+    try:
+        tokens = parse_tokens(text, "--at")
+    except ConfigError:
+        tokens = None
     if tokens is None or not 2 <= tokens <= SEARCH_CAP_TOKENS:
         raise ConfigError(f"--at: a length must be a number of tokens from 2 to {SEARCH_CAP_TOKENS:,} "
                           f"(k = 1000, ki = 1024), got {text!r}")
@@ -107,27 +106,16 @@ def _at_length(text: str) -> int:
 
 
 @user_errors
+@opt.step_options("ps", "ps_head", "batch_size", "dtype", "grads", "protocol", "attn", "head_mode",
+                  "objective", "lora_rank", "optimizer", "offload")
 def max_len(
     model: opt.Model = "Qwen/Qwen3-8B",
     method: opt.Methods = "all",
     device: opt.DeviceOption = opt.Device.auto,
     budget_gib: opt.BudgetGib = None,
-    ps: Annotated[str, typer.Option("--ps", help=f"Tokens per decoder-layer chunk (streambp partition, mst "
-                                    f"chunk; {UNITS}), or auto: the largest that fits.")] = "500",
-    ps_head: opt.AutoHeadPartitionSize = "100",
     gpu_model: opt.GpuModelOption = None,
     at: Annotated[str | None, typer.Option("--at", help=f"Comma list of lengths ({UNITS}): the partitions "
                                            "that fit at each, and the estimated step time.")] = None,
-    batch_size: opt.BatchSize = 1,
-    dtype: opt.DtypeOption = opt.Dtype.bfloat16,
-    grads: opt.GradsOption = opt.Grads.auto,
-    protocol: opt.ProtocolOption = opt.Protocol.default,
-    attn: opt.AttnOption = opt.Attn.auto,
-    head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
-    objective: opt.ObjectiveOption = opt.Objective.sft,
-    lora_rank: opt.LoraRank = 0,
-    optimizer: opt.OptimizerOption = opt.Optimizer.none,
-    offload: opt.OffloadOrBothOption = opt.Tiers.NONE,
     host_budget_gib: Annotated[
         float | None,
         typer.Option("--host-budget-gib", help="Host memory in GiB the offloaded checkpoints may take (per "
@@ -146,18 +134,15 @@ def max_len(
         Path | None,
         typer.Option("--out", help="Also upsert one row per method (metric max_len) into this results CSV."),
     ] = None,
+    **step: object,
 ) -> None:
-    """Search every method's maximum length and print it (help text: `HELP`)."""
+    """Search every method's maximum length and print it (help text: `HELP`; the step's options, `step`:
+    `options.STEP_OPTIONS`)."""
     ranks = sequence.sequence_fields(sp, gpus, device.value)
     shards, where = sharding(gpus, shard, device.value)
     ranks.update(shards)
-    specs = step_specs(
-        model, method, batch_size=batch_size, dtype=dtype.value,
-        partition_size=parse_partition(ps, "--ps"), head_partition_size=parse_partition(ps_head, "--ps-head"),
-        grads=grads.value, protocol=protocol.value, attn=attn.value, head_mode=head_mode.value,
-        objective=objective.value, lora_rank=lora_rank, optimizer=optimizer.value, offload=offload,
-        **ranks,
-    )  # every cheap check, before torch is imported
+    fields = opt.step_fields(step)  # every cheap check, before torch is imported
+    specs = step_specs(model, method, fields.pop("offload"), **fields, **ranks)
     check_budget_gib(budget_gib)
     check_budget_gib(host_budget_gib, "--host-budget-gib")
     if host_budget_gib is not None and not any(spec.offload for spec in specs):

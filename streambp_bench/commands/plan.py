@@ -54,6 +54,7 @@ def _length(text: str) -> int | None:
 
 
 @user_errors
+@opt.step_options("objective", "lora_rank", "batch_size", optimizer="adamw")
 def plan(
     model: opt.Model = "Qwen/Qwen3-8B",
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs of the cluster.")] = 1,
@@ -67,10 +68,6 @@ def plan(
                                                    "offload tiers may take. Default: unbounded, reported."
                                                    )] = None,
     method: opt.Methods = "all",
-    optimizer: opt.OptimizerOption = opt.Optimizer.adamw,
-    objective: opt.ObjectiveOption = opt.Objective.sft,
-    lora_rank: opt.LoraRank = 0,
-    batch_size: opt.BatchSize = 1,
     budget_gib: Annotated[float | None, typer.Option("--budget-gib", help="GPU memory in GiB per GPU; "
                                                      "default: the GPU model's.")] = None,
     jobs: opt.Jobs = None,
@@ -78,8 +75,9 @@ def plan(
                                                   "config, train.py and launch.sh into this folder.")] = None,
     pick: Annotated[int, typer.Option("--pick", min=1, help="With --emit: the K-th fastest recipe.")] = 1,
     as_json: opt.Json = False,
+    **step: object,
 ) -> None:
-    """Rank the recipes that fit (help text: `HELP`)."""
+    """Rank the recipes that fit (help text: `HELP`; the step's options, `step`: `options.STEP_OPTIONS`)."""
     from streambp_bench.recipes.space import GPU_MEMORY_GIB
 
     precheck_model(model)
@@ -87,8 +85,7 @@ def plan(
     methods = method_list(method)
     budget = check_budget_gib(budget_gib) or GPU_MEMORY_GIB[gpu_model.value]
     check_budget_gib(host_gib, "--host-gib")
-    fields = {"optimizer": optimizer.value, "objective": objective.value, "lora_rank": lora_rank,
-              "batch_size": batch_size}
+    fields = opt.step_fields(step)
     if emit_dir is not None:
         writable_folder(emit_dir, "--emit")
     context = start_server(worker_count(jobs, 2 * len(methods), "sim"))

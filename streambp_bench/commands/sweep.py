@@ -21,8 +21,8 @@ from streambp_bench.errors import user_errors
 from streambp_bench.maxlen import packing as packing_note
 from streambp_bench.output import emit, stderr_console
 from streambp_bench.specs import method_list, sharding, spec_label, with_offload, writable_results
-from streambp_bench.tokens import UNITS, parse_partition, parse_token_list
-from streambp_core.config import AUTO, ConfigError, StepSpec, check_budget_gib
+from streambp_bench.tokens import UNITS, parse_token_list
+from streambp_core.config import ConfigError, StepSpec, check_budget_gib
 from streambp_core.models.config_file import precheck_model
 
 if TYPE_CHECKING:
@@ -44,9 +44,8 @@ HELP = (
     "Each row records the attention kernel (--attn), the step protocol and whether gradients existed "
     "before the step, so a sweep with another --attn is other points: it runs them, it does not skip "
     "them.\n\n"
-    "[bold]--offload checkpoints[/] keeps each method's checkpoints in host memory ('mst + offload' is the "
-    "ALST single-GPU recipe: tiled MLP + tiled loss + checkpoint offload); [bold]both[/] runs each point "
-    "with and without (plain only without). Each row records its offload, the host pool's peak "
+    "[bold]--offload TIERS[/] keeps the tiers the option's help names in host memory; [bold]both[/] runs "
+    "each point with and without. Each row records its offload, the host pool's peak "
     "(host_peak_gib) and the GiB copied each way (to_host_gib, to_device_gib).\n\n"
     "[bold]--ps auto[/] / [bold]--ps-head auto[/]: per point, the largest partitions whose simulated "
     "peak fits the budget (the paper's advice; rows record the sizes chosen). [bold]--gpu-model[/] adds "
@@ -108,37 +107,16 @@ def _describe(point: StepSpec, rows: list[ResultRow] | None) -> str:
 
 
 @user_errors
+@opt.step_options("ps", "ps_head", "objective", "lora_rank", "optimizer", "batch_size", "dtype", "attn",
+                  "protocol", "grads", "head_mode", "offload")
 def sweep(
     seq_len: Annotated[
         str,
         typer.Option("--seq-len", "-T", help=f"Comma list and/or START:STOP:STEP ranges; {UNITS}"),
     ] = "4k:32k:4k",
-    ps: Annotated[
-        str, typer.Option("--ps", help=f"Comma list of layer partition sizes (streambp, mst; {UNITS}), or "
-                          "auto: the largest whose simulated peak fits the budget.")
-    ] = "500",
-    ps_head: opt.AutoHeadPartitionSize = "100",
     gpu_model: opt.GpuModelOption = None,
     method: opt.Methods = "checkpoint,streambp",
     model: opt.Models = "Qwen/Qwen3-8B",
-    objective: opt.ObjectiveOption = opt.Objective.sft,
-    lora_rank: opt.LoraRank = 0,
-    optimizer: opt.OptimizerOption = opt.Optimizer.none,
-    batch_size: opt.BatchSize = 1,
-    dtype: opt.DtypeOption = opt.Dtype.bfloat16,
-    attn: Annotated[
-        opt.Attn,
-        typer.Option(
-            "--attn",
-            help="Attention kernel of a CUDA step: flash (flash-attn), sdpa, or auto; recorded in each row. "
-            "A simulated point uses the simulator's flash-like fake kernel whatever this is (a cpu point, "
-            "the exact CPU kernel).",
-        ),
-    ] = opt.Attn.auto,
-    protocol: opt.ProtocolOption = opt.Protocol.default,
-    grads: opt.GradsOption = opt.Grads.auto,
-    head_mode: opt.HeadModeOption = opt.HeadMode.recompute,
-    offload: opt.OffloadOrBothOption = opt.Tiers.NONE,
     gpus: opt.Gpus = None,
     shard: opt.ShardOption = None,
     device: opt.DeviceOption = opt.Device.auto,
@@ -151,8 +129,10 @@ def sweep(
     force: Annotated[bool, typer.Option("--force", help="Re-run points already in --out.")] = False,
     packing: packing_note.PackingOption = None,
     as_json: opt.Json = False,
+    **step: object,
 ) -> None:
-    """Run the grid and upsert its rows into --out (help text: `HELP`)."""
+    """Run the grid and upsert its rows into --out (help text: `HELP`; the step's options, `step`:
+    `options.STEP_OPTIONS`)."""
     from streambp_bench.sweep import grid
 
     check_budget_gib(budget_gib)
@@ -162,24 +142,10 @@ def sweep(
         raise ConfigError("give at least one model")
     for name in models:
         precheck_model(name)
-    auto_layer = ps.strip().lower() == AUTO
-    points = grid.expand_grid(
-        methods=method_list(method),
-        models=models,
-        seq_lens=parse_token_list(seq_len),
-        partition_sizes=(AUTO,) if auto_layer else parse_token_list(ps, "partition size"),
-        head_partition_size=parse_partition(ps_head, "--ps-head"),
-        objective=objective.value,
-        batch_size=batch_size,
-        dtype=dtype.value,
-        lora_rank=lora_rank,
-        optimizer=optimizer.value,
-        attn=attn.value,
-        protocol=protocol.value,
-        grads=grads.value,
-        head_mode=head_mode.value,
-        **ranks,
-    )
+    fields = opt.step_fields(step, listed=("ps",))
+    offload = fields.pop("offload")
+    points = grid.expand_grid(methods=method_list(method), models=models, seq_lens=parse_token_list(seq_len),
+                              partition_sizes=fields.pop("partition_size"), **fields, **ranks)
     points = with_offload(tuple(points), offload, every_method=method.strip() == "all")
     packing = packing_note.check_packing(packing, max(point.seq_len_tokens for point in points), points)
     writable_results(out)

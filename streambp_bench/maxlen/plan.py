@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streambp_bench.specs import spec_label
-from streambp_core.config import ConfigError, StepSpec, check_budget_gib
+from streambp_core.config import ConfigError, StepSpec, check_budget_gib, simulated_ranks_problem
 from streambp_core.measure.units import GIB, format_size
 from streambp_core.registry import method_class
 from streambp_core.search import ProbeResult, SearchResult
@@ -110,8 +110,9 @@ def make_plan(
     target = resolve_target(device, budget_gib)
     if target.device != "sim" and specs[0].is_training_step:
         raise ConfigError("--objective/--lora-rank/--optimizer are simulated only for now: use --device sim")
-    if target.device != "sim" and specs[0].shard != "none":
-        raise ConfigError("a sharded step (--gpus/--shard) is simulated only: use --device sim")
+    if (problem := simulated_ranks_problem(target.device, gpus=specs[0].gpus, sp=specs[0].sp,
+                                           shard=specs[0].shard)) is not None:
+        raise ConfigError(problem)
     resolved = ResolvedModel(specs[0].model)
     specs, refused = runnable(specs, resolved, every_method=every_method)
     needed = resident_bytes(specs[0], resolved.config)

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, sequence_group_problem, simulated_ranks_problem
 
 SpOption = Annotated[
     int | None,
@@ -33,20 +33,16 @@ def sequence_fields(sp: int | None, gpus: int | None, device: str) -> dict[str, 
     it is simulated; on --device cpu it could be no more ranks than cores."""
     if sp is None:
         return {}
-    if device == "cpu":
-        cores = os.cpu_count() or 1
-        if sp > cores:
-            raise ConfigError(f"--sp {sp} on --device cpu needs {sp} rank processes, one per core; this "
-                              f"machine has {cores} cores")
-        raise ConfigError("--sp is simulated (one rank of N on meta tensors); a measured sequence-parallel "
-                          "search does not exist: use --device sim (verify sp checks the ranks on CPU)")
-    if device == "cuda":
-        raise ConfigError("--sp is simulated (one rank of N on meta tensors): use --device sim")
+    cores = os.cpu_count() or 1
+    if device == "cpu" and sp > cores:
+        raise ConfigError(f"--sp {sp} on --device cpu needs {sp} rank processes, one per core; this machine "
+                          f"has {cores} cores (verify sp checks the ranks on CPU)")
+    if (problem := simulated_ranks_problem(device, sp=sp)) is not None:
+        raise ConfigError(problem)
     if gpus is None:
         raise ConfigError(f"--sp {sp} needs --gpus N: the sequence-parallel ranks are among the GPUs")
-    if gpus % sp:
-        raise ConfigError(f"--sp {sp} does not divide --gpus {gpus}: each sequence needs a whole group of "
-                          f"{sp} ranks")
+    if (problem := sequence_group_problem(sp, gpus)) is not None:
+        raise ConfigError(problem)
     return {"sp": sp}
 
 

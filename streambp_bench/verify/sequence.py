@@ -14,7 +14,7 @@ from rich.table import Table
 
 from streambp_bench.output import emit
 from streambp_bench.verify.sharded import on_ranks
-from streambp_core.config import ConfigError
+from streambp_core.config import ConfigError, sequence_group_problem
 from streambp_core.measure.units import format_size
 
 if TYPE_CHECKING:
@@ -25,8 +25,8 @@ def check_sequence_options(sp: int, nproc: int) -> None:
     """ConfigError for an --sp that cannot group the --nproc ranks (before torch is needed)."""
     if sp < 1:
         raise ConfigError(f"--sp must be at least 1, got {sp}")
-    if nproc % sp:
-        raise ConfigError(f"--sp {sp} does not divide --nproc {nproc}: the ranks form groups of sp")
+    if (problem := sequence_group_problem(sp, nproc, "--nproc")) is not None:
+        raise ConfigError(problem)
 
 
 def run_sequence(spec: VerifySpec, nproc: int, sp: int, shard: str | None, *, as_json: bool) -> bool:

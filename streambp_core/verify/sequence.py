@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import streambp_core
-from streambp_core.config import ConfigError, require_choice
+from streambp_core.config import ConfigError, require_choice, sequence_group_problem
 from streambp_core.engine.sequence.attention import kv_replication, lockstep_chunks
 from streambp_core.engine.sequence.group import SequenceGroup, sum_gradients
 from streambp_core.models import build_model, load_config
@@ -74,8 +74,8 @@ def check_sequence_spec(spec: VerifySpec, nproc: int, sp: int, shard: str | None
     check_nproc(nproc, spec.device)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         raise ConfigError(f"sp must be a positive integer, got {sp!r}")
-    if nproc % sp:
-        raise ConfigError(f"--sp {sp} does not divide --nproc {nproc}: the ranks form groups of sp")
+    if (problem := sequence_group_problem(sp, nproc, "--nproc")) is not None:
+        raise ConfigError(problem)
     if spec.step.dtype not in TOLERANCE:
         raise ConfigError(f"sequence-parallel verify compares exact dtypes ({', '.join(TOLERANCE)}), "
                           f"got {spec.step.dtype}")

@@ -40,12 +40,21 @@ def test_the_contracts_count_every_import() -> None:
     floors = next(c for c in contracts if c.get("containers") == [CORE])
     assert floors["exhaustive"] and floors["layers"][-4].startswith("config")
     assert floors["layers"][-3] == "inputs"  # the checks of what a user names: presets, budgets
-    # above the bottom: the offload tiers' rules, which config validates with, the precision rule and the
-    # user-input error
-    assert floors["layers"][-2] == "tiers | dtypes | errors"
-    # under it, the methods by name (what each partitions, streams, accepts, costs), which the tier rules
-    # and the step's validation ask
+    # above the bottom: the offload tiers' rules, which config validates with, the precision rule, the
+    # user-input error and the settings' choices
+    assert floors["layers"][-2] == "tiers | dtypes | errors | choices"
+    # under it, the methods by name (what each partitions, streams, accepts, costs), which the tier rules,
+    # the choices and the step's validation ask
     assert floors["layers"][-1] == "registry"
+
+
+def test_the_method_choice_names_the_registry_s_methods() -> None:
+    from typing import get_args
+
+    from streambp_core.choices import Method
+    from streambp_core.registry import METHODS
+
+    assert get_args(Method) == METHODS
 
 
 def test_a_function_level_import_is_in_the_graph(graph: grimp.ImportGraph) -> None:

@@ -114,7 +114,7 @@ def test_packed_rows_a_sequence_shorter_than_the_ranks_and_hidden_states_are_ref
 def test_a_step_spec_names_its_sequence_ranks():
     spec = StepSpec.of(model="tiny/llama", method="streambp", gpus=8, sp=8, shard="zero3")
     assert spec.sp == 8 and spec.to_dict()["sp"] == 8
-    with pytest.raises(ConfigError, match="sp 3 does not divide gpus 8"):
+    with pytest.raises(ConfigError, match="--sp 3 does not divide --gpus 8"):
         StepSpec.of(model="tiny/llama", method="streambp", gpus=8, sp=3, shard="zero3")
     with pytest.raises(ConfigError, match="less than the 8 sequence-parallel"):
         StepSpec.of(model="tiny/llama", method="streambp", gpus=8, sp=8, shard="zero3", seq_len_tokens=4)

@@ -31,10 +31,14 @@ def test_one_count_takes_every_suffix(text: str, expected: int) -> None:
     assert tokens.parse_tokens(text) == expected
 
 
-def test_a_partition_option_is_a_count_with_the_same_suffixes_or_auto() -> None:
-    assert [tokens.parse_partition(text, "--ps") for text in ("2k", "2ki", "AUTO")] == [2000, 2048, AUTO]
-    with pytest.raises(ConfigError, match=r"--ps-head: head_partition_size must be .* \(k = 1000, ki = 1024"):
-        tokens.parse_partition("0", "--ps-head")
+def test_a_partition_option_is_counts_with_the_same_suffixes_or_auto() -> None:
+    assert [tokens.parse_partitions(text, "--ps") for text in ("2k", "2ki", "AUTO")] == [(2000,), (2048,),
+                                                                                          (AUTO,)]
+    assert tokens.parse_partitions("1k,2k:4k:1k", "--ps") == (1000, 2000, 3000, 4000)
+    with pytest.raises(ConfigError, match=r"bad LM-head partition '0'.*--ps-head sets head_partition_size"):
+        tokens.parse_partitions("0", "--ps-head")
+    with pytest.raises(ConfigError, match=r"bad partition size 'auto'"):
+        tokens.parse_partitions("auto,1k", "--ps")
 
 
 def test_an_argparse_option_reports_a_bad_count_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,23 +226,23 @@ def verify_with_progress(spec) -> VerifyReport:
         return verify_spec(spec, on_stage)
 
 
-def spec_from_options(*, model: str, method: str, seq_len: int, batch_size: int, ps: int, ps_head: int,
-                      dtype: opt.Dtype, seed: int, device: opt.Device = opt.Device.cpu,
-                      nproc: int | None = None, **fields: object) -> VerifySpec:
-    """The `VerifySpec` of a verify command's options (`fields`: padding, objective, lora_rank, attn,
-    head_mode, optimizer, offload, packing where it takes them); ConfigError, before torch, for a model that
-    is not there, an unknown method, a step that cannot run, --device sim, or fewer than 1 rank of `nproc`
-    (whose model is loaded, so one that cannot run is refused before any rank starts)."""
+def spec_from_options(*, model: str, method: str, seq_len: int, device: opt.Device = opt.Device.cpu,
+                      nproc: int | None = None, packing: str | None = None, **options: object) -> VerifySpec:
+    """The `VerifySpec` of a verify command's options (`options`: the step options it takes,
+    `options.STEP_OPTIONS`); ConfigError, before torch, for a model that is not there, an unknown method, a
+    step that cannot run, automatic partitions or --offload both (verify runs one step at the sizes
+    given), --device sim, or fewer than 1 rank of `nproc` (whose model is loaded, so one that cannot run is
+    refused before any rank starts)."""
     precheck_model(model)
     methods = method_list(method)
     if device.value == "sim":
         raise ConfigError("--device sim: verify compares real gradients; use --device cpu or cuda")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
-    step = {name: getattr(value, "value", value) for name, value in fields.items()}
-    rows = {name: step.pop(name) for name in ("padding", "packing") if name in step}
-    step.update(seq_len_tokens=seq_len, batch_size=batch_size, partition_size=ps, head_partition_size=ps_head,
-                dtype=dtype.value, seed=seed)
+    step = opt.step_fields(options, automatic=False, both=False)
+    rows = {name: value for name, value in (("padding", step.pop("padding", None)), ("packing", packing))
+            if value is not None}
+    step["seq_len_tokens"] = seq_len
     StepSpec.of(model=model, method="streambp", **step)  # e.g. a fused head for dpo, before torch
     from streambp_core.measure.cuda import cuda_available
     from streambp_core.verify.methods import VerifySpec
@@ -271,7 +271,8 @@ def verify(*, ctx: typer.Context, **options) -> None:
     notes: tuple[str, ...] = ()
     every_method = _given(ctx, "method") is None or options["method"].strip() == "all"
     if _given(ctx, "method") is None:
-        options["method"], notes = default_methods(options["offload"], options["optimizer"].value)
+        tiers = opt.step_fields({"offload": options["offload"]}, both=False)["offload"]
+        options["method"], notes = default_methods(tiers, options["optimizer"].value)
     spec, refused = without_refused(spec_from_options(**options), every_method=every_method)
     report = verify_with_progress(spec)
     print_report(report, as_json=as_json, refused=refused, notes=notes)

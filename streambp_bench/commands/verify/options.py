@@ -42,23 +42,27 @@ def _option(name: str, annotation: object, default: object) -> inspect.Parameter
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
 
 
+def _step(name: str, default: object = None) -> inspect.Parameter:
+    return opt.STEP_OPTIONS[name].parameter(default)
+
+
 OPTIONS = {parameter.name: parameter for parameter in (
     _option("model", opt.Model, "Qwen/Qwen3-0.6B"),
     _option("method", opt.Methods, DEFAULT_METHOD_LIST),
     _option("seq_len", opt.SeqLen, 128),
-    _option("batch_size", opt.BatchSize, 1),
-    _option("ps", opt.PartitionSize, 48),
-    _option("ps_head", opt.HeadPartitionSize, 32),
-    _option("dtype", opt.DtypeOption, opt.Dtype.float32),
-    _option("padding", opt.PaddingOption, opt.Padding.none),
-    _option("seed", opt.Seed, 0),
+    _step("batch_size"),
+    _step("ps", "48"),
+    _step("ps_head", "32"),
+    _step("dtype", "float32"),
+    _step("padding"),
+    _step("seed"),
     _option("device", opt.DeviceOption, opt.Device.cpu),
-    _option("objective", opt.ObjectiveOption, opt.Objective.sft),
-    _option("lora_rank", opt.LoraRank, 0),
-    _option("attn", opt.AttnOption, opt.Attn.auto),
-    _option("head_mode", opt.HeadModeOption, opt.HeadMode.recompute),
-    _option("optimizer", opt.OptimizerOption, opt.Optimizer.none),
-    _option("offload", opt.OffloadOption, opt.Tiers.NONE),
+    _step("objective"),
+    _step("lora_rank"),
+    _step("attn"),
+    _step("head_mode"),
+    _step("optimizer"),
+    _step("offload"),
     _option("packing", Packing, ""),
 )}
 """Every option of a verify check, in the order the help lists them (`--json` last)."""

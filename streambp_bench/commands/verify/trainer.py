@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from streambp_bench import options as opt
 from streambp_bench.commands.verify.options import STEP, choices, takes
 from streambp_bench.errors import user_errors
 from streambp_bench.specs import method_list
@@ -80,11 +81,12 @@ def trainer(
 
     precheck_model(options["model"])
     parse_settings(settings)  # bad values refused before anything trains
+    step = opt.step_fields({name: options[name] for name in ("ps", "ps_head", "dtype", "batch_size", "seed",
+                                                            "lora_rank", "attn")}, automatic=False)
     if not run_trainer_parity(
-            kind.value, model=options["model"], methods=method_list(options["method"]),
-            dtype=options["dtype"].value, seq_len=options["seq_len"], batch_size=options["batch_size"],
-            ps=options["ps"], ps_head=options["ps_head"], seed=options["seed"],
-            device=options["device"].value, lora_rank=options["lora_rank"], attn=options["attn"].value,
-            data=data.value, settings=settings, as_json=options["as_json"], nproc=nproc, shard=shard,
-            engine=engine.value):
+            kind.value, model=options["model"], methods=method_list(options["method"]), dtype=step["dtype"],
+            seq_len=options["seq_len"], batch_size=step["batch_size"], ps=step["partition_size"],
+            ps_head=step["head_partition_size"], seed=step["seed"], device=options["device"].value,
+            lora_rank=step["lora_rank"], attn=step["attn"], data=data.value, settings=settings,
+            as_json=options["as_json"], nproc=nproc, shard=shard, engine=engine.value):
         raise typer.Exit(code=1)

@@ -23,7 +23,7 @@ from dataclasses import asdict
 import torch
 from transformers import PretrainedConfig
 
-from streambp_core.config import SOURCES, ConfigError, StepSpec
+from streambp_core.config import SOURCES, ConfigError, StepSpec, simulated_ranks_problem
 from streambp_core.measure import host_ram
 from streambp_core.measure.cuda import is_oom, oom_pool
 from streambp_core.registry import method_class
@@ -141,8 +141,9 @@ def max_len(
     `host_budget_bytes`, when given) on `device` ('sim', 'cpu' or 'cuda'): guided by the extrapolated
     simulation, confirmed at full depth (sim) or refined by measurement (cpu, cuda); the result says at
     what depth the answer was confirmed. `model`: the spec's model resolved once (None: resolved here)."""
-    if spec.shard != "none" and device != "sim":
-        raise ConfigError("a sharded step (gpus/shard) is simulated only: one rank of N on meta tensors")
+    problem = simulated_ranks_problem(device, gpus=spec.gpus, sp=spec.sp, shard=spec.shard)
+    if problem is not None:
+        raise ConfigError(problem)
     model = resolved(spec.model, model)
     guide = simulated_probe(spec, model)
     layers = model.num_layers
