@@ -14,11 +14,10 @@ rank an upper bound of the measured one, within 5 % (`simulated_over_measured`).
 DeepSpeed keeps as offloaded state in its host pool (`host_peak_bytes`; on CPU ranks both pools are host
 memory, so the split is DeepSpeed's own buffers against the rest, see
 `streambp_core.parallel.deepspeed_memory`) and the simulated rank lays it out as
-`step.simulation.deepspeed_host`
-does; `host_simulated_over_measured` sets the host pools side by side. The bytes copied to the host are
-comparable (what a GPU rank copies out); the measured `to_device_bytes` are not: on the CPU a gather
-reads its host partition in place (not counted), and ops reading a host buffer into a new tensor count
-as copies that a GPU rank makes from device copies (`streambp_core.parallel.deepspeed_memory`).
+`step.simulation.deepspeed_host` does; `host_simulated_over_measured` sets the host pools side by side. The
+bytes copied to the host are comparable (what a GPU rank copies out); the measured `to_device_bytes` are not:
+on the CPU a gather reads its host partition in place (not counted), and ops reading a host buffer into a new
+tensor count as copies that a GPU rank makes from device copies (`streambp_core.parallel.deepspeed_memory`).
 """
 
 from __future__ import annotations

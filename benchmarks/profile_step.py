@@ -6,8 +6,7 @@
 
 Per (method, head partition; layer partition seq_len / 3 unless `--ps`): the step time over a few timed
 repeats (`streambp_core.step.run.timing`: CUDA events on a GPU, the wall clock on a CPU), then one profiled
-step
-whose kernels are summed by class (attention forward/backward, GEMM, copy, other;
+step whose kernels are summed by class (attention forward/backward, GEMM, copy, other;
 `streambp_core.measure.kernels`). Prints a table and, with `--out`, upserts results rows into that CSV (the
 project's results schema: metric `step_time` and `kernel_ms_<class>`, source measured-cuda or measured-cpu).
 """

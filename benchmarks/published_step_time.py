@@ -17,8 +17,7 @@ implies: the step's tokens (gpus / sp sequences) / (tokens/s/GPU x GPUs).
 ratio = estimated / published; `estimate.STEP_BAND` (0.75-1.25) is the band every estimate carries, and
 `in_band` says whether this row lies in it. Nothing here is tuned to a published number: the efficiencies
 are the kernels' published ones (`step.estimate.attention_kernels`). A row the model does not reach names why
-in
-`outside_model` (empty for the rows the band is held to). Rows are labelled `estimated` (ours) and
+in `outside_model` (empty for the rows the band is held to). Rows are labelled `estimated` (ours) and
 `published` (theirs).
 """
 

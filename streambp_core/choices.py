@@ -74,11 +74,10 @@ PARTITION_FIELDS = ("partition_size", "head_partition_size")
 class Auto(str, Enum):
     """A partition size left to the automatic choice: `StreamConfig.partition_size` or
     `head_partition_size` reads AUTO until `step.search.partitions.resolve_partitions` puts the largest that
-    fit
-    there. A max-length search runs an automatic partition at MIN_AUTO_PARTITION
+    fit there. A max-length search runs an automatic partition at MIN_AUTO_PARTITION
     (`step.search.partitions.searched`: the smallest candidate, which reaches the longest length). What runs a
-    step takes sizes in tokens only (`config.require_sized`). It reads and writes as the text 'auto' (a
-    str: equal to it, the same in JSON and CSV), which `StreamConfig` takes as AUTO."""
+    step takes sizes in tokens only (`config.require_sized`). It reads and writes as the text 'auto' (a str:
+    equal to it, the same in JSON and CSV), which `StreamConfig` takes as AUTO."""
 
     AUTO = "auto"
 

@@ -107,8 +107,7 @@ class StreamConfig:
     baseline_loss: BaselineLoss = "full"
     """plain and checkpoint, GRPO and DPO: 'full' takes the objective from the logits of every position in
     at least float32 (`engine.stream.objectives`); 'trl' computes it as TRL 0.17's GRPOTrainer and DPOTrainer
-    do
-    (`methods.trl_loss`: GRPO's logits for the completion only, per-token log-probs row by row in the
+    do (`methods.trl_loss`: GRPO's logits for the completion only, per-token log-probs row by row in the
     logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
 
     offload: Tiers = Tiers.NONE
@@ -116,8 +115,7 @@ class StreamConfig:
     tier names, stored as the `Tiers` it names (`Tiers.of`).
     checkpoints: what the method saves between forward and backward (layer inputs); checkpoint and mst
     through transformers' checkpoint offload, streambp through `engine.host.checkpoints.HostChain`. params:
-    the
-    weights, gathered a layer at a time (`engine.host.params`). optimizer: `Run.adamw()` gives the host
+    the weights, gathered a layer at a time (`engine.host.params`). optimizer: `Run.adamw()` gives the host
     optimizer (`engine.host.optimizer`). plain refuses checkpoints and params (`check_offload`)."""
 
     def __post_init__(self) -> None:

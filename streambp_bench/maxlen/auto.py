@@ -8,8 +8,7 @@
 - `--at T,...`: for each length, per method, the largest partitions that fit (the fastest, by the
   paper's advice: fewer and larger chunks), or that nothing fits.
 - `--gpu-model`: the estimated step time (`step.estimate.step_estimate.estimate_step`, labelled estimated) at
-  each
-  method's maximum and at each `--at` length, with its band (`StepEstimate.band_s`) and regime
+  each method's maximum and at each `--at` length, with its band (`StepEstimate.band_s`) and regime
   (`StepEstimate.regime`).
 """
 
@@ -83,8 +82,7 @@ class StepAt:
 
 def copies_of(estimate) -> dict | None:
     """The offload copies of a `step.estimate.roofline.StepEstimate` (None without any): bytes each way, the
-    PCIe
-    bandwidth assumed (one direction, the GPU's), their whole time (both directions' bytes over it) and
+    PCIe bandwidth assumed (one direction, the GPU's), their whole time (both directions' bytes over it) and
     the part the step's compute does not hide (in the step time)."""
     if not estimate.pcie_bytes_per_s:
         return None

@@ -70,8 +70,7 @@ def ratio_to_checkpoint(results: list[MethodResult], result: MethodResult) -> fl
 def to_dict(plan: Plan, results: list[MethodResult]) -> dict:
     """The JSON document: model, budget, source, settings (a partition given as auto says "auto", with
     the size the search ran it at, `step.search.partitions.searched`, in `searched_partitions`) and one entry
-    per
-    method."""
+    per method."""
     first = plan.specs[0]
     fields = first.to_dict()
     settings = {k: fields[k] for k in ("batch_size", "dtype", "partition_size", "head_partition_size",

@@ -12,8 +12,7 @@ into result rows:
   second row, metric step_time, with the median and the p20/p80 of the repeats.
 - with a GPU model (`gpu`): a row more, metric step_time, source "estimated", device the GPU's name:
   the roofline estimate of the step (`step.estimate.step_estimate.estimate_step`); empty with the peak row's
-  status
-  when the point does not fit.
+  status when the point does not fit.
 `run_points` writes each point's rows as soon as it finishes (appended: a point costs its own bytes, not
 the file's; a re-run point rewrites the file atomically), so Ctrl-C or a kill
 loses no finished point, and skips points already in the file unless `force` (resume). Its `resolve`

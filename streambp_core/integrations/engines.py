@@ -5,15 +5,14 @@ The engine is read from the trainer's own accelerator (`trainer_engine`):
 
 - **FSDP2** (accelerate's FSDP plugin, `fsdp_version: 2`). StreamBP and MsT run a unit's work through
   `engine.engines.fsdp_unit.sharded_forward`, so every FSDP2 unit they read must be a decoder layer or the
-  root.
-  accelerate 1.15's `fsdp2_prepare_model` carves the embedding and [final norm, LM head] into units of
-  their own; the streamed head reads those weights outside any unit's forward, where they are still
-  sharded. So `stream_trainer` shards the model itself, as the plugin says (`reshard_after_forward`:
-  zero3 when true, zero2 when false), with one unit per decoder layer and the root holding the
-  embedding, the final norm and the head (the layout `verify fsdp` checks), and accelerate, seeing
-  an FSDP2 model, keeps it. The wrap policy must name exactly the decoder layer class
-  (`TRANSFORMER_BASED_WRAP`); any other policy, CPU offload, FSDP's own activation checkpointing,
-  a mixed-precision policy, ignored modules or `cpu_ram_efficient_loading` is refused by name.
+  root. accelerate 1.15's `fsdp2_prepare_model` carves the embedding and [final norm, LM head] into units of
+  their own; the streamed head reads those weights outside any unit's forward, where they are still sharded.
+  So `stream_trainer` shards the model itself, as the plugin says (`reshard_after_forward`: zero3 when true,
+  zero2 when false), with one unit per decoder layer and the root holding the embedding, the final norm and
+  the head (the layout `verify fsdp` checks), and accelerate, seeing an FSDP2 model, keeps it. The wrap policy
+  must name exactly the decoder layer class (`TRANSFORMER_BASED_WRAP`); any other policy, CPU offload, FSDP's
+  own activation checkpointing, a mixed-precision policy, ignored modules or `cpu_ram_efficient_loading` is
+  refused by name.
 - **DeepSpeed** (accelerate's DeepSpeed plugin, ZeRO-1, 2 or 3). The trainer wraps the model in the
   DeepSpeed engine inside `train()`, after `stream_trainer`; ZeRO reduces a gradient from a hook at each
   accumulation into it, and a streamed backward accumulates chunk by chunk. On ZeRO-1/2,

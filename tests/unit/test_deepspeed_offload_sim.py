@@ -1,8 +1,7 @@
 """The simulated DeepSpeed ZeRO-3 rank with DeepSpeed's own offload (`--shard deepspeed-zero3 --offload
 optimizer[,params]`, `step.simulation.deepspeed_host`): the methods' step runs with the checkpoints tier
-only, the
-device keeps the gathered units, DeepSpeed's buckets and the gradients in flight, and the host holds what
-DeepSpeed allocates there (fp32 masters, moments, gradient partitions; with params the partitions)."""
+only, the device keeps the gathered units, DeepSpeed's buckets and the gradients in flight, and the host holds
+what DeepSpeed allocates there (fp32 masters, moments, gradient partitions; with params the partitions)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """One simulated rank of a Ulysses sequence-parallel step (`step.simulation.sequence_layout`) and its
-estimated time
-(`step.estimate.sequence_time`), on tiny presets."""
+estimated time (`step.estimate.sequence_time`), on tiny presets."""
 
 from __future__ import annotations
 

@@ -44,8 +44,7 @@ class PackedAttention:
 def packed_attention(spec, documents: list[list[int]], gpu=None, model=None) -> PackedAttention:
     """`PackedAttention` of `spec` (a `StepSpec`) with rows packed from `documents`; with `gpu` (a
     `step.estimate.roofline.GpuModel`), the unpacked step's estimated attention time too. `model`: the spec's
-    model
-    resolved once (`step.parts.resolved.ResolvedModel`; None: resolved here)."""
+    model resolved once (`step.parts.resolved.ResolvedModel`; None: resolved here)."""
     fraction = attention_flops_fraction(documents, spec.seq_len_tokens)
     attention_ms = None
     if gpu is not None:

@@ -10,12 +10,10 @@ times the estimate answers to (`benchmarks/published_step_time.py`):
 - matmuls: 70 % of peak (cuBLAS bf16 GEMMs of transformer sizes);
 - attention: by kernel, pass and the call's key length, from the kernels' published speed curves
   (`step.estimate.attention_kernels`): on Hopper with torch's SDPA (cuDNN) 60 % forward and 52 % backward at
-  16k
-  keys and more, 37 % and 33 % with FlashAttention-2. A flash kernel's backward does 2.5x its forward's
-  matmul FLOPs (`ops.prefix_attention_flops`), so a checkpointed step's attention is 4.5 forwards:
-  forward, recomputed forward, backward. (A flat 35 % for every pass and kernel, as before, made TRL's
-  1M-token Qwen3-8B step 545 s against the 380 s published: the step runs cuDNN's kernels, not
-  FlashAttention-2's.)
+  16k keys and more, 37 % and 33 % with FlashAttention-2. A flash kernel's backward does 2.5x its forward's
+  matmul FLOPs (`ops.prefix_attention_flops`), so a checkpointed step's attention is 4.5 forwards: forward,
+  recomputed forward, backward. (A flat 35 % for every pass and kernel, as before, made TRL's 1M-token
+  Qwen3-8B step 545 s against the 380 s published: the step runs cuDNN's kernels, not FlashAttention-2's.)
 - everything else: 80 % of HBM bandwidth;
 - 10 us per kernel: launch plus eager PyTorch's host-side dispatch of the op (Python, autograd,
   dispatcher), which a GPU waiting on small kernels cannot hide. This is the one constant set with the
@@ -33,8 +31,7 @@ hidden by nothing: `HOST_ADAM_BYTES_PER_PARAM` streamed per trainable parameter 
 bandwidth (`GpuModel.host_dram_bytes_per_s`, the reference board's two CPU sockets at their datasheet
 rate). Depth (`estimate_by_depth`): the ops of the model cut to two depths that are whole periods of its layer
 pattern apart (`step.parts.depth.depth_plan` with `min_layers=1`: 1 and 2 layers on a uniform model, 4 and 8
-on
-Qwen3.5's 3-linear-1-full hybrid) are recorded and the difference scaled to the full depth (every whole
+on Qwen3.5's 3-linear-1-full hybrid) are recorded and the difference scaled to the full depth (every whole
 period dispatches the same ops), so a 36-layer model costs two short meta steps.
 
 The estimate's band and regime (`StepEstimate.band_s`, `StepEstimate.regime`): every row of the committed

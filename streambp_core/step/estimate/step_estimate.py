@@ -19,8 +19,7 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     (`attention_kernels.attention_kernel`), plus offload copies not hidden by compute (bytes each way from
     `simulate`, at `gpu.pcie_bytes_per_s` per direction) and the host optimizer step. `model`: the spec's
     model resolved once (`step.parts.resolved.ResolvedModel`, whose memo of meta kernels the calls share;
-    None:
-    resolved here). A step over several GPUs (`spec.gpus` > 1, sequence parallel or not) is one rank's
+    None: resolved here). A step over several GPUs (`spec.gpus` > 1, sequence parallel or not) is one rank's
     (`sequence_time`): the same `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`,
     `zero_s` and `interconnect`."""
     from streambp_core.step.estimate.ops import spec_step_ops

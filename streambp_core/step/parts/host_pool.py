@@ -2,8 +2,7 @@
 memory whatever the length, and what stays resident on the device.
 
 Protocol of a step with the optimizer tier: `HostAdamW` (lr 1e-5, as `streambp_core.step.parts.optim`) with
-its
-masters (the parameters' dtype promoted to float32) and moments in host memory; each gradient goes to the
+its masters (the parameters' dtype promoted to float32) and moments in host memory; each gradient goes to the
 host as it is complete. With the params tier every weight lives in host memory and the device holds the
 gathered units only (about two decoder layers, or a layer and the embedding or head).
 """

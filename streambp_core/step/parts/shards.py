@@ -44,9 +44,8 @@ settings) instead, the paper's Table 4 engine:
   two layers', as above); in the optimizer phase the fp32 gradient partition it steps on.
   With DeepSpeed's own offload (`offload`: the optimizer tier is `offload_optimizer`, params is
   `offload_param`; their host side in `step.simulation.deepspeed_host`): offload_optimizer takes the fp32
-  state,
-  the gradient partition, the fp32 gradient and the step's temporaries off the device (the reduce bucket
-  and the gradients in flight stay); offload_param takes the partitions off (the gathered units and the
+  state, the gradient partition, the fp32 gradient and the step's temporaries off the device (the reduce
+  bucket and the gradients in flight stay); offload_param takes the partitions off (the gathered units and the
   persistent parameters stay).
 """
 

@@ -9,8 +9,7 @@ Protocol of a step (the same simulated and measured):
 3. Inputs: `spec.sequences` rows of random tokens, no padding. A backprop-only SFT step passes the ids
    alone (labels are the inputs, made inside the step); a training step passes labels and the
    objective's inputs from `streambp_core.step.parts.batch.objective_inputs` (first quarter of each row the
-   prompt;
-   reference log-probs are inputs: no reference model). GRPO's completion is the last three quarters
+   prompt; reference log-probs are inputs: no reference model). GRPO's completion is the last three quarters
    (`logits_to_keep`); under the trl protocol its logits are divided by TRL's sampling temperature.
 """
 
