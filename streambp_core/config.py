@@ -1,4 +1,6 @@
-"""Frozen, validated configuration objects shared by the engine, the methods and the benchmarks."""
+"""Frozen, validated configuration objects shared by the engine, the methods and the benchmarks: `StepSpec`
+(every setting of one step) here, its `stream` (`stream_config.StreamConfig`), the rules both are checked by
+(`rules`) and the settings' choices (`choices`), which this module also gives under their names."""
 
 from __future__ import annotations
 
@@ -26,15 +28,9 @@ from streambp_core.choices import PROTOCOLS as PROTOCOLS
 from streambp_core.choices import SHARD_MODES as SHARD_MODES
 from streambp_core.choices import VERIFY_METHODS as VERIFY_METHODS
 from streambp_core.choices import (
-    AttnBackend,
-    Auto,
-    BaselineAttention,
-    BaselineLoss,
     Dtype,
     Grads,
-    HeadMode,
     Method,
-    Objective,
     Optimizer,
     Protocol,
     Shard,
@@ -48,173 +44,24 @@ from streambp_core.inputs import preset_names as preset_names
 from streambp_core.inputs import sequence_group_problem as sequence_group_problem
 from streambp_core.inputs import simulated_ranks_problem as simulated_ranks_problem
 from streambp_core.registry import method_class
+from streambp_core.rules import SP_UNDER_DEEPSPEED as SP_UNDER_DEEPSPEED
+from streambp_core.rules import check_method as check_method
+from streambp_core.rules import check_offload as check_offload
+from streambp_core.rules import offload_choice as offload_choice
+from streambp_core.rules import packing_problem as packing_problem
+from streambp_core.rules import require_choice as require_choice
+from streambp_core.rules import require_positive as require_positive
+from streambp_core.stream_config import STREAM_FIELDS as STREAM_FIELDS
+from streambp_core.stream_config import StreamConfig as StreamConfig
+from streambp_core.stream_config import require_sized as require_sized
 from streambp_core.tiers import OFFLOAD_MODES as TIER_SETS
-from streambp_core.tiers import TierError, Tiers, tier_problem
+from streambp_core.tiers import Tiers
 
 OFFLOAD_MODES = TIER_SETS
 """Which parts of a step live in host memory: "none", or a canonical comma list of tiers (checkpoints,
 optimizer, params; see `streambp_core.tiers`)."""
 SOURCES = {"sim": "simulated", "cpu": "measured-cpu", "cuda": "measured-cuda"}
 """How a figure of a step run on each device was obtained, as every result row says."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamConfig:
-    """How a prepared run splits its work along the sequence, and the objective its loss computes.
-
-    Validated once, here: the choices, the sizes, and streambp's LM head resolved against the objective
-    (auto -> fused where the objective allows it; fused refused where it does not)."""
-
-    objective: Objective = "sft"
-    """sft, grpo or dpo (see `streambp_core.engine.stream.objectives`)."""
-
-    partition_size: int | Auto = 500
-    """Tokens per query chunk in a decoder layer's streamed backward (and chunked no-grad forward); or
-    AUTO (`choices.Auto`, resolved before a step runs)."""
-
-    head_partition_size: int | Auto = 100
-    """Tokens per chunk of the streamed LM head and loss; or AUTO (resolved before a step runs)."""
-
-    head_mode: HeadMode = "recompute"
-    """streambp's LM head: 'recompute' recomputes each chunk's logits in backward (least memory, every
-    objective); 'fused' takes each chunk's gradients in the forward pass from the logits it already has
-    (3 head GEMMs per chunk, not 4, and the logits' softmax once; costs one vocab x hidden gradient buffer
-    from forward to backward; `FUSED_HEAD_OBJECTIVES` only); 'auto' fuses wherever the objective allows
-    it, resolved here (the field then reads fused or recompute)."""
-
-    mlp_chunk_size: int | None = None
-    """Tokens per MLP chunk for Mini-Sequence Transformer; None means `partition_size`."""
-
-    attn: AttnBackend = "auto"
-    """Attention kernel: 'flash' (flash-attn), 'sdpa' (torch), 'auto' (flash-attn if importable on CUDA)."""
-
-    attn_blocking: bool = True
-    """streambp: a chunk whose prefix is longer than `engine.attention.blocked.BLOCKED_MIN_KEYS` keys runs
-    its attention backward over tiles of keys on CUDA, so no kernel buffer grows with the prefix; False
-    keeps the unblocked kernels at every length (to measure what blocking saves)."""
-
-    baseline_attention: BaselineAttention = "auto"
-    """Attention of the transformers-driven methods (plain, checkpoint, mst, and streambp through a
-    family's own decoder layers, `methods.own_stream`): 'model' keeps the model's own implementation;
-    'engine' uses StreamBP's prefix-attention kernel (same kernel for every method, and no T x T mask, as the
-    meta device needs); 'auto' is 'engine' on the meta device and 'model' elsewhere."""
-
-    keep_chunks: int | None = None
-    """Simulation only (meta device): every chunk loop runs just its first and last `keep_chunks` chunks.
-    A chunk's memory depends only on its position, so the peak is unchanged while the step is not a
-    real step; `prepare` refuses it on a model whose parameters are not on the meta device."""
-
-    baseline_loss: BaselineLoss = "full"
-    """plain and checkpoint, GRPO and DPO: 'full' takes the objective from the logits of every position in
-    at least float32 (`engine.stream.objectives`); 'trl' computes it as TRL 0.17's GRPOTrainer and DPOTrainer
-    do (`methods.trl_loss`: GRPO's logits for the completion only, per-token log-probs row by row in the
-    logits' dtype). The same loss either way; SFT and the streamed methods are unaffected."""
-
-    offload: Tiers = Tiers.NONE
-    """The tiers in host memory (`streambp_core.tiers`): a `Tiers`, or a comma list or a collection of
-    tier names, stored as the `Tiers` it names (`Tiers.of`).
-    checkpoints: what the method saves between forward and backward (layer inputs); checkpoint and mst
-    through transformers' checkpoint offload, streambp through `engine.host.checkpoints.HostChain`. params:
-    the weights, gathered a layer at a time (`engine.host.params`). optimizer: `Run.adamw()` gives the host
-    optimizer (`engine.host.optimizer`). plain refuses checkpoints and params (`check_offload`)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "offload", offload_choice(self.offload))
-        require_choice("objective", self.objective, OBJECTIVES)
-        require_choice("baseline_attention", self.baseline_attention, BASELINE_ATTENTION)
-        require_choice("baseline_loss", self.baseline_loss, BASELINE_LOSSES)
-        if self.keep_chunks is not None:
-            require_positive("keep_chunks", self.keep_chunks)
-        for name in PARTITION_FIELDS:
-            if getattr(self, name) == AUTO:
-                object.__setattr__(self, name, AUTO)  # the text 'auto' too: the one Auto
-            else:
-                require_positive(name, getattr(self, name))
-        if self.mlp_chunk_size is not None:
-            require_positive("mlp_chunk_size", self.mlp_chunk_size)
-        require_choice("attn", self.attn, ATTN_BACKENDS)
-        require_choice("head_mode", self.head_mode, HEAD_MODES)
-        self._resolve_head_mode()
-
-    def _resolve_head_mode(self) -> None:
-        """auto -> fused where the objective allows it, else recompute; fused refused where it does not."""
-        fusable = self.objective in FUSED_HEAD_OBJECTIVES
-        if self.head_mode == "fused" and not fusable:
-            raise ConfigError(f"head_mode fused needs a loss linear in its per-sequence sums "
-                              f"({', '.join(FUSED_HEAD_OBJECTIVES)}); {self.objective} takes 'recompute'")
-        if self.head_mode == "auto":
-            object.__setattr__(self, "head_mode", "fused" if fusable else "recompute")
-
-    @property
-    def mlp_chunk_tokens(self) -> int:
-        return self.mlp_chunk_size or self.partition_size
-
-    @property
-    def automatic(self) -> tuple[str, ...]:
-        """The partition fields that read AUTO (of `PARTITION_FIELDS`); empty when every size is given."""
-        return tuple(name for name in PARTITION_FIELDS if getattr(self, name) == AUTO)
-
-
-def require_sized(config: StreamConfig) -> None:
-    """Raise ValueError when a partition of `config` still reads AUTO: a step runs sizes in tokens, and
-    an automatic partition is resolved before (`step.search.partitions.resolve_partitions`), so one that gets
-    here is a caller's mistake, not a user's."""
-    if config.automatic:
-        raise ValueError(f"{' and '.join(config.automatic)} {AUTO}: resolve the automatic partitions "
-                         "before running a step (streambp_core.step.search.partitions.resolve_partitions)")
-
-
-def check_offload(method: str, offload: Tiers, optimizer: str | None = None) -> None:
-    """ConfigError when `method` cannot run with the tier set `offload` (and `optimizer`, when known):
-    the one rule, `tiers.tier_problem` (plain keeps no checkpoints and streams no layers; params with an
-    optimizer needs the optimizer tier; the optimizer tier needs an optimizer)."""
-    if (problem := tier_problem(method, offload, optimizer)) is not None:
-        raise ConfigError(problem)
-
-
-def require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    """Raise ConfigError unless `value` is one of `choices` (the message lists them)."""
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def offload_choice(value) -> Tiers:
-    """The tier set `value` names (`Tiers.of`), or ConfigError naming the unknown tier."""
-    try:
-        return Tiers.of(value)
-    except TierError as err:
-        raise ConfigError(str(err)) from None
-
-
-SP_UNDER_DEEPSPEED = ("sequence parallelism does not run under DeepSpeed ZeRO; its weights are whole on each "
-                      "rank or sharded with FSDP2")
-"""Why a step refuses sequence parallelism with a DeepSpeed shard stage (every command says it the same)."""
-
-
-def packing_problem(objective: str, sp: int = 1) -> str | None:
-    """Why packed rows (`--packing`) cannot run with `objective` on `sp` ranks per sequence, in one line;
-    None when they can: packed rows train the sft objective on whole (unsplit) rows."""
-    if objective != "sft":
-        return f"--packing: packed rows train the sft objective, not {objective}"
-    if sp > 1:
-        return "--packing with sequence parallelism: packed rows run unsplit (without --sp)"
-    return None
-
-
-def require_positive(name: str, value: int) -> None:
-    """Raise ConfigError unless `value` is a positive integer (bools are not integers here)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def check_method(method: str) -> str:
-    """Return `method` if it names a known method (`registry.method_class`), else raise ConfigError
-    listing them."""
-    try:
-        method_class(method)
-    except KeyError as err:
-        raise ConfigError(err.args[0]) from None
-    return method
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,8 +218,3 @@ class StepSpec:
         """The step in words, for a result's `how`."""
         lora = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full parameters"
         return f"objective {self.objective}, {lora}, optimizer {self.optimizer}"
-
-
-STREAM_FIELDS = tuple(f.name for f in fields(StreamConfig))
-"""The `StreamConfig` field names, which `StepSpec.of` and `replaced` route into the step's stream."""
-

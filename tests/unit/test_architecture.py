@@ -38,8 +38,10 @@ def test_the_contracts_count_every_import() -> None:
     assert {c["type"] for c in contracts} == {"layers", "forbidden"}
     assert not any(c.get("ignore_imports") for c in contracts)
     floors = next(c for c in contracts if c.get("containers") == [CORE])
-    assert floors["exhaustive"] and floors["layers"][-4].startswith("config")
-    assert floors["layers"][-3] == "inputs"  # the checks of what a user names: presets, budgets
+    assert floors["exhaustive"] and floors["layers"][-5].startswith("config")
+    assert floors["layers"][-4] == "stream_config"  # a step's engine settings, which StepSpec holds
+    # the checks of what a user names (presets, budgets) and the rules the settings are checked by
+    assert floors["layers"][-3] == "inputs | rules"
     # above the bottom: the offload tiers' rules, which config validates with, the precision rule, the
     # user-input error and the settings' choices
     assert floors["layers"][-2] == "tiers | dtypes | errors | choices"
