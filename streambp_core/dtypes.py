@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+FLOAT32_BYTES = 4
+"""Bytes of one float32 element: the widened islands, master weights and optimizer moments are float32."""
+
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     """The wider of float32 and `dtype` (float64 stays float64; half precisions widen to float32)."""

@@ -45,7 +45,7 @@ from streambp_bench.results import (
 from streambp_bench.selfcheck.families import FAMILY_MODELS
 from streambp_bench.selfcheck.gradients import grad_rows
 from streambp_bench.selfcheck.owed import measured_step
-from streambp_core.config import METHODS, StepSpec
+from streambp_core.config import AUTO, METHODS, StepSpec
 from streambp_core.measure.cuda import cuda_available, device_info
 from streambp_core.measure.kernels import profile_kernel_time
 from streambp_core.measure.units import GIB
@@ -59,7 +59,6 @@ from streambp_core.step.search.probe import measure_setup
 from streambp_core.step.simulation.simulate import simulate
 from streambp_core.verify.methods import VerifySpec
 
-AUTO = "auto"
 WORKSPACE_TOLERANCE = 0.03
 """Largest relative gap between a simulated and a measured peak of the kernel-workspace rows."""
 

@@ -44,10 +44,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from streambp_core.dtypes import FLOAT32_BYTES
 from streambp_core.engine.attention import blocked
 from streambp_core.engine.chunks import chunk_bounds
-
-FP32 = 4
 
 
 def _round(x: int, multiple: int) -> int:
@@ -62,8 +61,8 @@ def flash_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, ke
                          element_bytes: int) -> int:
     """FlashAttention-2 `mha_bwd`'s own buffers (module docstring)."""
     q_rounded = _round(queries, 128)
-    softmax_d = FP32 * batch * heads * q_rounded
-    dq_accum = FP32 * batch * q_rounded * heads * _head_rounded(head_dim)
+    softmax_d = FLOAT32_BYTES * batch * heads * q_rounded
+    dq_accum = FLOAT32_BYTES * batch * q_rounded * heads * _head_rounded(head_dim)
     expanded = 0 if heads == kv_heads else 2 * batch * keys * heads * head_dim * element_bytes
     return softmax_d + dq_accum + expanded
 
@@ -73,7 +72,7 @@ def flash_varlen_backward_bytes(batch: int, heads: int, kv_heads: int, queries: 
     """FlashAttention-2 `mha_varlen_bwd`'s own buffers, every token taken as real (module docstring)."""
     rows = batch * queries + 128 * batch
     expanded = 0 if heads == kv_heads else 2 * batch * keys * heads * head_dim * element_bytes
-    return FP32 * heads * rows + FP32 * rows * heads * _head_rounded(head_dim) + expanded
+    return FLOAT32_BYTES * heads * rows + FLOAT32_BYTES * rows * heads * _head_rounded(head_dim) + expanded
 
 
 def blocked_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,
@@ -86,10 +85,10 @@ def blocked_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, 
     largest = 0
     for rows, cols in widest_tiles(queries, keys, window, block_tokens):
         shares = (batch * rows * heads + 2 * batch * cols * kv_heads) * head_dim * element_bytes
-        lse_rows = FP32 * batch * heads * rows
+        lse_rows = FLOAT32_BYTES * batch * heads * rows
         kernel = flash_backward_bytes(batch, heads, kv_heads, rows, cols, head_dim, element_bytes)
         largest = max(largest, kernel + shares + lse_rows)
-    return FP32 * batch * queries * heads * head_dim + largest
+    return FLOAT32_BYTES * batch * queries * heads * head_dim + largest
 
 
 def widest_tiles(queries: int, keys: int, window: int | None, block_tokens: int) -> list[tuple[int, int]]:
@@ -108,8 +107,8 @@ def widest_tiles(queries: int, keys: int, window: int | None, block_tokens: int)
 def cudnn_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,
                          element_bytes: int) -> int:
     """cuDNN attention's backward buffers, estimated (module docstring)."""
-    dq_accum = FP32 * batch * heads * queries * head_dim
-    stats = FP32 * batch * heads * queries
+    dq_accum = FLOAT32_BYTES * batch * heads * queries * head_dim
+    stats = FLOAT32_BYTES * batch * heads * queries
     extra_heads = 2 * batch * keys * (heads - kv_heads) * head_dim * element_bytes
     return dq_accum + stats + extra_heads
 
@@ -120,7 +119,7 @@ def sdpa_masked_backward_bytes(batch: int, heads: int, kv_heads: int, queries: i
     buffers, estimated (module docstring)."""
     expanded = 0 if heads == kv_heads else 4 * batch * keys * heads * head_dim * element_bytes
     bias = batch * queries * _round(keys, 16) * element_bytes
-    efficient = FP32 * batch * heads * (queries + _round(queries, 64) * head_dim)
+    efficient = FLOAT32_BYTES * batch * heads * (queries + _round(queries, 64) * head_dim)
     return expanded + bias + efficient
 
 
@@ -128,11 +127,11 @@ def sinks_math_backward_bytes(batch: int, heads: int, kv_heads: int, queries: in
                               head_dim: int, element_bytes: int) -> int:
     """The engine op's backward with attention sinks: four (B, H, c, e) score-sized buffers in at least
     float32 and the boolean mask (module docstring)."""
-    return 4 * max(FP32, element_bytes) * batch * heads * queries * keys + batch * queries * keys
+    return 4 * max(FLOAT32_BYTES, element_bytes) * batch * heads * queries * keys + batch * queries * keys
 def softcap_math_backward_bytes(batch: int, heads: int, kv_heads: int, queries: int, keys: int,
                                 head_dim: int, element_bytes: int) -> int:
     """The engine's custom ops' score-sized buffers in a soft-capped backward (module docstring)."""
-    return 4 * batch * heads * queries * keys * max(element_bytes, FP32)
+    return 4 * batch * heads * queries * keys * max(element_bytes, FLOAT32_BYTES)
 
 
 _PER_KERNEL = {

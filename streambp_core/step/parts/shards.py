@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from streambp_core.config import FSDP_STAGES, ConfigError, StepSpec, require_choice
+from streambp_core.dtypes import FLOAT32_BYTES
 from streambp_core.models.adapters import decoder_parts
 from streambp_core.tiers import Tiers
 
@@ -67,7 +68,6 @@ DEEPSPEED_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed ZeRO-3's default `stage3_prefetch_bucket_size` (elements gathered ahead of their module)."""
 DEEPSPEED_PERSISTENCE_ELEMENTS = 100_000
 """DeepSpeed ZeRO-3's default `stage3_param_persistence_threshold`: smaller parameters stay whole."""
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,12 +202,12 @@ def deepspeed_breakdown(
     step phase whose single-rank breakdown is given; `optimizer_state` False: a backprop-only step."""
     part = layout.partition_numel
     rank = dict(breakdown_bytes)
-    master = 0 if layout.grad_element_bytes == FP32_BYTES else FP32_BYTES
-    rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state else 0
+    master = 0 if layout.grad_element_bytes == FLOAT32_BYTES else FLOAT32_BYTES
+    rank["optimizer"] = (master + 2 * FLOAT32_BYTES) * part if optimizer_state else 0
     partition = layout.grad_element_bytes * part
     grads = breakdown_bytes.get("grads", 0)
     if phase == "optimizer":
-        rank["grads"] = 2 * partition + FP32_BYTES * part
+        rank["grads"] = 2 * partition + FLOAT32_BYTES * part
         rank["temporaries"] = round(breakdown_bytes.get("temporaries", 0) * layout.trainable_fraction)
     elif phase == "forward":
         rank["grads"] = partition
@@ -235,13 +235,13 @@ def deepspeed_zero3_breakdown(
     gathered = layout.units[0].full + layers[0] + prefetch if phase != "optimizer" else 0
     shards = 0 if offload.params else layout.total("shard")
     rank["weights"] = buffers + shards + layout.persistent_bytes + gathered
-    master = 0 if element == FP32_BYTES else FP32_BYTES
-    rank["optimizer"] = (master + 2 * FP32_BYTES) * part if optimizer_state and not host_optimizer else 0
+    master = 0 if element == FLOAT32_BYTES else FLOAT32_BYTES
+    rank["optimizer"] = (master + 2 * FLOAT32_BYTES) * part if optimizer_state and not host_optimizer else 0
     bucket = element * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
     grads = breakdown_bytes.get("grads", 0)
     rank["grads"] = (0 if host_optimizer else element * part) + bucket
     if phase == "optimizer":
-        rank["grads"] += 0 if host_optimizer else FP32_BYTES * part
+        rank["grads"] += 0 if host_optimizer else FLOAT32_BYTES * part
         scaled = round(breakdown_bytes.get("temporaries", 0) * layout.trainable_fraction)
         rank["temporaries"] = 0 if host_optimizer else scaled
     elif phase != "forward":

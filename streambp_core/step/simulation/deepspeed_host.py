@@ -28,8 +28,9 @@ On top, the checkpoints tier's host copies and their traffic, as the simulated s
 from __future__ import annotations
 
 from streambp_core.config import ConfigError, StepSpec
+from streambp_core.dtypes import FLOAT32_BYTES
 from streambp_core.engine.engines.deepspeed_tiers import OFFLOAD_SECTIONS
-from streambp_core.step.parts.shards import FP32_BYTES, ShardLayout
+from streambp_core.step.parts.shards import ShardLayout
 from streambp_core.tiers import Tiers
 
 DEEPSPEED_SECTIONS = tuple(OFFLOAD_SECTIONS)
@@ -68,9 +69,9 @@ def deepspeed_host(spec: StepSpec, layout: ShardLayout, checkpoints: tuple[int, 
         host += layout.total("shard")
         to_device += 2 * layout.total("shard")  # each unit gathered for its forward and its backward
     if tiers.optimizer and spec.optimizer != "none":
-        master = 0 if element == FP32_BYTES else FP32_BYTES
-        host += (master + 2 * FP32_BYTES) * part + element * part + FP32_BYTES * part
-        to_host += (element + FP32_BYTES) * part
+        master = 0 if element == FLOAT32_BYTES else FLOAT32_BYTES
+        host += (master + 2 * FLOAT32_BYTES) * part + element * part + FLOAT32_BYTES * part
+        to_host += (element + FLOAT32_BYTES) * part
         to_device += element * part + (0 if tiers.params else element * part)
     peak, out, back = checkpoints
     return host + peak, to_host + out, to_device + back
