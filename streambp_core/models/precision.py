@@ -276,7 +276,7 @@ def eager_in_at_least_float32(model: nn.Module,
     model.set_attn_implementation(WIDE_EAGER)
     return True
 FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
-                      "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
+                      "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")
 """Class names of linear attentions whose decay, delta rule and gated norm compute in float32 (and of Mamba2
 mixers, whose SSD scan and gated norm do)."""
 

@@ -34,10 +34,11 @@ from torch.nn import functional as F
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
-from streambp_core.engine.own.arguments import LayerCall
+from streambp_core.engine.own.arguments import LayerCall, layer_outputs
 from streambp_core.engine.own.cache import PrefixCache
 
 ATTENTION, RECURRENT, TOKEN_WISE = "attention", "recurrent", "token-wise"
+PARALLEL = "attention and recurrent"
 """How a decoder layer mixes tokens, as its whole-sequence forward showed (`mixing`)."""
 TOKEN_WISE_BLOCKS = ("mlp", "moe")
 """`block_type`s of transformers' one-mixer blocks (Nemotron-H) that mix no tokens."""
@@ -108,15 +109,12 @@ def mixing(call: LayerCall, cache: StateCache) -> str:
     for a layer the stream cannot carry."""
     family = type(call.layer).__name__
     keys = cache.chunk_keys is not None
-    if keys and cache.wrote_state:
-        raise ConfigError(f"streambp: {family} mixes through both attention keys and values and a recurrent "
-                          "state in one layer, which the own-layer stream does not carry together")
+    if cache.wrote_state and cache.final_halo is None:
+        raise ConfigError(f"streambp: {family} writes a recurrent state to its cache without a conv state, "
+                          "which the streamed recurrence does not carry")
     if keys:
-        return ATTENTION
+        return PARALLEL if cache.wrote_state else ATTENTION  # PARALLEL: `engine.own.parallel`
     if cache.wrote_state:
-        if cache.final_halo is None:
-            raise ConfigError(f"streambp: {family} writes a recurrent state to its cache without a conv "
-                              "state, which the streamed recurrence does not carry")
         return RECURRENT
     if getattr(call.layer, "block_type", None) in TOKEN_WISE_BLOCKS:
         return TOKEN_WISE
@@ -169,11 +167,11 @@ def state_backward(call: LayerCall, kind: str, partition_size: int, implementati
         before = [None if t is None else leaf(t) for t in boundary]  # (state, halo); no state: a short conv
         cache = StateCache(*before)
         with torch.enable_grad():
-            output = call.run(h, cache, _arguments(call, start, end, implementation, hidden.device))
-        written = [t for t in (cache.final_state, cache.final_halo) if t is not None]
+            output = layer_outputs(call.run(h, cache, _arguments(call, start, end, implementation,
+                                                                 hidden.device)))[0]
+        written = [t for t in (cache.final_state, cache.final_halo) if t is not None] if carried else []
         taken = [t for t in before if t is not None]
-        backward_into([output, *(written if carried else [])], [grad_out[:, start:end], *carried], [h, *taken],
-                      params)
+        backward_into([output, *written], [grad_out[:, start:end], *carried], [h, *taken], params)
         grad_in[:, start:end] = grad_or_zeros(h)
         carried = [grad_or_zeros(t) for t in taken]
     return grad_in
