@@ -29,6 +29,7 @@ from streambp_core.engine.own.layer import OwnPlan, streamed_layers
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
+from streambp_core.methods.plain import attends_beyond_the_kernel
 from streambp_core.models.catalogue import BASELINE_METHODS
 from streambp_core.models.generic import head_is_lm_head
 
@@ -111,7 +112,11 @@ def _refusal(run: Run) -> str | None:
 
 def uses_engine_attention(run: Run) -> bool:
     """Whether the own-layer path attends through the engine's kernel: `baseline_attention` "engine", or
-    "auto" on the meta device (`StreamConfig.baseline_attention`)."""
+    "auto" on the meta device (`StreamConfig.baseline_attention`); never where a layer's attention is more
+    than the kernel takes (`methods.plain.attends_beyond_the_kernel`: a sparse-attention indexer's pick),
+    as for plain."""
+    if any(attends_beyond_the_kernel(layer) for layer in run.parts.layers):
+        return False
     choice = run.config.baseline_attention
     if choice == "auto":
         return run.parts.embed.weight.device.type == "meta"
