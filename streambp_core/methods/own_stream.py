@@ -42,9 +42,7 @@ class OwnStream:
         self.run = run
         cause = _refusal(run)
         if cause is not None:
-            runs = ", ".join(BASELINE_METHODS)
-            raise ConfigError(f"streambp: architecture {run.parts.family!r} runs through its own decoder "
-                              f"layers, which do not carry {cause}; {runs} run it")
+            raise ConfigError(refusal_message(run.parts.family, cause))
         config = run.config
         self.engine_attention = uses_engine_attention(run)
         """Whether the layers attend through the engine's kernel (module docstring)."""
@@ -83,16 +81,35 @@ class OwnStream:
         return self.head_function.apply(hidden, objective, self.head, *trainable_parameters([parts.lm_head]))
 
 
-def _refusal(run: Run) -> str | None:
-    """What of `run`'s setting the own-layer path does not carry, in a clause; None when it carries all."""
+def refusal_message(family: str, cause: str) -> str:
+    """streambp's one-line refusal of `family` on the own-layer path, naming `cause` and what runs it."""
+    return (f"streambp: architecture {family!r} runs through its own decoder layers, which do not carry "
+            f"{cause}; {', '.join(BASELINE_METHODS)} run it")
+
+
+def layers_refusal(layers) -> str | None:
+    """What of the decoder layers themselves the own-layer path does not carry, in a clause, whatever the
+    run's setting (`methods.guards.family_refusals` names it before a step); None when it carries them."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
+    if other is not None:
+        return f"a layer that is no transformers GradientCheckpointingLayer ({type(other).__name__})"
+    if any(hasattr(getattr(layer, "self_attn", None), "compressor") for layer in layers):
+        return ("DeepSeek-V4's attention: its compressed keys and values (blocks of 4 and 128 tokens, which "
+                "carry gradients and straddle chunk boundaries) are built through per-layer cache state, and "
+                "the float32 norms, hyper-connections and sinks it keeps in a float64 model hold even its "
+                "sliding layers to float32's accuracy")
+    return None
+
+
+def _refusal(run: Run) -> str | None:
+    """What of `run`'s setting the own-layer path does not carry, in a clause; None when it carries all."""
     config = run.config
     layers = run.parts.layers
-    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
+    structural = layers_refusal(layers)
     causes = (
-        (other is not None, f"a layer that is no transformers GradientCheckpointingLayer "
-                            f"({type(other).__name__})"),
+        (structural is not None, structural),
         (run.sequence_group is not None, "sequence parallelism"),
         (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run),
          "the meta device of a simulation under the model's own attention (transformers' masks read tensor "
@@ -101,11 +118,6 @@ def _refusal(run: Run) -> str | None:
         (zero_stage_of(run.model) is not None, "DeepSpeed ZeRO"),
         (any(is_sharded(layer) for layer in run.parts.layers), "FSDP2 sharding"),
         (run.router_aux is not None, "the router load-balancing loss (output_router_logits)"),
-        (any(hasattr(getattr(layer, "self_attn", None), "compressor") for layer in layers),
-         "DeepSeek-V4's attention: its compressed keys and values (blocks of 4 and 128 tokens, which carry "
-         "gradients and straddle chunk boundaries) are built through per-layer cache state, and the float32 "
-         "norms, hyper-connections and sinks it keeps in a float64 model hold even its sliding layers to "
-         "float32's accuracy"),
     )
     return next((cause for refused, cause in causes if refused), None)
 

@@ -124,6 +124,17 @@ def test_deepseek_v4_streambp_is_refused_by_name(tmp_path):
         streambp_core.prepare(model, "streambp")
 
 
+def test_deepseek_v4_mst_and_streambp_are_refused_before_a_step(tmp_path):
+    """What `verify --method all` leaves out, naming why: mst, whose chunked MLP would drop the `input_ids`
+    the layer hands its hash-routed MoE (a TypeError mid-step before), and streambp, by its layers."""
+    from streambp_core.methods.guards import family_refusals
+    from streambp_core.models.load import load_config
+
+    refusals = family_refusals(load_config(v4_dir(tmp_path)))
+    assert "DeepseekV4DecoderLayer: none of mlp" in refusals["mst"]
+    assert "which do not carry DeepSeek-V4's attention" in refusals["streambp"]
+
+
 @pytest.mark.parametrize("attention", ["model", "engine"])
 def test_deepseek_v4_plain_is_its_own_forward(tmp_path, attention):
     """plain's loss is the model's own forward's: its eager attention (gpt-oss's form, sinks, softmax in the
