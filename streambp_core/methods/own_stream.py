@@ -26,11 +26,11 @@ from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.engines.fsdp_unit import is_sharded
 from streambp_core.engine.engines.reduction import zero_stage_of
 from streambp_core.engine.own.layer import OwnPlan, streamed_layers
+from streambp_core.engine.own.refusals import layers_refusal, refusal_message
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.methods.plain import attends_beyond_the_kernel
-from streambp_core.models.catalogue import BASELINE_METHODS
 from streambp_core.models.generic import head_is_lm_head
 
 
@@ -79,34 +79,6 @@ class OwnStream:
                                     use_cache=False).last_hidden_state
         objective = run.make_objective(labels, **objective_inputs)
         return self.head_function.apply(hidden, objective, self.head, *trainable_parameters([parts.lm_head]))
-
-
-def refusal_message(family: str, cause: str) -> str:
-    """streambp's one-line refusal of `family` on the own-layer path, naming `cause` and what runs it."""
-    return (f"streambp: architecture {family!r} runs through its own decoder layers, which do not carry "
-            f"{cause}; {', '.join(BASELINE_METHODS)} run it")
-
-
-def layers_refusal(layers) -> str | None:
-    """What of the decoder layers themselves the own-layer path does not carry, in a clause, whatever the
-    run's setting (`methods.guards.family_refusals` names it before a step); None when it carries them."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
-    if other is not None:
-        return f"a layer that is no transformers GradientCheckpointingLayer ({type(other).__name__})"
-    if any(hasattr(getattr(layer, "self_attn", None), "compressor") for layer in layers):
-        return ("DeepSeek-V4's attention: its compressed keys and values (blocks of 4 and 128 tokens, which "
-                "carry gradients and straddle chunk boundaries) are built through per-layer cache state, and "
-                "the float32 norms, hyper-connections and sinks it keeps in a float64 model hold even its "
-                "sliding layers to float32's accuracy")
-    if any(hasattr(getattr(getattr(layer, "self_attn", None), "indexer", None), "compress_ratio")
-           for layer in layers):
-        return ("Qwen4-Exp's QSA attention: its indexer selects blocks of keys averaged over "
-                "indexer_compress_ratio tokens (blocks that straddle chunk boundaries) from the rotary "
-                "tables of every key position, and runs before the layer writes its keys and values, where "
-                "the one forward that records them stops")
-    return None
 
 
 def _refusal(run: Run) -> str | None:
