@@ -24,9 +24,11 @@ A layer with a sparse-attention indexer (DSA: DeepSeek-V3.2, GLM-5) picks each q
 grad: step 1 goes on to the indexer and records its pick for the whole sequence (B, T, k), and each chunk's
 indexer returns rows start..end of it (`arguments.key_indices_rows`) instead of scoring again: the indexer
 scores in float32 (and ties at ReLU's zero), so a chunk's own pick can differ from the whole forward's; its
-weights get no gradient, as in plain. A layer that returns more than its hidden states (GLM-5's returns its
-top-k key indices (B, T, k), which the next layer may reuse; Bamba's its attention weights, None under SDPA)
-returns the rest from the whole sequence's forward, with no gradient.
+weights get no gradient, as in plain. Qwen4-Exp's QSA indexer selects keys as a boolean mask (B, 1, T, T)
+and runs before the cache's update: step 1 records its mask first and stops at the keys, and each chunk's
+indexer returns rows start..end against keys 0..end (`pick_rows`). A layer that returns more than its
+hidden states (GLM-5's returns its top-k key indices (B, T, k), which the next layer may reuse; Bamba's its
+attention weights, None under SDPA) returns the rest from the whole sequence's forward, with no gradient.
 A layer that mixes through attention and a recurrent state side by side (Falcon-H1) streams through
 `parallel`; one that mixes through a recurrent state alone, or not at all, through `recurrent`. A layer
 returning a tuple (Falcon-H1's `(hidden,)`) gets a tuple back, as the model indexes it.
@@ -200,7 +202,7 @@ def _picked(layer: nn.Module, pick: Tensor | None, start: int, end: int):
     if indexer is None or pick is None:
         yield
         return
-    rows = key_indices_rows(pick, start, end)
+    rows = pick_rows(pick, start, end)
     indexer.forward = lambda *args, **kwargs: rows
     try:
         yield
@@ -208,16 +210,27 @@ def _picked(layer: nn.Module, pick: Tensor | None, start: int, end: int):
         del indexer.forward
 
 
+def pick_rows(pick: Tensor, start: int, end: int) -> Tensor:
+    """Rows start..end of an indexer's pick: DSA's key positions (B, T, k) (`arguments.key_indices_rows`), or
+    QSA's selection mask (B, 1, T, T) cut to keys 0..end."""
+    if pick.dtype == torch.bool and pick.dim() == 4:
+        return pick[..., start:end, :end]
+    return key_indices_rows(pick, start, end)
+
+
 def whole_keys(call: LayerCall, hidden: Tensor, arguments: dict | None = None,
                ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The layer's keys and values (B, H, T, D) for the whole sequence and its indexer's pick (B, T, k) or
-    None, from one forward stopped at its cache or, with an indexer, at the indexer's output."""
+    """The layer's keys and values (B, H, T, D) for the whole sequence and its indexer's pick or None, from
+    one forward stopped at whichever of its cache's update and its indexer's output comes last (DSA's
+    indexer runs after the update, Qwen4-Exp's QSA indexer before)."""
     indexer = _indexer(call.layer)
     cache, pick = CaptureCache(indexer is not None), []
 
     def record(module, args, output):
         pick.append(output)
-        raise KeysCaptured
+        if cache.keys is not None:
+            raise KeysCaptured
+        cache.indexed = False  # the indexer ran first: stop at the keys
 
     handle = None if indexer is None else indexer.register_forward_hook(record)
     with torch.no_grad(), memory_category(KV):

@@ -133,10 +133,10 @@ def recurrent_bounds(length: int, partition_size: int) -> list[tuple[int, int]]:
 def _arguments(call: LayerCall, start: int, end: int, implementation: str, device) -> dict:
     """The chunk's arguments, its padding mask (B, T) cut to columns start..end. A layer whose mixer reads
     its padding mask under another name (Qwen4-Exp's `conv_mask`, a per-token input cut as the hidden
-    states) keeps its attention mask as `LayerCall.chunk` cuts it."""
+    states, None without padding) keeps its attention mask as `LayerCall.chunk` cuts it."""
     arguments = call.chunk(start, end, implementation, device)
-    own_mask = any(name.endswith("mask") and call.per_token(value) for name, value in call.arguments.items()
-                   if name != "attention_mask")
+    own_mask = any(name.endswith("mask") and (value is None or call.per_token(value))
+                   for name, value in call.arguments.items() if name != "attention_mask")
     if "attention_mask" in call.arguments and not own_mask:
         mask = call.arguments["attention_mask"]
         if mask is not None and not (isinstance(mask, Tensor) and mask.dim() == 2):

@@ -26,10 +26,4 @@ def layers_refusal(layers) -> str | None:
                 "carry gradients and straddle chunk boundaries) are built through per-layer cache state, and "
                 "the float32 norms, hyper-connections and sinks it keeps in a float64 model hold even its "
                 "sliding layers to float32's accuracy")
-    if any(hasattr(getattr(getattr(layer, "self_attn", None), "indexer", None), "compress_ratio")
-           for layer in layers):
-        return ("Qwen4-Exp's QSA attention: its indexer selects blocks of keys averaged over "
-                "indexer_compress_ratio tokens (blocks that straddle chunk boundaries) from the rotary "
-                "tables of every key position, and runs before the layer writes its keys and values, where "
-                "the one forward that records them stops")
     return None
