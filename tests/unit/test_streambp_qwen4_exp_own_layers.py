@@ -2,7 +2,7 @@
 and conv halo carried across chunks, the padding mask read as `conv_mask`), hyper-connection residuals and
 MoE give plain's gradients in float64 for every parameter, batch 2, left and right padding, T not a
 multiple of the partition; its QSA attention layers through their indexer's selection, recorded once per
-layer (the indexer's weights get no gradient, as in plain)."""
+layer (the indexer's weights get no gradient, as in plain); a PLE layer is refused by name."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import streambp_core
+from streambp_core.config import ConfigError
 from streambp_core.models.load import build_model
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch, relative_errors
@@ -80,3 +81,15 @@ def test_the_qsa_selection_shapes_the_loss(tmp_path):
                             dtype=torch.float64, seed=0)
         losses.append(_grads(model, "plain", ids, mask)[0])
     assert abs(losses[0] - losses[1]) > 1e-6
+
+
+def test_a_ple_layer_is_refused_by_name(tmp_path):
+    """A PLE layer's per-layer embedding runs a second short conv beside its Gated DeltaNet's (conv state 1),
+    which the stream does not carry (one conv state per layer)."""
+    directory = config_dir(tmp_path, ple_layer_ids=[1], eos_token_id=2, ngram_vocab_size_base=1000,
+                           split_ngram_parts=4)
+    model = build_model(directory, dtype=torch.float64, seed=0)
+    ids, mask = batch(model.config.vocab_size, 1, 12, "right")
+    with pytest.raises(ConfigError, match="more than one conv or recurrent state per layer"), \
+            streambp_core.prepare(model, "streambp", partition_size=4, head_partition_size=8) as run:
+        run.loss(ids, attention_mask=mask)
