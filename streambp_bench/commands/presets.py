@@ -49,13 +49,22 @@ def preset_rows() -> list[dict]:
                 "layers": config.num_hidden_layers,
                 "hidden": config.hidden_size,
                 "heads": config.num_attention_heads,
-                "kv_heads": config.num_key_value_heads,
+                "kv_heads": _global_value(config, "num_key_value_heads"),
                 "vocab": config.vocab_size,
                 "tied": bool(config.tie_word_embeddings),
                 "params": count_parameters(build_model(config, device="meta")),
             }
         )
     return rows
+
+
+def _global_value(config, name: str):
+    """`config.<name>`, or its config.json value where transformers refuses the attribute because it varies
+    by layer (Gemma 4's key/value heads, global and sliding)."""
+    try:
+        return getattr(config, name)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return config.to_dict().get(name)
 
 
 def _human(count: int) -> str:

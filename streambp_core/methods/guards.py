@@ -52,20 +52,26 @@ def parts_of(model: nn.Module) -> DecoderParts:
 def family_refusals(config) -> dict[str, str]:
     """The methods a model of `config` (a checked transformers config) cannot run because of its family,
     each with its one-line refusal: none for an engine family; for the baselines tier (`models.catalogue`)
-    mst where its pieces do not apply (`models.generic.mst_pieces`, decided on the model built on the meta
-    device). What a command running every method leaves out, naming why; streambp's refusals on the
-    own-layer path (`methods.own_stream`) come when its run is prepared."""
+    mst where its pieces do not apply (`models.generic.mst_pieces`), streambp where its decoder layers
+    cannot be streamed whatever the run (`engine.own.refusals`: DeepSeek-V4's), both decided
+    on the model built on the meta device. What a command running every method leaves out, naming why;
+    streambp's other refusals on the own-layer path come when its run is prepared."""
+    from streambp_core.engine.own.refusals import layers_refusal, refusal_message
     from streambp_core.models.generic import mst_pieces
     from streambp_core.models.load import build_model
 
     if serving(config.model_type).path != "baselines":
         return {}
     model = build_model(config, device="meta", checked=True)
+    layers = decoder_parts(model).layers
     refusals = {}
     try:
-        mst_pieces(model, decoder_parts(model).layers)
+        mst_pieces(model, layers)
     except ConfigError as error:
         refusals["mst"] = str(error)
+    cause = layers_refusal(layers)
+    if cause is not None:
+        refusals["streambp"] = refusal_message(config.model_type, cause)
     return refusals
 
 

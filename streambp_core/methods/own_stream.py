@@ -26,11 +26,12 @@ from streambp_core.engine.chunks import trainable_parameters
 from streambp_core.engine.engines.fsdp_unit import is_sharded
 from streambp_core.engine.engines.reduction import zero_stage_of
 from streambp_core.engine.own.layer import OwnPlan, streamed_layers
+from streambp_core.engine.own.refusals import layers_refusal, refusal_message
 from streambp_core.engine.stream.head import FusedHead, HeadPlan, StreamedHead
 from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
+from streambp_core.methods.plain import attends_beyond_the_kernel
 from streambp_core.models.generic import head_is_lm_head
-from streambp_core.registry import methods_where
 
 
 class OwnStream:
@@ -41,9 +42,7 @@ class OwnStream:
         self.run = run
         cause = _refusal(run)
         if cause is not None:
-            runs = ", ".join(methods_where(drives_modules=False))
-            raise ConfigError(f"streambp: architecture {run.parts.family!r} runs through its own decoder "
-                              f"layers, which do not carry {cause}; {runs} run it")
+            raise ConfigError(refusal_message(run.parts.family, cause))
         config = run.config
         self.engine_attention = uses_engine_attention(run)
         """Whether the layers attend through the engine's kernel (module docstring)."""
@@ -84,14 +83,11 @@ class OwnStream:
 
 def _refusal(run: Run) -> str | None:
     """What of `run`'s setting the own-layer path does not carry, in a clause; None when it carries all."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     config = run.config
     layers = run.parts.layers
-    other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
+    structural = layers_refusal(layers)
     causes = (
-        (other is not None, f"a layer that is no transformers GradientCheckpointingLayer "
-                            f"({type(other).__name__})"),
+        (structural is not None, structural),
         (run.sequence_group is not None, "sequence parallelism"),
         (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run),
          "the meta device of a simulation under the model's own attention (transformers' masks read tensor "
@@ -100,18 +96,17 @@ def _refusal(run: Run) -> str | None:
         (zero_stage_of(run.model) is not None, "DeepSpeed ZeRO"),
         (any(is_sharded(layer) for layer in run.parts.layers), "FSDP2 sharding"),
         (run.router_aux is not None, "the router load-balancing loss (output_router_logits)"),
-        (any(hasattr(getattr(layer, "self_attn", None), "compressor") for layer in layers),
-         "DeepSeek-V4's attention: its compressed keys and values (blocks of 4 and 128 tokens, which carry "
-         "gradients and straddle chunk boundaries) are built through per-layer cache state, and the float32 "
-         "norms, hyper-connections and sinks it keeps in a float64 model hold even its sliding layers to "
-         "float32's accuracy"),
     )
     return next((cause for refused, cause in causes if refused), None)
 
 
 def uses_engine_attention(run: Run) -> bool:
     """Whether the own-layer path attends through the engine's kernel: `baseline_attention` "engine", or
-    "auto" on the meta device (`StreamConfig.baseline_attention`)."""
+    "auto" on the meta device (`StreamConfig.baseline_attention`); never where a layer's attention is more
+    than the kernel takes (`methods.plain.attends_beyond_the_kernel`: a sparse-attention indexer's pick),
+    as for plain."""
+    if any(attends_beyond_the_kernel(layer) for layer in run.parts.layers):
+        return False
     choice = run.config.baseline_attention
     if choice == "auto":
         return run.parts.embed.weight.device.type == "meta"

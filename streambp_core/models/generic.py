@@ -83,14 +83,29 @@ class MstPieces:
 
 def layer_mlp(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's MLP module by transformers' names (`MLP_NAMES`), when its forward takes the
-    hidden states alone (one tensor argument); None otherwise."""
-    mlp = next((getattr(layer, name) for name in MLP_NAMES
-                if isinstance(getattr(layer, name, None), nn.Module)), None)
-    if mlp is None:
+    hidden states alone (one tensor argument) and the layer's forward hands it nothing more (DeepSeek-V4's
+    hash-routed MoE is also given `input_ids`); None otherwise."""
+    name = next((name for name in MLP_NAMES if isinstance(getattr(layer, name, None), nn.Module)), None)
+    if name is None:
         return None
+    mlp = getattr(layer, name)
     parameters = [p for p in inspect.signature(mlp.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    return mlp if len(parameters) == 1 else None
+    return mlp if len(parameters) == 1 and not _called_with_more(layer, name) else None
+
+
+def _called_with_more(layer: nn.Module, name: str) -> bool:
+    """Whether the layer's forward, as its source reads, calls `self.<name>(...)` with more than one
+    argument wherever it calls it (Moshi's calls it with the hidden states alone unless its config asks for
+    per-codebook weights)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(layer).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == name
+             and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"]
+    return bool(calls) and all(len(call.args) + len(call.keywords) > 1 for call in calls)
 
 
 def returns_pair(mlp: nn.Module) -> bool:

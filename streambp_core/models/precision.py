@@ -100,7 +100,7 @@ def _optional_weight_norm_in_at_least_float32(self, x: Tensor) -> Tensor:
 FLOAT32_NORMS = {
     "Gemma4RMSNorm": _optional_weight_norm_in_at_least_float32,
     **dict.fromkeys(("Gemma3RMSNorm", "Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm",
-                     "Qwen3NextRMSNorm"), _norm_in_at_least_float32),
+                     "Qwen3NextRMSNorm", "Qwen4ExpTextRMSNorm"), _norm_in_at_least_float32),
     **dict.fromkeys(("GptOssRMSNorm", "NemotronHRMSNorm"), _weight_norm_in_at_least_float32),
     "Cohere2LayerNorm": _centred_norm_in_at_least_float32,
 }
@@ -276,7 +276,8 @@ def eager_in_at_least_float32(model: nn.Module,
     model.set_attn_implementation(WIDE_EAGER)
     return True
 FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
-                      "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
+                      "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer",
+                      "Qwen4ExpTextGatedDeltaNet")
 """Class names of linear attentions whose decay, delta rule and gated norm compute in float32 (and of Mamba2
 mixers, whose SSD scan and gated norm do)."""
 

@@ -3,17 +3,26 @@ modules transformers builds for each family."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from streambp_core.config import PRESET_DIR
 from streambp_core.engine.stream.linear_grads import gated_mlp
 from streambp_core.models import build_model, load_config
 from streambp_core.models.adapters import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES, TINY_FAMILIES, layer_mlp
+from streambp_core.models.catalogue import serving
 
 
 def test_every_tiny_preset_is_one_familys() -> None:
-    shipped = sorted(path.stem.removeprefix("tiny--") for path in PRESET_DIR.glob("tiny--*.json"))
-    assert shipped == sorted(TINY_FAMILIES)
+    """One tiny preset per engine family; the others are test models of the baselines tier (streambp through
+    their own decoder layers)."""
+    shipped = {path.stem.removeprefix("tiny--"): json.loads(path.read_text())["model_type"]
+               for path in PRESET_DIR.glob("tiny--*.json")}
+    engine = sorted(name for name, kind in shipped.items() if serving(kind).path == "engine")
+    assert engine == sorted(TINY_FAMILIES)
+    assert all(serving(kind).path == "baselines" for name, kind in shipped.items()
+               if name not in TINY_FAMILIES)
     assert len(set(SUPPORTED_FAMILIES)) == len(FAMILIES) == 27
     assert MOE_FAMILIES == ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
                             "llama4_text", "qwen3_5_moe_text", "qwen3_next")

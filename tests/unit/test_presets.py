@@ -16,6 +16,7 @@ from streambp_core.models import (
     load_config,
     tiny_config,
 )
+from streambp_core.models.catalogue import serving
 
 PUBLISHED_PARAMS_B = {
     "Qwen/Qwen3-0.6B": 0.6,
@@ -70,10 +71,17 @@ TINY = ["tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3",
         "tiny/phi3", "tiny/hunyuan", "tiny/apertus", "tiny/ernie4.5", "tiny/exaone4", "tiny/glm4",
         "tiny/qwen2-moe", "tiny/glm4-moe", "tiny/deepseek-v3", "tiny/gpt-oss", "tiny/gemma2", "tiny/llama4",
         "tiny/qwen3.5", "tiny/qwen3.5-moe", "tiny/qwen3-next"]
+TINY_OWN_LAYERS = {"tiny/gemma4": "gemma4_text", "tiny/gemma4-moe": "gemma4_text",
+                   "tiny/nemotron_h": "nemotron_h", "tiny/qwen4_exp": "qwen4_exp_text",
+                   "tiny/glm_moe_dsa": "glm_moe_dsa", "tiny/deepseek_v4": "deepseek_v4",
+                   "tiny/minimax_m2": "minimax_m2", "tiny/ministral3": "ministral3",
+                   "tiny/glm4_moe_lite": "glm4_moe_lite", "tiny/granitemoehybrid": "granitemoehybrid",
+                   "tiny/lfm2": "lfm2"}
+"""Test models of the baselines tier (streambp through their own decoder layers), by their model_type."""
 
 
 def test_presets_cover_the_published_models_and_tiny_ones():
-    assert set(list_presets()) == set(PUBLISHED_PARAMS_B) | set(TINY)
+    assert set(list_presets()) == set(PUBLISHED_PARAMS_B) | set(TINY) | set(TINY_OWN_LAYERS)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_B))
@@ -124,6 +132,15 @@ def test_tiny_preset_builds_a_small_trainable_model(name):
     assert all(param.dtype == torch.float64 and param.device.type == "cpu" for param in model.parameters())
     if model.config.model_type != "deepseek_v3":  # latent attention: one latent for every head, no GQA
         assert model.config.num_key_value_heads < model.config.num_attention_heads
+
+
+@pytest.mark.parametrize("name", sorted(TINY_OWN_LAYERS))
+def test_tiny_own_layer_preset_builds_a_small_baselines_model(name):
+    model = build_model(name, dtype=torch.float64)
+    assert model.config.model_type == TINY_OWN_LAYERS[name]
+    assert serving(model.config.model_type).path == "baselines"
+    assert (model.config.hidden_size, model.config.vocab_size) == (64, 512)
+    assert count_parameters(model) < 2_000_000
 
 
 def test_tiny_qwen2_has_qkv_bias_and_tiny_qwen3_head_dim_differs_from_hidden_over_heads():

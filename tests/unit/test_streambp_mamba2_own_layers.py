@@ -2,8 +2,8 @@
 across chunk boundaries (`engine.own.recurrent`): Nemotron-H (Mamba2, NoPE attention, relu² MLP and MoE
 blocks) and Granite 4.0 (Mamba2 or attention, then MoE) give plain's gradients in float64 for every
 parameter, batch 2, left and right padding, T not a multiple of the partition, chunks shorter than the conv's
-halo, a trailing one-token chunk; the hybrids whose layers return more than their hidden states are refused
-by name."""
+halo, a trailing one-token chunk; Bamba (layers returning (hidden states, None)) and Falcon-H1 (Mamba2 and
+attention side by side in one layer) likewise."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from streambp_core.config import ConfigError
 from streambp_core.models.load import build_model
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch, step
@@ -104,11 +103,36 @@ def test_a_users_from_config_nemotron_h_matches_plain(tmp_path):
         assert err <= (2e-5 if dtypes[name] == torch.float32 else 1e-12), f"{name} relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("family", ["bamba", "falcon_h1"])
-def test_hybrids_the_own_layer_stream_cannot_carry_are_refused_by_name(tmp_path, family):
+@pytest.mark.parametrize(("family", "padding"), [("bamba", "left"), ("falcon_h1", "right"),
+                                                 pytest.param("bamba", "right", marks=pytest.mark.slow),
+                                                 pytest.param("falcon_h1", "left", marks=pytest.mark.slow)])
+def test_bamba_and_falcon_h1_match_plain(tmp_path, family, padding):
+    """Bamba's layers return (hidden states, None) beside them under SDPA; Falcon-H1's run Mamba2 and
+    attention side by side on one input (`engine.own.parallel`: each chunk against the prefix's keys and
+    values and from the state and halo before it) and return a one-tuple."""
+    torch.manual_seed(0)
     model = model_of(tmp_path, family)
-    ids, mask = batch(model.config.vocab_size, 1, 12, "right")
-    reason = {"bamba": "DecoderLayer.forward returns more than the hidden states",
-              "falcon_h1": "mixes through both attention keys and values and a recurrent state"}[family]
-    with pytest.raises(ConfigError, match=reason):
-        step(model, "streambp", ids, mask, partition_size=4, head_partition_size=8)
+    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
+    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=8, head_partition_size=8)
+
+
+def test_falcon_h1_carries_keys_and_state_together(tmp_path, monkeypatch):
+    """Without the carried state (each chunk from zeros) Falcon-H1's mixer is not plain's: both carries are
+    what its exactness rests on."""
+    from streambp_core.engine.own import parallel
+
+    torch.manual_seed(0)
+    model = model_of(tmp_path, "falcon_h1")
+    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, "right")
+    _, ref = step(model, "plain", ids, mask)
+    forward_pass = parallel._forward_pass
+
+    def stateless(*args):
+        keys, values, boundaries = forward_pass(*args)
+        return keys, values, [(None, None)] * len(boundaries)
+
+    monkeypatch.setattr(parallel, "_forward_pass", stateless)
+    _, grads = step(model, "streambp", ids, mask, partition_size=8, head_partition_size=8)
+    mixer = "model.layers.0.mamba.in_proj.weight"
+    assert (grads[mixer] - ref[mixer]).norm() > 1e-3 * ref[mixer].norm()
+

@@ -64,6 +64,22 @@ def test_streambp_through_sparse_attention_layers_matches_plain(tmp_path, family
     assert max(errors.values()) <= 1e-12, max(errors.items(), key=lambda item: item[1])
 
 
+def test_an_unpadded_batch_under_the_engine_attention_choice_keeps_the_models_own_attention(tmp_path):
+    """`baseline_attention="engine"` (what a CLI step resolves "auto" to) leaves the indexed layers their
+    own attention, as plain does: the engine kernel takes no pick, and without padding it hands the layers
+    no mask, which the indexer reads (GLM-5's indexer failed on `attention_mask[:, 0]` of None)."""
+    torch.manual_seed(0)
+    model = build_model(dsa_dir(tmp_path, "glm_moe_dsa"), dtype=torch.float64, seed=0)
+    ids = batch(model.config.vocab_size, 1, SEQ_LEN, "right")[0]
+    plain_loss, plain = grads_of(model, "plain", ids, None, baseline_attention="engine")
+    loss, grads = grads_of(model, "streambp", ids, None, partition_size=8, head_partition_size=8,
+                           baseline_attention="engine")
+    assert abs(loss - plain_loss) <= 1e-12 * abs(plain_loss)
+    errors = relative_errors({n: g for n, g in grads.items() if g is not None},
+                             {n: g for n, g in plain.items() if g is not None})
+    assert max(errors.values()) <= 1e-12, max(errors.items(), key=lambda item: item[1])
+
+
 def test_the_indexer_pick_shapes_the_loss(tmp_path):
     """The tests' configs are not vacuous: keeping every key changes the loss."""
     ids, mask = batch(512, 2, SEQ_LEN, "right")
@@ -106,6 +122,17 @@ def test_deepseek_v4_streambp_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="'deepseek_v4' runs through its own decoder layers, which do not "
                                           "carry DeepSeek-V4's attention: its compressed keys and values"):
         streambp_core.prepare(model, "streambp")
+
+
+def test_deepseek_v4_mst_and_streambp_are_refused_before_a_step(tmp_path):
+    """What `verify --method all` leaves out, naming why: mst, whose chunked MLP would drop the `input_ids`
+    the layer hands its hash-routed MoE (a TypeError mid-step before), and streambp, by its layers."""
+    from streambp_core.methods.guards import family_refusals
+    from streambp_core.models.load import load_config
+
+    refusals = family_refusals(load_config(v4_dir(tmp_path)))
+    assert "DeepseekV4DecoderLayer: none of mlp" in refusals["mst"]
+    assert "which do not carry DeepSeek-V4's attention" in refusals["streambp"]
 
 
 @pytest.mark.parametrize("attention", ["model", "engine"])

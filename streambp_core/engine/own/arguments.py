@@ -129,6 +129,15 @@ class LayerCall:
                                   "stream does not know how to cut")
 
 
+def layer_outputs(returned: Any) -> tuple[Tensor | None, ...] | None:
+    """A layer's return as a tuple (the hidden states first, then tensors or None); None when it is not
+    one."""
+    outputs = returned if isinstance(returned, tuple) else (returned,)
+    if not isinstance(outputs[0], Tensor) or not all(t is None or isinstance(t, Tensor) for t in outputs):
+        return None
+    return outputs
+
+
 def _tensors(value: Any) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]

@@ -24,9 +24,14 @@ A layer with a sparse-attention indexer (DSA: DeepSeek-V3.2, GLM-5) picks each q
 grad: step 1 goes on to the indexer and records its pick for the whole sequence (B, T, k), and each chunk's
 indexer returns rows start..end of it (`arguments.key_indices_rows`) instead of scoring again: the indexer
 scores in float32 (and ties at ReLU's zero), so a chunk's own pick can differ from the whole forward's; its
-weights get no gradient, as in plain. A layer that returns more than its hidden states (GLM-5's returns its
-top-k key indices (B, T, k), which the next layer may reuse) returns the rest from the whole sequence's
-forward, with no gradient.
+weights get no gradient, as in plain. Qwen4-Exp's QSA indexer selects keys as a boolean mask (B, 1, T, T)
+and runs before the cache's update: step 1 records its mask first and stops at the keys, and each chunk's
+indexer returns rows start..end against keys 0..end (`pick_rows`). A layer that returns more than its
+hidden states (GLM-5's returns its top-k key indices (B, T, k), which the next layer may reuse; Bamba's its
+attention weights, None under SDPA) returns the rest from the whole sequence's forward, with no gradient.
+A layer that mixes through attention and a recurrent state side by side (Falcon-H1) streams through
+`parallel`; one that mixes through a recurrent state alone, or not at all, through `recurrent`. A layer
+returning a tuple (Falcon-H1's `(hidden,)`) gets a tuple back, as the model indexes it.
 Keys and values shared across layers (`sharing`): a store also returns its K, V, and starts its dK, dV from
 their gradient; a consumer takes its store's K, V as inputs instead of computing its own, its chunk attends to
 K, V[..., :end, :] as leaves, and it returns their gradient.
@@ -35,7 +40,7 @@ K, V[..., :end, :] as leaves, and it returns their gradient.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -50,9 +55,10 @@ from streambp_core.engine.chunks import (
     leaf,
     trainable_parameters,
 )
-from streambp_core.engine.own.arguments import LayerCall, key_indices_rows
+from streambp_core.engine.own.arguments import LayerCall, key_indices_rows, layer_outputs
 from streambp_core.engine.own.cache import CaptureCache, KeysCaptured, PrefixCache
-from streambp_core.engine.own.recurrent import ATTENTION, StateCache, mixing, state_backward
+from streambp_core.engine.own.parallel import parallel_backward
+from streambp_core.engine.own.recurrent import ATTENTION, PARALLEL, StateCache, mixing, state_backward
 from streambp_core.engine.own.sharing import SHARED_NAME, KVSharing
 from streambp_core.measure.tags import KV, memory_category
 
@@ -78,6 +84,9 @@ class Inputs:
 
     graded: tuple[str, ...]
     sharing: KVSharing
+    returns_tuple: list[bool] = field(default_factory=list)
+    """Filled by the function's forward: whether the layer returns a tuple (Falcon-H1's `(hidden,)`), which
+    the model indexes, or the hidden states alone."""
 
     @property
     def count(self) -> int:
@@ -97,13 +106,12 @@ class StreamedCall:
         extra = [*(call.arguments[name] for name in inputs.graded), *inputs.sharing.taken(call.arguments)]
         params = trainable_parameters([call.layer])
         outputs = OwnLayer.apply(args[0], call, self.plan, inputs, *extra, *params)
-        if not isinstance(outputs, tuple):
-            return outputs
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         shared = inputs.sharing.outputs
         if shared:
             inputs.sharing.hand_over(call.arguments, *outputs[1:1 + shared])
-        rest = outputs[1 + shared:]
-        return (outputs[0], *rest) if rest else outputs[0]
+        output = (outputs[0], *outputs[1 + shared:])
+        return output if inputs.returns_tuple[0] else output[0]
 
 
 class OwnLayer(torch.autograd.Function):
@@ -118,13 +126,13 @@ class OwnLayer(torch.autograd.Function):
         call.chunk(0, first, plan.attn_implementation, hidden.device)  # refuses what cannot be cut
         cache = StateCache(prefix=(hidden.new_empty(0, 0), hidden.new_empty(0, 0)))
         arguments = call.arguments | inputs.sharing.handed(*extra[len(inputs.graded):])
-        outputs, ctx.kind = _checked_run(call, hidden, cache, arguments)
+        outputs, ctx.kind = _checked_run(call, hidden, cache, arguments, inputs.returns_tuple)
         output, *rest = outputs
         if ctx.kind != ATTENTION and inputs.count:
             raise ConfigError(f"streambp: {type(call.layer).__name__} takes per-token inputs that require "
                               f"grad in a {ctx.kind} layer, which the own-layer stream does not carry")
         ctx.save_for_backward(hidden, *extra)
-        ctx.mark_non_differentiable(*rest)
+        ctx.mark_non_differentiable(*(t for t in rest if t is not None))
         shared = arguments[SHARED_NAME][inputs.sharing.key] if inputs.sharing.role == "store" else ()
         return (output, *shared, *rest) if shared or rest else output
 
@@ -133,8 +141,12 @@ class OwnLayer(torch.autograd.Function):
         grad_shared = grad_outputs[:ctx.inputs.sharing.outputs]
         check_accumulates(ctx, "streambp's own-layer stream")
         hidden, *extra = ctx.saved_tensors
+        plan = ctx.plan
+        if ctx.kind == PARALLEL:
+            grad_in = parallel_backward(ctx.call, plan.partition_size, plan.attn_implementation, hidden,
+                                        grad_out, ctx.params)
+            return (grad_in, None, None, None, *([None] * len(ctx.params)))
         if ctx.kind != ATTENTION:
-            plan = ctx.plan
             grad_in = state_backward(ctx.call, ctx.kind, plan.partition_size, plan.attn_implementation,
                                      hidden, grad_out, ctx.params)
             return (grad_in, None, None, None, *([None] * len(ctx.params)))
@@ -143,38 +155,34 @@ class OwnLayer(torch.autograd.Function):
         return (grads[0], None, None, None, *grads[1:], *([None] * len(ctx.params)))
 
 
-def _checked_run(call: LayerCall, hidden: Tensor, cache: StateCache, arguments: dict
-                 ) -> tuple[tuple[Tensor, ...], str]:
+def _checked_run(call: LayerCall, hidden: Tensor, cache: StateCache, arguments: dict,
+                 returns_tuple: list[bool]) -> tuple[tuple[Tensor, ...], str]:
     """The layer's outputs on the whole sequence (the hidden states, then any tensors it returns beside them
     that need no gradient) and how it mixes tokens (`recurrent.mixing`); ConfigError when it cannot be
     streamed (module docstring)."""
     family = type(call.layer).__name__
     try:
-        outputs = _outputs(call.run(hidden, cache, arguments))
+        returned = call.run(hidden, cache, arguments)
+        outputs = layer_outputs(returned)
+        returns_tuple.append(isinstance(returned, tuple))
     except AttributeError as error:
         raise ConfigError(f"streambp: {family}'s attention reads the cache's {error.name or 'attributes'} "
                           "beyond transformers' update() and update_indexer(), which the generic stream's "
                           "cache does not have") from None
-    if outputs is None or any(t.requires_grad for t in outputs[1:]):
+    if outputs is None or any(t is not None and t.requires_grad for t in outputs[1:]):
         raise ConfigError(f"streambp: {family}.forward returns more than the hidden states and tensors "
-                          "that carry no gradient")
+                          "that carry no gradient (or None)")
     if KVSharing.of(call.layer).role == "reuse":
         return outputs, ATTENTION  # a consumer attends to its store's keys and values (`sharing`)
     kind = mixing(call, cache)
     keys = cache.chunk_keys
-    if kind != ATTENTION:
+    if kind not in (ATTENTION, PARALLEL):
         return outputs, kind
     if keys.shape[-2] != call.length or cache.chunk_values.shape[-2] != call.length:
         raise ConfigError(f"streambp: {family} writes keys of shape {tuple(keys.shape)} to its cache, with "
                           "no "
                           f"sequence axis -2 of {call.length}")
     return outputs, kind
-
-
-def _outputs(output) -> tuple[Tensor, ...] | None:
-    """A layer's return as a tuple of tensors (the hidden states first); None when it is not one."""
-    outputs = output if isinstance(output, tuple) else (output,)
-    return outputs if all(isinstance(t, Tensor) for t in outputs) else None
 
 
 def _indexer(layer: nn.Module) -> nn.Module | None:
@@ -194,7 +202,7 @@ def _picked(layer: nn.Module, pick: Tensor | None, start: int, end: int):
     if indexer is None or pick is None:
         yield
         return
-    rows = key_indices_rows(pick, start, end)
+    rows = pick_rows(pick, start, end)
     indexer.forward = lambda *args, **kwargs: rows
     try:
         yield
@@ -202,16 +210,27 @@ def _picked(layer: nn.Module, pick: Tensor | None, start: int, end: int):
         del indexer.forward
 
 
+def pick_rows(pick: Tensor, start: int, end: int) -> Tensor:
+    """Rows start..end of an indexer's pick: DSA's key positions (B, T, k) (`arguments.key_indices_rows`), or
+    QSA's selection mask (B, 1, T, T) cut to keys 0..end."""
+    if pick.dtype == torch.bool and pick.dim() == 4:
+        return pick[..., start:end, :end]
+    return key_indices_rows(pick, start, end)
+
+
 def whole_keys(call: LayerCall, hidden: Tensor, arguments: dict | None = None,
                ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The layer's keys and values (B, H, T, D) for the whole sequence and its indexer's pick (B, T, k) or
-    None, from one forward stopped at its cache or, with an indexer, at the indexer's output."""
+    """The layer's keys and values (B, H, T, D) for the whole sequence and its indexer's pick or None, from
+    one forward stopped at whichever of its cache's update and its indexer's output comes last (DSA's
+    indexer runs after the update, Qwen4-Exp's QSA indexer before)."""
     indexer = _indexer(call.layer)
     cache, pick = CaptureCache(indexer is not None), []
 
     def record(module, args, output):
         pick.append(output)
-        raise KeysCaptured
+        if cache.keys is not None:
+            raise KeysCaptured
+        cache.indexed = False  # the indexer ran first: stop at the keys
 
     handle = None if indexer is None else indexer.register_forward_hook(record)
     with torch.no_grad(), memory_category(KV):
@@ -246,7 +265,7 @@ def stream_backward(call: LayerCall, plan: OwnPlan, inputs: Inputs, saved: list[
         arguments |= dict(zip(inputs.graded, leaves[1:], strict=True)) | inputs.sharing.handed(*prefix)
         cache = PrefixCache(*(hidden.new_empty(0, 0),) * 2 if reuse else prefix)
         with torch.enable_grad(), _picked(call.layer, pick, start, end):
-            output = _outputs(call.run(leaves[0], cache, arguments))[0]
+            output = layer_outputs(call.run(leaves[0], cache, arguments))[0]
         own = [] if reuse else [cache.chunk_keys, cache.chunk_values]  # a consumer writes no K, V
         own_grads = [g[..., start:end, :] for g in grad_kv][:len(own)]
         backward_into([output, *own], [grad_out[:, start:end], *own_grads], [*leaves, *prefix], params)

@@ -1,6 +1,7 @@
 """The model's own decoder layers that mix tokens without keys and values, streamed: a recurrent mixer
-(Mamba2's SSD in Nemotron-H and Granite 4.0) carries its state and conv halo across chunk boundaries, and
-a token-wise block (Nemotron-H's MLP and MoE blocks) is cut into chunks as it stands.
+(Mamba2's SSD in Nemotron-H and Granite 4.0) carries its state and conv halo across chunk boundaries, a
+short-conv mixer (LFM2's gated depthwise conv) its conv halo alone, and a token-wise block (Nemotron-H's
+MLP and MoE blocks) is cut into chunks as it stands.
 
 transformers' Mamba2 mixers (`NemotronHMamba2Mixer`, `GraniteMoeHybridMambaLayer`), per chunk s..e of
 the normed, padding-masked input: in_proj -> [gate, xBC, dt]; a causal depthwise conv of kernel K over xBC
@@ -9,7 +10,8 @@ y_t = C_t h_t + D x_t); the gated RMSNorm and out_proj. A chunk depends on what 
 the state h before s (B, heads, head_dim, state) and the conv's halo, the K - 1 conv inputs before s. The
 mixer reads both from its cache and writes the chunk's final ones there (transformers' linear-attention
 Cache API: `get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`), which
-`StateCache` answers, duck-typed, for one chunk.
+`StateCache` answers, duck-typed, for one chunk. LFM2's short conv (`Lfm2ShortConv`: in_proj -> [b, c, x];
+c * conv(b * x); out_proj) has no recurrent state: it writes its halo alone, and only the halo is carried.
 
 Per layer (`OwnLayer` holds the layer's input alone between the passes), backward:
 1. the boundaries: the layer's forward without grad on chunks first to last but the last, each from the
@@ -32,10 +34,11 @@ from torch.nn import functional as F
 
 from streambp_core.config import ConfigError
 from streambp_core.engine.chunks import backward_into, chunk_bounds, grad_or_zeros, leaf
-from streambp_core.engine.own.arguments import LayerCall
+from streambp_core.engine.own.arguments import LayerCall, layer_outputs
 from streambp_core.engine.own.cache import PrefixCache
 
 ATTENTION, RECURRENT, TOKEN_WISE = "attention", "recurrent", "token-wise"
+PARALLEL = "attention and recurrent"
 """How a decoder layer mixes tokens, as its whole-sequence forward showed (`mixing`)."""
 TOKEN_WISE_BLOCKS = ("mlp", "moe")
 """`block_type`s of transformers' one-mixer blocks (Nemotron-H) that mix no tokens."""
@@ -106,15 +109,12 @@ def mixing(call: LayerCall, cache: StateCache) -> str:
     for a layer the stream cannot carry."""
     family = type(call.layer).__name__
     keys = cache.chunk_keys is not None
-    if keys and cache.wrote_state:
-        raise ConfigError(f"streambp: {family} mixes through both attention keys and values and a recurrent "
-                          "state in one layer, which the own-layer stream does not carry together")
+    if cache.wrote_state and cache.final_halo is None:
+        raise ConfigError(f"streambp: {family} writes a recurrent state to its cache without a conv state, "
+                          "which the streamed recurrence does not carry")
     if keys:
-        return ATTENTION
+        return PARALLEL if cache.wrote_state else ATTENTION  # PARALLEL: `engine.own.parallel`
     if cache.wrote_state:
-        if cache.final_state is None or cache.final_halo is None:
-            raise ConfigError(f"streambp: {family} writes a conv or a recurrent state to its cache but not "
-                              "both, which the streamed recurrence needs")
         return RECURRENT
     if getattr(call.layer, "block_type", None) in TOKEN_WISE_BLOCKS:
         return TOKEN_WISE
@@ -131,9 +131,13 @@ def recurrent_bounds(length: int, partition_size: int) -> list[tuple[int, int]]:
 
 
 def _arguments(call: LayerCall, start: int, end: int, implementation: str, device) -> dict:
-    """The chunk's arguments, its padding mask (B, T) cut to columns start..end."""
+    """The chunk's arguments, its padding mask (B, T) cut to columns start..end. A layer whose mixer reads
+    its padding mask under another name (Qwen4-Exp's `conv_mask`, a per-token input cut as the hidden
+    states, None without padding) keeps its attention mask as `LayerCall.chunk` cuts it."""
     arguments = call.chunk(start, end, implementation, device)
-    if "attention_mask" in call.arguments:
+    own_mask = any(name.endswith("mask") and (value is None or call.per_token(value))
+                   for name, value in call.arguments.items() if name != "attention_mask")
+    if "attention_mask" in call.arguments and not own_mask:
         mask = call.arguments["attention_mask"]
         if mask is not None and not (isinstance(mask, Tensor) and mask.dim() == 2):
             raise ConfigError(f"streambp: {type(call.layer).__name__}'s recurrent mixer gets a mask of shape "
@@ -162,14 +166,16 @@ def state_backward(call: LayerCall, kind: str, partition_size: int, implementati
         else [(None, None)] * len(bounds)
     grad_in = torch.empty_like(hidden)
     carried: list[Tensor] = []  # the gradients of the final state and halo of the chunk being taken
-    for (start, end), (state, halo) in zip(reversed(bounds), reversed(boundaries), strict=True):
+    for (start, end), boundary in zip(reversed(bounds), reversed(boundaries), strict=True):
         h = leaf(hidden[:, start:end])
-        before = [leaf(t) for t in (state, halo) if t is not None]
-        cache = StateCache(*(before or (None, None)))
+        before = [None if t is None else leaf(t) for t in boundary]  # (state, halo); no state: a short conv
+        cache = StateCache(*before)
         with torch.enable_grad():
-            output = call.run(h, cache, _arguments(call, start, end, implementation, hidden.device))
-        finals = [cache.final_state, cache.final_halo] if carried else []
-        backward_into([output, *finals], [grad_out[:, start:end], *carried], [h, *before], params)
+            output = layer_outputs(call.run(h, cache, _arguments(call, start, end, implementation,
+                                                                 hidden.device)))[0]
+        written = [t for t in (cache.final_state, cache.final_halo) if t is not None] if carried else []
+        taken = [t for t in before if t is not None]
+        backward_into([output, *written], [grad_out[:, start:end], *carried], [h, *taken], params)
         grad_in[:, start:end] = grad_or_zeros(h)
-        carried = [grad_or_zeros(t) for t in before]
+        carried = [grad_or_zeros(t) for t in taken]
     return grad_in
