@@ -14,7 +14,8 @@ import torch
 
 from streambp_core.models.load import build_model
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
-from tests.unit.test_exactness import assert_matches_plain, batch, step
+from tests.unit.test_exactness import assert_matches_plain, batch
+from tests.unit.test_streambp_mamba2_own_layers import assert_uncarried_is_off
 
 SEQ_LEN = 37
 """Tokens per row: not a multiple of the partitions used."""
@@ -59,14 +60,5 @@ def test_chunks_as_short_as_the_halo_and_a_trailing_one_token_chunk_match_plain(
 def test_the_carried_halo_is_what_changes_the_gradient(tmp_path, monkeypatch):
     """Backward with each chunk's conv from zeros is not plain's: the halo is what the exactness above
     rests on."""
-    from streambp_core.engine.own import recurrent
-
     torch.manual_seed(0)
-    model = model_of(tmp_path, "lfm2")
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, "right")
-    _, ref = step(model, "plain", ids, mask)
-    monkeypatch.setattr(recurrent, "_boundaries", lambda call, hidden, bounds, implementation:
-                        [(None, None)] * len(bounds))
-    _, grads = step(model, "streambp", ids, mask, partition_size=8, head_partition_size=8)
-    conv = "model.layers.0.conv.conv.weight"
-    assert (grads[conv] - ref[conv]).norm() > 1e-3 * ref[conv].norm()
+    assert_uncarried_is_off(model_of(tmp_path, "lfm2"), "model.layers.0.conv.conv.weight", monkeypatch)
