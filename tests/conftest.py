@@ -1,5 +1,6 @@
 """Shared test settings: the `gpu` marker skips without CUDA; a CLI runner; the tiny presets' names;
-searches in the test process (STREAMBP_BENCH_JOBS=1: tests of worker processes pass --jobs themselves).
+searches in the test process (STREAMBP_BENCH_JOBS=1: tests of worker processes pass --jobs themselves);
+synthetic probes for the tests of the CLI's wiring (`stub_probe`).
 
 Markers (pyproject.toml): `gpu` needs a CUDA device; `slow` marks a long matrix or a test of over ~3 s
 on 2 CPU cores. The default run (`python3 -m pytest -q`, README's test command) leaves `slow` out;
@@ -59,3 +60,50 @@ def one_thread():
 def runner() -> CliRunner:
     """Typer's runner for the real `streambp-bench` app."""
     return CliRunner()
+
+
+
+class StubbedProbes:
+    """What `stub_probe` probes with and records: bytes per token and sequence by method (plain's the most,
+    streambp's the least, in the simulator's order; a test may change them) and every spec a search
+    probed, in order."""
+
+    def __init__(self) -> None:
+        self.bytes_per_token = {"plain": 16 * 1024, "checkpoint": 4 * 1024, "mst": 3 * 1024, "streambp": 1024}
+        self.specs: list = []
+
+
+@pytest.fixture
+def stub_probe(monkeypatch: pytest.MonkeyPatch) -> StubbedProbes:
+    """A search's probes synthetic instead of simulated, at the seam `max-len` calls
+    (`streambp_core.step.probe.simulated_probe`): the peak at T tokens is what the step holds whatever its
+    length (weights, grads, optimizer state) plus bytes per token (`StubbedProbes`) x T x batch, half of
+    that in host memory when the step offloads. For the tests of the CLI's wiring (flags reach the step,
+    output formats, errors): a search takes milliseconds, the rest of the command runs as it stands (with
+    `searches_in_process`: no worker process to miss the stub)."""
+    from streambp_core.search import OK, ProbeResult
+    from streambp_core.step import probe as probe_module
+    from streambp_core.step.setup import resident_bytes
+
+    stubbed = StubbedProbes()
+
+    def synthetic_probe(spec, model, *, depth: str = "extrapolate"):
+        stubbed.specs.append(spec)
+        held = resident_bytes(spec, model.config)
+        per_token = stubbed.bytes_per_token[spec.method] * spec.batch_size
+        layers = f"all {model.num_layers} layers" if depth == "full" else "2 and 3 layers, extrapolated"
+
+        def probe(seq_len: int) -> ProbeResult:
+            activations = per_token * seq_len
+            host = activations // 2 if spec.offload else 0
+            device = activations - host
+            breakdown = {"weights": held, "checkpoints": device // 2, "temporaries": device - device // 2}
+            return ProbeResult(
+                seq_len_tokens=seq_len, status=OK, peak_bytes=held + device, source="simulated",
+                breakdown_bytes=breakdown, message=f"simulated on meta tensors (stubbed probe), {layers}",
+                host_peak_bytes=host, to_host_bytes=host, to_device_bytes=host)
+
+        return probe
+
+    monkeypatch.setattr(probe_module, "simulated_probe", synthetic_probe)
+    return stubbed
