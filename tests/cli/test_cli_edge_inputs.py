@@ -81,14 +81,16 @@ def _interrupted_at(delay_s: float) -> tuple[int, list[str], str]:
     return process.returncode, stderr.strip().splitlines(), stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.2, 0.7, 1.5, 3.0])
+@pytest.mark.parametrize("delay_s", [0.2, 0.7, pytest.param(1.5, marks=pytest.mark.slow),
+                                     pytest.param(3.0, marks=pytest.mark.slow)])
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(delay_s: float) -> None:
     """Wherever it lands: interpreter start, imports, the fork server's start, its workers, the search."""
     code, lines, stderr = _interrupted_at(delay_s)
     assert (code, lines) == (130, ["error: interrupted"]), stderr
 
 
-def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_is_refused(stub_probe) -> None:
+def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_is_refused(
+        stub_probe) -> None:
     args = ["max-len", "-m", "tiny/qwen3", "--dtype", "float32", "--device", "sim", "--budget-gib", "0.02",
             "--offload", "checkpoints"]
     result = CliRunner().invoke(app, [*args, "--json"])

@@ -97,6 +97,7 @@ def test_out_rows_of_another_protocol_grads_attn_or_optimizer_are_other_points(r
     assert rows[1].value < rows[0].value  # the paper's protocol holds the logits through backward
 
 
+@pytest.mark.slow
 def test_cpu_measures_real_tensors_near_the_simulated_bracket(runner):
     args = ["max-len", "-m", "tiny/qwen3", "--device", "cpu", "--method", "streambp"]
     args += ["--dtype", "float32", "--ps", "128", "--ps-head", "64", "--budget-gib", "0.003", "--json"]
@@ -193,6 +194,18 @@ def test_sharding_bad_input_is_one_line(runner, args, expected):
     assert expected in one_line_error(runner.invoke(app, [*TINY, *args]))
 
 
+def test_gpus_and_shard_reach_the_searched_step_and_are_key_columns(runner, tmp_path, stub_probe):
+    out = tmp_path / "r.csv"
+    args = [*TINY, "--method", "checkpoint", "--optimizer", "adamw", "--budget-gib", "0.006",
+            "--out", str(out)]
+    for extra in ([], ["--gpus", "4", "--shard", "zero3"]):
+        result = runner.invoke(app, [*args, *extra, "--json"])
+        assert result.exit_code == 0, result.output
+    assert [(spec.gpus, spec.shard) for spec in stub_probe.specs] == [(1, "none"), (4, "zero3")]
+    assert {(row.gpus, row.shard) for row in ResultsFile(out).rows()} == {(1, "none"), (4, "zero3")}
+
+
+@pytest.mark.slow
 def test_gpus_and_shard_search_one_rank_and_are_key_columns(runner, tmp_path):
     out = tmp_path / "r.csv"
     args = [*TINY, "--method", "checkpoint", "--optimizer", "adamw", "--budget-gib", "0.006",
