@@ -135,3 +135,46 @@ def stub_simulation(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
 
     monkeypatch.setattr(simulate_module, "simulate", synthetic_simulate)
     return steps
+
+
+@pytest.fixture
+def stub_verify(monkeypatch: pytest.MonkeyPatch) -> list:
+    """`verify`'s check synthetic, at the seam the command calls (`streambp_core.verify.methods.verify_spec`):
+    every method of the spec matches plain exactly (an update error of 0 with an optimizer), so a test of
+    the command's wiring (which methods reach the check, notes, output) runs in milliseconds. Returns the
+    specs checked, in order."""
+    from streambp_core.verify import methods as verify_module
+
+    checked: list = []
+
+    def synthetic_verify(spec, progress=None):
+        checked.append(spec)
+        update = None if spec.step.optimizer == "none" else 0.0
+        results = tuple(verify_module.MethodResult(
+            method=method, max_rel_err=0.0, worst_param="model.embed_tokens.weight", loss=1.0,
+            loss_abs_err=0.0, tolerance=1e-12, loss_tolerance=1e-12, max_update_err=update, ok=True)
+            for method in spec.methods)
+        return verify_module.VerifyReport(spec=spec, results=results, reference_loss=1.0,
+                                          reference_dtype=spec.step.dtype)
+
+    monkeypatch.setattr(verify_module, "verify_spec", synthetic_verify)
+    return checked
+
+
+@pytest.fixture(scope="session")
+def every_preset_row() -> list[dict]:
+    """`presets`' row of every preset (`commands.presets.preset_rows`: each model built on meta), built once
+    per session."""
+    from streambp_bench.commands.presets import preset_rows
+
+    return preset_rows()
+
+
+@pytest.fixture
+def presets_built_once(monkeypatch: pytest.MonkeyPatch, every_preset_row: list[dict]) -> list[dict]:
+    """`presets` prints `every_preset_row` (copies) instead of building every preset again: for the tests
+    of its output."""
+    from streambp_bench.commands import presets as presets_module
+
+    monkeypatch.setattr(presets_module, "preset_rows", lambda: [dict(row) for row in every_preset_row])
+    return every_preset_row
