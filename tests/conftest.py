@@ -62,8 +62,6 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
-
-
 class SyntheticSteps:
     """Synthetic training steps for the tests of the CLI's wiring (`stub_probe`, `stub_simulation`): the
     peak of a step at T tokens is what it holds whatever its length (weights, grads, optimizer state) plus
