@@ -4,8 +4,8 @@ real gloo ranks on the CPU: the user's DeepSpeed loop (`prepare(engine.module, .
 `engine.step`) hands its optimizer plain's gradient and applies that optimizer's step on it, with gradient
 accumulation over two micro-steps, and ZeRO reduces every parameter exactly once (counted: per
 micro-step on ZeRO-2, per step on ZeRO-1, which reduces at the accumulation boundary). The default run
-takes streambp on ZeRO-2 (untied head) and ZeRO-3 (tied head) and the uneven-lengths count; `-m slow` the
-other head on each stage, float32 parameters, DeepSpeed's offload, LoRA and MoE under ZeRO-3."""
+takes one cell with ranks, streambp on ZeRO-3 (tied head: every parameter partitioned); `-m slow` ZeRO-2,
+the other head, float32 parameters, DeepSpeed's offload, LoRA and MoE, and the uneven-lengths count."""
 
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def test_float32_parameters_hand_the_optimizer_plains_gradient():
 
 
 @two_cores
-@pytest.mark.parametrize("model", ["tiny/llama", pytest.param("tiny/qwen3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])  # untied and tied embedding and head
 def test_streambp_on_zero2_applies_plains_update_with_one_reduction_each(model):
     _check(_verify(model, ("streambp",), ("zero2",)), {("streambp", "zero2")})
 
@@ -284,6 +285,7 @@ def test_zero3_lora_and_moe_apply_plains_update_with_one_reduction_each(tmp_path
     _check(results, {(m, "zero3") for m in methods})
 
 
+@pytest.mark.slow
 @two_cores
 def test_zero3_chunks_issue_no_collective_so_uneven_lengths_cannot_deadlock():
     """Ranks with 2 and 6 chunks a layer: each unit (2 layers, the head) is all-gathered once for its

@@ -3,10 +3,11 @@ plugin, 3 SGD steps with gradient accumulation 2, every parameter's update again
 (`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
 sharded trainer cannot do exactly refused by name.
 
-The default run takes one cell: transformers' Trainer on the streamed loss under DeepSpeed ZeRO-2. `-m slow`
-adds one per other arming path and stage (TRL's fused head on the streamed decoder stack under FSDP2;
-Trainer on ZeRO-3, whose run is prepared on the trainer's engine at each step; a model loaded from weights
-under ZeRO-3); on DeepSpeed each trainable parameter is reduced exactly once per micro-step (counted).
+The runs with ranks (20-40 s each on 2 shared cores) are under `-m slow`, one per arming path and stage: TRL's fused
+head on the streamed decoder stack under FSDP2; transformers' Trainer on the streamed loss under DeepSpeed
+ZeRO-2; Trainer on ZeRO-3, whose run is prepared on the trainer's engine at each step; a model loaded from
+weights under ZeRO-3. On DeepSpeed each trainable parameter is reduced exactly once per micro-step
+(counted). The default run checks the plugins and refusals without ranks.
 The matrix (every trainer, every method, both FSDP2 stages, ZeRO-1, 2 and 3, tied and untied heads) runs when
 STREAMBP_TRAINER_MATRIX=full (or STREAMBP_DEEPSPEED_MATRIX=full) is set. The example accelerate configs are
 read by accelerate's own launcher code (`accelerate launch` cannot start FSDP or DeepSpeed ranks on a CPU-only
@@ -78,6 +79,7 @@ def test_fsdp2_sft_streambp_matches_single_process_plain():
     assert results[0].against_engine_plain.tolerance == 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
 def test_deepspeed_trainer_streambp_matches_single_process_plain():
     """transformers' Trainer, streamed loss, DeepSpeed ZeRO-2: the deferred reduction makes the update
