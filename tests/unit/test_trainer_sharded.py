@@ -3,10 +3,10 @@ plugin, 3 SGD steps with gradient accumulation 2, every parameter's update again
 (`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
 sharded trainer cannot do exactly refused by name.
 
-The runs with ranks (20-40 s each on 2 shared cores) are under `-m slow`, one per arming path and stage: TRL's fused
-head on the streamed decoder stack under FSDP2; transformers' Trainer on the streamed loss under DeepSpeed
-ZeRO-2; Trainer on ZeRO-3, whose run is prepared on the trainer's engine at each step; a model loaded from
-weights under ZeRO-3. On DeepSpeed each trainable parameter is reduced exactly once per micro-step
+The runs with ranks (20-40 s each on 2 shared cores) are under `-m slow`, one per arming path and stage: TRL's
+fused head on the streamed decoder stack under FSDP2; transformers' Trainer on the streamed loss under
+DeepSpeed ZeRO-2; Trainer on ZeRO-3, whose run is prepared on the trainer's engine at each step; a model
+loaded from weights under ZeRO-3. On DeepSpeed each trainable parameter is reduced exactly once per micro-step
 (counted). The default run checks the plugins and refusals without ranks.
 The matrix (every trainer, every method, both FSDP2 stages, ZeRO-1, 2 and 3, tied and untied heads) runs when
 STREAMBP_TRAINER_MATRIX=full (or STREAMBP_DEEPSPEED_MATRIX=full) is set. The example accelerate configs are
