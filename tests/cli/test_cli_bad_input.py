@@ -63,7 +63,7 @@ def test_sweep_writes_into_the_current_folder_by_default(tmp_path: Path, monkeyp
     assert [row.seq_len_tokens for row in rows] == [64]  # 0.064k: k = 1000
 
 
-def test_max_len_tables_of_a_small_budget_are_in_mib() -> None:
+def test_max_len_tables_of_a_small_budget_are_in_mib(stub_probe) -> None:
     sizes = ["--ps", "32", "--ps-head", "16", "--budget-gib", "0.003"]
     result = CliRunner().invoke(app, ["max-len", *TINY, "--method", "streambp", "--device", "sim", *sizes])
     assert result.exit_code == 0, result.output

@@ -32,7 +32,7 @@ def test_a_huge_packing_count_is_refused_at_once_in_max_len_and_sweep() -> None:
     one_line_error(result, "--packing", "2,000 documents", "1,000 tokens")
 
 
-def test_packing_takes_k_suffixes() -> None:
+def test_packing_takes_k_suffixes(stub_probe) -> None:
     result = CliRunner().invoke(app, ["max-len", *TINY_SIM, "--budget-gib", "0.02", "--packing", "0.01k",
                                       "--json"])
     assert result.exit_code == 0, result.output
@@ -81,14 +81,16 @@ def _interrupted_at(delay_s: float) -> tuple[int, list[str], str]:
     return process.returncode, stderr.strip().splitlines(), stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.2, 0.7, 1.5, 3.0])
+@pytest.mark.parametrize("delay_s", [0.2, 0.7, pytest.param(1.5, marks=pytest.mark.slow),
+                                     pytest.param(3.0, marks=pytest.mark.slow)])
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(delay_s: float) -> None:
     """Wherever it lands: interpreter start, imports, the fork server's start, its workers, the search."""
     code, lines, stderr = _interrupted_at(delay_s)
     assert (code, lines) == (130, ["error: interrupted"]), stderr
 
 
-def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_is_refused() -> None:
+def test_offload_with_the_default_method_all_leaves_plain_out_and_a_named_plain_is_refused(
+        stub_probe) -> None:
     args = ["max-len", "-m", "tiny/qwen3", "--dtype", "float32", "--device", "sim", "--budget-gib", "0.02",
             "--offload", "checkpoints"]
     result = CliRunner().invoke(app, [*args, "--json"])
@@ -133,7 +135,8 @@ def test_max_len_refuses_what_verify_refuses(extra: list[str], words: tuple[str,
     one_line_error(CliRunner().invoke(app, ["max-len", *TINY_SIM, "--budget-gib", "0.02", *extra]), *words)
 
 
-def test_max_len_where_nothing_fits_says_so_and_writes_nothing(tmp_path: Path) -> None:
+def test_max_len_where_nothing_fits_says_so_and_writes_nothing(tmp_path: Path, stub_probe) -> None:
+    stub_probe.bytes_per_token = dict.fromkeys(stub_probe.bytes_per_token, 2**30)  # 2 GiB at 2 tokens
     out = tmp_path / "max_len.csv"
     args = ["max-len", "-m", "tiny/qwen3", "--device", "sim", "--gpus", "2", "--shard", "deepspeed-zero2",
             "--budget-gib", "0.001", "--out", str(out)]

@@ -59,9 +59,12 @@ def _model(tmp_path: Path, values: dict | None) -> str:
 
 CASES = [(case, "max-len") for case in MODELS] + [("no-config", "verify"), ("rope-type", "sweep"),
                                                    ("bart", "verify"), ("pad-token", "verify")]
+DEFAULT_CASES = (("bart", "max-len"), ("no-config", "verify"), ("rope-type", "sweep"))
+"""One case a command in the default run (a fresh interpreter each); every case under -m slow."""
 
 
-@pytest.mark.parametrize(("case", "command"), CASES)
+@pytest.mark.parametrize(("case", "command"), [
+    pytest.param(*case, marks=() if case in DEFAULT_CASES else pytest.mark.slow) for case in CASES])
 def test_a_broken_model_is_refused_before_torch_is_imported(tmp_path: Path, case: str, command: str) -> None:
     values, message = MODELS[case]
     args = [*COMMANDS[command], "--model", _model(tmp_path, values)]
@@ -89,7 +92,8 @@ def _foreign_csv(folder: Path, name: str) -> None:
     (folder / name).write_text("kernel,speed\nrms,1\n")
 
 
-@pytest.mark.parametrize("name", ["selfcheck.csv", "selfcheck-cpu-dry-run.csv"])
+@pytest.mark.parametrize("name", ["selfcheck.csv", pytest.param("selfcheck-cpu-dry-run.csv",
+                                                                  marks=pytest.mark.slow)])
 def test_selfcheck_refuses_an_out_holding_another_csv_before_torch(tmp_path: Path, name: str) -> None:
     _foreign_csv(tmp_path / "out", name)
     outcome, stderr = _cli(["selfcheck", "--out", str(tmp_path / "out")])

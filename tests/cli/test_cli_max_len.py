@@ -33,9 +33,10 @@ def test_json_reports_every_method_with_its_breakdown(runner):
     assert by_method["checkpoint"]["ratio_to_checkpoint"] == 1.0
 
 
-def test_table_says_how_numbers_were_obtained(runner):
+def test_table_says_how_numbers_were_obtained(runner, stub_probe):
     result = runner.invoke(app, [*SIM, "--method", "checkpoint,streambp"])
     assert result.exit_code == 0, result.output
+    assert {spec.method for spec in stub_probe.specs} == {"checkpoint", "streambp"}
     for text in (
         "max trainable length",
         "simulated",
@@ -49,7 +50,7 @@ def test_table_says_how_numbers_were_obtained(runner):
     assert "plain" not in result.stdout.split("memory at that peak")[0]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "flash"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("flash", marks=pytest.mark.slow)])
 def test_an_eager_only_soft_capped_family_searches_under_each_kernel_choice(runner, attn):
     """Gemma 2 (no SDPA in transformers, soft-capped scores) under --attn sdpa and flash: no traceback, and
     the table says which kernel its capped attention is charged as."""
@@ -62,11 +63,12 @@ def test_an_eager_only_soft_capped_family_searches_under_each_kernel_choice(runn
     assert ("flash-attn >= 2.6's buffers" if attn == "flash" else "score-sized buffers") in words
 
 
-def test_out_upserts_one_max_len_row_per_method(runner, tmp_path):
+def test_out_upserts_one_max_len_row_per_method(runner, tmp_path, stub_probe):
     path = tmp_path / "maxlen.csv"
     for methods in ("plain,streambp", "plain"):  # the rerun of plain replaces its row
         result = runner.invoke(app, [*SIM, "--method", methods, "--out", str(path)])
         assert result.exit_code == 0, result.output
+    assert [spec.method for spec in stub_probe.specs] == ["streambp", "plain", "plain"]  # the costliest first
     rows = ResultsFile(path).rows()
     assert [(r.method, r.metric, r.source) for r in rows] == [
         ("plain", "max_len", "simulated"),
@@ -95,6 +97,7 @@ def test_out_rows_of_another_protocol_grads_attn_or_optimizer_are_other_points(r
     assert rows[1].value < rows[0].value  # the paper's protocol holds the logits through backward
 
 
+@pytest.mark.slow
 def test_cpu_measures_real_tensors_near_the_simulated_bracket(runner):
     args = ["max-len", "-m", "tiny/qwen3", "--device", "cpu", "--method", "streambp"]
     args += ["--dtype", "float32", "--ps", "128", "--ps-head", "64", "--budget-gib", "0.003", "--json"]
@@ -174,7 +177,7 @@ def test_bad_training_options(runner, args, expected):
     assert expected in one_line_error(result)
 
 
-def test_the_report_ends_with_the_trainer_call_for_the_longest_length(runner):
+def test_the_report_ends_with_the_trainer_call_for_the_longest_length(runner, stub_probe):
     result = runner.invoke(app, [*SIM, "--method", "checkpoint,streambp"])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.stdout.splitlines() if line.startswith("Train at "))
@@ -191,6 +194,18 @@ def test_sharding_bad_input_is_one_line(runner, args, expected):
     assert expected in one_line_error(runner.invoke(app, [*TINY, *args]))
 
 
+def test_gpus_and_shard_reach_the_searched_step_and_are_key_columns(runner, tmp_path, stub_probe):
+    out = tmp_path / "r.csv"
+    args = [*TINY, "--method", "checkpoint", "--optimizer", "adamw", "--budget-gib", "0.006",
+            "--out", str(out)]
+    for extra in ([], ["--gpus", "4", "--shard", "zero3"]):
+        result = runner.invoke(app, [*args, *extra, "--json"])
+        assert result.exit_code == 0, result.output
+    assert [(spec.gpus, spec.shard) for spec in stub_probe.specs] == [(1, "none"), (4, "zero3")]
+    assert {(row.gpus, row.shard) for row in ResultsFile(out).rows()} == {(1, "none"), (4, "zero3")}
+
+
+@pytest.mark.slow
 def test_gpus_and_shard_search_one_rank_and_are_key_columns(runner, tmp_path):
     out = tmp_path / "r.csv"
     args = [*TINY, "--method", "checkpoint", "--optimizer", "adamw", "--budget-gib", "0.006",

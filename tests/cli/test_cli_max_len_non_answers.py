@@ -19,7 +19,7 @@ from tests.cli.errors import one_line_error
 TINY = ["max-len", "-m", "tiny/llama"]
 
 
-def test_the_search_cap_is_printed_as_a_lower_bound_not_a_max_length() -> None:
+def test_the_search_cap_is_printed_as_a_lower_bound_not_a_max_length(stub_probe) -> None:
     args = [*TINY, "--method", "checkpoint", "--budget-gib", "1048576"]
     shown = CliRunner().invoke(app, args)
     assert shown.exit_code == 0, shown.output
@@ -30,7 +30,7 @@ def test_the_search_cap_is_printed_as_a_lower_bound_not_a_max_length() -> None:
     assert row["capped"] is True and row["ratio_to_checkpoint"] is None
 
 
-def test_a_found_maximum_is_not_capped() -> None:
+def test_a_found_maximum_is_not_capped(stub_probe) -> None:
     result = CliRunner().invoke(app, [*TINY, "--method", "checkpoint", "--budget-gib", "0.05", "--json"])
     (row,) = json.loads(result.stdout)["results"]
     assert row["capped"] is False and 2 <= row["max_len_tokens"] < SEARCH_CAP_TOKENS

@@ -35,7 +35,7 @@ def test_max_len_offload_both_searches_each_method_with_and_without(runner):
     assert streambp["ratio_to_checkpoint"] == pytest.approx(streambp["max_len_tokens"] / offloaded_checkpoint)
 
 
-def test_max_len_table_labels_offloaded_rows_and_shows_the_host_pool(runner):
+def test_max_len_table_labels_offloaded_rows_and_shows_the_host_pool(runner, stub_probe):
     result = runner.invoke(app, [*MAX_LEN, "--method", "mst", "--offload", "checkpoints"])
     assert result.exit_code == 0, result.output
     for text in ("mst + offload", "host GiB", "copied GiB to host / to device", "ALST",
@@ -46,7 +46,7 @@ def test_max_len_table_labels_offloaded_rows_and_shows_the_host_pool(runner):
     assert "host GiB" not in runner.invoke(app, [*MAX_LEN, "--method", "plain"]).stdout
 
 
-def test_host_budget_bounds_the_search_by_the_host_pool(runner):
+def test_host_budget_bounds_the_search_by_the_host_pool(runner, stub_probe):
     args = [*MAX_LEN, "--method", "streambp", "--offload", "checkpoints", "--json"]
     free = json.loads(runner.invoke(app, args).stdout)["results"][0]
     host_budget = free["host_peak_gib"] / 2
@@ -58,6 +58,7 @@ def test_host_budget_bounds_the_search_by_the_host_pool(runner):
     assert bounded["host_peak_gib"] <= host_budget < free["host_peak_gib"]
     assert 0 < bounded["max_len_tokens"] < free["max_len_tokens"]
     assert bounded["probes"] <= 16  # the secant follows the fuller pool
+    assert all(spec.offload.checkpoints for spec in stub_probe.specs)
 
 
 def test_host_budget_below_the_shortest_probe_is_one_line(runner):
@@ -121,7 +122,7 @@ def test_reproduce_offload_quick_writes_every_method_with_and_without(runner, tm
     assert (tmp_path / "offload-memory.png").stat().st_size > 10_000
 
 
-def test_every_offload_answer_says_whether_its_host_memory_was_bounded(runner, tmp_path):
+def test_every_offload_answer_says_whether_its_host_memory_was_bounded(runner, tmp_path, stub_probe):
     """Without --host-budget-gib the host pool is unbounded, and each answer says so beside its host GiB
     (table header, JSON `host_bound`, the CSV row's empty host_budget_gib), not only in a footnote; with
     it, the bound is named."""

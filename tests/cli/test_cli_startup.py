@@ -1,6 +1,7 @@
 """`streambp-bench --help` starts fast: importing the CLI must not import torch, transformers, pandas or
 matplotlib (each command imports what it runs inside its function). Checked in a fresh interpreter, since
-this test process has long imported them all."""
+this test process has long imported them all. The default run checks the CLI, which imports every command
+module and the light modules; `-m slow` checks each of them alone, to name the one that imports too much."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ def test_the_commands_are_found():
     assert {"max_len", "plot", "presets", "reproduce", "selfcheck", "sweep", "verify"} <= set(COMMANDS)
 
 
+@pytest.mark.slow  # the CLI imports every command module: test_importing_the_cli_imports_no_heavy_module
 @pytest.mark.parametrize("command", COMMANDS)
 def test_importing_a_command_module_imports_no_heavy_module(command):
     assert heavy_modules_after(f"import streambp_bench.commands.{command}") == []
 
 
+@pytest.mark.slow  # the CLI imports each of them too
 @pytest.mark.parametrize(
     "module", ["streambp_core", "streambp_core.config", "streambp_bench.options", "streambp_bench.errors"]
 )

@@ -35,19 +35,19 @@ def test_sweep_writes_one_row_per_point(tmp_path: Path) -> None:
     assert all(r.source == "simulated" and r.status == "ok" and r.metric == "peak_memory" for r in rows)
 
 
-def test_rerun_skips_done_points_and_force_replaces_them(tmp_path: Path) -> None:
+def test_rerun_skips_done_points_and_force_replaces_them(tmp_path: Path, stub_simulation) -> None:
     out = tmp_path / "sweep.csv"
     _sweep(out)
     stamps = {row.key(): row.timestamp for row in ResultsFile(out).rows()}
     again = _sweep(out)
-    assert "6 already done" in again.output
+    assert "6 already done" in again.output and len(stub_simulation.specs) == 6
     forced = _sweep(out, "--force")
-    assert forced.exit_code == 0 and "6 points run" in forced.output
+    assert forced.exit_code == 0 and "6 points run" in forced.output and len(stub_simulation.specs) == 12
     assert {row.key() for row in ResultsFile(out).rows()} == set(stamps)
 
 
 def test_interrupted_sweep_resumes_without_lost_or_duplicated_rows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub_simulation
 ) -> None:
     out = tmp_path / "sweep.csv"
     real = grid.run_point

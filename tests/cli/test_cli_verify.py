@@ -1,4 +1,4 @@
-"""The real `streambp-bench` app through Typer's CliRunner: help, bad input, verify, presets."""
+"""The real `streambp-bench` app through Typer's CliRunner: help, bad input, verify."""
 
 from __future__ import annotations
 
@@ -87,21 +87,6 @@ def test_verify_exits_1_when_a_method_exceeds_the_tolerance(runner, monkeypatch)
     result = runner.invoke(app, [*TINY_VERIFY, "--method", "checkpoint"])
     assert result.exit_code == 1
     assert "FAIL" in result.output
-
-
-def test_presets_json_lists_every_preset_with_sizes(runner):
-    result = runner.invoke(app, ["presets", "--json"])
-    assert result.exit_code == 0
-    rows = {row["name"]: row for row in json.loads(result.stdout)}
-    assert set(rows) == set(list_presets())
-    assert rows["Qwen/Qwen3-8B"]["layers"] == 36
-    assert rows["Qwen/Qwen3-8B"]["params"] == pytest.approx(8.19e9, rel=0.01)
-
-
-def test_presets_table_shows_full_names(runner):
-    result = runner.invoke(app, ["presets"])
-    assert result.exit_code == 0
-    assert "mistralai/Mistral-7B-v0.3" in result.output
 
 
 def test_main_turns_a_config_error_into_exit_2(monkeypatch, capsys):
@@ -222,7 +207,7 @@ def test_verify_default_methods_say_when_plain_is_left_out(offload, optimizer, m
     assert [left_out in note and "plain is left out" in note for note in notes] == expected
 
 
-def test_verify_without_method_notes_plain_left_out_of_offloaded_checks(runner):
+def test_verify_without_method_notes_plain_left_out_of_offloaded_checks(runner, stub_verify):
     """--offload checkpoints with the default methods: plain cannot take the tier, and a note under the
     table says it was left out and why (also in the JSON document); a --method given has no such note."""
     args = [*TINY_VERIFY, "--dtype", "float64", "--offload", "checkpoints"]
@@ -234,6 +219,9 @@ def test_verify_without_method_notes_plain_left_out_of_offloaded_checks(runner):
     assert len(document["notes"]) == 1 and "keeps no checkpoints" in document["notes"][0]
     named = runner.invoke(app, [*args, "--method", "checkpoint", "--json"])
     assert named.exit_code == 0 and json.loads(named.stdout)["notes"] == []
+    every = ("checkpoint", "mst", "streambp")
+    assert [spec.methods for spec in stub_verify] == [every, every, ("checkpoint",)]
+    assert all(str(spec.step.offload) == "checkpoints" for spec in stub_verify)
 
 
 def test_verify_without_method_checks_plain_with_the_optimizer_tier(runner):

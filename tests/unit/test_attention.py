@@ -98,8 +98,10 @@ def test_no_kernel_choice_registers_a_name_transformers_acts_on():
     assert not [name for name in names for marker in TRANSFORMERS_MARKERS if marker in name]
 
 
-@pytest.mark.parametrize("attn", ["auto", "sdpa", "flash"])
-@pytest.mark.parametrize("family", ["gemma2", "gpt-oss"])
+@pytest.mark.parametrize(("family", "attn"), [
+    pytest.param(family, attn, marks=() if (family, attn) in (("gpt-oss", "sdpa"), ("gemma2", "flash"))
+                 else pytest.mark.slow)
+    for family in ("gemma2", "gpt-oss") for attn in ("auto", "sdpa", "flash")])  # one a family by default
 def test_eager_only_families_take_every_kernel_choice_through_the_engine_attention(family, attn):
     """gpt-oss and Gemma 2 are built with eager attention (transformers gives them no SDPA): under the engine
     attention, with any kernel choice, checkpoint's gradients are those of the model's own attention, and
@@ -119,8 +121,9 @@ def test_eager_only_families_take_every_kernel_choice_through_the_engine_attenti
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(*grads, strict=True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize(("dtype", "window"), [
+    pytest.param(dtype, window, marks=() if (dtype, window) == (torch.float64, 3) else pytest.mark.slow)
+    for window in (None, 3) for dtype in (torch.float64, torch.bfloat16)])  # a window by default
 def test_the_custom_ops_real_and_fake_kernels_agree(dtype, window):
     """torch's own op check (schema, fake vs real kernel metadata, autograd registration) on the inputs the
     engine passes: queries transposed from (B, c, H, hd), keys and values views of a longer cache."""

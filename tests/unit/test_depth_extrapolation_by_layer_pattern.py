@@ -1,6 +1,7 @@
 """Depth extrapolation on models whose layers differ by position: the shallow models are whole periods of
 the layer pattern, every per-layer property at its index, and the extrapolated peak and estimated step
-time are the full depth's."""
+time are the full depth's. The default run takes one pattern per check (Llama 4's for the peak, Gemma 2's
+for the step time), `-m slow` every pattern."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ PATTERNS = {  # tiny models deep enough for a pattern: (family, overrides, depth
     "deepseek-v3 2 dense layers first": ("deepseek-v3", dict(num_hidden_layers=7, first_k_dense_replace=2,
                                                              n_routed_experts=8), (3, 4)),
 }
+
+LLAMA4, GEMMA2 = "llama4 MoE every 2nd layer, NoPE every 4th, chunked", "gemma2 sliding/full, odd depth"
+
+
+def patterns(default: str) -> list:
+    """PATTERNS' names as parameters, all but `default` slow."""
+    return [pytest.param(name, marks=() if name == default else pytest.mark.slow) for name in PATTERNS]
 
 
 @pytest.mark.parametrize(
@@ -68,7 +76,7 @@ def test_a_per_layer_list_of_unknown_meaning_is_simulated_at_full_depth() -> Non
 
 
 @pytest.mark.parametrize("method", ["plain", "streambp"])
-@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("pattern", patterns(LLAMA4))
 def test_extrapolated_peak_is_the_full_depth_peak_on_each_layer_pattern(pattern: str, method: str) -> None:
     """At 64 tokens: past the tiny Llama 4's attention chunk (16) and the tiny Gemma 2's window (8)."""
     family, overrides, depths = PATTERNS[pattern]
@@ -82,7 +90,7 @@ def test_extrapolated_peak_is_the_full_depth_peak_on_each_layer_pattern(pattern:
 def test_one_sharded_rank_of_a_pattern_extrapolates_to_its_full_depth_peak() -> None:
     """One rank of 2 under FSDP2 zero3 with AdamW: its weights and optimizer state are the shards of every
     layer kind (a Llama 4 extrapolated from dense layers alone went negative)."""
-    family, overrides, _ = PATTERNS["llama4 MoE every 2nd layer, NoPE every 4th, chunked"]
+    family, overrides, _ = PATTERNS[LLAMA4]
     model = ResolvedModel(tiny_config(family, **overrides))
     spec = StepSpec.of(model="tiny/llama4", method="streambp", seq_len_tokens=64, optimizer="adamw", gpus=2,
                        shard="zero3", **SMALL)
@@ -96,7 +104,7 @@ def test_a_uniform_models_step_time_is_estimated_from_one_and_two_layers() -> No
     assert plan is not None and plan.depths == (1, 2) and plan.periods_to_add == 5
 
 
-@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("pattern", patterns(GEMMA2))
 def test_estimated_step_time_is_the_full_depth_estimate_on_each_layer_pattern(pattern: str) -> None:
     """`estimate_step` extrapolates from whole periods (`depth_plan(min_layers=1)`, here the depths the
     memory simulation uses): every part equals the estimate of the ops recorded at full depth (1 and 2

@@ -6,8 +6,8 @@ One tiny preset a kind: gpt-oss (attention sinks, biased router, experts as 3-D 
 (soft-caps, sandwich norms), Llama 4 text (chunked local attention, NoPE layers, a sigmoid top-1 MoE beside
 dense layers), Qwen3.5 (Gated DeltaNet's conv, A_log and dt_bias beside gated attention), DeepSeek-V3 (MLA's
 latent norms, group-limited routing) and OLMo 3 (a config-mapped llama-like: output norms, sliding layers).
-Each 2-rank run takes tens of seconds on 2 cores: gpt-oss runs by default (FSDP2 zero3 and ZeRO-3, the
-engines' hardest stages), the rest with `-m slow`.
+Each 2-rank run takes tens of seconds on 2 cores: gpt-oss on FSDP2 zero3 (the hardest stage) runs by
+default, the rest with `-m slow` (DeepSpeed's ZeRO-3 runs by default in test_parallel_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def _check_deepspeed(model: str, shards: tuple[str, ...]) -> None:
         assert r.ok
 
 
-def _cells(hardest: tuple[str, ...], rest: tuple[str, ...]):
-    """(model, shards) parameters: the hardest stages for every family (`DEFAULT` by default), the rest
-    slow."""
-    hard = [pytest.param(p.values[0], hardest, marks=p.marks) for p in _families(default_runs=True)]
+def _cells(hardest: tuple[str, ...], rest: tuple[str, ...], *, default_runs: bool = True):
+    """(model, shards) parameters: the hardest stages for every family (`DEFAULT` by default, unless not
+    `default_runs`), the rest slow."""
+    hard = [pytest.param(p.values[0], hardest, marks=p.marks) for p in _families(default_runs)]
     return hard + [pytest.param(model, rest, marks=pytest.mark.slow) for model in FAMILIES]
 
 
@@ -80,7 +80,7 @@ def test_fsdp2_every_method_has_plains_gradients(model, shards):
 
 
 @two_cores
-@pytest.mark.parametrize("model, shards", _cells(("zero3",), ("zero1", "zero2")))
+@pytest.mark.parametrize("model, shards", _cells(("zero3",), ("zero1", "zero2"), default_runs=False))
 def test_deepspeed_every_method_has_plains_gradients_reduced_once(model, shards):
     _check_deepspeed(model, shards)
 

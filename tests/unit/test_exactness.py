@@ -66,9 +66,14 @@ COVERED_IN_THEIR_FILES = ("gpt-oss", "gemma2", "llama4", "qwen3.5", "qwen3.5-moe
 with left and right padding, at 1e-12, beside what sets the family apart."""
 
 
-@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES
-                                    if f not in COVERED_WITH_WINDOWS + COVERED_IN_THEIR_FILES])
-@pytest.mark.parametrize("padding", ["right", "left"])
+PADDED_FAMILIES = [f for f in TINY_FAMILIES if f not in COVERED_WITH_WINDOWS + COVERED_IN_THEIR_FILES]
+"""The families test_each_family_with_padding runs: by default each with one padding side, the sides
+alternating down the list; the other side of each under -m slow."""
+
+
+@pytest.mark.parametrize(("family", "padding"), [
+    pytest.param(family, padding, marks=() if (index + side) % 2 == 0 else pytest.mark.slow)
+    for index, family in enumerate(PADDED_FAMILIES) for side, padding in enumerate(("right", "left"))])
 def test_each_family_with_padding(family, padding):
     model = model_of(family)
     ids, mask = batch(model.config.vocab_size, 2, 23, padding)
@@ -173,7 +178,15 @@ def test_close_restores_the_model(method):
         run.loss(ids)
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
+ENGINE_ATTENTION_DEFAULT = ("qwen3", "gemma2", "gpt-oss", "llama4", "deepseek-v3", "qwen3.5")
+"""The families test_the_engine_attention_is_the_models runs by default, one an attention feature (plain
+causal, soft caps, sinks, chunked local layers, latent attention's narrower values, a hybrid's gated
+attention); every other family under -m slow."""
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(family, marks=() if family in ENGINE_ATTENTION_DEFAULT else pytest.mark.slow)
+    for family in TINY_FAMILIES])
 def test_the_engine_attention_is_the_models(family):
     """plain with transformers' layers attending through the engine kernel (the baselines' attention in
     every simulation) is plain with the model's own attention, for every family: soft caps, sinks, chunked

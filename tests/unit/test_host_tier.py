@@ -1,6 +1,7 @@
 """The optimizer and params offload tiers: the applied update bitwise equal to the same step without them
 (float64 on CPU, where the host masters have the parameters' dtype), weights read only while gathered,
-gradients and weights really held and moved by the host pool, and bad tier sets refused."""
+gradients and weights really held and moved by the host pool, and bad tier sets refused. The matrices run a
+few cells by default (a tied head, LoRA, each kind of method), every cell under -m slow."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ from streambp_core.models.lora import apply_lora
 from streambp_core.step.parts.batch import objective_inputs, random_batch
 
 ALL = "checkpoints,optimizer,params"
+
+
+def cells(names: str, cases: list[tuple], default: set[tuple]) -> pytest.MarkDecorator:
+    """`parametrize(names, cases)` with every case outside `default` slow."""
+    return pytest.mark.parametrize(names, [
+        pytest.param(*case, marks=() if case in default else pytest.mark.slow) for case in cases])
 
 
 def _model(family: str = "qwen3", lora: int = 0):
@@ -70,8 +77,9 @@ def test_update_with_every_tier_is_bitwise_the_update_without(method, objective,
         assert value.device.type == "cpu" and torch.equal(value, ref[name]), name
 
 
-@pytest.mark.parametrize("offload", ["optimizer", "optimizer,params", "checkpoints,params"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied embedding and head
+@cells(("family", "offload"), [(family, offload) for family in ("llama", "qwen2")  # untied; tied head
+                                for offload in ("optimizer", "optimizer,params", "checkpoints,params")],
+       {("qwen2", "optimizer,params"), ("llama", "checkpoints,params")})
 def test_each_tier_combination_is_bitwise(family, offload):
     model = _model(family)
     inputs = _batch(model, "sft")
@@ -107,7 +115,9 @@ SEND_CASES = [*((method, family, 0, "recompute") for method in ("plain", "checkp
               ("streambp", "qwen2", 0, "fused")]
 
 
-@pytest.mark.parametrize(("method", "family", "lora", "head_mode"), SEND_CASES)
+@cells(("method", "family", "lora", "head_mode"), SEND_CASES, {
+    ("checkpoint", "qwen2", 0, "recompute"), ("mst", "llama", 2, "recompute"),
+    ("streambp", "qwen2", 0, "recompute"), ("streambp", "qwen2", 0, "fused")})
 def test_each_gradient_goes_to_the_host_once_per_backward(method, family, lora, head_mode):
     """mst's MLP tiles and head chunks, streambp's chunks and a tied head add to a gradient several times
     per backward: the host still gets each parameter's gradient once, complete (none left on the device),
@@ -146,8 +156,9 @@ class PoisonedHostParams(HostParams):
                 param.data = torch.full_like(self._host[id(param)], float("nan"))
 
 
-@pytest.mark.parametrize(("family", "lora"), [("llama", 0), ("qwen2", 0), ("llama", 2)])
-@pytest.mark.parametrize("method", ["checkpoint", "mst", "streambp"])
+@cells(("method", "family", "lora"), [(method, *model) for model in (("llama", 0), ("qwen2", 0), ("llama", 2))
+                                      for method in ("checkpoint", "mst", "streambp")],
+       {("checkpoint", "llama", 0), ("streambp", "qwen2", 0), ("mst", "llama", 2)})
 def test_weights_are_read_only_while_gathered(monkeypatch, method, family, lora):
     monkeypatch.setattr(host_tier, "HostParams", PoisonedHostParams)
     model = _model(family, lora)
@@ -239,8 +250,9 @@ def test_close_takes_the_host_optimizers_hooks_off(method):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied embedding and head
-@pytest.mark.parametrize("method", ["checkpoint", "mst", "streambp"])
+@cells(("method", "family"), [(method, family) for family in ("llama", "qwen2")  # untied; tied head
+                              for method in ("checkpoint", "mst", "streambp")],
+       {("checkpoint", "llama"), ("streambp", "qwen2")})
 def test_params_tier_never_raises_the_simulated_peak(method, family):
     """Weights gathered a unit at a time are a subset of the resident weights, and nothing else changes:
     the params tier's simulated peak is at most the resident step's, with fewer weight bytes at it."""

@@ -105,7 +105,8 @@ def test_trainer_with_lora_and_accumulation(tmp_path):
     assert_same_steps(make)
 
 
-@pytest.mark.parametrize(("method", "options"), [("streambp", {}), ("mst", {})])
+@pytest.mark.parametrize(("method", "options"), [("streambp", {}),
+                                                  pytest.param("mst", {}, marks=pytest.mark.slow)])
 def test_trainer_full_sgd(tmp_path, method, options):
     """SGD without clipping: a wrong loss scale (e.g. under accumulation) would show in every update."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments

@@ -7,7 +7,6 @@ eager-only attention of Gemma 2 and gpt-oss), every family with `-m slow`."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from streambp_core.config import ATTN_BACKENDS, VERIFY_METHODS, StepSpec
 from streambp_core.models.families import TINY_FAMILIES
@@ -25,14 +24,6 @@ SHORT = {"seq_len_tokens": 40, "partition_size": 16, "head_partition_size": 8}
 def families(default: tuple[str, ...]) -> list:
     """Every tiny family, all but those of `default` slow."""
     return [pytest.param(name, marks=() if name in default else pytest.mark.slow) for name in TINY_FAMILIES]
-
-
-@pytest.fixture(autouse=True)
-def few_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

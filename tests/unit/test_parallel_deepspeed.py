@@ -3,7 +3,9 @@ engine gets, and the verify command's bad input (one error line, exit 2, before 
 real gloo ranks on the CPU: the user's DeepSpeed loop (`prepare(engine.module, ...)`, `engine.backward`,
 `engine.step`) hands its optimizer plain's gradient and applies that optimizer's step on it, with gradient
 accumulation over two micro-steps, and ZeRO reduces every parameter exactly once (counted: per
-micro-step on ZeRO-2, per step on ZeRO-1, which reduces at the accumulation boundary)."""
+micro-step on ZeRO-2, per step on ZeRO-1, which reduces at the accumulation boundary). The default run
+takes one cell with ranks, streambp on ZeRO-3 (tied head: every parameter partitioned); `-m slow` ZeRO-2,
+the other head, float32 parameters, DeepSpeed's offload, LoRA and MoE, and the uneven-lengths count."""
 
 from __future__ import annotations
 
@@ -139,6 +141,7 @@ def test_a_gradient_or_update_off_plains_fails_the_check():
     assert not judged(twice).ok
 
 
+@pytest.mark.slow
 @two_cores
 def test_float32_parameters_hand_the_optimizer_plains_gradient():
     """The issue's float32 figure: with float32 parameters every method's reduced gradient is within
@@ -155,13 +158,14 @@ def test_float32_parameters_hand_the_optimizer_plains_gradient():
 
 
 @two_cores
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])  # untied and tied embedding and head
 def test_streambp_on_zero2_applies_plains_update_with_one_reduction_each(model):
     _check(_verify(model, ("streambp",), ("zero2",)), {("streambp", "zero2")})
 
 
 @two_cores
-@pytest.mark.parametrize("model", ["tiny/llama", "tiny/qwen3"])  # untied and tied embedding and head
+@pytest.mark.parametrize("model", [pytest.param("tiny/llama", marks=pytest.mark.slow), "tiny/qwen3"])
 def test_streambp_on_zero3_applies_plains_update_with_one_reduction_each(model):
     _check(_verify(model, ("streambp",), ("zero3",)), {("streambp", "zero3")})
 
@@ -238,6 +242,7 @@ def _check_offload(results, expected, offload):
         assert r.offload == offload and r.offload_err == 0.0, (r.method, r.offload_err)
 
 
+@pytest.mark.slow
 @two_cores
 def test_streambp_with_deepspeeds_offload_applies_the_update_without_it():
     """ZeRO-3 with `offload_optimizer` and `offload_param` on the CPU (torch's Adam on the host
@@ -264,6 +269,7 @@ def test_every_method_with_deepspeeds_offload(model, offload, cpu_adam):
     _check_offload(results, {(m, "zero3") for m in methods}, offload)
 
 
+@pytest.mark.slow
 @two_cores
 def test_zero3_lora_and_moe_apply_plains_update_with_one_reduction_each(tmp_path):
     """LoRA adapters (frozen base weights gathered, adapters reduced) and a mixture-of-experts model
@@ -279,6 +285,7 @@ def test_zero3_lora_and_moe_apply_plains_update_with_one_reduction_each(tmp_path
     _check(results, {(m, "zero3") for m in methods})
 
 
+@pytest.mark.slow
 @two_cores
 def test_zero3_chunks_issue_no_collective_so_uneven_lengths_cannot_deadlock():
     """Ranks with 2 and 6 chunks a layer: each unit (2 layers, the head) is all-gathered once for its
@@ -292,6 +299,7 @@ def test_zero3_chunks_issue_no_collective_so_uneven_lengths_cannot_deadlock():
     assert [r["gathers"] for r in per_rank] == [6, 6]
 
 
+@pytest.mark.slow
 @two_cores
 def test_zero3_units_gather_partitions_deepspeed_keeps_in_host_memory():
     """With DeepSpeed's `offload_param` every partition lives in DeepSpeed's host buffer (on CPU ranks

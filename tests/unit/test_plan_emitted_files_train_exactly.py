@@ -43,7 +43,6 @@ def emitted_module(folder: Path):
 
 def one_step(folder: Path, streamed: bool, **settings) -> dict:
     """One optimizer step of the emitted script's trainer on a tiny float64 model: {name: update}."""
-    torch.set_num_threads(1)
     config = tiny_config("qwen3")
     model = build_model(config, dtype=torch.float64, seed=0)
     rows = parity_dataset(ParitySetup(trainer="sft", model=config, rows=4), config.vocab_size)

@@ -3,14 +3,15 @@ plugin, 3 SGD steps with gradient accumulation 2, every parameter's update again
 (`integrations.sharded_parity`, its ranks started by `streambp_bench.verify.trainer_ranks`), and what a
 sharded trainer cannot do exactly refused by name.
 
-The default run takes three cells: one per engine through a different arming path (TRL's fused head on
-the streamed decoder stack; transformers' Trainer on the streamed loss), and Trainer on ZeRO-3, whose run
-is prepared on the trainer's engine at each step; on DeepSpeed each trainable parameter is reduced exactly
-once per micro-step (counted). The matrix (every trainer, every method, both FSDP2 stages, ZeRO-1, 2 and
-3, tied and untied heads) runs when STREAMBP_TRAINER_MATRIX=full (or STREAMBP_DEEPSPEED_MATRIX=full) is
-set. The example accelerate configs are read by accelerate's own
-launcher code (`accelerate launch` cannot start FSDP or DeepSpeed ranks on a CPU-only machine) and the
-plugins they make are checked as `stream_trainer` checks them.
+The runs with ranks (20-40 s each on 2 shared cores) are under `-m slow`, one per arming path and stage: TRL's
+fused head on the streamed decoder stack under FSDP2; transformers' Trainer on the streamed loss under
+DeepSpeed ZeRO-2; Trainer on ZeRO-3, whose run is prepared on the trainer's engine at each step; a model
+loaded from weights under ZeRO-3. On DeepSpeed each trainable parameter is reduced exactly once per micro-step
+(counted). The default run checks the plugins and refusals without ranks.
+The matrix (every trainer, every method, both FSDP2 stages, ZeRO-1, 2 and 3, tied and untied heads) runs when
+STREAMBP_TRAINER_MATRIX=full (or STREAMBP_DEEPSPEED_MATRIX=full) is set. The example accelerate configs are
+read by accelerate's own launcher code (`accelerate launch` cannot start FSDP or DeepSpeed ranks on a CPU-only
+machine) and the plugins they make are checked as `stream_trainer` checks them.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def test_fsdp2_sft_streambp_matches_single_process_plain():
     assert results[0].against_engine_plain.tolerance == 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
 def test_deepspeed_trainer_streambp_matches_single_process_plain():
     """transformers' Trainer, streamed loss, DeepSpeed ZeRO-2: the deferred reduction makes the update
@@ -89,6 +91,7 @@ def test_deepspeed_trainer_streambp_matches_single_process_plain():
     assert results[0].float64_plain_error is not None and results[0].float64_plain_error > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
 def test_deepspeed_zero3_trainer_streambp_matches_plain_on_the_engine():
     """transformers' Trainer, streamed loss, DeepSpeed ZeRO-3 (every parameter partitioned): the run is
@@ -101,6 +104,7 @@ def test_deepspeed_zero3_trainer_streambp_matches_plain_on_the_engine():
     assert results[0].reductions == {"1": 6 * 25}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not deepspeed_installed(), reason="deepspeed is not installed")
 @pytest.mark.parametrize("zero3_init", [False, True])
 def test_deepspeed_zero3_a_model_loaded_from_weights_trains_as_plain(tmp_path, zero3_init):
