@@ -76,7 +76,7 @@ class SyntheticSteps:
     def peak(self, spec, config, held: int | None = None) -> dict:
         """The step's figures: peak_bytes, breakdown_bytes and the host pool's bytes (`held`: what the
         step holds whatever its length, when the caller has it)."""
-        from streambp_core.step.setup import resident_bytes
+        from streambp_core.step.run.setup import resident_bytes
 
         held = resident_bytes(spec, config) if held is None else held
         activations = self.bytes_per_token[spec.method] * spec.batch_size * spec.seq_len_tokens
@@ -90,11 +90,11 @@ class SyntheticSteps:
 @pytest.fixture
 def stub_probe(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
     """A max-len search's probes synthetic (`SyntheticSteps`) instead of simulated, at the seam `max-len`
-    calls (`streambp_core.step.probe.simulated_probe`): a search takes milliseconds, the rest of the command
+    calls (`streambp_core.step.search.probe.simulated_probe`): a search takes milliseconds, the rest of the command
     runs as it stands (with `searches_in_process`: no worker process to miss the stub)."""
     from streambp_core.search import OK, ProbeResult
-    from streambp_core.step import probe as probe_module
-    from streambp_core.step.setup import resident_bytes
+    from streambp_core.step.run.setup import resident_bytes
+    from streambp_core.step.search import probe as probe_module
 
     steps = SyntheticSteps()
 
@@ -117,10 +117,10 @@ def stub_probe(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
 @pytest.fixture
 def stub_simulation(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
     """Simulated steps synthetic (`SyntheticSteps`) wherever a command calls
-    `streambp_core.step.simulate.simulate` at run time (a sweep's simulated point), so a test of the
+    `streambp_core.step.simulation.simulate.simulate` at run time (a sweep's simulated point), so a test of the
     command's wiring runs its points in milliseconds."""
-    from streambp_core.step import simulate as simulate_module
-    from streambp_core.step.resolved import ResolvedModel
+    from streambp_core.step.parts.resolved import ResolvedModel
+    from streambp_core.step.simulation import simulate as simulate_module
 
     steps = SyntheticSteps()
 
