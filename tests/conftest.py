@@ -90,8 +90,8 @@ class SyntheticSteps:
 @pytest.fixture
 def stub_probe(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
     """A max-len search's probes synthetic (`SyntheticSteps`) instead of simulated, at the seam `max-len`
-    calls (`streambp_core.step.search.probe.simulated_probe`): a search takes milliseconds, the rest of the command
-    runs as it stands (with `searches_in_process`: no worker process to miss the stub)."""
+    calls (`streambp_core.step.search.probe.simulated_probe`): a search takes milliseconds, the rest of the
+    command runs as it stands (with `searches_in_process`: no worker process to miss the stub)."""
     from streambp_core.search import OK, ProbeResult
     from streambp_core.step.run.setup import resident_bytes
     from streambp_core.step.search import probe as probe_module
@@ -117,8 +117,8 @@ def stub_probe(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
 @pytest.fixture
 def stub_simulation(monkeypatch: pytest.MonkeyPatch) -> SyntheticSteps:
     """Simulated steps synthetic (`SyntheticSteps`) wherever a command calls
-    `streambp_core.step.simulation.simulate.simulate` at run time (a sweep's simulated point), so a test of the
-    command's wiring runs its points in milliseconds."""
+    `streambp_core.step.simulation.simulate.simulate` at run time (a sweep's simulated point), so a test of
+    the command's wiring runs its points in milliseconds."""
     from streambp_core.step.parts.resolved import ResolvedModel
     from streambp_core.step.simulation import simulate as simulate_module
 
