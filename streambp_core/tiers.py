@@ -109,7 +109,8 @@ def tier_problem(method: str, tiers: Tiers, optimizer: str | None = None) -> str
         return f"offload does not apply to {method}: it keeps no checkpoints, so there is nothing to offload"
     if not keeps and (tiers.checkpoints or tiers.params):
         refused = [tier for tier in tiers.names if tier != "optimizer"]
-        others = ", ".join(methods_where(keeps_checkpoints=True))
+        *first, last = methods_where(keeps_checkpoints=True)
+        others = f"{', '.join(first)} or {last}" if first else last
         return (f"offload {','.join(refused)} does not apply to {method}: it keeps no checkpoints and cannot "
                 f"stream layers (autograd holds every layer's weights from forward to backward); use "
                 f"{others}, or offload optimizer only")

@@ -56,4 +56,4 @@ def test_callers_read_the_facts_from_the_classes() -> None:
         read = set(trainer_settings(name)) - {"method"}
         assert read == {option for option in facts.options if option.endswith("partition_size")}
     refusal = tier_problem("plain", Tiers(params=True))
-    assert "use checkpoint, mst, streambp, or offload optimizer only" in refusal
+    assert "use checkpoint, mst or streambp, or offload optimizer only" in refusal
