@@ -169,6 +169,14 @@ def simulate(
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
     require_sized(spec.stream)
     model = resolved(spec.model, model)
+    key = ("simulate", spec, depth, keep_chunks)
+    if key not in model.memo:
+        model.memo[key] = _simulate(spec, model, depth, keep_chunks)
+    return model.memo[key]
+
+
+def _simulate(spec: StepSpec, model: ResolvedModel, depth: str, keep_chunks: int | None) -> SimResult:
+    """`simulate`'s figures, computed (its docstring's steps)."""
     config = model.config
     if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":
         raise ConfigError(
@@ -205,7 +213,25 @@ def simulate(
 def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict
              ) -> SteppedFigures:
     """The phases (peak bytes, bytes by category at that peak and at the end) and the host pool of one
-    simulated step of `config`."""
+    simulated step of `config`. Memoised in `cache` per depth under the step as one GPU runs it: the shard
+    stage only lays the figures out afterwards (`_rank_peak`), so the stages of one step share its
+    simulation."""
+    key = ("phases", _single_gpu_step(spec), config.num_hidden_layers, keep_chunks)
+    figures = cache.get(key) or _tracked(spec, config, keep_chunks, cache)
+    cache[key] = figures
+    return SteppedFigures(phases=[PhaseFigures(phase.name, phase.peak_bytes, dict(phase.at_peak),
+                                               dict(phase.at_end)) for phase in figures.phases],
+                          host=figures.host)
+
+
+def _single_gpu_step(spec: StepSpec) -> StepSpec:
+    """`spec` with every shard stage as one (zero3): the step a rank runs before its layout."""
+    return spec if spec.shard == "none" else spec.replaced(shard="zero3")
+
+
+def _tracked(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict
+             ) -> SteppedFigures:
+    """`_stepped`'s figures, from one tracked meta step."""
     try:
         record = _baseline_step(spec, config, keep_chunks, cache)
     except Exception as exc:  # a meta step allocates no device memory: running out is the host's failure
