@@ -249,11 +249,20 @@ def _tracked(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, 
 
 
 def _baseline_step(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict):
-    """One tracked meta step of `spec`; for a family of the baselines tier (`models.catalogue`), whose
-    layers are transformers' own code, a step that cannot run on meta is a ConfigError naming why
-    (`generic.step_failure`: an op without a meta kernel, a value read from a meta tensor)."""
+    """One tracked meta step of `spec`, on a meta model built once per depth and per what the build reads
+    (kept in `cache`: a step at another length, partition or shard stage resets its gradients, as a
+    measured search reuses its model across lengths); for a family of the baselines tier
+    (`models.catalogue`), whose layers are transformers' own code, a step that cannot run on meta is a
+    ConfigError naming why (`generic.step_failure`: an op without a meta kernel, a value read from a meta
+    tensor)."""
+    key = ("training_model", config.num_hidden_layers, spec.method, spec.stream.head_mode, spec.dtype,
+           spec.seed, spec.lora_rank, spec.optimizer, spec.offload)
+    built = cache.pop(key, None) or (None, None)
     try:
-        return tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+        setup = build_setup(spec, config, "meta", model=built[0], optimizer=built[1])
+        record = tracked_step(setup, "meta", keep_chunks=keep_chunks, cache=cache)
+        cache[key] = (setup.model, setup.optimizer)  # kept only after a step that closed cleanly
+        return record
     except ConfigError:
         raise
     except Exception as exc:
