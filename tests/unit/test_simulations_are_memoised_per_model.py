@@ -35,7 +35,8 @@ def test_a_spec_simulated_again_is_answered_from_the_memo() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [Tiers.NONE, Tiers(checkpoints=True), Tiers(checkpoints=True, optimizer=True)])
+@pytest.mark.parametrize("offload", [Tiers.NONE, Tiers(checkpoints=True),
+                                     Tiers(checkpoints=True, optimizer=True)])
 def test_the_stages_of_one_step_share_its_simulation_with_a_fresh_models_figures(offload) -> None:
     shared = ResolvedModel(load_config(MODEL))
     for stage in STAGES:

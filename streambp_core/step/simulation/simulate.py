@@ -170,9 +170,9 @@ def simulate(
     require_sized(spec.stream)
     model = resolved(spec.model, model)
     key = ("simulate", spec, depth, keep_chunks)
-    if key not in model.memo:
-        model.memo[key] = _simulate(spec, model, depth, keep_chunks)
-    return model.memo[key]
+    result = model.memo.get(key) or _simulate(spec, model, depth, keep_chunks)
+    model.memo[key] = result
+    return result
 
 
 def _simulate(spec: StepSpec, model: ResolvedModel, depth: str, keep_chunks: int | None) -> SimResult:
