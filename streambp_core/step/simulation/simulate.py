@@ -30,7 +30,10 @@ Speed, as parameters (nothing is patched):
   tests (`keep_chunks=None`), over random shapes, objectives, offload and sharding too.
 - `model`: the model resolved once (`step.parts.resolved.ResolvedModel`): its config, its depth variants, and
   the memo of meta kernels' output metadata (`simulation_mode.SimulationMode`) and of the shard layout of
-  a sharded step's model, shared by every call on it.
+  a sharded step's model, shared by every call on it; the memo also holds each answer (a spec asked
+  again is not simulated again), each depth's phases of the step as one GPU runs it (the shard stages of
+  one step lay out the same phases) and the meta model and optimizer a step is built on (reused across
+  lengths, partitions and stages, its gradients reset).
 
 One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
 step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
