@@ -54,20 +54,22 @@ def test_the_stages_of_one_step_share_its_simulation_with_a_fresh_models_figures
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "optimizer", "offload", "lora_rank"), [
-    ("streambp", "adamw", Tiers.NONE, 0),
-    ("streambp", "adamw", Tiers(checkpoints=True, optimizer=True), 0),
-    ("streambp", "none", Tiers(checkpoints=True, params=True), 0),
-    ("mst", "adamw", Tiers(checkpoints=True), 4),
-    ("checkpoint", "adamw", Tiers.NONE, 0),
+@pytest.mark.parametrize(("method", "optimizer", "offload", "lora_rank", "sp"), [
+    ("streambp", "adamw", Tiers.NONE, 0, 1),
+    ("streambp", "adamw", Tiers(checkpoints=True, optimizer=True), 0, 1),
+    ("streambp", "none", Tiers(checkpoints=True, params=True), 0, 1),
+    ("streambp", "adamw", Tiers(checkpoints=True), 0, 2),
+    ("mst", "adamw", Tiers(checkpoints=True), 4, 1),
+    ("checkpoint", "adamw", Tiers.NONE, 0, 1),
 ])
 def test_steps_at_other_lengths_and_partitions_give_a_fresh_models_figures(method, optimizer, offload,
-                                                                          lora_rank) -> None:
+                                                                          lora_rank, sp) -> None:
     shared = ResolvedModel(load_config(MODEL))
+    sharded = {"gpus": sp, "sp": sp, "shard": "zero3"} if sp > 1 else {}
     for seq_len, partition, head in ((128, 32, 16), (96, 16, 32), (128, 128, 128), (200, 64, 16)):
         spec = StepSpec.of(model=MODEL, method=method, seq_len_tokens=seq_len, partition_size=partition,
                            head_partition_size=head, optimizer=optimizer, offload=offload,
-                           lora_rank=lora_rank)
+                           lora_rank=lora_rank, **sharded)
         for depth in ("extrapolate", "full"):
             alone = simulate(spec, ResolvedModel(load_config(MODEL)), depth=depth)
             assert simulate(spec, shared, depth=depth) == alone, (seq_len, partition, head, depth)
