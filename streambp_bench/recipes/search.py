@@ -208,6 +208,11 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, floor: int, ctx: Conte
     return floor if lowest is None else lowest
 
 
+def chains_in_turn(work, chains: list[Chain], ctx: Context, progress) -> list[list[Outcome]]:
+    """`work(chain, ctx, progress)` for each of `chains` in turn, in one process: one memo for them all."""
+    return [work(chain, ctx, progress) for chain in chains]
+
+
 def chain_frontier(chain: Chain, ctx: Context, progress) -> list[Outcome]:
     """Every recipe of `chain` at its longest length (`step.search.probe.max_len`, as `max-len` searches it),
     with the largest partitions and the estimated step time there (module docstring)."""

@@ -5,8 +5,9 @@ validated, `models.load_config`) and hands the object to every step, simulation 
 Model builds trust its config (`models.build_model(..., checked=True)`); the only copies are the config
 at other depths (`at_depth`, one per depth, kept) and the depths a simulation extrapolates from (`depth_plan`:
 whole periods of its layer pattern). It also owns the simulation memo: the output
-metadata of meta kernels (`simulation_mode.SimulationMode`) and a sharded step's shard layout, shared by
-every simulated step of the model, which changes no figure, only the time.
+metadata of meta kernels (`simulation_mode.SimulationMode`), a sharded step's shard layout, and
+`simulate`'s answers, phases and meta models, shared by every simulated step of the model, which changes
+no figure, only the time.
 """
 
 from __future__ import annotations

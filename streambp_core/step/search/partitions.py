@@ -47,25 +47,52 @@ def head_candidates(seq_len: int, min_head: int = MIN_PARTITION) -> list[int]:
     return [*sizes, seq_len]
 
 
-def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> int | None:
+def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool],
+                    peak: Callable[[int], float] | None = None, budget: float | None = None) -> int | None:
     """The largest of ascending `candidates` for which `fits` holds, assuming it holds up to some size and
-    fails beyond; None when even the smallest fails. log2(len) + 1 calls of `fits`."""
+    fails beyond; None when even the smallest fails. By bisection: log2(len) + 1 calls of `fits`. With
+    `peak` (the figure `fits` compares with `budget`; asked only for sizes `fits` was asked about, so a
+    memoised simulation answers it at no cost): the largest is tried too, then each probe goes where the
+    line through the peaks of the bracket's ends (the largest known to fit, the smallest known not to)
+    crosses the budget; past the first two such probes, a midpoint after one that did not halve the
+    bracket. The same answer, in 2 probes past the ends where the peak grows about linearly with the size."""
     low, high = 0, len(candidates) - 1
     if not fits(candidates[low]):
         return None
+    if peak is not None and high > 0:
+        if fits(candidates[high]):
+            return candidates[high]
+        high -= 1  # from here on, candidates[high + 1] is known not to fit
+    guided, probes = peak is not None, 0
     while low < high:
-        mid = (low + high + 1) // 2
+        width = high - low
+        mid = _crossing(candidates, low, high, peak, budget) if guided else (low + high + 1) // 2
         if fits(candidates[mid]):
             low = mid
         else:
             high = mid - 1
+        probes += 1
+        guided = peak is not None and (probes < 2 or 2 * (high - low) <= width)
     return candidates[low]
+
+
+def _crossing(candidates: Sequence[int], low: int, high: int, peak: Callable[[int], float],
+              budget: float) -> int:
+    """The index in [low + 1, high] of the largest candidate at or below the size where the line through
+    the peaks at `candidates[low]` (fits) and `candidates[high + 1]` (does not) meets `budget`."""
+    x0, x1 = candidates[low], candidates[high + 1]
+    y0, y1 = peak(x0), peak(x1)
+    size = x0 + (budget - y0) * (x1 - x0) / (y1 - y0) if y1 > y0 else x0
+    below = sum(1 for candidate in candidates[low + 1:high + 1] if candidate <= size)
+    return min(high, low + max(1, below))
 
 
 def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = None,
                     head_partition_size: int | None = None, min_partition: int = MIN_PARTITION,
-                    min_head: int = MIN_PARTITION) -> tuple[int, int]:
+                    min_head: int = MIN_PARTITION, peak: Callable[[int, int], float] | None = None,
+                    budget: float | None = None) -> tuple[int, int]:
     """(partition_size, head_partition_size): the largest that fit; a size given is kept as it is.
+    `peak`, `budget`: the figure `fits` compares and its bound, to guide each search (`largest_fitting`).
 
     Raises ConfigError when nothing fits even at the smallest candidates.
     """
@@ -73,11 +100,13 @@ def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = No
     layers = [partition_size] if partition_size else layer_candidates(seq_len, min_partition)
     if fits(layers[-1], heads[-1]):  # the common case on a large GPU: one call
         return layers[-1], heads[-1]
-    layer = largest_fitting(layers, lambda size: fits(size, heads[0]))
+    layer = largest_fitting(layers, lambda size: fits(size, heads[0]),
+                            peak and (lambda size: peak(size, heads[0])), budget)
     if layer is None:
         raise ConfigError(f"no partition fits at {seq_len} tokens, not even partition {layers[0]} with "
                           f"head partition {heads[0]}")
-    head = largest_fitting(heads, lambda size: fits(layer, size))
+    head = largest_fitting(heads, lambda size: fits(layer, size), peak and (lambda size: peak(layer, size)),
+                           budget)
     return layer, head
 
 
@@ -105,7 +134,8 @@ def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = Tru
     """`spec` (a `StepSpec`) with the largest layer (`layer`) and/or head (`head`) partitions whose
     simulated peak fits `budget_bytes` (`auto_partitions`); the others as given. The search simulates
     at two shallow depths extrapolated (`step.parts.depth`); its answer is checked with every layer and, when
-    that does not fit (extrapolation can only under-estimate), searched again at full depth. Raises
+    that does not fit (extrapolation can only under-estimate), searched again at full depth. Each search
+    is guided by the simulated peaks (`largest_fitting`). Raises
     ConfigError when even the smallest candidates do not fit. Methods without partitions come back
     unchanged. `model`: the spec's model resolved once (`step.parts.resolved.ResolvedModel`; None: resolved
     here)."""
@@ -116,15 +146,20 @@ def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = Tru
         return spec
     model = resolved(spec.model, model)
 
-    def fits_at(depth: str) -> Fits:
-        def fits(partition: int, head_partition: int) -> bool:
+    def peak_at(depth: str) -> Callable[[int, int], int]:
+        def peak(partition: int, head_partition: int) -> int:
             trial = spec.replaced(partition_size=partition, head_partition_size=head_partition)
-            return simulate(trial, model, depth=depth).peak_bytes <= budget_bytes
-        return fits
+            return simulate(trial, model, depth=depth).peak_bytes  # memoised: asking again is free
+        return peak
+
+    def search(depth: str) -> tuple[int, int]:
+        peak = peak_at(depth)
+        return auto_partitions(spec.seq_len_tokens, lambda p, h: peak(p, h) <= budget_bytes, **given,
+                               peak=peak, budget=budget_bytes)
 
     given = {"partition_size": None if layer else spec.stream.partition_size,
              "head_partition_size": None if head else spec.stream.head_partition_size}
-    sizes = auto_partitions(spec.seq_len_tokens, fits_at("extrapolate"), **given)
-    if not fits_at("full")(*sizes):
-        sizes = auto_partitions(spec.seq_len_tokens, fits_at("full"), **given)
+    sizes = search("extrapolate")
+    if peak_at("full")(*sizes) > budget_bytes:
+        sizes = search("full")
     return spec.replaced(partition_size=sizes[0], head_partition_size=sizes[1])

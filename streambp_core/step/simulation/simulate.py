@@ -30,7 +30,10 @@ Speed, as parameters (nothing is patched):
   tests (`keep_chunks=None`), over random shapes, objectives, offload and sharding too.
 - `model`: the model resolved once (`step.parts.resolved.ResolvedModel`): its config, its depth variants, and
   the memo of meta kernels' output metadata (`simulation_mode.SimulationMode`) and of the shard layout of
-  a sharded step's model, shared by every call on it.
+  a sharded step's model, shared by every call on it; the memo also holds each answer (a spec asked
+  again is not simulated again), each depth's phases of the step as one GPU runs it (the shard stages of
+  one step lay out the same phases) and the meta model and optimizer a step is built on (reused across
+  lengths, partitions and stages, its gradients reset).
 
 One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
 step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
@@ -169,6 +172,14 @@ def simulate(
         raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
     require_sized(spec.stream)
     model = resolved(spec.model, model)
+    key = ("simulate", spec, depth, keep_chunks)
+    result = model.memo.get(key) or _simulate(spec, model, depth, keep_chunks)
+    model.memo[key] = result
+    return result
+
+
+def _simulate(spec: StepSpec, model: ResolvedModel, depth: str, keep_chunks: int | None) -> SimResult:
+    """`simulate`'s figures, computed (its docstring's steps)."""
     config = model.config
     if config.model_type in MOE_FAMILIES and spec.dtype != "bfloat16":
         raise ConfigError(
@@ -205,7 +216,25 @@ def simulate(
 def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict
              ) -> SteppedFigures:
     """The phases (peak bytes, bytes by category at that peak and at the end) and the host pool of one
-    simulated step of `config`."""
+    simulated step of `config`. Memoised in `cache` per depth under the step as one GPU runs it: the shard
+    stage only lays the figures out afterwards (`_rank_peak`), so the stages of one step share its
+    simulation."""
+    key = ("phases", _single_gpu_step(spec), config.num_hidden_layers, keep_chunks)
+    figures = cache.get(key) or _tracked(spec, config, keep_chunks, cache)
+    cache[key] = figures
+    return SteppedFigures(phases=[PhaseFigures(phase.name, phase.peak_bytes, dict(phase.at_peak),
+                                               dict(phase.at_end)) for phase in figures.phases],
+                          host=figures.host)
+
+
+def _single_gpu_step(spec: StepSpec) -> StepSpec:
+    """`spec` with every shard stage as one (zero3): the step a rank runs before its layout."""
+    return spec if spec.shard == "none" else spec.replaced(shard="zero3")
+
+
+def _tracked(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict
+             ) -> SteppedFigures:
+    """`_stepped`'s figures, from one tracked meta step."""
     try:
         record = _baseline_step(spec, config, keep_chunks, cache)
     except Exception as exc:  # a meta step allocates no device memory: running out is the host's failure
@@ -223,11 +252,20 @@ def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, 
 
 
 def _baseline_step(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, cache: dict):
-    """One tracked meta step of `spec`; for a family of the baselines tier (`models.catalogue`), whose
-    layers are transformers' own code, a step that cannot run on meta is a ConfigError naming why
-    (`generic.step_failure`: an op without a meta kernel, a value read from a meta tensor)."""
+    """One tracked meta step of `spec`, on a meta model built once per depth and per what the build reads
+    (kept in `cache`: a step at another length, partition or shard stage resets its gradients, as a
+    measured search reuses its model across lengths); for a family of the baselines tier
+    (`models.catalogue`), whose layers are transformers' own code, a step that cannot run on meta is a
+    ConfigError naming why (`generic.step_failure`: an op without a meta kernel, a value read from a meta
+    tensor)."""
+    key = ("training_model", config.num_hidden_layers, spec.method, spec.stream.head_mode, spec.dtype,
+           spec.seed, spec.lora_rank, spec.optimizer, spec.offload)
+    built = cache.pop(key, None) or (None, None)
     try:
-        return tracked_step(build_setup(spec, config, "meta"), "meta", keep_chunks=keep_chunks, cache=cache)
+        setup = build_setup(spec, config, "meta", model=built[0], optimizer=built[1])
+        record = tracked_step(setup, "meta", keep_chunks=keep_chunks, cache=cache)
+        cache[key] = (setup.model, setup.optimizer)  # kept only after a step that closed cleanly
+        return record
     except ConfigError:
         raise
     except Exception as exc:
