@@ -5,7 +5,6 @@ is slow; a handful runs by default."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from streambp_core.config import ConfigError, StepSpec
 from streambp_core.models.catalogue import causal_families, serving
 from streambp_core.step.simulation.simulate import simulate
+from tests.model_dirs import config_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -68,11 +68,7 @@ def family_dir(tmp_path: Path, model_type: str) -> str:
         from streambp_core.models.families import FAMILIES
 
         return "tiny/" + next((f.tiny for f in FAMILIES if f.model_type == model_type), "qwen3")
-    values = config_values(model_type)
-    directory = tmp_path / model_type
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(values, default=str))
-    return str(directory)
+    return config_directory(tmp_path, model_type, config_values(model_type))
 
 
 def answer(tmp_path: Path, model_type: str, method: str) -> str:

@@ -88,6 +88,7 @@ def _assert_exact(results, methods: tuple[str, ...]) -> None:
 
 
 @two_ranks
+@pytest.mark.slow
 def test_llama4_under_two_ranks_matches_single_process_plain() -> None:
     """The cheap cell: Llama 4 with left padding (each row's local chunks start at its first real token),
     through transformers' forward (plain) and streambp's own layers."""

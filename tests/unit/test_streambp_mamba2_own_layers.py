@@ -7,13 +7,13 @@ attention side by side in one layer) likewise."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from streambp_core.models.load import build_model
+from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch, step
 
@@ -39,10 +39,7 @@ def model_of(tmp_path: Path, family: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     values = CONFIG_MAPPING[family](**tiny_values(family, SIZES) | MAMBA[family]).to_dict()
-    directory = tmp_path / family
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(values, default=str))
-    return build_model(str(directory), dtype=torch.float64, seed=0)
+    return build_model(config_directory(tmp_path, family, values), dtype=torch.float64, seed=0)
 
 
 @pytest.mark.parametrize(("family", "padding"), [

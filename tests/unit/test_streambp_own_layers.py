@@ -6,7 +6,6 @@ keeps its input alone; what the path cannot carry is refused by name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from streambp_core.config import ConfigError
 from streambp_core.measure.tracker import MemoryTracker
 from streambp_core.models.catalogue import serving
 from streambp_core.models.load import build_model
+from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch
 
@@ -35,10 +35,7 @@ than the sequence; MLA's key heads are its query heads (4), as in the released m
 def config_dir(tmp_path: Path, model_type: str, **overrides) -> str:
     """A directory holding a tiny config.json of `model_type`, with `FAMILIES`' settings and `overrides`."""
     values = tiny_values(model_type, SIZES) | FAMILIES.get(model_type, {}) | overrides
-    directory = tmp_path / model_type
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(values, default=str))
-    return str(directory)
+    return config_directory(tmp_path, model_type, values)
 
 
 def test_the_families_are_of_the_baselines_tier():

@@ -6,7 +6,6 @@ layer (the indexer's weights get no gradient, as in plain); a PLE layer is refus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import streambp_core
 from streambp_core.config import ConfigError
 from streambp_core.models.load import build_model
+from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch, relative_errors
 
@@ -28,11 +28,7 @@ QSA = {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_head
 def config_dir(tmp_path: Path, **overrides) -> str:
     """A directory holding a tiny qwen4_exp_text config.json with `overrides` (the tiny defaults: two Gated
     DeltaNet layers)."""
-    directory = tmp_path / "qwen4_exp_text"
-    directory.mkdir(parents=True, exist_ok=True)
-    values = tiny_values("qwen4_exp_text", SIZES) | overrides
-    (directory / "config.json").write_text(json.dumps(values, default=str))
-    return str(directory)
+    return config_directory(tmp_path, "qwen4_exp_text", tiny_values("qwen4_exp_text", SIZES) | overrides)
 
 
 @pytest.mark.parametrize("padding", ["right", pytest.param("left", marks=pytest.mark.slow)])

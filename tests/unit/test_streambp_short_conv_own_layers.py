@@ -6,13 +6,13 @@ trailing one-token chunk."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from streambp_core.models.load import build_model
+from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
 from tests.unit.test_exactness import assert_matches_plain, batch
 from tests.unit.test_streambp_mamba2_own_layers import assert_uncarried_is_off
@@ -25,10 +25,8 @@ LAYERS = {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "con
 
 def model_of(tmp_path: Path, family: str):
     """A float64 `family` model with random weights, built from a tiny config.json (`LAYERS`)."""
-    directory = tmp_path / family
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(tiny_values(family, SIZES) | LAYERS, default=str))
-    return build_model(str(directory), dtype=torch.float64, seed=0)
+    values = tiny_values(family, SIZES) | LAYERS
+    return build_model(config_directory(tmp_path, family, values), dtype=torch.float64, seed=0)
 
 
 def test_the_tiny_model_has_short_conv_layers(tmp_path):

@@ -81,6 +81,7 @@ def test_worker_count_defaults_to_the_cores_when_simulated() -> None:
     assert start_server(1) is None
 
 
+@pytest.mark.slow
 def test_reproduce_searches_on_workers_give_the_rows_of_one_process(context, tmp_path) -> None:
     """`reproduce`'s max-length searches (`max_len_rows`) on two workers: the same rows, in spec order, as
     one after another here, and every search's progress note reaches the settings' note."""
