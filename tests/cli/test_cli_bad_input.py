@@ -29,27 +29,35 @@ def test_every_budget_is_a_finite_positive_number(tmp_path: Path, command: list[
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    ("args", "words"),
-    [
-        (["verify", *TINY, "-T", "1"], ["seq_len"]),
-        (["verify", *TINY, "--ps-head", "0"], ["head_partition_size"]),
-        (["verify", *TINY, "--lora-rank", "-1"], ["lora rank"]),
-        (["max-len", *TINY, "-b", "0"], ["batch_size"]),
-        (["max-len", *TINY, "--ps", "-3"], ["partition_size"]),
-        (["sweep", *TINY, "--seq-len", "nan"], ["bad length 'nan'", "k = 1000"]),
-        (["sweep", *TINY, "--seq-len", "inf"], ["bad length 'inf'"]),
-        (["sweep", *TINY, "--seq-len", "-1k"], ["bad length '-1k'"]),
-        (["sweep", *TINY, "--seq-len", "0.5"], ["whole number"]),
-        (["sweep", *TINY, "--seq-len", "2:1000000000:1"], ["at most 10,000"]),
-        (["sweep", *TINY, "--ps", "nan"], ["bad partition size 'nan'"]),
-        (["sweep", *TINY, "--ps-head", "0"], ["head_partition_size"]),
-        (["verify", *TINY, "--seq-len", "abc"], ["'--seq-len'", "valid integer"]),
-    ],
-)
-def test_numbers_out_of_range_are_one_line(tmp_path: Path, args: list[str], words: list[str]) -> None:
-    out = ["--out", str(tmp_path / "o.csv")] if args[0] == "sweep" else []
-    one_line_error(CliRunner().invoke(app, [*args, *out]), *words)
+BAD_OPTIONS = {
+    "verify": [("-T 1", "seq_len"), ("--seq-len 1", "seq_len"),
+               ("--seq-len abc", "'--seq-len'", "valid integer"), ("--batch-size 0", "batch_size"),
+               ("--ps 0", "partition_size"), ("--ps-head 0", "head_partition_size"),
+               ("--lora-rank -1", "lora rank"), ("--method streambp,magic", "magic"),
+               ("--model no/such-model", "presets: ")],
+    "max-len": [("-b 0", "batch_size"), ("--batch-size 0", "batch_size"), ("--jobs 0", "--jobs"),
+                ("--ps -3", "partition_size"), ("--ps 0", "partition_size"),
+                ("--ps-head -3", "head_partition_size"), ("--method plain,adam", "unknown method 'adam'"),
+                ("--model no/such-model", "unknown model")],
+    "sweep": [("--seq-len nan", "bad length 'nan'", "k = 1000"), ("--seq-len inf", "bad length 'inf'"),
+              ("--seq-len -1k", "bad length '-1k'"), ("--seq-len 4x", "bad length"),
+              ("--seq-len 0.5", "whole number"), ("--seq-len 2:1000000000:1", "at most 10,000"),
+              ("--ps nan", "bad partition size 'nan'"), ("--ps 0", "partition size"),
+              ("--ps-head 0", "head_partition_size"), ("--lora-rank -1", "lora rank"),
+              ("--method nope", "unknown method"), ("--optimizer sgd", "optimizer"),
+              ("--device tpu", "Invalid value for '--device'"), ("-m no/such-model", "unknown model")],
+}
+"""Per command, options a user gets wrong (given after `TINY`) and the words of the error line each gets."""
+
+
+@pytest.mark.parametrize(("command", "options", "words"), [
+    (command, options, words) for command, cases in BAD_OPTIONS.items() for options, *words in cases])
+def test_bad_options_are_one_line_before_any_work(tmp_path: Path, command: str, options: str,
+                                                  words: list[str]) -> None:
+    """Exit 2 and one `error:` line naming what is wrong, and nothing written (a sweep is given --out)."""
+    out = ["--out", str(tmp_path / "o.csv")] if command == "sweep" else []
+    one_line_error(CliRunner().invoke(app, [command, *TINY, *options.split(), *out]), *words)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sweep_writes_into_the_current_folder_by_default(tmp_path: Path, monkeypatch) -> None:
@@ -78,32 +86,35 @@ def _profile_step():
 PROFILE = ["--model", "tiny/qwen3", "--device", "cpu"]
 
 
-@pytest.mark.parametrize(
-    ("script", "args", "words"),
-    [
-        ("profile_step", [*PROFILE, "--seq-len", "0"], ["seq_len must be"]),
-        ("profile_step", [*PROFILE, "--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
-        ("profile_step", [*PROFILE, "--methods", "nosuch"], ["unknown method 'nosuch'"]),
-        ("profile_step", ["--model", "nosuch", "--device", "cpu"], ["unknown model 'nosuch'"]),
-        ("fsdp_rank_memory", ["--shards", "zero1"], ["shard must be one of"]),
-        ("fsdp_rank_memory", ["--shards", "deepspeed-zero2"], ["torch FSDP2"]),
-        ("fsdp_rank_memory", ["--methods", "nosuch"], ["unknown method 'nosuch'"]),
-        ("fsdp_rank_memory", ["--gpus", "1"], ["--gpus must be at least 2"]),
-        ("fsdp_rank_memory", ["--gpus", "4096"], ["more than the"]),
-        ("deepspeed_rank_memory", ["--shards", "zero2"], ["DeepSpeed rank is measured as the layouts"]),
-        ("deepspeed_rank_memory", ["--gpus", "1"], ["--gpus must be at least 2"]),
-        ("step_flops", ["--ps-head", "abc"], ["bad LM-head partition 'abc'"]),
-        ("step_flops", ["--head-modes", "fast"], ["head modes are", "not fast"]),
-        ("step_flops", ["--seq-len", "0"], ["--seq-len must be at least 1"]),
-        ("step_flops", ["--auto-budget-gib", "lots"], ["bad --auto-budget-gib 'lots'"]),
-        ("step_flops", ["--model", "nosuch"], ["unknown model 'nosuch'"]),
-        ("step_time_estimate", ["--gpu", "v100"], ["unknown GPU model 'v100'"]),
-        ("step_time_estimate", ["--methods", "nosuch"], ["unknown method 'nosuch'"]),
-        ("step_time_estimate", ["--seq-len", "4q"], ["bad length '4q'"]),
-        ("step_time_estimate", ["--measured", str(Path(__file__).parents[2] / "README.md")],
-         ["is not a results CSV", "no column metric"]),
-    ],
-)
+BENCHMARK_BAD_INPUT = {
+    "profile_step": [([*PROFILE, "--seq-len", "0"], "seq_len must be"),
+                     ([*PROFILE, "--ps-head", "abc"], "bad LM-head partition 'abc'"),
+                     ([*PROFILE, "--methods", "nosuch"], "unknown method 'nosuch'"),
+                     (["--model", "nosuch", "--device", "cpu"], "unknown model 'nosuch'")],
+    "fsdp_rank_memory": [(["--shards", "zero1"], "shard must be one of"),
+                         (["--shards", "deepspeed-zero2"], "torch FSDP2"),
+                         (["--methods", "nosuch"], "unknown method 'nosuch'"),
+                         (["--gpus", "1"], "--gpus must be at least 2"),
+                         (["--gpus", "4096"], "more than the")],
+    "deepspeed_rank_memory": [(["--shards", "zero2"], "DeepSpeed rank is measured as the layouts"),
+                              (["--gpus", "1"], "--gpus must be at least 2")],
+    "step_flops": [(["--ps-head", "abc"], "bad LM-head partition 'abc'"),
+                   (["--head-modes", "fast"], "head modes are", "not fast"),
+                   (["--seq-len", "0"], "--seq-len must be at least 1"),
+                   (["--auto-budget-gib", "lots"], "bad --auto-budget-gib 'lots'"),
+                   (["--model", "nosuch"], "unknown model 'nosuch'")],
+    "step_time_estimate": [(["--gpu", "v100"], "unknown GPU model 'v100'"),
+                           (["--methods", "nosuch"], "unknown method 'nosuch'"),
+                           (["--seq-len", "4q"], "bad length '4q'"),
+                           (["--measured", str(REPO / "README.md")],
+                            "is not a results CSV", "no column metric")],
+}
+"""Per benchmark script (benchmarks/<name>.py), arguments a user gets wrong and the words of the error
+line each gets."""
+
+
+@pytest.mark.parametrize(("script", "args", "words"), [
+    (script, args, words) for script, cases in BENCHMARK_BAD_INPUT.items() for args, *words in cases])
 def test_a_benchmark_s_bad_input_is_one_line_before_any_work(script, args, words, monkeypatch, capsys):
     """profile_step reads sys.argv, the others take their arguments: either way exit 2, one line."""
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])

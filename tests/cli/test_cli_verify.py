@@ -31,23 +31,6 @@ def test_each_command_help_has_example_invocations(runner, command):
     assert f"streambp-bench {command}" in result.output
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--model", "no/such-model"], "presets: "),
-        (["--ps", "0"], "partition_size"),
-        (["--ps-head", "0"], "head_partition_size"),
-        (["--seq-len", "1"], "seq_len"),
-        (["--batch-size", "0"], "batch_size"),
-        (["--method", "streambp,magic"], "magic"),
-    ],
-)
-def test_bad_input_is_one_line_without_traceback_and_exit_2(runner, args, expected):
-    result = runner.invoke(app, [*TINY_VERIFY, *args])
-    assert result.exit_code == 2
-    assert expected in one_line_error(result)
-
-
 def test_unknown_model_error_lists_every_preset(runner):
     result = runner.invoke(app, ["verify", "--model", "Qwen/Qwen3-9000B"])
     line = one_line_error(result)

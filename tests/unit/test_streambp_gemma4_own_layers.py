@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import streambp_core
 from streambp_core.models.load import build_model
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
-from tests.unit.test_exactness import assert_matches_plain, batch, relative_errors, step
+from tests.unit.test_exactness import assert_padded_rows_match_plain, batch, relative_errors, step
 
 SEQ_LEN = 37
 """Tokens per row: not a multiple of the partition (8)."""
@@ -51,9 +50,7 @@ def gemma4_dir(tmp_path: Path, shape: str) -> str:
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_streambp_on_gemma4_matches_plain(tmp_path, shape, padding):
     model = build_model(gemma4_dir(tmp_path, shape), dtype=torch.float64, seed=0)
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
-    assert_matches_plain(model, ids, mask, methods=("checkpoint", "streambp"), partition_size=8,
-                         head_partition_size=8)
+    assert_padded_rows_match_plain(model, padding, SEQ_LEN, methods=("checkpoint", "streambp"))
 
 
 def test_the_e_series_config_shares_keys_and_values_and_feeds_per_layer_inputs(tmp_path):
@@ -69,10 +66,7 @@ def test_the_e_series_config_shares_keys_and_values_and_feeds_per_layer_inputs(t
 
 def _gradients(model, method: str, ids, mask) -> dict[str, torch.Tensor]:
     """Every trainable parameter's gradient after one step of `method` (chunks of 8)."""
-    model.zero_grad(set_to_none=True)
-    with streambp_core.prepare(model, method, partition_size=8, head_partition_size=8) as run:
-        run.loss(ids, attention_mask=mask).backward()
-    return {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+    return step(model, method, ids, mask, partition_size=8, head_partition_size=8)[1]
 
 
 def test_a_store_gets_its_consumers_key_and_value_gradient(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from streambp_core.models.load import build_model
 from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
-from tests.unit.test_exactness import assert_matches_plain, batch, step
+from tests.unit.test_exactness import assert_padded_rows_match_plain, batch, step
 
 MAMBA = {"nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2,
                         "chunk_size": 16, "moe_shared_expert_intermediate_size": 32},
@@ -46,21 +46,15 @@ def model_of(tmp_path: Path, family: str):
     ("nemotron_h", "right"), ("nemotron_h", "left"), ("granitemoehybrid", "right"),
     pytest.param("granitemoehybrid", "left", marks=pytest.mark.slow)])
 def test_streambp_carries_the_mamba2_state_across_chunks(tmp_path, family, padding):
-    torch.manual_seed(0)
-    model = model_of(tmp_path, family)
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=8, head_partition_size=8)
+    assert_padded_rows_match_plain(model_of(tmp_path, family), padding, SEQ_LEN)
 
 
 @pytest.mark.parametrize(("seq_len", "partition_size"), [(21, 2), (33, 8)])
 def test_short_chunks_and_a_trailing_one_token_chunk_match_plain(tmp_path, seq_len, partition_size):
     """Chunks of 2 tokens (21 tokens: 11 chunks) hand on a halo (3 conv inputs) that reaches into the chunk
     before; at 33 tokens the last chunk of 1 token joins the one before it."""
-    torch.manual_seed(0)
     model = model_of(tmp_path, "nemotron_h")
-    ids, mask = batch(model.config.vocab_size, 2, seq_len, "left")
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=partition_size,
-                         head_partition_size=8)
+    assert_padded_rows_match_plain(model, "left", seq_len, partition_size=partition_size)
 
 
 def test_the_streamed_state_is_what_changes_the_gradient(tmp_path, monkeypatch):
@@ -112,10 +106,7 @@ def test_bamba_and_falcon_h1_match_plain(tmp_path, family, padding):
     """Bamba's layers return (hidden states, None) beside them under SDPA; Falcon-H1's run Mamba2 and
     attention side by side on one input (`engine.own.parallel`: each chunk against the prefix's keys and
     values and from the state and halo before it) and return a one-tuple."""
-    torch.manual_seed(0)
-    model = model_of(tmp_path, family)
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=8, head_partition_size=8)
+    assert_padded_rows_match_plain(model_of(tmp_path, family), padding, SEQ_LEN)
 
 
 def test_falcon_h1_carries_keys_and_state_together(tmp_path, monkeypatch):

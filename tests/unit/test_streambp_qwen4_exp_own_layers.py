@@ -16,7 +16,7 @@ from streambp_core.config import ConfigError
 from streambp_core.models.load import build_model
 from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
-from tests.unit.test_exactness import assert_matches_plain, batch, relative_errors
+from tests.unit.test_exactness import assert_padded_rows_match_plain, batch, relative_errors, step
 
 SEQ_LEN = 37
 """Tokens per row: not a multiple of the partition (8)."""
@@ -33,20 +33,9 @@ def config_dir(tmp_path: Path, **overrides) -> str:
 
 @pytest.mark.parametrize("padding", ["right", pytest.param("left", marks=pytest.mark.slow)])
 def test_streambp_through_the_linear_layers_matches_plain(tmp_path, padding):
-    torch.manual_seed(0)
     model = build_model(config_dir(tmp_path), dtype=torch.float64, seed=0)
     assert model.config.layer_types == ["linear_attention", "linear_attention"]
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=8, head_partition_size=8)
-
-
-def _grads(model, method: str, ids, mask, **options) -> tuple[float, dict]:
-    """The loss and the gradient of each parameter that gets one (not the QSA indexer's, as in plain)."""
-    model.zero_grad(set_to_none=True)
-    with streambp_core.prepare(model, method, **options) as run:
-        loss = run.loss(ids, attention_mask=mask)
-        loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert_padded_rows_match_plain(model, padding, SEQ_LEN)
 
 
 @pytest.mark.parametrize("padding", ["right", pytest.param("left", marks=pytest.mark.slow),
@@ -59,8 +48,8 @@ def test_streambp_through_the_qsa_layers_matches_plain(tmp_path, padding):
     model = build_model(config_dir(tmp_path, **QSA), dtype=torch.float64, seed=0)
     ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
     mask = None if padding == "none" else mask
-    plain_loss, plain = _grads(model, "plain", ids, mask)
-    loss, grads = _grads(model, "streambp", ids, mask, partition_size=8, head_partition_size=8)
+    plain_loss, plain = step(model, "plain", ids, mask)
+    loss, grads = step(model, "streambp", ids, mask, partition_size=8, head_partition_size=8)
     assert abs(loss - plain_loss) <= 1e-12 * abs(plain_loss)
     assert grads.keys() == plain.keys()
     assert not any(".indexer." in name for name in plain)
@@ -75,7 +64,7 @@ def test_the_qsa_selection_shapes_the_loss(tmp_path):
     for budget in (QSA["indexer_budget"], 4 * SEQ_LEN):
         model = build_model(config_dir(tmp_path / str(budget), **QSA | {"indexer_budget": budget}),
                             dtype=torch.float64, seed=0)
-        losses.append(_grads(model, "plain", ids, mask)[0])
+        losses.append(step(model, "plain", ids, mask)[0])
     assert abs(losses[0] - losses[1]) > 1e-6
 
 

@@ -14,7 +14,7 @@ import torch
 from streambp_core.models.load import build_model
 from tests.model_dirs import config_directory
 from tests.unit.test_causal_lm_families import SIZES, tiny_values
-from tests.unit.test_exactness import assert_matches_plain, batch
+from tests.unit.test_exactness import assert_padded_rows_match_plain
 from tests.unit.test_streambp_mamba2_own_layers import assert_uncarried_is_off
 
 SEQ_LEN = 37
@@ -37,10 +37,7 @@ def test_the_tiny_model_has_short_conv_layers(tmp_path):
 
 @pytest.mark.parametrize(("family", "padding"), [("lfm2", "right"), ("lfm2", "left"), ("lfm2_moe", "left")])
 def test_streambp_carries_the_short_conv_halo_across_chunks(tmp_path, family, padding):
-    torch.manual_seed(0)
-    model = model_of(tmp_path, family)
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=8, head_partition_size=8)
+    assert_padded_rows_match_plain(model_of(tmp_path, family), padding, SEQ_LEN)
 
 
 @pytest.mark.parametrize(("seq_len", "partition_size"), [(21, 2), (33, 8)])
@@ -48,11 +45,7 @@ def test_chunks_as_short_as_the_halo_and_a_trailing_one_token_chunk_match_plain(
                                                                                  partition_size):
     """Chunks of 2 tokens hand on a halo (2 conv inputs) that is the whole chunk before; at 33 tokens the
     last chunk of 1 token joins the one before it."""
-    torch.manual_seed(0)
-    model = model_of(tmp_path, "lfm2")
-    ids, mask = batch(model.config.vocab_size, 2, seq_len, "left")
-    assert_matches_plain(model, ids, mask, methods=("streambp",), partition_size=partition_size,
-                         head_partition_size=8)
+    assert_padded_rows_match_plain(model_of(tmp_path, "lfm2"), "left", seq_len, partition_size=partition_size)
 
 
 def test_the_carried_halo_is_what_changes_the_gradient(tmp_path, monkeypatch):

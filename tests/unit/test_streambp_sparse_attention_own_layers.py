@@ -15,7 +15,7 @@ from streambp_core.config import ConfigError, StepSpec
 from streambp_core.engine.own.arguments import key_indices_rows
 from streambp_core.models.load import build_model
 from streambp_core.step.simulation.simulate import simulate
-from tests.unit.test_exactness import batch, relative_errors
+from tests.unit.test_exactness import assert_padded_rows_match_plain, batch, relative_errors, step
 from tests.unit.test_streambp_own_layers import config_dir
 
 SEQ_LEN = 37
@@ -38,30 +38,14 @@ def dsa_dir(tmp_path, family: str, **overrides) -> str:
     return config_dir(tmp_path, family, **values | DSA[family] | overrides)
 
 
-def grads_of(model, method: str, ids, mask, **options) -> tuple[float, dict]:
-    """The loss and every parameter's gradient (None where none reached it) after one prepared step."""
-    model.zero_grad(set_to_none=True)
-    with streambp_core.prepare(model, method, **options) as run:
-        loss = run.loss(ids, attention_mask=mask)
-        loss.backward()
-    return loss.item(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", list(DSA))
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_streambp_through_sparse_attention_layers_matches_plain(tmp_path, family, padding):
-    torch.manual_seed(0)
+    """Both give no gradient to the same parameters: the indexer's weights, and nothing else."""
     model = build_model(dsa_dir(tmp_path, family), dtype=torch.float64, seed=0)
-    ids, mask = batch(model.config.vocab_size, 2, SEQ_LEN, padding)
-    plain_loss, plain = grads_of(model, "plain", ids, mask)
-    loss, grads = grads_of(model, "streambp", ids, mask, partition_size=8, head_partition_size=8)
-    assert abs(loss - plain_loss) <= 1e-12 * abs(plain_loss)
-    without = {name for name, grad in plain.items() if grad is None}
-    assert without == {name for name, grad in grads.items() if grad is None}
+    assert_padded_rows_match_plain(model, padding, SEQ_LEN)
+    without = {name for name, param in model.named_parameters() if param.grad is None}
     assert without and all(".indexer." in name for name in without)
-    errors = relative_errors({n: g for n, g in grads.items() if g is not None},
-                             {n: g for n, g in plain.items() if g is not None})
-    assert max(errors.values()) <= 1e-12, max(errors.items(), key=lambda item: item[1])
 
 
 def test_an_unpadded_batch_under_the_engine_attention_choice_keeps_the_models_own_attention(tmp_path):
@@ -71,12 +55,11 @@ def test_an_unpadded_batch_under_the_engine_attention_choice_keeps_the_models_ow
     torch.manual_seed(0)
     model = build_model(dsa_dir(tmp_path, "glm_moe_dsa"), dtype=torch.float64, seed=0)
     ids = batch(model.config.vocab_size, 1, SEQ_LEN, "right")[0]
-    plain_loss, plain = grads_of(model, "plain", ids, None, baseline_attention="engine")
-    loss, grads = grads_of(model, "streambp", ids, None, partition_size=8, head_partition_size=8,
-                           baseline_attention="engine")
+    plain_loss, plain = step(model, "plain", ids, None, baseline_attention="engine")
+    loss, grads = step(model, "streambp", ids, None, partition_size=8, head_partition_size=8,
+                       baseline_attention="engine")
     assert abs(loss - plain_loss) <= 1e-12 * abs(plain_loss)
-    errors = relative_errors({n: g for n, g in grads.items() if g is not None},
-                             {n: g for n, g in plain.items() if g is not None})
+    errors = relative_errors(grads, plain)
     assert max(errors.values()) <= 1e-12, max(errors.items(), key=lambda item: item[1])
 
 
@@ -87,7 +70,7 @@ def test_the_indexer_pick_shapes_the_loss(tmp_path):
     for topk in (INDEX_TOPK, SEQ_LEN):
         directory = dsa_dir(tmp_path / str(topk), "glm_moe_dsa", index_topk=topk)
         model = build_model(directory, dtype=torch.float64, seed=0)
-        losses.append(grads_of(model, "plain", ids, mask)[0])
+        losses.append(step(model, "plain", ids, mask)[0])
     assert abs(losses[0] - losses[1]) > 1e-6
 
 
