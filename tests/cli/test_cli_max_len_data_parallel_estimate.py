@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from streambp_bench.cli import app
 
-TINY = ["max-len", "-m", "tiny/llama", "--ps", "32", "--ps-head", "16", "--budget-gib", "0.01"]
+TINY = ["max-len", "-m", "tiny/llama", "--ps", "256", "--ps-head", "256", "--budget-gib", "0.01"]
+"""Chunks of 256: the estimate records each reference step op by op, and its cost is its chunk count."""
 
 
 @pytest.mark.slow

@@ -70,9 +70,10 @@ def test_a_node_budget_below_the_ranks_optimizer_states_is_refused(runner):
 def test_a_sequence_parallel_rank_gets_a_step_time_with_its_collectives_and_copies(runner):
     """`--gpu-model` with `--sp`: the rank's estimated step time, its all-to-alls and the offload copies
     read from the same fields as one GPU's step."""
+    # chunks of 256: the estimate records each reference step op by op, and its cost is its chunk count
     document, rows = _rows(runner.invoke(app, [
-        *TINY, "--method", "streambp", "--gpus", "2", "--sp", "2", "--offload", "checkpoints",
-        "--gpu-model", "h100", "--json"]))
+        *TINY, "--ps", "256", "--ps-head", "256", "--method", "streambp", "--gpus", "2", "--sp", "2",
+        "--offload", "checkpoints", "--gpu-model", "h100", "--json"]))
     step = document["steps"][0]
     assert step["estimated_step_time_ms"] > 0 and step["estimated_all_to_all_gib"] > 0
     assert "NVLink" in step["interconnect"]
