@@ -283,16 +283,17 @@ mixers, whose SSD scan and gated norm do)."""
 
 
 class WideFloat32Casts(TorchFunctionMode):
-    """Inside it, `t.float()` and `t.to(torch.float32, ...)` of a float64 tensor t keep float64; every
-    other op (and every other cast) runs as it is. No effect on float32, float16 and bfloat16 tensors."""
+    """Inside it, `t.float()`, `t.to(torch.float32, ...)` and an op's `dtype=torch.float32` (DeepSeek-V4's
+    `softmax(..., dtype=torch.float32)`) on a float64 tensor t keep float64; every other op (and every
+    other cast) runs as it is. No effect on float32, float16 and bfloat16 tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (Tensor.float, Tensor.to) and args and isinstance(args[0], Tensor) \
-                and args[0].dtype == torch.float64:
+        if args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
             if func is Tensor.float:
                 return args[0]
-            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if func is Tensor.to:
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
             if kwargs.get("dtype") is torch.float32:
                 kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
@@ -348,9 +349,11 @@ def islands_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn
     come from its exact float64 widening, so they no longer depend on how many tokens one call holds, and
     only its own gradient is still a float32 sum. A model of another precision is left as it is. Returns
     the modules changed."""
+    from streambp_core.models.precision_v4 import v4_in_at_least_float32
+
     if dtype != torch.float64:
         return []
-    changed = hybrid_in_at_least_float32(model, dtype)
+    changed = hybrid_in_at_least_float32(model, dtype) + v4_in_at_least_float32(model, dtype, widen=False)
     for module in model.modules():
         name = type(module).__name__
         if "forward" in vars(module):
@@ -371,6 +374,9 @@ def float32_islands_widened(model: nn.Module) -> nn.Module:
     float64, other precisions compute as transformers does): the hybrid linear attentions, the norms, the
     routers and Gemma 2's eager attention, as `streambp_core.models.load.build_model` builds a model.
     Instance-level, idempotent; returns `model`."""
+    from streambp_core.models.precision_v4 import v4_in_at_least_float32
+
+    v4_in_at_least_float32(model, model.dtype, widen=True)
     hybrid_in_at_least_float32(model, model.dtype)
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)
