@@ -8,7 +8,10 @@ output alone (`models.generic.head_is_lm_head`), else the model's own logits are
 the engine's prefix-attention kernel (`engine.attention.hf`), as plain and checkpoint do: transformers then
 builds no mask (its mask code reads tensor values, which meta tensors have none of), the padding reaches
 each layer as a (B, 1, 1, T) key mask, and a chunk's queries are the last rows of its keys. The model
-attends so from preparing to `close()`, since each layer's backward runs its forward again. What this path
+attends so from preparing to `close()`, since each layer's backward runs its forward again. Layers whose
+attention is more than the kernel takes (`methods.plain.attends_beyond_the_kernel`: DSA's pick, DeepSeek-V4's
+compressed blocks) keep their own attention on the meta device too, given an all-ones mask for an absent one,
+as plain does. What this path
 does not carry is refused by name: sequence parallelism, sharded or DeepSpeed-wrapped models, offload
 tiers, packed rows, the router load-balancing loss, layers that are not transformers'
 `GradientCheckpointingLayer`.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
+import torch
 from torch import Tensor
 
 from streambp_core.config import ConfigError
@@ -71,6 +75,8 @@ class OwnStream:
         guards.check_eager_padding(parts.backbone.config, attention_mask, run.method)
         if self.engine_attention:
             attention_mask = engine_mask_argument(key_padding(attention_mask))
+        elif attention_mask is None and input_ids.device.type == "meta":
+            attention_mask = torch.ones_like(input_ids)  # plain's `_meta_mask`: the same mask, read no value
         with streamed_layers(parts.layers, self.plan):
             if self.head is None:
                 logits = run.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -89,7 +95,8 @@ def _refusal(run: Run) -> str | None:
     causes = (
         (structural is not None, structural),
         (run.sequence_group is not None, "sequence parallelism"),
-        (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run),
+        (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run)
+         and not any(attends_beyond_the_kernel(layer) for layer in layers),
          "the meta device of a simulation under the model's own attention (transformers' masks read tensor "
          "values there; baseline_attention 'engine' or 'auto' runs it)"),
         (bool(config.offload), f"offload tiers ({config.offload})"),
