@@ -9,7 +9,7 @@ beyond float32's accuracy. `v4_in_at_least_float32` gives a float64 V4:
 1. with `widen` (`streambp_core.models.load.build_model`), those parameters and the rotary tables in float64
    (float32 values widen exactly), as a float64 model's other parameters are;
 2. its attention (compressor, indexer and rotary included), hyper-connections, hyper-head, norms and rotary
-   embedding a forward that runs transformers' own under `precision.WideFloat32Casts`: each float32 cast of
+   embedding a forward that runs transformers' own under `wide_casts.WideFloat32Casts`: each float32 cast of
    a float64 tensor keeps float64, the math step for step transformers'. A module that still holds a float32
    parameter (a user's own model, built without `build_model` and not widened) keeps transformers' forward:
    its float32 weights would meet float64 inputs in one matmul.
@@ -23,7 +23,7 @@ import types
 import torch
 from torch import nn
 
-from streambp_core.models.precision import WideFloat32Casts
+from streambp_core.models.wide_casts import WideFloat32Casts
 
 V4_WIDE_FORWARDS = ("DeepseekV4Attention", "DeepseekV4HyperConnection", "DeepseekV4HyperHead",
                     "DeepseekV4RMSNorm", "DeepseekV4UnweightedRMSNorm", "DeepseekV4RotaryEmbedding")
