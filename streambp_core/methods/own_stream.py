@@ -14,7 +14,8 @@ compressed blocks) keep their own attention on the meta device too, given an all
 as plain does. What this path
 does not carry is refused by name: sequence parallelism, sharded or DeepSpeed-wrapped models, offload
 tiers, packed rows, the router load-balancing loss, layers that are not transformers'
-`GradientCheckpointingLayer`.
+`GradientCheckpointingLayer`, a float64 DeepSeek-V4 that keeps float32 pieces
+(`models.precision_v4.float32_pieces`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.methods.plain import attends_beyond_the_kernel
 from streambp_core.models.generic import head_is_lm_head
+from streambp_core.models.precision_v4 import float32_pieces
 
 
 class OwnStream:
@@ -92,8 +94,12 @@ def _refusal(run: Run) -> str | None:
     config = run.config
     layers = run.parts.layers
     structural = layers_refusal(layers)
+    narrow = float32_pieces(run.model)
     causes = (
         (structural is not None, structural),
+        (bool(narrow), f"the float32 pieces DeepSeek-V4 keeps in a float64 model ({len(narrow)} "
+                       f"parameters: {(narrow or [''])[0]}, ...), recomputed in float32 and so exact to "
+                       "float32's accuracy only; build it with build_model or call model.double()"),
         (run.sequence_group is not None, "sequence parallelism"),
         (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run)
          and not any(attends_beyond_the_kernel(layer) for layer in layers),

@@ -13,7 +13,9 @@ beyond float32's accuracy. `v4_in_at_least_float32` gives a float64 V4:
    a float64 tensor keeps float64, the math step for step transformers'. A module that still holds a float32
    parameter (a user's own model, built without `build_model` and not widened) keeps transformers' forward:
    its float32 weights would meet float64 inputs in one matmul.
-A model of another precision, or of another family, is left as it is.
+A model of another precision, or of another family, is left as it is. streambp refuses a float64 V4 that still
+holds float32 pieces (`float32_pieces`): its chunks, recomputed in float32 there, match plain to float32's
+accuracy only.
 """
 
 from __future__ import annotations
@@ -52,3 +54,13 @@ def v4_in_at_least_float32(model: nn.Module, dtype: torch.dtype, widen: bool) ->
         module.forward = types.MethodType(_under_wide_casts, module)
         changed.append(module)
     return changed
+
+
+def float32_pieces(model: nn.Module) -> list[str]:
+    """The names of a float64 DeepSeek-V4's parameters that are float32 (transformers keeps them so; step 1
+    of the module docstring widens them); [] for any other model."""
+    named = list(model.named_parameters())
+    if getattr(getattr(model, "config", None), "model_type", None) != "deepseek_v4" \
+            or not any(p.dtype == torch.float64 for _, p in named):
+        return []
+    return [name for name, p in named if p.dtype == torch.float32]

@@ -93,7 +93,7 @@ def test_the_indexer_pick_and_the_compressed_entries_shape_the_loss(tmp_path):
 
 def test_a_float64_v4_computes_its_float32_pieces_in_float64(tmp_path):
     """`build_model` widens the hyper-connections, norms, sinks, position biases and rotary tables; a user's
-    own float64 V4 (transformers keeps them float32) streams to float32's accuracy only, and `.double()`
+    own float64 V4 (transformers keeps them float32) is refused by streambp, naming them, and `.double()`
     brings it to 1e-12."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -105,7 +105,9 @@ def test_a_float64_v4_computes_its_float32_pieces_in_float64(tmp_path):
     own = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager")
     assert own.model.layers[0].attn_hc.fn.dtype == torch.float32
     options = {"partition_size": PARTITION, "head_partition_size": 8}
-    assert max(errors_against_plain(own, "streambp", **options)[1].values()) > 1e-9
+    with pytest.raises(ConfigError, match=r"the float32 pieces DeepSeek-V4 keeps in a float64 model \(43 "
+                                          r"parameters: model.layers.0.self_attn.sinks, \.\.\.\)"):
+        streambp_core.prepare(own, "streambp", **options)
     own.double()
     assert max(errors_against_plain(own, "streambp", **options)[1].values()) <= 1e-12
 
