@@ -122,14 +122,11 @@ class CompressorCarry:
         return prior
 
     def update_compressor_states(self, name: str, compressed: Tensor) -> Tensor:
-        """The entries before this call, then its own `compressed` (B, n, D)."""
+        """The entries before this call, then its own `compressed` (B, n, D); the indexer's own alone."""
         state = self._state(name)
         state.count += compressed.shape[1]
         if name != MAIN:
-            before = self._other.get(f"{name} entries")
-            entries = compressed if before is None else torch.cat([before, compressed], dim=1)
-            self._other[f"{name} entries"] = entries
-            return entries
+            return compressed  # the indexer runs on the whole sequence alone, its first and only call
         self.written = compressed
         if self.stop:
             raise KeysCaptured
