@@ -53,9 +53,10 @@ def family_refusals(config) -> dict[str, str]:
     """The methods a model of `config` (a checked transformers config) cannot run because of its family,
     each with its one-line refusal: none for an engine family; for the baselines tier (`models.catalogue`)
     mst where its pieces do not apply (`models.generic.mst_pieces`), streambp where its decoder layers
-    cannot be streamed whatever the run (`engine.own.refusals`: DeepSeek-V4's), both decided
-    on the model built on the meta device. What a command running every method leaves out, naming why;
-    streambp's other refusals on the own-layer path come when its run is prepared."""
+    cannot be streamed whatever the run (`engine.own.refusals`: a layer that is no transformers
+    `GradientCheckpointingLayer`), both decided on the model built on the meta device. What a command
+    running every method leaves out, naming why; streambp's other refusals on the own-layer path come when
+    its run is prepared."""
     from streambp_core.engine.own.refusals import layers_refusal, refusal_message
     from streambp_core.models.generic import mst_pieces
     from streambp_core.models.load import build_model

@@ -8,16 +8,21 @@ output alone (`models.generic.head_is_lm_head`), else the model's own logits are
 the engine's prefix-attention kernel (`engine.attention.hf`), as plain and checkpoint do: transformers then
 builds no mask (its mask code reads tensor values, which meta tensors have none of), the padding reaches
 each layer as a (B, 1, 1, T) key mask, and a chunk's queries are the last rows of its keys. The model
-attends so from preparing to `close()`, since each layer's backward runs its forward again. What this path
+attends so from preparing to `close()`, since each layer's backward runs its forward again. Layers whose
+attention is more than the kernel takes (`methods.plain.attends_beyond_the_kernel`: DSA's pick, DeepSeek-V4's
+compressed blocks) keep their own attention on the meta device too, given an all-ones mask for an absent one,
+as plain does. What this path
 does not carry is refused by name: sequence parallelism, sharded or DeepSpeed-wrapped models, offload
 tiers, packed rows, the router load-balancing loss, layers that are not transformers'
-`GradientCheckpointingLayer`.
+`GradientCheckpointingLayer`, a float64 DeepSeek-V4 that keeps float32 pieces
+(`models.precision_v4.float32_pieces`).
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 
+import torch
 from torch import Tensor
 
 from streambp_core.config import ConfigError
@@ -32,6 +37,7 @@ from streambp_core.methods import guards
 from streambp_core.methods.base import Run, full_logits_loss, key_padding
 from streambp_core.methods.plain import attends_beyond_the_kernel
 from streambp_core.models.generic import head_is_lm_head
+from streambp_core.models.precision_v4 import float32_pieces
 
 
 class OwnStream:
@@ -71,6 +77,8 @@ class OwnStream:
         guards.check_eager_padding(parts.backbone.config, attention_mask, run.method)
         if self.engine_attention:
             attention_mask = engine_mask_argument(key_padding(attention_mask))
+        elif attention_mask is None and input_ids.device.type == "meta":
+            attention_mask = torch.ones_like(input_ids)  # plain's `_meta_mask`: the same mask, read no value
         with streamed_layers(parts.layers, self.plan):
             if self.head is None:
                 logits = run.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -86,10 +94,15 @@ def _refusal(run: Run) -> str | None:
     config = run.config
     layers = run.parts.layers
     structural = layers_refusal(layers)
+    narrow = float32_pieces(run.model)
     causes = (
         (structural is not None, structural),
+        (bool(narrow), f"the float32 pieces DeepSeek-V4 keeps in a float64 model ({len(narrow)} "
+                       f"parameters: {(narrow or [''])[0]}, ...), recomputed in float32 and so exact to "
+                       "float32's accuracy only; build it with build_model or call model.double()"),
         (run.sequence_group is not None, "sequence parallelism"),
-        (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run),
+        (run.parts.embed.weight.device.type == "meta" and not uses_engine_attention(run)
+         and not any(attends_beyond_the_kernel(layer) for layer in layers),
          "the meta device of a simulation under the model's own attention (transformers' masks read tensor "
          "values there; baseline_attention 'engine' or 'auto' runs it)"),
         (bool(config.offload), f"offload tiers ({config.offload})"),

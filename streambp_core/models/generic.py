@@ -29,6 +29,10 @@ FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "norm_f", "final_layer_norm", 
 """Names transformers gives a decoder stack's final norm."""
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "moe", "feedforward")
 """Names transformers gives a decoder layer's MLP (dense or mixture of experts)."""
+PER_TOKEN_MLP_INPUTS = ("input_ids",)
+"""Keyword inputs a layer may hand its MLP beside the hidden states that are per-token (B, T) and carry no
+gradient, which mst's chunks cut with the hidden states (DeepSeek-V4's hash-routed MoE picks each token's
+experts from its id)."""
 
 
 def decoder_layers(stack: nn.Module, num_layers: int | None) -> nn.ModuleList:
@@ -83,8 +87,9 @@ class MstPieces:
 
 def layer_mlp(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's MLP module by transformers' names (`MLP_NAMES`), when its forward takes the
-    hidden states alone (one tensor argument) and the layer's forward hands it nothing more (DeepSeek-V4's
-    hash-routed MoE is also given `input_ids`); None otherwise."""
+    hidden states alone (one tensor argument) and the layer's forward hands it nothing more but per-token
+    keyword inputs (`PER_TOKEN_MLP_INPUTS`: DeepSeek-V4's hash-routed MoE is also given `input_ids`); None
+    otherwise."""
     name = next((name for name in MLP_NAMES if isinstance(getattr(layer, name, None), nn.Module)), None)
     if name is None:
         return None
@@ -96,8 +101,8 @@ def layer_mlp(layer: nn.Module) -> nn.Module | None:
 
 def _called_with_more(layer: nn.Module, name: str) -> bool:
     """Whether the layer's forward, as its source reads, calls `self.<name>(...)` with more than one
-    argument wherever it calls it (Moshi's calls it with the hidden states alone unless its config asks for
-    per-codebook weights)."""
+    argument, a per-token keyword input (`PER_TOKEN_MLP_INPUTS`) aside, wherever it calls it (Moshi's calls
+    it with the hidden states alone unless its config asks for per-codebook weights)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(layer).forward)))
     except (OSError, TypeError, SyntaxError):
@@ -105,7 +110,8 @@ def _called_with_more(layer: nn.Module, name: str) -> bool:
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Attribute) and node.func.attr == name
              and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"]
-    return bool(calls) and all(len(call.args) + len(call.keywords) > 1 for call in calls)
+    return bool(calls) and all(len(call.args) > 1 or any(keyword.arg not in PER_TOKEN_MLP_INPUTS
+                                                         for keyword in call.keywords) for call in calls)
 
 
 def returns_pair(mlp: nn.Module) -> bool:

@@ -59,9 +59,10 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from streambp_core.dtypes import at_least_float32
+from streambp_core.models.precision_v4 import v4_in_at_least_float32
+from streambp_core.models.wide_casts import WideFloat32Casts
 
 
 def _norm_in_at_least_float32(self, x: Tensor) -> Tensor:
@@ -282,22 +283,6 @@ FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3N
 mixers, whose SSD scan and gated norm do)."""
 
 
-class WideFloat32Casts(TorchFunctionMode):
-    """Inside it, `t.float()` and `t.to(torch.float32, ...)` of a float64 tensor t keep float64; every
-    other op (and every other cast) runs as it is. No effect on float32, float16 and bfloat16 tensors."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (Tensor.float, Tensor.to) and args and isinstance(args[0], Tensor) \
-                and args[0].dtype == torch.float64:
-            if func is Tensor.float:
-                return args[0]
-            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-            if kwargs.get("dtype") is torch.float32:
-                kwargs = {**kwargs, "dtype": torch.float64}
-        return func(*args, **kwargs)
-
-
 def _delta_in_at_least_float32(self, *args, **kwargs):
     """transformers' forward of the linear attention, under `WideFloat32Casts`."""
     with WideFloat32Casts():
@@ -350,7 +335,7 @@ def islands_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn
     the modules changed."""
     if dtype != torch.float64:
         return []
-    changed = hybrid_in_at_least_float32(model, dtype)
+    changed = hybrid_in_at_least_float32(model, dtype) + v4_in_at_least_float32(model, dtype, widen=False)
     for module in model.modules():
         name = type(module).__name__
         if "forward" in vars(module):
@@ -371,6 +356,7 @@ def float32_islands_widened(model: nn.Module) -> nn.Module:
     float64, other precisions compute as transformers does): the hybrid linear attentions, the norms, the
     routers and Gemma 2's eager attention, as `streambp_core.models.load.build_model` builds a model.
     Instance-level, idempotent; returns `model`."""
+    v4_in_at_least_float32(model, model.dtype, widen=True)
     hybrid_in_at_least_float32(model, model.dtype)
     norms_in_at_least_float32(model)
     routers_in_at_least_float32(model, model.dtype)

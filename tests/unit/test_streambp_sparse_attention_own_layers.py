@@ -3,7 +3,7 @@ DeepSeek-V3.2's `deepseek_v32`): multi-head latent attention restricted to the t
 picks per query. Every parameter's gradient equals plain's in float64 (batch 2, left and right padding,
 T not a multiple of the partition), the indexer's weights get none in either, GLM-5's shared layers reuse
 the pick of the layer before; plain, checkpoint and mst simulate on the meta device. DeepSeek-V4 (compressed
-sparse attention) is refused by name, and its plain keeps its attention sinks in float64."""
+sparse attention): `tests/unit/test_streambp_compressed_attention_own_layers.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import streambp_core
-from streambp_core.config import ConfigError, StepSpec
+from streambp_core.config import StepSpec
 from streambp_core.engine.own.arguments import key_indices_rows
 from streambp_core.models.load import build_model
 from streambp_core.step.simulation.simulate import simulate
@@ -88,46 +88,3 @@ def test_the_baselines_simulate_on_the_meta_device(tmp_path, method):
     mask where the batch has none (transformers would read the positions' values to find packed rows)."""
     result = simulate(StepSpec.of(model=dsa_dir(tmp_path, "glm_moe_dsa"), method=method, seq_len_tokens=64))
     assert result.peak_bytes > 0
-
-
-def v4_dir(tmp_path) -> str:
-    """A tiny DeepSeek-V4: a sliding layer, a compressed sparse (4:1) and a heavily compressed (16:1) one."""
-    return config_dir(tmp_path, "deepseek_v4", num_hidden_layers=3, sliding_window=8, index_n_heads=4,
-                      index_head_dim=16, index_topk=4, o_groups=2, o_lora_rank=16,
-                      layer_types=["sliding_attention", "compressed_sparse_attention",
-                                   "heavily_compressed_attention"],
-                      compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-                      mlp_layer_types=["hash_moe", "moe", "moe"])
-
-
-def test_deepseek_v4_streambp_is_refused_by_name(tmp_path):
-    model = build_model(v4_dir(tmp_path), dtype=torch.float64, seed=0)
-    with pytest.raises(ConfigError, match="'deepseek_v4' runs through its own decoder layers, which do not "
-                                          "carry DeepSeek-V4's attention: its compressed keys and values"):
-        streambp_core.prepare(model, "streambp")
-
-
-def test_deepseek_v4_mst_and_streambp_are_refused_before_a_step(tmp_path):
-    """What `verify --method all` leaves out, naming why: mst, whose chunked MLP would drop the `input_ids`
-    the layer hands its hash-routed MoE (a TypeError mid-step before), and streambp, by its layers."""
-    from streambp_core.methods.guards import family_refusals
-    from streambp_core.models.load import load_config
-
-    refusals = family_refusals(load_config(v4_dir(tmp_path)))
-    assert "DeepseekV4DecoderLayer: none of mlp" in refusals["mst"]
-    assert "which do not carry DeepSeek-V4's attention" in refusals["streambp"]
-
-
-@pytest.mark.parametrize("attention", ["model", "engine"])
-def test_deepseek_v4_plain_is_its_own_forward(tmp_path, attention):
-    """plain's loss is the model's own forward's: its eager attention (gpt-oss's form, sinks, softmax in the
-    scores' precision) is not swapped for the widened eager, which has no sinks (1.1e-3 apart), and its
-    compressed blocks are not handed to the engine kernel, which does not take them."""
-    model = build_model(v4_dir(tmp_path), dtype=torch.float64, seed=0)
-    ids = batch(model.config.vocab_size, 2, SEQ_LEN, "right")[0]
-    with torch.no_grad():
-        logits = model(ids).logits[:, :-1].flatten(0, 1)
-        expected = torch.nn.functional.cross_entropy(logits, ids[:, 1:].flatten()).item()
-        with streambp_core.prepare(model, "plain", baseline_attention=attention) as run:
-            loss = run.loss(ids).item()
-    assert abs(loss - expected) <= 1e-12 * abs(expected)

@@ -8,7 +8,7 @@ What is cut, by argument name (transformers 5's decoder-layer arguments):
   aligned and so wrong for a chunk) -> the chunk's lower-right causal rows; None under flash or the
   engine's attention (lower-right aligned already) -> None;
 - `position_ids` (..., T) -> (..., start:end); `cache_position` (T,) -> start:end;
-- `position_embeddings`: each tensor (..., T, D) -> (..., start:end, D);
+- `position_embeddings`: each tensor (..., T, D) -> (..., start:end, D), in a tuple or a dict by rotary type;
 - `prev_topk_indices` (B, T, k), the key positions an earlier layer's sparse-attention indexer picked for
   each query (GLM-5's shared DSA layers) -> rows start..end, a position past the chunk's keys (end or later)
   replaced by the query's own: the top-k takes such a masked key only once every key the query sees is
@@ -149,7 +149,10 @@ def _tensors(value: Any) -> list[Tensor]:
 
 
 def _cut_rows(value: Any, start: int, end: int, length: int, name: str) -> Any:
-    """Each tensor of `value` (a tensor or nested tuple) cut to rows start..end of its axis -2."""
+    """Each tensor of `value` (a tensor, or a nested tuple or dict: DeepSeek-V4's cos and sin of each rotary
+    type by name) cut to rows start..end of its axis -2."""
+    if isinstance(value, dict):
+        return {key: _cut_rows(item, start, end, length, name) for key, item in value.items()}
     if isinstance(value, tuple | list):
         return type(value)(_cut_rows(item, start, end, length, name) for item in value)
     if isinstance(value, Tensor):

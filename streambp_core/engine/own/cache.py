@@ -57,6 +57,16 @@ class PrefixCache:
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
         self.chunk_keys: Tensor | None = None
         self.chunk_values: Tensor | None = None
+        self.compressor = None
+        """DeepSeek-V4's compressor state for the call (`engine.own.compressed.CompressorCarry`), or None."""
+
+    @property
+    def layers(self) -> dict:
+        """transformers' per-layer cache states as DeepSeek-V4's compressor reads them
+        (`cache.layers[layer_idx]`): the layer's compressor carry."""
+        if self.compressor is None:
+            raise AttributeError("the cache has no per-layer states", name="layers", obj=self)
+        return {self.compressor.layer_idx: self.compressor}
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """cat(prefix, chunk) along the sequence (dim -2) of keys and of values; keeps the chunk's own."""

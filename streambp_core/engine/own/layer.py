@@ -30,8 +30,10 @@ indexer returns rows start..end against keys 0..end (`pick_rows`). A layer that 
 hidden states (GLM-5's returns its top-k key indices (B, T, k), which the next layer may reuse; Bamba's its
 attention weights, None under SDPA) returns the rest from the whole sequence's forward, with no gradient.
 A layer that mixes through attention and a recurrent state side by side (Falcon-H1) streams through
-`parallel`; one that mixes through a recurrent state alone, or not at all, through `recurrent`. A layer
-returning a tuple (Falcon-H1's `(hidden,)`) gets a tuple back, as the model indexes it.
+`parallel`; one that mixes through a recurrent state alone, or not at all, through `recurrent`; one whose
+attention appends compressed keys and values built through its cache's state (DeepSeek-V4's CSA and HCA
+layers) through `compressed`. A layer returning a tuple (Falcon-H1's `(hidden,)`) gets a tuple back, as
+the model indexes it.
 Keys and values shared across layers (`sharing`): a store also returns its K, V, and starts its dK, dV from
 their gradient; a consumer takes its store's K, V as inputs instead of computing its own, its chunk attends to
 K, V[..., :end, :] as leaves, and it returns their gradient.
@@ -57,6 +59,7 @@ from streambp_core.engine.chunks import (
 )
 from streambp_core.engine.own.arguments import LayerCall, key_indices_rows, layer_outputs
 from streambp_core.engine.own.cache import CaptureCache, KeysCaptured, PrefixCache
+from streambp_core.engine.own.compressed import COMPRESSED, compressed_backward, compressor_carry
 from streambp_core.engine.own.parallel import parallel_backward
 from streambp_core.engine.own.recurrent import ATTENTION, PARALLEL, StateCache, mixing, state_backward
 from streambp_core.engine.own.sharing import SHARED_NAME, KVSharing
@@ -125,6 +128,7 @@ class OwnLayer(torch.autograd.Function):
         first = min(plan.partition_size, call.length)
         call.chunk(0, first, plan.attn_implementation, hidden.device)  # refuses what cannot be cut
         cache = StateCache(prefix=(hidden.new_empty(0, 0), hidden.new_empty(0, 0)))
+        cache.compressor = compressor_carry(call.layer)
         arguments = call.arguments | inputs.sharing.handed(*extra[len(inputs.graded):])
         outputs, ctx.kind = _checked_run(call, hidden, cache, arguments, inputs.returns_tuple)
         output, *rest = outputs
@@ -142,6 +146,10 @@ class OwnLayer(torch.autograd.Function):
         check_accumulates(ctx, "streambp's own-layer stream")
         hidden, *extra = ctx.saved_tensors
         plan = ctx.plan
+        if ctx.kind == COMPRESSED:
+            grad_in = compressed_backward(ctx.call, plan.partition_size, plan.attn_implementation, hidden,
+                                          grad_out, ctx.params)
+            return (grad_in, None, None, None, *([None] * len(ctx.params)))
         if ctx.kind == PARALLEL:
             grad_in = parallel_backward(ctx.call, plan.partition_size, plan.attn_implementation, hidden,
                                         grad_out, ctx.params)
@@ -174,9 +182,9 @@ def _checked_run(call: LayerCall, hidden: Tensor, cache: StateCache, arguments: 
                           "that carry no gradient (or None)")
     if KVSharing.of(call.layer).role == "reuse":
         return outputs, ATTENTION  # a consumer attends to its store's keys and values (`sharing`)
-    kind = mixing(call, cache)
+    kind = COMPRESSED if cache.compressor is not None else mixing(call, cache)
     keys = cache.chunk_keys
-    if kind not in (ATTENTION, PARALLEL):
+    if kind not in (ATTENTION, PARALLEL, COMPRESSED):
         return outputs, kind
     if keys.shape[-2] != call.length or cache.chunk_values.shape[-2] != call.length:
         raise ConfigError(f"streambp: {family} writes keys of shape {tuple(keys.shape)} to its cache, with "

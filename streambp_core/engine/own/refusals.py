@@ -21,9 +21,4 @@ def layers_refusal(layers) -> str | None:
     other = next((layer for layer in layers if not isinstance(layer, GradientCheckpointingLayer)), None)
     if other is not None:
         return f"a layer that is no transformers GradientCheckpointingLayer ({type(other).__name__})"
-    if any(hasattr(getattr(layer, "self_attn", None), "compressor") for layer in layers):
-        return ("DeepSeek-V4's attention: its compressed keys and values (blocks of 4 and 128 tokens, which "
-                "carry gradients and straddle chunk boundaries) are built through per-layer cache state, and "
-                "the float32 norms, hyper-connections and sinks it keeps in a float64 model hold even its "
-                "sliding layers to float32's accuracy")
     return None
