@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import streambp_core
 from streambp_core.config import StepSpec
 from streambp_core.engine.own.arguments import key_indices_rows
 from streambp_core.models.load import build_model
