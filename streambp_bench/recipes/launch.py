@@ -2,10 +2,16 @@
 plugin with its ZeRO JSON), `train.py` (TRL's trainer for the objective, `stream_trainer` with the
 recipe's method and partitions) and `launch.sh` (`accelerate launch ...`).
 
-What `stream_trainer` cannot run exactly is refused by name before anything is written: Ulysses sequence
-parallelism (it runs through `streambp_core.prepare`'s `sequence_group`, not a trainer) and the optimizer
-and params tiers (the trainer's own optimizer steps on the device; DeepSpeed's offload is refused by
-`stream_trainer`).
+A recipe with sp > 1 runs Ulysses sequence parallelism through `stream_trainer(...,
+sequence_parallel=sp)` (`streambp_core.integrations.sequence_trainer`): sp consecutive ranks share each
+sequence and the same rows. The degree is written into train.py (`SEQUENCE_PARALLEL`), and only noted in
+accelerate's config: accelerate's own `parallelism_config` sp_size would start DeepSpeed's ALST, and its
+cp_size torch's ring attention.
+
+What `stream_trainer` cannot run exactly is refused by name before anything is written (`emittable`):
+sequence parallelism on any engine but FSDP2 or for an objective other than sft (DPO's reference model and
+GRPO's generation are not sharded), and the optimizer and params tiers (the trainer's own optimizer steps
+on the device; DeepSpeed's offload is refused by `stream_trainer`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ TRAINERS = {"sft": ("SFTConfig", "SFTTrainer", "prompt, completion"),
 """Per objective: TRL's config and trainer classes, and the fields of each data row."""
 
 
-def emittable(entry: dict) -> str | None:
-    """Why a ranked recipe (`report.recipe_dict`) cannot be emitted, or None when it can."""
-    if entry["sp"] > 1:
-        return (f"sp {entry['sp']}: stream_trainer runs no Ulysses sequence parallelism (that runs through "
-                "streambp_core.prepare with a SequenceGroup)")
+def emittable(entry: dict, objective: str = "sft") -> str | None:
+    """Why a ranked recipe (`report.recipe_dict`) cannot be emitted for `objective`, or None when it can."""
+    if entry["sp"] > 1 and entry["shard"] not in ("zero2", "zero3"):
+        return (f"sp {entry['sp']} on {entry['engine']}: stream_trainer runs Ulysses sequence parallelism "
+                "under FSDP2 only")
+    if entry["sp"] > 1 and objective != "sft":
+        return (f"sp {entry['sp']} with objective {objective}: stream_trainer runs Ulysses sequence "
+                "parallelism for TRL's SFTTrainer only (DPO's reference model and GRPO's generation are not "
+                "sharded)")
     tiers = [tier for tier in entry["offload"].split(",") if tier not in ("none", "checkpoints")]
     if tiers:
         return (f"offload {entry['offload']}: the trainer's own optimizer steps on the device; "
@@ -40,22 +50,28 @@ def choose(document: dict, pick: int) -> dict:
     if pick > len(ranking):
         raise ConfigError(f"--pick {pick}: only {len(ranking)} recipes fit")
     entry = ranking[pick - 1]
-    why = emittable(entry)
+    objective = document["settings"]["objective"]
+    why = emittable(entry, objective)
     if why is None:
         return entry
-    can = next((rank for rank, other in enumerate(ranking, 1) if emittable(other) is None), None)
+    can = next((rank for rank, other in enumerate(ranking, 1) if emittable(other, objective) is None), None)
     hint = f"; the fastest that can is --pick {can}" if can else "; no ranked recipe can"
     raise ConfigError(f"--emit: recipe #{pick} ({entry['recipe']}) cannot run under a trainer: {why}{hint}")
 
 
 def accelerate_config(entry: dict, gpus: int, gpus_per_node: int) -> str:
-    """accelerate's YAML for the recipe's engine and stage, `gpus` processes over their nodes."""
+    """accelerate's YAML for the recipe's engine and stage, `gpus` processes over their nodes (sp > 1: a
+    comment saying train.py's `stream_trainer` runs it, module docstring)."""
     machines = max(1, -(-gpus // gpus_per_node))
+    sp = entry["sp"]
+    note = (f"# Ulysses sequence parallelism, {sp} ranks per sequence ({gpus // sp} data-parallel groups), "
+            "runs in train.py\n# (stream_trainer's sequence_parallel), not through accelerate's "
+            "parallelism_config\n" if sp > 1 else "")
     common = (f"machine_rank: 0\nmixed_precision: 'no'\nnum_machines: {machines}\nnum_processes: {gpus}\n"
               "rdzv_backend: static\nsame_network: true\nuse_cpu: false\n")
     shard = entry["shard"]
     if shard in ("zero2", "zero3"):
-        return ("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n"
+        return (note + "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n"
                 "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
                 f"  fsdp_reshard_after_forward: {str(shard == 'zero3').lower()}\n"
                 "  fsdp_offload_params: false\n  fsdp_cpu_ram_efficient_loading: false\n"
@@ -80,7 +96,8 @@ def deepspeed_json(shard: str) -> dict:
 
 def train_script(entry: dict, settings: dict) -> str:
     """`train.py`: TRL's trainer for the objective at the recipe's length, streamed by `stream_trainer`
-    with the recipe's method, partitions and checkpoints tier; `trainer_for` and `train` importable."""
+    with the recipe's method, partitions, checkpoints tier and sequence-parallel degree; `trainer_for` and
+    `train` importable."""
     config_class, trainer_class, fields = TRAINERS[settings["objective"]]
     stream = {key: entry[key] for key in ("partition_size", "head_partition_size") if key in entry}
     if entry["offload"] == "checkpoints":
@@ -107,6 +124,8 @@ from streambp_core.integrations import stream_trainer
 
 METHOD = {entry["method"]!r}
 STREAM = {json.dumps(stream)}
+SEQUENCE_PARALLEL = {entry["sp"]}
+"""Ranks that share each sequence (Ulysses) and its rows; 1: none."""
 MAX_LENGTH = {entry["seq_len_tokens"]}
 
 
@@ -126,8 +145,8 @@ def trainer_for(model, tokenizer, dataset, output_dir, **settings):
 
 
 def train(trainer):
-    """trainer.train() with the recipe's method and partitions (`stream_trainer`)."""
-    with stream_trainer(trainer, METHOD, **STREAM):
+    """trainer.train() with the recipe's method, partitions and sequence parallelism (`stream_trainer`)."""
+    with stream_trainer(trainer, METHOD, sequence_parallel=SEQUENCE_PARALLEL, **STREAM):
         trainer.train()
 
 
