@@ -30,8 +30,8 @@ TRAINERS = {"sft": ("SFTConfig", "SFTTrainer", "prompt, completion"),
 def emittable(entry: dict, objective: str = "sft") -> str | None:
     """Why a ranked recipe (`report.recipe_dict`) cannot be emitted for `objective`, or None when it can."""
     if entry["sp"] > 1 and entry["shard"] not in ("zero2", "zero3"):
-        return (f"sp {entry['sp']} on {entry['engine']}: stream_trainer runs Ulysses sequence parallelism "
-                "under FSDP2 only")
+        return (f"sp {entry['sp']} with shard {entry['shard']}: stream_trainer runs Ulysses sequence "
+                "parallelism under FSDP2 (zero2, zero3) only")
     if entry["sp"] > 1 and objective != "sft":
         return (f"sp {entry['sp']} with objective {objective}: stream_trainer runs Ulysses sequence "
                 "parallelism for TRL's SFTTrainer only (DPO's reference model and GRPO's generation are not "

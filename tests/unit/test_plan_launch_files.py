@@ -52,14 +52,29 @@ def test_deepspeed_recipe_writes_its_zero_json_beside_the_plugin_config(tmp_path
     assert "DPOTrainer" in (tmp_path / "train.py").read_text()
 
 
-@pytest.mark.parametrize(("refused", "words"), [
-    (entry(sp=8), ("sp 8", "sequence parallelism", "--pick 2")),
-    (entry(offload="checkpoints,optimizer"), ("checkpoints,optimizer", "optimizer tier", "--pick 2")),
+def test_a_sequence_parallel_recipe_writes_its_degree_into_the_script_and_notes_it_in_the_config(
+        tmp_path) -> None:
+    write_launch(tmp_path, document(entry(sp=8), gpus=8), 1)
+    text = (tmp_path / "accelerate_config.yaml").read_text()
+    assert "8 ranks per sequence (1 data-parallel groups)" in text
+    config = yaml.safe_load(text)
+    assert "parallelism_config" not in config  # accelerate's sp_size would start DeepSpeed's ALST
+    assert config["distributed_type"] == "FSDP" and config["num_processes"] == 8
+    script = (tmp_path / "train.py").read_text()
+    ast.parse(script)
+    assert "SEQUENCE_PARALLEL = 8" in script
+    assert "stream_trainer(trainer, METHOD, sequence_parallel=SEQUENCE_PARALLEL, **STREAM)" in script
+
+
+@pytest.mark.parametrize(("refused", "objective", "words"), [
+    (entry(sp=8, shard="deepspeed-zero3"), "sft", ("sp 8", "deepspeed-zero3", "FSDP2", "--pick 2")),
+    (entry(sp=8), "dpo", ("sp 8", "objective dpo", "SFTTrainer only", "--pick 2")),
+    (entry(offload="checkpoints,optimizer"), "sft", ("checkpoints,optimizer", "optimizer tier", "--pick 2")),
 ])
-def test_a_recipe_a_trainer_cannot_run_is_refused_by_name_with_the_one_that_can(tmp_path, refused,
+def test_a_recipe_a_trainer_cannot_run_is_refused_by_name_with_the_one_that_can(tmp_path, refused, objective,
                                                                                 words) -> None:
     with pytest.raises(ConfigError) as error:
-        write_launch(tmp_path / "out", document(refused, entry()), 1)
+        write_launch(tmp_path / "out", document(refused, entry(), objective=objective), 1)
     assert all(word in str(error.value) for word in words), error.value
     assert not (tmp_path / "out").exists()
 
