@@ -49,8 +49,8 @@ def emitted_module(folder: Path):
 
 def one_step(folder: Path, streamed: bool | str, **settings) -> dict:
     """One optimizer step of the emitted script's trainer on a tiny float64 model: {name: update}.
-    `streamed`: True, the script's `train`; False, `trainer.train()`; "plain-sp", plain through the
-    script's sequence group."""
+    `streamed`: True, the script's `train`; False, `trainer.train()`; "METHOD-sp" (e.g. "plain-sp"),
+    that method through the script's sequence group."""
     config = tiny_config("qwen3")
     model = build_model(config, dtype=torch.float64, seed=0)
     rows = parity_dataset(ParitySetup(trainer="sft", model=config, rows=4), config.vocab_size)
@@ -59,10 +59,11 @@ def one_step(folder: Path, streamed: bool | str, **settings) -> dict:
         trainer = module.trainer_for(model, word_tokenizer(config.vocab_size), rows, output_dir,
                                      **STEP, **settings)
         before = full_tensors({n: p for n, p in trainer.model.named_parameters() if p.requires_grad})
-        if streamed == "plain-sp":
+        if isinstance(streamed, str):
             from streambp_core.integrations import stream_trainer
 
-            with stream_trainer(trainer, "plain", sequence_parallel=module.SEQUENCE_PARALLEL):
+            method = streamed.removesuffix("-sp")
+            with stream_trainer(trainer, method, sequence_parallel=module.SEQUENCE_PARALLEL):
                 trainer.train()
         elif streamed:
             module.train(trainer)
