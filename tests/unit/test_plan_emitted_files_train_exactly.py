@@ -5,8 +5,9 @@ the script's own `train` (its `stream_trainer` call); the update equals plain's 
 1e-10 and single-process plain's within float32's bound (TRL's fused head sums in float32).
 
 A recipe with sp 2 emits `SEQUENCE_PARALLEL = 2`: its 2 ranks share one sequence group, so both train on
-the same row, each on its half of the sequence; the update equals plain's through the same sequence
-group to 1e-10 and single-process plain's on that one row within the same bound."""
+the same rows (2 padded rows, accumulated over 2 micro-batches), each on its half of every sequence; the
+update equals plain's through the same sequence group to 1e-10 and single-process plain's on those rows
+within float32's bound."""
 
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ def one_step(folder: Path, streamed: bool | str, **settings) -> dict:
     return {name: after[name] - before[name] for name in before}
 
 
-def emitted_rank(rank: int, world: int, folder: Path, streamed: bool | str):
-    """A rank as `accelerate launch --config_file accelerate_config.yaml train.py` starts it."""
+def emitted_rank(rank: int, world: int, folder: Path, streamed: bool | str, rows: dict | None = None):
+    """A rank as `accelerate launch --config_file accelerate_config.yaml train.py` starts it; `rows`: the
+    batch settings (default one row per device)."""
     import yaml
 
     from streambp_core.verify.trainer_sharded import _declare_engine, engine_environment
@@ -84,7 +86,7 @@ def emitted_rank(rank: int, world: int, folder: Path, streamed: bool | str):
     stage = "zero3" if config["fsdp_config"]["fsdp_reshard_after_forward"] else "zero2"
     os.environ.update(engine_environment("fsdp2", stage))
     _declare_engine("fsdp2")
-    updates = one_step(folder, streamed, per_device_train_batch_size=1, use_cpu=False,
+    updates = one_step(folder, streamed, **(rows or {"per_device_train_batch_size": 1}), use_cpu=False,
                        accelerator_config={"use_configured_state": True})
     return updates if rank == 0 else None
 
@@ -112,11 +114,12 @@ def test_an_emitted_sequence_parallel_recipe_trains_one_step_as_plain_training_d
     emitted = write_launch(tmp_path, DOCUMENT | {"ranking": [SP_RECIPE]}, 1)
     assert emitted["recipe"] == SP_RECIPE["recipe"]
     assert "SEQUENCE_PARALLEL = 2" in (tmp_path / "train.py").read_text()
-    streamed = run_ranks(emitted_rank, 2, args=(tmp_path, True))[0]
-    plain_sp = run_ranks(emitted_rank, 2, args=(tmp_path, "plain-sp"))[0]
-    single = one_step(tmp_path, False, per_device_train_batch_size=1, use_cpu=True)
+    rows = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}  # padded rows, accumulated
+    streamed = run_ranks(emitted_rank, 2, args=(tmp_path, True, rows))[0]
+    plain_sp = run_ranks(emitted_rank, 2, args=(tmp_path, "plain-sp", rows))[0]
+    single = one_step(tmp_path, False, **rows, use_cpu=True)
     assert set(streamed) == set(single)
     for name, reference in single.items():
         assert reference.norm() > 0, f"{name} never moved: the comparison means nothing"
         assert relative(streamed[name], plain_sp[name]) <= 1e-10, name
-        assert relative(streamed[name], reference) <= 1e-6, name  # measured 2.9e-8 (the fused head's float32)
+        assert relative(streamed[name], reference) <= 1e-6, name  # measured 3.8e-8 (the fused head's float32)
