@@ -8,10 +8,14 @@ sequence and the same rows. The degree is written into train.py (`SEQUENCE_PARAL
 accelerate's config: accelerate's own `parallelism_config` sp_size would start DeepSpeed's ALST, and its
 cp_size torch's ring attention.
 
+A recipe with the optimizer tier passes it to `stream_trainer` (`offload` in `STREAM`), which makes the
+trainer build its AdamW in host memory (`streambp_core.integrations.optimizer_tier`); train.py sets
+`max_grad_norm` 0 then (the trainer's clipping would read gradients the tier has sent to the host).
+
 What `stream_trainer` cannot run exactly is refused by name before anything is written (`emittable`):
 sequence parallelism on any engine but FSDP2 or for an objective other than sft (DPO's reference model and
-GRPO's generation are not sharded), and the optimizer and params tiers (the trainer's own optimizer steps
-on the device; DeepSpeed's offload is refused by `stream_trainer`).
+GRPO's generation are not sharded), the optimizer tier under DeepSpeed (its own offload_optimizer holds
+it) and the params tier (weights in host memory: a trainer's engine holds them on the device).
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ def emittable(entry: dict, objective: str = "sft") -> str | None:
         return (f"sp {entry['sp']} with objective {objective}: stream_trainer runs Ulysses sequence "
                 "parallelism for TRL's SFTTrainer only (DPO's reference model and GRPO's generation are not "
                 "sharded)")
-    tiers = [tier for tier in entry["offload"].split(",") if tier not in ("none", "checkpoints")]
-    if tiers:
-        return (f"offload {entry['offload']}: the trainer's own optimizer steps on the device; "
-                f"stream_trainer takes no {' or '.join(tiers)} tier")
+    tiers = entry["offload"].split(",")
+    if "params" in tiers:
+        return (f"offload {entry['offload']}: stream_trainer takes no params tier (the trainer's engine "
+                "holds the weights on the device)")
+    if "optimizer" in tiers and entry["shard"].startswith("deepspeed"):
+        return (f"offload {entry['offload']} with shard {entry['shard']}: stream_trainer takes no optimizer "
+                "tier under DeepSpeed (its own offload_optimizer section holds it, not checked)")
     return None
 
 
@@ -100,8 +107,12 @@ def train_script(entry: dict, settings: dict) -> str:
     `train` importable."""
     config_class, trainer_class, fields = TRAINERS[settings["objective"]]
     stream = {key: entry[key] for key in ("partition_size", "head_partition_size") if key in entry}
-    if entry["offload"] == "checkpoints":
-        stream["offload"] = "checkpoints"
+    if entry["offload"] != "none":
+        stream["offload"] = entry["offload"]
+    host_optimizer = "optimizer" in entry["offload"].split(",")
+    indent = "\n" + " " * 17
+    clipping = (f'{indent}"max_grad_norm": 0.0,  # offload optimizer: clipping would read no gradients'
+                if host_optimizer else "")
     lora = settings.get("lora_rank", 0)
     peft = (f"\n    from peft import LoraConfig\n\n    kwargs[\"peft_config\"] = LoraConfig(r={lora}, "
             f"lora_alpha={4 * lora}, target_modules=\"all-linear\")" if lora else "")
@@ -137,7 +148,7 @@ def length_reward(completions, **kwargs):
 def trainer_for(model, tokenizer, dataset, output_dir, **settings):
     """TRL's trainer with the recipe's length (`settings` override the arguments)."""
     arguments = {{"output_dir": output_dir, "per_device_train_batch_size": {settings["batch_size"]},
-                 "{length_field}": MAX_LENGTH, "bf16": True, "gradient_checkpointing": False,
+                 "{length_field}": MAX_LENGTH, "bf16": True, "gradient_checkpointing": False,{clipping}
                  "report_to": [], **settings}}
     kwargs = {{}}{peft}{reward}
     return {trainer_class}(model=model, args={config_class}(**arguments), train_dataset=dataset,

@@ -11,7 +11,8 @@ changes is the model's answer to the trainer's forward calls (see `forwards.py`)
 Under `accelerate launch` with the FSDP2 or the DeepSpeed plugin (ZeRO-1, 2 or 3) the same call works on
 every rank; what it does there, and what it refuses, is in `engines.py` (ZeRO-3: `zero3_trainer.py`).
 With `sequence_parallel=N` (FSDP2, TRL's SFTTrainer) N ranks share each sequence, Ulysses-style
-(`sequence_trainer.py`).
+(`sequence_trainer.py`); with the optimizer offload tier the trainer's AdamW steps in host memory
+(`optimizer_tier.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from streambp_core.integrations.forwards import (
     streamed_backbone_forward,
     streamed_loss_forward,
 )
+from streambp_core.integrations.optimizer_tier import optimizer_refusals, set_host_optimizer
 from streambp_core.integrations.sequence_trainer import (
     SameRows,
     check_sequence_trainer,
@@ -43,6 +45,7 @@ from streambp_core.integrations.sequence_trainer import (
 from streambp_core.integrations.zero3_trainer import Zero3Preparation
 from streambp_core.methods import Run, prepare
 from streambp_core.registry import method_class
+from streambp_core.tiers import Tiers
 
 
 class TrainerStream:
@@ -80,7 +83,8 @@ def stream_trainer(trainer, method: str = "streambp", *, sequence_parallel: int 
     `trainer` is a `transformers.Trainer` or a TRL 1.15+ trainer (SFT, DPO, GRPO, ...), built already.
     Options are those of `streambp_core.prepare` (partition_size, head_partition_size, mlp_chunk_size,
     attn). TRL's trainers keep their own fused LM head; `head_partition_size` sizes the streamed head of a
-    plain `Trainer`. `sequence_parallel`: ranks per sequence (Ulysses; FSDP2 and TRL's SFTTrainer, whose
+    plain `Trainer`. `offload` with the optimizer tier makes the trainer build its AdamW in host memory
+    (`optimizer_tier`). `sequence_parallel`: ranks per sequence (Ulysses; FSDP2 and TRL's SFTTrainer, whose
     update then equals plain training's over the same rows, `sequence_trainer`). A trainer setting that
     cannot work with a prepared model raises ConfigError naming it.
     """
@@ -92,6 +96,11 @@ def stream_trainer(trainer, method: str = "streambp", *, sequence_parallel: int 
     engine = trainer_engine(trainer)
     if sequence_parallel != 1:
         check_sequence_trainer(trainer, sequence_parallel, engine)
+    host_optimizer = Tiers.of(options.get("offload", Tiers.NONE)).optimizer
+    if host_optimizer:
+        for refused, setting, why in optimizer_refusals(trainer, engine):
+            if refused:
+                raise ConfigError(f"{setting} cannot train: {why}")
     if engine == "fsdp2":
         shard_for_plugin(trainer)
     zero3 = engine == "deepspeed" and deepspeed_stage(trainer) == 3
@@ -100,6 +109,8 @@ def stream_trainer(trainer, method: str = "streambp", *, sequence_parallel: int 
     stream = TrainerStream(method, runs, undo)
     try:
         group = None
+        if host_optimizer:
+            undo.append(set_host_optimizer(trainer))
         if sequence_parallel != 1:
             rows = SameRows(trainer, sequence_parallel)
             undo.append(rows.close)
