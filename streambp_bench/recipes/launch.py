@@ -71,7 +71,7 @@ def accelerate_config(entry: dict, gpus: int, gpus_per_node: int) -> str:
     comment saying train.py's `stream_trainer` runs it, module docstring)."""
     machines = max(1, -(-gpus // gpus_per_node))
     sp = entry["sp"]
-    note = (f"# Ulysses sequence parallelism, {sp} ranks per sequence ({gpus // sp} data-parallel groups), "
+    note = (f"# Ulysses sequence parallelism, {sp} ranks per sequence (data-parallel degree {gpus // sp}), "
             "runs in train.py\n# (stream_trainer's sequence_parallel), not through accelerate's "
             "parallelism_config\n" if sp > 1 else "")
     common = (f"machine_rank: 0\nmixed_precision: 'no'\nnum_machines: {machines}\nnum_processes: {gpus}\n"

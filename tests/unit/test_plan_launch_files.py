@@ -65,7 +65,7 @@ def test_a_sequence_parallel_recipe_writes_its_degree_into_the_script_and_notes_
         tmp_path) -> None:
     write_launch(tmp_path, document(entry(sp=8), gpus=8), 1)
     text = (tmp_path / "accelerate_config.yaml").read_text()
-    assert "8 ranks per sequence (1 data-parallel groups)" in text
+    assert "8 ranks per sequence (data-parallel degree 1)" in text
     config = yaml.safe_load(text)
     assert "parallelism_config" not in config  # accelerate's sp_size would start DeepSpeed's ALST
     assert config["distributed_type"] == "FSDP" and config["num_processes"] == 8
