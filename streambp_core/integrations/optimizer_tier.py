@@ -16,6 +16,8 @@ DeepSpeed (whose own `offload_optimizer` holds the tier).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """The trainer's `optim` values whose update the host AdamW reproduces."""
 
@@ -46,7 +48,7 @@ def host_adamw_for(trainer) -> tuple[type, dict]:
                        "eps": args.adam_epsilon}
 
 
-def set_host_optimizer(trainer) -> callable:
+def set_host_optimizer(trainer) -> Callable[[], None]:
     """Make the trainer build `HostAdamW` (module docstring); returns the undo, which also takes the built
     optimizer's gradient hooks off."""
     from streambp_core.engine.host.optimizer import HostAdamW
