@@ -13,9 +13,10 @@ trainer build its AdamW in host memory (`streambp_core.integrations.optimizer_ti
 `max_grad_norm` 0 then (the trainer's clipping would read gradients the tier has sent to the host).
 
 What `stream_trainer` cannot run exactly is refused by name before anything is written (`emittable`):
-sequence parallelism on any engine but FSDP2 or for an objective other than sft (DPO's reference model and
-GRPO's generation are not sharded), the optimizer tier under DeepSpeed (its own offload_optimizer holds
-it) and the params tier (weights in host memory: a trainer's engine holds them on the device).
+sequence parallelism on any engine but FSDP2 or for the grpo objective (GRPO generates completions on
+each rank, which a sequence group would not share), the optimizer tier under DeepSpeed (its own
+offload_optimizer holds it) and the params tier (weights in host memory: a trainer's engine holds them on
+the device).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def emittable(entry: dict, objective: str = "sft") -> str | None:
     if entry["sp"] > 1 and entry["shard"] not in ("zero2", "zero3"):
         return (f"sp {entry['sp']} with shard {entry['shard']}: stream_trainer runs Ulysses sequence "
                 "parallelism under FSDP2 (zero2, zero3) only")
-    if entry["sp"] > 1 and objective != "sft":
-        return (f"sp {entry['sp']} with objective {objective}: stream_trainer runs Ulysses sequence "
-                "parallelism for TRL's SFTTrainer only (DPO's reference model and GRPO's generation are not "
-                "sharded)")
+    if entry["sp"] > 1 and objective == "grpo":
+        return (f"sp {entry['sp']} with objective grpo: stream_trainer runs Ulysses sequence parallelism for "
+                "TRL's SFT and DPO trainers (GRPO generates completions on each rank, which a sequence group "
+                "would not share)")
     tiers = entry["offload"].split(",")
     if "params" in tiers:
         return (f"offload {entry['offload']}: stream_trainer takes no params tier (the trainer's engine "

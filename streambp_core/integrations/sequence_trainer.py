@@ -3,7 +3,8 @@
 `sequence_parallel` consecutive ranks share each sequence (the group `methods.sequence` runs): every rank
 of a group trains on the same rows, computes its contiguous shard of every sequence, and attends over the
 whole sequence through the all-to-alls of `engine.sequence`. Under accelerate's FSDP2 plugin, with TRL's
-SFTTrainer (its fused LM head scores the tokens):
+SFTTrainer or DPOTrainer (their fused LM head scores the tokens; DPO's frozen reference model is sharded
+the same way, prepared for the same method, or for streambp when the method streams its layers):
 
 1. Rows. accelerate gives the ranks that share a data-parallel index the same batches when its data loader
    is prepared with a device mesh that names that dimension (`accelerate.data_loader.prepare_data_loader`:
@@ -26,8 +27,9 @@ SFTTrainer (its fused LM head scores the tokens):
    rows' gradients, as plain training's over the same rows.
 
 Refused by name (`sequence_refusals`): any engine but FSDP2, a world size N does not divide, trainers other
-than SFTTrainer, packed rows, losses that need full logits, and an iterable dataset (accelerate dispatches
-its batches from rank 0 over every rank, ignoring the mesh).
+than SFTTrainer and DPOTrainer (GRPO generates completions on each rank), packed rows, losses that need
+full logits, and an iterable dataset (accelerate dispatches its batches from rank 0 over every rank,
+ignoring the mesh).
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ def sequence_refusals(trainer, size: int, engine: str) -> list[tuple[bool, str, 
         (engine != "fsdp2", f"{setting} on engine {engine}",
          "it runs under accelerate's FSDP2 plugin (DeepSpeed ZeRO's reduction hooks are not shared out)"),
         (world % size != 0, f"{setting} over {world} ranks", "the ranks must split into whole groups"),
-        ("SFTTrainer" not in names, f"{setting} with {type(trainer).__name__}",
-         "only TRL's SFTTrainer is served: its fused LM head scores each rank's shard (DPO's reference "
-         "model and GRPO's generation are not sharded)"),
+        ("SFTTrainer" not in names and "DPOTrainer" not in names, f"{setting} with {type(trainer).__name__}",
+         "TRL's SFTTrainer and DPOTrainer are served (their fused LM head scores each rank's shard); GRPO "
+         "generates completions on each rank, which a group would not share"),
         (bool(getattr(args, "packing", False) or getattr(args, "padding_free", False)),
          f"packing or padding_free with {setting}", "each shard takes its global positions; a packed row's "
                                                     "restart per document"),
@@ -135,7 +137,7 @@ def sequence_backbone_forward(run, previous: Callable[..., Any], scope: ShardSco
             if _generating(call) or not torch.is_grad_enabled():
                 return previous(*args, **kwargs)
             raise ConfigError(f"a {run.method} model under sequence parallelism trains through a fused LM "
-                              "head's call only (TRL's SFTTrainer); this forward would need full logits")
+                              "head's call only (TRL's SFT and DPO trainers); this forward needs full logits")
         reason = _not_streamable(call)
         if reason is not None:
             raise ConfigError(f"a {run.method} model cannot train on a forward with {reason}")

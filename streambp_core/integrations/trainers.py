@@ -10,7 +10,7 @@ changes is the model's answer to the trainer's forward calls (see `forwards.py`)
 
 Under `accelerate launch` with the FSDP2 or the DeepSpeed plugin (ZeRO-1, 2 or 3) the same call works on
 every rank; what it does there, and what it refuses, is in `engines.py` (ZeRO-3: `zero3_trainer.py`).
-With `sequence_parallel=N` (FSDP2, TRL's SFTTrainer) N ranks share each sequence, Ulysses-style
+With `sequence_parallel=N` (FSDP2, TRL's SFT and DPO trainers) N ranks share each sequence, Ulysses-style
 (`sequence_trainer.py`); with the optimizer offload tier the trainer's AdamW steps in host memory
 (`optimizer_tier.py`).
 """
@@ -84,9 +84,9 @@ def stream_trainer(trainer, method: str = "streambp", *, sequence_parallel: int 
     Options are those of `streambp_core.prepare` (partition_size, head_partition_size, mlp_chunk_size,
     attn). TRL's trainers keep their own fused LM head; `head_partition_size` sizes the streamed head of a
     plain `Trainer`. `offload` with the optimizer tier makes the trainer build its AdamW in host memory
-    (`optimizer_tier`). `sequence_parallel`: ranks per sequence (Ulysses; FSDP2 and TRL's SFTTrainer, whose
-    update then equals plain training's over the same rows, `sequence_trainer`). A trainer setting that
-    cannot work with a prepared model raises ConfigError naming it.
+    (`optimizer_tier`). `sequence_parallel`: ranks per sequence (Ulysses; FSDP2 and TRL's SFT or DPO
+    trainer, whose update then equals plain training's over the same rows, `sequence_trainer`). A trainer
+    setting that cannot work with a prepared model raises ConfigError naming it.
     """
     check_method(method)
     if not hasattr(trainer, "model") or not hasattr(trainer, "args"):
@@ -123,8 +123,9 @@ def stream_trainer(trainer, method: str = "streambp", *, sequence_parallel: int 
         ref_model = getattr(trainer, "ref_model", None)
         if type(ref_model).__name__ == "DeepSpeedEngine" and not zero3:  # TRL wraps a frozen reference
             ref_model = ref_model.module  # ZeRO-1/2: the module; ZeRO-3: the engine itself (`prepare`)
-        if ref_model is not None and method_class(method).streams_layers:
-            runs.append(_prepare_frozen(ref_model, options, undo))
+        streams = method_class(method).streams_layers
+        if ref_model is not None and (streams or group is not None):  # sharded: every method's reference
+            runs.append(_prepare_frozen(ref_model, "streambp" if streams else method, options, undo, group))
     except BaseException:
         stream.close()
         raise
@@ -172,9 +173,14 @@ def _deepspeed_reduction(model: nn.Module, method: str, undo: list) -> DeepSpeed
     return reduction
 
 
-def _prepare_frozen(model: nn.Module, options: dict, undo: list) -> Run:
-    run = _prepare_in_engine(model, "streambp", options)
-    _stream_backbone(run, undo)
+def _prepare_frozen(model: nn.Module, method: str, options: dict, undo: list,
+                    group: SequenceGroup | None = None) -> Run:
+    """A frozen reference model prepared for `method` (streamed, or with a sequence group sharded)."""
+    run = _prepare_in_engine(model, method, options, group)
+    if group is not None:
+        set_sequence_forwards(run, _causal_lm(run.model), set_forward, undo)
+    else:
+        _stream_backbone(run, undo)
     return run
 
 

@@ -77,7 +77,7 @@ def test_a_sequence_parallel_recipe_writes_its_degree_into_the_script_and_notes_
 
 @pytest.mark.parametrize(("refused", "objective", "words"), [
     (entry(sp=8, shard="deepspeed-zero3"), "sft", ("sp 8", "deepspeed-zero3", "FSDP2", "--pick 2")),
-    (entry(sp=8), "dpo", ("sp 8", "objective dpo", "SFTTrainer only", "--pick 2")),
+    (entry(sp=8), "grpo", ("sp 8", "objective grpo", "generates completions on each rank", "--pick 2")),
     (entry(offload="checkpoints,optimizer,params"), "sft", ("checkpoints,optimizer,params", "no params tier",
                                                            "--pick 2")),
     (entry(offload="optimizer", shard="deepspeed-zero3"), "sft", ("deepspeed-zero3", "no optimizer tier",

@@ -34,8 +34,16 @@ class SFTTrainer(StandIn):
     """Stands in for TRL's."""
 
 
+class DPOTrainer(StandIn):
+    """Stands in for TRL's."""
+
+
 class Trainer(StandIn):
     """Stands in for transformers'."""
+
+
+class GRPOTrainer(StandIn):
+    """Stands in for TRL's."""
 
 
 class Rows(torch.utils.data.IterableDataset):
@@ -58,13 +66,14 @@ def test_a_trainer_on_one_process_is_refused_before_its_model_is_prepared(tmp_pa
 
 @pytest.mark.parametrize(("trainer", "engine", "named"), [
     (SFTTrainer(), "deepspeed", "sequence_parallel=1 on engine deepspeed"),
-    (Trainer(), "fsdp2", "sequence_parallel=1 with Trainer: only TRL's SFTTrainer"),
+    (Trainer(), "fsdp2", "sequence_parallel=1 with Trainer: TRL's SFTTrainer and DPOTrainer are served"),
+    (GRPOTrainer(), "fsdp2", "sequence_parallel=1 with GRPOTrainer: TRL's SFTTrainer and DPOTrainer"),
     (SFTTrainer(packing=True), "fsdp2", "packing or padding_free with sequence_parallel=1"),
     (SFTTrainer(label_smoothing_factor=0.1), "fsdp2", "label_smoothing_factor or compute_loss_func"),
     (SFTTrainer(dataset=Rows()), "fsdp2", "an iterable dataset (dispatch_batches)"),
     (SFTTrainer(dispatch=True), "fsdp2", "an iterable dataset (dispatch_batches)"),
 ])
 def test_each_setting_sequence_parallelism_cannot_serve_is_named(trainer, engine, named) -> None:
-    assert refused(SFTTrainer()) == []
+    assert refused(SFTTrainer()) == [] and refused(DPOTrainer()) == []
     reasons = refused(trainer, engine=engine)
     assert len(reasons) == 1 and reasons[0].startswith(named), reasons
