@@ -119,7 +119,6 @@ def test_the_emitted_launch_files_train_one_step_as_plain_training_does(tmp_path
         assert relative(streamed[name], reference) <= 1e-4, name
 
 
-@pytest.mark.slow
 def test_an_emitted_sequence_parallel_recipe_trains_one_step_as_plain_training_does(tmp_path: Path) -> None:
     emitted = write_launch(tmp_path, DOCUMENT | {"ranking": [SP_RECIPE]}, 1)
     assert emitted["recipe"] == SP_RECIPE["recipe"]
