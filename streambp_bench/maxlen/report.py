@@ -246,6 +246,12 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     if best.search.capped:
         return [f"No maximum found: {best.label} fits the longest length searched ({SEARCH_CAP_TOKENS:,} "
                 "tokens), so the budget bounds nothing below it (≥ marks a capped answer, not a max length)."]
+    if best.spec.sp > 1 and best.spec.shard in ("zero2", "zero3"):
+        return [f"Train at {best.search.max_len_tokens:,} tokens per sequence over {best.spec.sp} ranks "
+                f"({best.label}, {best.search.max_len_tokens // best.spec.sp:,} per rank): under "
+                f"accelerate's FSDP2 plugin with TRL's SFTTrainer call {trainer_settings_line(best.spec)} on "
+                "every rank "
+                "before trainer.train() (streambp_core.integrations.sequence_trainer)."]
     if best.spec.sp > 1:
         return [f"Train at {best.search.max_len_tokens:,} tokens per sequence over {best.spec.sp} ranks "
                 f"({best.label}, {best.search.max_len_tokens // best.spec.sp:,} per rank): prepare the model "
@@ -262,9 +268,9 @@ def _train_lines(results: list[MethodResult]) -> list[str]:
     line = (f"Train at {best.search.max_len_tokens:,} tokens ({best.label}): build the trainer with "
             f"max_length <= {best.search.max_len_tokens}, then call "
             f"{trainer_settings_line(best.spec)} before trainer.train().")
-    if best.spec.offload.optimizer:  # a trainer makes its own optimizer on the device
-        line += (" For the optimizer tier give the trainer streambp_core.engine.host.optimizer.HostAdamW "
-                 "as its optimizer: optimizers=(HostAdamW(model.parameters(), lr=...), None).")
+    if best.spec.offload.optimizer:  # stream_trainer makes the trainer build HostAdamW
+        line += (" With the optimizer tier the trainer's AdamW steps in host memory (optim adamw_torch, "
+                 "max_grad_norm=0: streambp_core.integrations.optimizer_tier).")
     return [line]
 
 

@@ -2,10 +2,21 @@
 plugin with its ZeRO JSON), `train.py` (TRL's trainer for the objective, `stream_trainer` with the
 recipe's method and partitions) and `launch.sh` (`accelerate launch ...`).
 
-What `stream_trainer` cannot run exactly is refused by name before anything is written: Ulysses sequence
-parallelism (it runs through `streambp_core.prepare`'s `sequence_group`, not a trainer) and the optimizer
-and params tiers (the trainer's own optimizer steps on the device; DeepSpeed's offload is refused by
-`stream_trainer`).
+A recipe with sp > 1 runs Ulysses sequence parallelism through `stream_trainer(...,
+sequence_parallel=sp)` (`streambp_core.integrations.sequence_trainer`): sp consecutive ranks share each
+sequence and the same rows. The degree is written into train.py (`SEQUENCE_PARALLEL`), and only noted in
+accelerate's config: accelerate's own `parallelism_config` sp_size would start DeepSpeed's ALST, and its
+cp_size torch's ring attention.
+
+A recipe with the optimizer tier passes it to `stream_trainer` (`offload` in `STREAM`), which makes the
+trainer build its AdamW in host memory (`streambp_core.integrations.optimizer_tier`); train.py sets
+`max_grad_norm` 0 then (the trainer's clipping would read gradients the tier has sent to the host).
+
+What `stream_trainer` cannot run exactly is refused by name before anything is written (`emittable`):
+sequence parallelism on any engine but FSDP2 or for the grpo objective (GRPO generates completions on
+each rank, which a sequence group would not share), the optimizer tier under DeepSpeed (its own
+offload_optimizer holds it) and the params tier (weights in host memory: a trainer's engine holds them on
+the device).
 """
 
 from __future__ import annotations
@@ -21,15 +32,22 @@ TRAINERS = {"sft": ("SFTConfig", "SFTTrainer", "prompt, completion"),
 """Per objective: TRL's config and trainer classes, and the fields of each data row."""
 
 
-def emittable(entry: dict) -> str | None:
-    """Why a ranked recipe (`report.recipe_dict`) cannot be emitted, or None when it can."""
-    if entry["sp"] > 1:
-        return (f"sp {entry['sp']}: stream_trainer runs no Ulysses sequence parallelism (that runs through "
-                "streambp_core.prepare with a SequenceGroup)")
-    tiers = [tier for tier in entry["offload"].split(",") if tier not in ("none", "checkpoints")]
-    if tiers:
-        return (f"offload {entry['offload']}: the trainer's own optimizer steps on the device; "
-                f"stream_trainer takes no {' or '.join(tiers)} tier")
+def emittable(entry: dict, objective: str = "sft") -> str | None:
+    """Why a ranked recipe (`report.recipe_dict`) cannot be emitted for `objective`, or None when it can."""
+    if entry["sp"] > 1 and entry["shard"] not in ("zero2", "zero3"):
+        return (f"sp {entry['sp']} with shard {entry['shard']}: stream_trainer runs Ulysses sequence "
+                "parallelism under FSDP2 (zero2, zero3) only")
+    if entry["sp"] > 1 and objective == "grpo":
+        return (f"sp {entry['sp']} with objective grpo: stream_trainer runs Ulysses sequence parallelism for "
+                "TRL's SFT and DPO trainers (GRPO generates completions on each rank, which a sequence group "
+                "would not share)")
+    tiers = entry["offload"].split(",")
+    if "params" in tiers:
+        return (f"offload {entry['offload']}: stream_trainer takes no params tier (the trainer's engine "
+                "holds the weights on the device)")
+    if "optimizer" in tiers and entry["shard"].startswith("deepspeed"):
+        return (f"offload {entry['offload']} with shard {entry['shard']}: stream_trainer takes no optimizer "
+                "tier under DeepSpeed (its own offload_optimizer section holds it, not checked)")
     return None
 
 
@@ -40,22 +58,28 @@ def choose(document: dict, pick: int) -> dict:
     if pick > len(ranking):
         raise ConfigError(f"--pick {pick}: only {len(ranking)} recipes fit")
     entry = ranking[pick - 1]
-    why = emittable(entry)
+    objective = document["settings"]["objective"]
+    why = emittable(entry, objective)
     if why is None:
         return entry
-    can = next((rank for rank, other in enumerate(ranking, 1) if emittable(other) is None), None)
+    can = next((rank for rank, other in enumerate(ranking, 1) if emittable(other, objective) is None), None)
     hint = f"; the fastest that can is --pick {can}" if can else "; no ranked recipe can"
     raise ConfigError(f"--emit: recipe #{pick} ({entry['recipe']}) cannot run under a trainer: {why}{hint}")
 
 
 def accelerate_config(entry: dict, gpus: int, gpus_per_node: int) -> str:
-    """accelerate's YAML for the recipe's engine and stage, `gpus` processes over their nodes."""
+    """accelerate's YAML for the recipe's engine and stage, `gpus` processes over their nodes (sp > 1: a
+    comment saying train.py's `stream_trainer` runs it, module docstring)."""
     machines = max(1, -(-gpus // gpus_per_node))
+    sp = entry["sp"]
+    note = (f"# Ulysses sequence parallelism, {sp} ranks per sequence (data-parallel degree {gpus // sp}), "
+            "runs in train.py\n# (stream_trainer's sequence_parallel), not through accelerate's "
+            "parallelism_config\n" if sp > 1 else "")
     common = (f"machine_rank: 0\nmixed_precision: 'no'\nnum_machines: {machines}\nnum_processes: {gpus}\n"
               "rdzv_backend: static\nsame_network: true\nuse_cpu: false\n")
     shard = entry["shard"]
     if shard in ("zero2", "zero3"):
-        return ("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n"
+        return (note + "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n"
                 "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
                 f"  fsdp_reshard_after_forward: {str(shard == 'zero3').lower()}\n"
                 "  fsdp_offload_params: false\n  fsdp_cpu_ram_efficient_loading: false\n"
@@ -80,11 +104,16 @@ def deepspeed_json(shard: str) -> dict:
 
 def train_script(entry: dict, settings: dict) -> str:
     """`train.py`: TRL's trainer for the objective at the recipe's length, streamed by `stream_trainer`
-    with the recipe's method, partitions and checkpoints tier; `trainer_for` and `train` importable."""
+    with the recipe's method, partitions, checkpoints tier and sequence-parallel degree; `trainer_for` and
+    `train` importable."""
     config_class, trainer_class, fields = TRAINERS[settings["objective"]]
     stream = {key: entry[key] for key in ("partition_size", "head_partition_size") if key in entry}
-    if entry["offload"] == "checkpoints":
-        stream["offload"] = "checkpoints"
+    if entry["offload"] != "none":
+        stream["offload"] = entry["offload"]
+    host_optimizer = "optimizer" in entry["offload"].split(",")
+    indent = "\n" + " " * 17
+    clipping = (f'{indent}"max_grad_norm": 0.0,  # offload optimizer: clipping would read no gradients'
+                if host_optimizer else "")
     lora = settings.get("lora_rank", 0)
     peft = (f"\n    from peft import LoraConfig\n\n    kwargs[\"peft_config\"] = LoraConfig(r={lora}, "
             f"lora_alpha={4 * lora}, target_modules=\"all-linear\")" if lora else "")
@@ -107,6 +136,8 @@ from streambp_core.integrations import stream_trainer
 
 METHOD = {entry["method"]!r}
 STREAM = {json.dumps(stream)}
+SEQUENCE_PARALLEL = {entry["sp"]}
+"""Ranks that share each sequence (Ulysses) and its rows; 1: none."""
 MAX_LENGTH = {entry["seq_len_tokens"]}
 
 
@@ -118,7 +149,7 @@ def length_reward(completions, **kwargs):
 def trainer_for(model, tokenizer, dataset, output_dir, **settings):
     """TRL's trainer with the recipe's length (`settings` override the arguments)."""
     arguments = {{"output_dir": output_dir, "per_device_train_batch_size": {settings["batch_size"]},
-                 "{length_field}": MAX_LENGTH, "bf16": True, "gradient_checkpointing": False,
+                 "{length_field}": MAX_LENGTH, "bf16": True, "gradient_checkpointing": False,{clipping}
                  "report_to": [], **settings}}
     kwargs = {{}}{peft}{reward}
     return {trainer_class}(model=model, args={config_class}(**arguments), train_dataset=dataset,
@@ -126,8 +157,8 @@ def trainer_for(model, tokenizer, dataset, output_dir, **settings):
 
 
 def train(trainer):
-    """trainer.train() with the recipe's method and partitions (`stream_trainer`)."""
-    with stream_trainer(trainer, METHOD, **STREAM):
+    """trainer.train() with the recipe's method, partitions and sequence parallelism (`stream_trainer`)."""
+    with stream_trainer(trainer, METHOD, sequence_parallel=SEQUENCE_PARALLEL, **STREAM):
         trainer.train()
 
 

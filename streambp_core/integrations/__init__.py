@@ -5,6 +5,9 @@
     stream_trainer(trainer, "streambp", partition_size=2000, head_partition_size=100)
     trainer.train()
 
+Under accelerate's FSDP2 plugin `stream_trainer(trainer, method, sequence_parallel=N)` shares each
+sequence over N ranks (Ulysses, TRL's SFT and DPO trainers; `sequence_trainer`);
+`offload="...,optimizer"` keeps the trainer's AdamW in host memory (`optimizer_tier`).
 `trainer_settings` / `trainer_settings_line` turn a measured step's method and partition sizes into that
 call. The trainer libraries are imported on first use of `stream_trainer` (install the `train` extra).
 """

@@ -29,7 +29,7 @@ def trainer_settings(spec_or_method, **options) -> dict[str, object]:
     a `method` attribute and StreamConfig fields as attributes. Fields a method does not read are left out;
     so are fields at their default, except the partition sizes, which are always shown for the methods
     that read them. StreamConfig fields added later (e.g. offload) are passed on when set (a tier set as
-    its canonical string).
+    its canonical string). A step spec with sp > 1 adds `sequence_parallel` (`sequence_trainer`).
     """
     if isinstance(spec_or_method, str):
         method, values = spec_or_method, dict(options)
@@ -49,6 +49,9 @@ def trainer_settings(spec_or_method, **options) -> dict[str, object]:
                 settings[field.name] = _setting(value)
         elif field.name not in KNOWN_OPTIONS and value != field.default:
             settings[field.name] = _setting(value)
+    sp = 1 if isinstance(spec_or_method, str) else getattr(spec_or_method, "sp", 1)
+    if isinstance(sp, int) and sp > 1:
+        settings["sequence_parallel"] = sp
     return settings
 
 

@@ -10,6 +10,9 @@ changes is the model's answer to the trainer's forward calls (see `forwards.py`)
 
 Under `accelerate launch` with the FSDP2 or the DeepSpeed plugin (ZeRO-1, 2 or 3) the same call works on
 every rank; what it does there, and what it refuses, is in `engines.py` (ZeRO-3: `zero3_trainer.py`).
+With `sequence_parallel=N` (FSDP2, TRL's SFT and DPO trainers) N ranks share each sequence, Ulysses-style
+(`sequence_trainer.py`); with the optimizer offload tier the trainer's AdamW steps in host memory
+(`optimizer_tier.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from torch import nn
 
 from streambp_core.config import ConfigError, check_method
+from streambp_core.engine.sequence.group import SequenceGroup
 from streambp_core.integrations.checks import check_trainer
 from streambp_core.integrations.engines import (
     DeepSpeedReduction,
@@ -32,9 +36,16 @@ from streambp_core.integrations.forwards import (
     streamed_backbone_forward,
     streamed_loss_forward,
 )
+from streambp_core.integrations.optimizer_tier import optimizer_refusals, set_host_optimizer
+from streambp_core.integrations.sequence_trainer import (
+    SameRows,
+    check_sequence_trainer,
+    set_sequence_forwards,
+)
 from streambp_core.integrations.zero3_trainer import Zero3Preparation
 from streambp_core.methods import Run, prepare
 from streambp_core.registry import method_class
+from streambp_core.tiers import Tiers
 
 
 class TrainerStream:
@@ -65,13 +76,17 @@ class TrainerStream:
         self.close()
 
 
-def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStream:
+def stream_trainer(trainer, method: str = "streambp", *, sequence_parallel: int = 1,
+                   **options) -> TrainerStream:
     """Prepare `trainer.model` (and a TRL trainer's frozen `ref_model`) for `method`, then train as usual.
 
     `trainer` is a `transformers.Trainer` or a TRL 1.15+ trainer (SFT, DPO, GRPO, ...), built already.
     Options are those of `streambp_core.prepare` (partition_size, head_partition_size, mlp_chunk_size,
     attn). TRL's trainers keep their own fused LM head; `head_partition_size` sizes the streamed head of a
-    plain `Trainer`. A trainer setting that cannot work with a prepared model raises ConfigError naming it.
+    plain `Trainer`. `offload` with the optimizer tier makes the trainer build its AdamW in host memory
+    (`optimizer_tier`). `sequence_parallel`: ranks per sequence (Ulysses; FSDP2 and TRL's SFT or DPO
+    trainer, whose update then equals plain training's over the same rows, `sequence_trainer`). A trainer
+    setting that cannot work with a prepared model raises ConfigError naming it.
     """
     check_method(method)
     if not hasattr(trainer, "model") or not hasattr(trainer, "args"):
@@ -79,6 +94,13 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
                           f"{type(trainer).__name__}")
     check_trainer(trainer, method)
     engine = trainer_engine(trainer)
+    if sequence_parallel != 1:
+        check_sequence_trainer(trainer, sequence_parallel, engine)
+    host_optimizer = Tiers.of(options.get("offload", Tiers.NONE)).optimizer
+    if host_optimizer:
+        for refused, setting, why in optimizer_refusals(trainer, engine):
+            if refused:
+                raise ConfigError(f"{setting} cannot train: {why}")
     if engine == "fsdp2":
         shard_for_plugin(trainer)
     zero3 = engine == "deepspeed" and deepspeed_stage(trainer) == 3
@@ -86,16 +108,24 @@ def stream_trainer(trainer, method: str = "streambp", **options) -> TrainerStrea
     undo: list[Callable[[], None]] = []
     stream = TrainerStream(method, runs, undo)
     try:
+        group = None
+        if host_optimizer:
+            undo.append(set_host_optimizer(trainer))
+        if sequence_parallel != 1:
+            rows = SameRows(trainer, sequence_parallel)
+            undo.append(rows.close)
+            group = rows.group
         if zero3:
             stream.zero3 = _zero3_preparation(trainer, method, options, undo)
         else:
             reduction = _deepspeed_reduction(trainer.model, method, undo) if engine == "deepspeed" else None
-            runs.append(_prepare_trained(trainer.model, method, options, undo, reduction))
+            runs.append(_prepare_trained(trainer.model, method, options, undo, reduction, group))
         ref_model = getattr(trainer, "ref_model", None)
         if type(ref_model).__name__ == "DeepSpeedEngine" and not zero3:  # TRL wraps a frozen reference
             ref_model = ref_model.module  # ZeRO-1/2: the module; ZeRO-3: the engine itself (`prepare`)
-        if ref_model is not None and method_class(method).streams_layers:
-            runs.append(_prepare_frozen(ref_model, options, undo))
+        streams = method_class(method).streams_layers
+        if ref_model is not None and (streams or group is not None):  # sharded: every method's reference
+            runs.append(_prepare_frozen(ref_model, "streambp" if streams else method, options, undo, group))
     except BaseException:
         stream.close()
         raise
@@ -118,9 +148,13 @@ def _zero3_preparation(trainer, method: str, options: dict, undo: list) -> Zero3
 
 
 def _prepare_trained(model: nn.Module, method: str, options: dict, undo: list,
-                     reduction: DeepSpeedReduction | None) -> Run:
-    """`model` (or a ZeRO-3 engine wrapping it) prepared for `method`, the trainer's forwards set on it."""
-    run = _prepare_in_engine(model, method, options)
+                     reduction: DeepSpeedReduction | None, group: SequenceGroup | None = None) -> Run:
+    """`model` (or a ZeRO-3 engine wrapping it) prepared for `method`, the trainer's forwards set on it;
+    with a sequence group, the sharded forwards of `sequence_trainer`."""
+    run = _prepare_in_engine(model, method, options, group)
+    if group is not None:
+        set_sequence_forwards(run, _causal_lm(run.model), set_forward, undo)
+        return run
     arm = None if reduction is None else reduction.arm
     if run.drives_modules:  # its loss is its chunked or streamed head's, not the model's own forward
         causal_lm = _causal_lm(run.model)
@@ -139,17 +173,23 @@ def _deepspeed_reduction(model: nn.Module, method: str, undo: list) -> DeepSpeed
     return reduction
 
 
-def _prepare_frozen(model: nn.Module, options: dict, undo: list) -> Run:
-    run = _prepare_in_engine(model, "streambp", options)
-    _stream_backbone(run, undo)
+def _prepare_frozen(model: nn.Module, method: str, options: dict, undo: list,
+                    group: SequenceGroup | None = None) -> Run:
+    """A frozen reference model prepared for `method` (streamed, or with a sequence group sharded)."""
+    run = _prepare_in_engine(model, method, options, group)
+    if group is not None:
+        set_sequence_forwards(run, _causal_lm(run.model), set_forward, undo)
+    else:
+        _stream_backbone(run, undo)
     return run
 
 
-def _prepare_in_engine(model: nn.Module, method: str, options: dict) -> Run:
+def _prepare_in_engine(model: nn.Module, method: str, options: dict,
+                       group: SequenceGroup | None = None) -> Run:
     """`prepare(model, method)`; on a DeepSpeed engine (ZeRO-3, whose partitioned model only the engine
     itself may be prepared through), a run whose losses do not enter the engine again: the trainer calls
     the engine for every forward and the streamed forwards answer inside it (`zero3_trainer`)."""
-    run = prepare(model, method, **options)
+    run = prepare(model, method, sequence_group=group, **options)
     run.engine = None
     return run
 

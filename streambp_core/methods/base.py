@@ -164,6 +164,18 @@ class Run(Method):
         loss = guards.watch_versions(loss, self.model)
         return loss if self._reduction is None else self._reduction.arm(loss)
 
+    def shard_batch(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                    position_ids: Tensor | None = None) -> tuple[int, int]:
+        """Under sequence parallelism, set this rank's shard of the whole batch `input_ids` (B, T) for the
+        forward that follows, as `loss` sets it, and return its (start, end) positions: for a decoder stack
+        that a trainer calls itself (`integrations.sequence_trainer`)."""
+        if self.sequence_group is None:
+            raise ConfigError(f"this {self.method} run has no sequence group to shard a batch over")
+        self._step_shard = sequence.step_shard(self.sequence_group, self._kv_copies, input_ids,
+                                               key_padding(attention_mask), position_ids)
+        self._input_ids = input_ids
+        return self._step_shard.bounds
+
     def packed_rows(self, input_ids: Tensor, attention_mask: Tensor | None,
                     position_ids: Tensor | None) -> PackedRows | None:
         """The documents of packed rows (`engine.packing.packed_rows`); None for ordinary rows.

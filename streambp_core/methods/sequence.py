@@ -15,6 +15,9 @@ The contract, on every rank of the group:
   gradient (`sequence_group.sum_gradients`). An engine that averages over its ranks (FSDP2, DeepSpeed)
   gives that sum divided by its world size: multiply the loss by the group's size there.
 
+A trainer that calls the decoder stack itself (TRL's fused head) gives `Run.shard_batch` the whole batch
+first; the stack then computes this rank's shard (`integrations.sequence_trainer`).
+
 Per-family attention runs on the shards as it does in one process (`engine.sequence.attention`): Gemma 2's
 soft-capped scores, gpt-oss's attention sinks (each rank its heads' slice), Llama 4's chunked local
 attention (chunks counted over the whole sequence) and its NoPE layers' query temperature (at each token's

@@ -114,11 +114,15 @@ class StreamBPRun(StreamBP, Run):
         `loss` puts the streamed head on top; a trainer's own head (e.g. a fused log-prob head) can too.
         The router load-balancing loss, when the model enables it, is added by `loss` only.
         On a sharded model, call it inside the model's FSDP forward (`sharded_forward`), as `loss` does.
-        `position_ids` that restart per document make packed rows (`engine.packing`).
+        `position_ids` that restart per document make packed rows (`engine.packing`). Under sequence
+        parallelism `input_ids` is the whole batch given to `shard_batch`, and the output this rank's shard.
         """
-        if self.sequence_group is not None:
-            raise ConfigError("hidden_states under sequence parallelism: use loss (each rank computes its "
-                              "shard of the whole batch)")
+        shard = self._step_shard
+        if self.sequence_group is not None:  # the whole batch, after `shard_batch` set this rank's shard
+            if shard is None or getattr(self, "_input_ids", None) is not input_ids:
+                raise ConfigError("hidden_states under sequence parallelism: call shard_batch with the whole "
+                                  "batch first (or use loss); each rank computes its shard of it")
+            input_ids = input_ids[:, shard.bounds[0]:shard.bounds[1]]
         if self._own is not None:
             raise ConfigError(f"hidden_states: architecture {self.parts.family!r} streams through its own "
                               "decoder layers, whose stack applies its final norm; use loss")

@@ -264,6 +264,9 @@ def test_trainer_settings_for_a_measured_step():
     spec = StepSpec.of(model="Qwen/Qwen3-8B", method="streambp", seq_len_tokens=100_000, partition_size=2000)
     assert trainer_settings_line(spec) == (
         'stream_trainer(trainer, "streambp", partition_size=2000, head_partition_size=100)')
+    spec = StepSpec.of(model="tiny/llama", method="streambp", gpus=8, sp=8, shard="zero3", partition_size=64)
+    assert trainer_settings_line(spec) == ('stream_trainer(trainer, "streambp", partition_size=64, '
+                                           'head_partition_size=100, sequence_parallel=8)')
     line = trainer_settings_line("mst", partition_size=2000, head_partition_size=200)
     assert line == 'stream_trainer(trainer, "mst", partition_size=2000, head_partition_size=200)'
     with pytest.raises(ConfigError, match="unknown method"):

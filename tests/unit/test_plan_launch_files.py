@@ -42,6 +42,15 @@ def test_fsdp2_recipe_writes_accelerates_config_over_its_nodes_and_the_streamed_
     assert (tmp_path / "launch.sh").stat().st_mode & 0o111
 
 
+def test_an_optimizer_tier_recipe_passes_the_tier_and_turns_clipping_off(tmp_path) -> None:
+    write_launch(tmp_path, document(entry(offload="checkpoints,optimizer")), 1)
+    script = (tmp_path / "train.py").read_text()
+    ast.parse(script)
+    assert '"offload": "checkpoints,optimizer"' in script and '"max_grad_norm": 0.0' in script
+    write_launch(tmp_path, document(entry()), 1)
+    assert "max_grad_norm" not in (tmp_path / "train.py").read_text()
+
+
 def test_deepspeed_recipe_writes_its_zero_json_beside_the_plugin_config(tmp_path) -> None:
     write_launch(tmp_path, document(entry(shard="deepspeed-zero3", offload="none"), objective="dpo"), 1)
     config = yaml.safe_load((tmp_path / "accelerate_config.yaml").read_text())
@@ -52,14 +61,32 @@ def test_deepspeed_recipe_writes_its_zero_json_beside_the_plugin_config(tmp_path
     assert "DPOTrainer" in (tmp_path / "train.py").read_text()
 
 
-@pytest.mark.parametrize(("refused", "words"), [
-    (entry(sp=8), ("sp 8", "sequence parallelism", "--pick 2")),
-    (entry(offload="checkpoints,optimizer"), ("checkpoints,optimizer", "optimizer tier", "--pick 2")),
+def test_a_sequence_parallel_recipe_writes_its_degree_into_the_script_and_notes_it_in_the_config(
+        tmp_path) -> None:
+    write_launch(tmp_path, document(entry(sp=8), gpus=8), 1)
+    text = (tmp_path / "accelerate_config.yaml").read_text()
+    assert "8 ranks per sequence (data-parallel degree 1)" in text
+    config = yaml.safe_load(text)
+    assert "parallelism_config" not in config  # accelerate's sp_size would start DeepSpeed's ALST
+    assert config["distributed_type"] == "FSDP" and config["num_processes"] == 8
+    script = (tmp_path / "train.py").read_text()
+    ast.parse(script)
+    assert "SEQUENCE_PARALLEL = 8" in script
+    assert "stream_trainer(trainer, METHOD, sequence_parallel=SEQUENCE_PARALLEL, **STREAM)" in script
+
+
+@pytest.mark.parametrize(("refused", "objective", "words"), [
+    (entry(sp=8, shard="deepspeed-zero3"), "sft", ("sp 8", "deepspeed-zero3", "FSDP2", "--pick 2")),
+    (entry(sp=8), "grpo", ("sp 8", "objective grpo", "generates completions on each rank", "--pick 2")),
+    (entry(offload="checkpoints,optimizer,params"), "sft", ("checkpoints,optimizer,params", "no params tier",
+                                                           "--pick 2")),
+    (entry(offload="optimizer", shard="deepspeed-zero3"), "sft", ("deepspeed-zero3", "no optimizer tier",
+                                                                 "offload_optimizer", "--pick 2")),
 ])
-def test_a_recipe_a_trainer_cannot_run_is_refused_by_name_with_the_one_that_can(tmp_path, refused,
+def test_a_recipe_a_trainer_cannot_run_is_refused_by_name_with_the_one_that_can(tmp_path, refused, objective,
                                                                                 words) -> None:
     with pytest.raises(ConfigError) as error:
-        write_launch(tmp_path / "out", document(refused, entry()), 1)
+        write_launch(tmp_path / "out", document(refused, entry(), objective=objective), 1)
     assert all(word in str(error.value) for word in words), error.value
     assert not (tmp_path / "out").exists()
 

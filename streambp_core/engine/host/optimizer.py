@@ -19,6 +19,10 @@ Steps of one training step:
    (`engine.host.params`). A gradient still in `.grad` (set by hand, or never completed by a hook) is
    sent then.
 
+Parameters held as DTensors (FSDP2's shards) keep masters, moments and gradients of their local shard:
+each rank steps its own shard, as FSDP2's optimizer does. Param groups (dicts with "params" and their own
+"weight_decay" or "lr", as transformers' Trainer builds them) step with their own settings.
+
 Exactness: with parameters of float32 or float64 the masters have the parameters' dtype, so the applied
 update is bitwise that of torch's AdamW (single-tensor) on the device; with bfloat16 or float16
 parameters it is the fp32 master's update (of the same bf16 gradient the device summed) rounded to the
@@ -56,18 +60,23 @@ class HostAdamW(torch.optim.Optimizer):
     `remove_hooks()` takes them off (a later backward then leaves gradients on the device, stepped as
     they are)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], *, lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-        params = [p for p in params if p.requires_grad]
-        super().__init__(params, {"lr": lr})
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], *, lr: float = 1e-3,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        groups = list(params)
+        if not groups or not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in groups]
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
         self._stream = None
+        params = [p for group in self.param_groups for p in group["params"]]
         with memory_category(OFFLOADED):
-            self._masters = {id(p): _master_of(p) for p in params}
+            self._masters = {id(p): _master_of(_local(p)) for p in params}
         # one torch AdamW per master: a parameter steps alone (its gradient complete), and an AdamW over
         # every master would scan them all at each parameter's step
-        self._host_adamws = {key: torch.optim.AdamW([master], lr=lr, betas=betas, eps=eps,
-                                                    weight_decay=weight_decay, foreach=False)
-                             for key, master in self._masters.items()}
+        self._host_adamws = {id(p): torch.optim.AdamW([self._masters[id(p)]], lr=group["lr"], betas=betas,
+                                                      eps=eps, weight_decay=group["weight_decay"],
+                                                      foreach=False)
+                             for group in self.param_groups for p in group["params"]}
         self._pending: dict[int, list[tuple[Tensor, torch.cuda.Event | None]]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._take_grad) for p in params]
 
@@ -112,13 +121,13 @@ class HostAdamW(torch.optim.Optimizer):
         then one still in `.grad`, in the master's dtype), without taking it; None when there is none."""
         pieces = list(self._pending.get(id(param), []))
         if param.grad is not None:
-            pieces.append(self._to_host(param.grad))
+            pieces.append(self._to_host(_local(param.grad)))
         return self._summed(param, pieces)
 
     def _step_one(self, param: nn.Parameter, lr: float) -> None:
         pieces = self._pending.pop(id(param), [])
         if param.grad is not None:  # a gradient set by hand, or made with the hooks off
-            pieces.append(self._to_host(param.grad))
+            pieces.append(self._to_host(_local(param.grad)))
             param.grad = None
         grad = self._summed(param, pieces)
         if grad is None:
@@ -129,7 +138,7 @@ class HostAdamW(torch.optim.Optimizer):
         adamw.param_groups[0]["lr"] = lr
         adamw.step()
         master.grad = None
-        param.data.copy_(master)
+        _local(param.data).copy_(master)
 
     def _summed(self, param: nn.Parameter, pieces: list[tuple[Tensor, torch.cuda.Event | None]]
                 ) -> Tensor | None:
@@ -151,7 +160,7 @@ class HostAdamW(torch.optim.Optimizer):
         while its unit still adds to it)."""
         if param.grad is None or grad_held(param):
             return
-        self._pending.setdefault(id(param), []).append(self._to_host(param.grad))
+        self._pending.setdefault(id(param), []).append(self._to_host(_local(param.grad)))
         param.grad = None
 
     def _to_host(self, grad: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
@@ -167,6 +176,12 @@ class HostAdamW(torch.optim.Optimizer):
             event.record(self._stream)
         grad.record_stream(self._stream)
         return host, event
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2's parameters and gradients), sharing its storage; else `tensor`."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _master_of(param: nn.Parameter) -> Tensor:
