@@ -52,10 +52,11 @@ def recipe_dict(outcome: Outcome, setting: Setting) -> dict:
     if outcome.fits and spec.partitioned:
         entry |= {"partition_size": spec.stream.partition_size,
                   "head_partition_size": spec.stream.head_partition_size}
-    gib = {"simulated_peak_gib": outcome.peak_bytes, "simulated_to_host_gib": outcome.to_host_bytes,
-           "simulated_to_device_gib": outcome.to_device_bytes}
+    sim = outcome.sim
+    gib = {"simulated_peak_gib": sim and sim.peak_bytes, "simulated_to_host_gib": sim and sim.to_host_bytes,
+           "simulated_to_device_gib": sim and sim.to_device_bytes}
     entry |= {key: None if value is None else value / GIB for key, value in gib.items()}
-    host = outcome.host_peak_bytes
+    host = sim and sim.host_peak_bytes
     entry["simulated_host_gib_per_node"] = None if host is None else host * setting.ranks_per_node / GIB
     estimate = outcome.estimate
     if estimate is None:
@@ -76,7 +77,7 @@ def ranked(outcomes: list[Outcome]) -> tuple[list[Outcome], list[Outcome], list[
     fitting = [outcome for outcome in outcomes if outcome.status == FITS]
     fitting.sort(key=lambda o: (o.estimate is None, o.estimate.step_time_ms if o.estimate else 0))
     misses = [outcome for outcome in outcomes if outcome.status in MISS_ORDER]
-    misses.sort(key=lambda o: (MISS_ORDER[o.status], o.peak_bytes or 0))
+    misses.sort(key=lambda o: (MISS_ORDER[o.status], o.sim.peak_bytes if o.sim else 0))
     return fitting, misses, [outcome for outcome in outcomes if outcome.status == DOMINATED]
 
 

@@ -52,10 +52,9 @@ class Outcome:
     """The recipe; when it fits, at the partitions that run it."""
     status: str
     why: str = ""
-    peak_bytes: int | None = None
-    host_peak_bytes: int | None = None
-    to_host_bytes: int | None = None
-    to_device_bytes: int | None = None
+    sim: object | None = None
+    """The `step.simulation.simulate.SimResult` its figures are: at full depth when it fits, the one that
+    missed otherwise; None where nothing was simulated (refused, pruned, dominated)."""
     estimate: object | None = None
     """The `step.estimate.roofline.StepEstimate`; None where the step-time model does not cover it (`why`)."""
     capped: bool = False
@@ -84,15 +83,14 @@ def _check_small(spec: StepSpec, ctx: Context) -> Outcome | None:
 
 def _miss(spec: StepSpec, sim, ctx: Context) -> Outcome | None:
     """A GPU or host OOM outcome when `sim` is over a budget, else None."""
-    figures = {"peak_bytes": sim.peak_bytes, "host_peak_bytes": sim.host_peak_bytes}
     if sim.peak_bytes > ctx.budget_bytes:
         over = (sim.peak_bytes - ctx.budget_bytes) / GIB
-        return Outcome(spec=spec, status=GPU_OOM, **figures,
+        return Outcome(spec=spec, status=GPU_OOM, sim=sim,
                        why=f"GPU OOM by {over:,.2f} GiB ({sim.peak_bytes / GIB:,.2f} GiB at the smallest "
                            "partitions, simulated)")
     if ctx.host_budget_bytes is not None and (sim.host_peak_bytes or 0) > ctx.host_budget_bytes:
         over = ((sim.host_peak_bytes or 0) - ctx.host_budget_bytes) / GIB
-        return Outcome(spec=spec, status=HOST_OOM, **figures,
+        return Outcome(spec=spec, status=HOST_OOM, sim=sim,
                        why=f"host OOM by {over:,.2f} GiB per rank (simulated)")
     return None
 
@@ -116,13 +114,11 @@ def step_at(spec: StepSpec, ctx: Context) -> Outcome:
     miss = _miss(run, full, ctx)
     if miss is not None:
         return replace(miss, why=miss.why.replace("at the smallest partitions", "at full depth"))
-    figures = {"peak_bytes": full.peak_bytes, "host_peak_bytes": full.host_peak_bytes,
-               "to_host_bytes": full.to_host_bytes, "to_device_bytes": full.to_device_bytes}
     try:
         estimate, why = estimate_step(run, ctx.gpu, ctx.model), ""
     except ConfigError as error:
         estimate, why = None, f"no estimate: {error}"
-    return Outcome(spec=run, status=FITS, why=why, estimate=estimate, **figures)
+    return Outcome(spec=run, status=FITS, why=why, estimate=estimate, sim=full)
 
 
 def largest_partitions(spec: StepSpec) -> bool:
