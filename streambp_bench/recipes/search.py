@@ -95,16 +95,17 @@ def _miss(spec: StepSpec, sim, ctx: Context) -> Outcome | None:
     return None
 
 
-def step_at(spec: StepSpec, ctx: Context) -> Outcome:
+def step_at(spec: StepSpec, ctx: Context, at_least: int | None = None) -> Outcome:
     """`spec` at its length as `max-len --at` runs it: the largest partitions that fit (full depth), its
     full-depth peak and host pool, and its estimated time (None with the reason where the step-time
-    model raises ConfigError for it)."""
+    model raises ConfigError for it). `at_least`: the layer partition the same step with fewer tiers
+    runs (more tiers never hold more: the search starts there, `resolve_partitions`)."""
     from streambp_core.step.estimate.step_estimate import estimate_step
     from streambp_core.step.search.partitions import resolve_partitions
     from streambp_core.step.simulation.simulate import simulate
 
     try:
-        run = resolve_partitions(spec, ctx.budget_bytes, ctx.model)
+        run = resolve_partitions(spec, ctx.budget_bytes, ctx.model, at_least=at_least)
     except ConfigError as error:
         return Outcome(spec=spec, status=GPU_OOM, why=f"GPU OOM at full depth: {error}")
     try:
@@ -179,7 +180,7 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, floor: int, ctx: Conte
              outcomes: list[Outcome]) -> int:
     """Step 2 of the module docstring for one stage; returns the lowest rung that fitted (the floor of
     the weaker stages)."""
-    lowest, reached = None, ""
+    lowest, reached, below = None, "", None  # below: the layer partition the last rung that fitted runs
     for index in runnable:
         spec = recipes[index]
         if index < floor:
@@ -194,10 +195,11 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, floor: int, ctx: Conte
         if miss is not None:
             outcomes.append(miss)
             continue
-        outcome = step_at(spec, ctx)
+        outcome = step_at(spec, ctx, at_least=below)
         outcomes.append(outcome)
         if outcome.fits:
             lowest = index if lowest is None else lowest
+            below = outcome.spec.stream.partition_size if outcome.spec.partitioned else None
             if largest_partitions(outcome.spec):
                 reached = (f"dominated: {outcome.label} already runs the largest partitions; more tiers "
                            "only add copies (not evaluated)")

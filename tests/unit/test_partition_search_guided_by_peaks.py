@@ -46,3 +46,33 @@ def test_auto_partitions_guided_by_peaks_pick_the_same_pair() -> None:
     for budget in (3_000, 100_000, 700_000, 10**9):
         fits = lambda layer, head, budget=budget: peak(layer, head) <= budget  # noqa: E731
         assert auto_partitions(262_144, fits, peak=peak, budget=budget) == auto_partitions(262_144, fits)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_layer_partition_known_to_fit_starts_the_search_and_changes_no_answer(seed) -> None:
+    """`at_least` (the layer partition a step holding no more fitted): the same pair in no more checks;
+    one that does not fit after all (a peak that is not the same step's) is ignored."""
+    rng = random.Random(seed)
+    seq_len = rng.randrange(300, 2_000_000)
+    per_layer, per_head = rng.randrange(1, 9), rng.randrange(1, 9)
+    peak = lambda layer, head: per_layer * layer + per_head * head  # noqa: E731
+    budget = rng.randrange(per_layer * 64 + per_head * 64, per_layer * seq_len + per_head * seq_len)
+    answer = auto_partitions(seq_len, lambda p, h: peak(p, h) <= budget, peak=peak, budget=budget)
+    asked: list[tuple[int, int]] = []
+
+    def fits(layer: int, head: int) -> bool:
+        asked.append((layer, head))
+        return peak(layer, head) <= budget
+
+    lower = [size for size in layer_candidates(seq_len) if size <= answer[0]]
+    floor = rng.choice(lower)
+    assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=floor) == answer
+    asked.clear()
+    assert auto_partitions(seq_len, fits, at_least=answer[0]) == answer
+    from_the_floor = len(asked)
+    asked.clear()
+    assert auto_partitions(seq_len, fits) == answer
+    assert from_the_floor <= len(asked)
+    too_large = max(layer_candidates(seq_len))
+    if not fits(too_large, 64):
+        assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=too_large) == answer

@@ -66,13 +66,15 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     (module docstring, 1), or recorded directly when it is no longer than the longest of them."""
     from streambp_core.step.estimate.ops import spec_step_ops
     from streambp_core.step.run.setup import build_setup
+    from streambp_core.step.simulation.simulate import single_gpu_step
 
     length = spec.seq_len_tokens
     kernel = attention_kernel(spec.stream.attn, gpu.name)
 
-    def at(tokens: int) -> StepEstimate:
+    def at(tokens: int) -> StepEstimate:  # every shard stage records the one step it lays out
         key_scale = length / tokens
-        key = ("fitted_estimate", replace(spec, seq_len_tokens=tokens), gpu.name, kernel, key_scale)
+        key = ("fitted_estimate", single_gpu_step(replace(spec, seq_len_tokens=tokens)), gpu.name, kernel,
+               key_scale)
         if key not in model.memo:
             model.memo[key] = estimate_by_depth(
                 lambda depth: spec_step_ops(build_setup(key[1], model.at_depth(depth), "meta"), model.memo),

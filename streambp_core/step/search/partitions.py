@@ -90,9 +90,12 @@ def _crossing(candidates: Sequence[int], low: int, high: int, peak: Callable[[in
 def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = None,
                     head_partition_size: int | None = None, min_partition: int = MIN_PARTITION,
                     min_head: int = MIN_PARTITION, peak: Callable[[int, int], float] | None = None,
-                    budget: float | None = None) -> tuple[int, int]:
+                    budget: float | None = None, at_least: int | None = None) -> tuple[int, int]:
     """(partition_size, head_partition_size): the largest that fit; a size given is kept as it is.
     `peak`, `budget`: the figure `fits` compares and its bound, to guide each search (`largest_fitting`).
+    `at_least`: a layer partition known to fit with the smallest head partition (a step that holds no
+    more fitted it): the layer search starts there, the same answer in fewer checks; when it does not fit
+    after all, the search takes every candidate.
 
     Raises ConfigError when nothing fits even at the smallest candidates.
     """
@@ -100,6 +103,9 @@ def auto_partitions(seq_len: int, fits: Fits, *, partition_size: int | None = No
     layers = [partition_size] if partition_size else layer_candidates(seq_len, min_partition)
     if fits(layers[-1], heads[-1]):  # the common case on a large GPU: one call
         return layers[-1], heads[-1]
+    if at_least is not None and not partition_size:
+        above = [size for size in layers if size >= at_least]
+        layers = above if above and fits(above[0], heads[0]) else layers
     layer = largest_fitting(layers, lambda size: fits(size, heads[0]),
                             peak and (lambda size: peak(size, heads[0])), budget)
     if layer is None:
@@ -118,19 +124,20 @@ def searched(spec):
     return spec.replaced(**dict.fromkeys(automatic, MIN_PARTITION)) if automatic else spec
 
 
-def resolve_partitions(spec, budget_bytes: int, model=None):
+def resolve_partitions(spec, budget_bytes: int, model=None, *, at_least: int | None = None):
     """`spec` (a `StepSpec`) with its AUTO partitions resolved at its length: the largest that fit
     `budget_bytes` (`fitting_partitions`), the sizes given kept; a method without partitions takes
     `searched`'s. `spec` itself when nothing reads AUTO. Raises ConfigError when even the smallest
-    candidates do not fit. `model`: as in `fitting_partitions`."""
+    candidates do not fit. `model`, `at_least`: as in `fitting_partitions`."""
     automatic = spec.stream.automatic
     if not automatic:
         return spec
     return fitting_partitions(searched(spec), budget_bytes, model, layer="partition_size" in automatic,
-                              head="head_partition_size" in automatic)
+                              head="head_partition_size" in automatic, at_least=at_least)
 
 
-def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = True, head: bool = True):
+def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = True, head: bool = True,
+                       at_least: int | None = None):
     """`spec` (a `StepSpec`) with the largest layer (`layer`) and/or head (`head`) partitions whose
     simulated peak fits `budget_bytes` (`auto_partitions`); the others as given. The search simulates
     at two shallow depths extrapolated (`step.parts.depth`); its answer is checked with every layer and, when
@@ -138,7 +145,8 @@ def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = Tru
     is guided by the simulated peaks (`largest_fitting`). Raises
     ConfigError when even the smallest candidates do not fit. Methods without partitions come back
     unchanged. `model`: the spec's model resolved once (`step.parts.resolved.ResolvedModel`; None: resolved
-    here)."""
+    here). `at_least`: a layer partition a step holding no less than this one fitted with (the same step
+    with fewer tiers): the searches start there (`auto_partitions`)."""
     from streambp_core.step.parts.resolved import resolved
     from streambp_core.step.simulation.simulate import simulate
 
@@ -155,7 +163,7 @@ def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = Tru
     def search(depth: str) -> tuple[int, int]:
         peak = peak_at(depth)
         return auto_partitions(spec.seq_len_tokens, lambda p, h: peak(p, h) <= budget_bytes, **given,
-                               peak=peak, budget=budget_bytes)
+                               peak=peak, budget=budget_bytes, at_least=at_least)
 
     given = {"partition_size": None if layer else spec.stream.partition_size,
              "head_partition_size": None if head else spec.stream.head_partition_size}

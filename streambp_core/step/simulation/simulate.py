@@ -219,7 +219,7 @@ def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, 
     simulated step of `config`. Memoised in `cache` per depth under the step as one GPU runs it: the shard
     stage only lays the figures out afterwards (`_rank_peak`), so the stages of one step share its
     simulation."""
-    key = ("phases", _single_gpu_step(spec), config.num_hidden_layers, keep_chunks)
+    key = ("phases", single_gpu_step(spec), config.num_hidden_layers, keep_chunks)
     figures = cache.get(key) or _tracked(spec, config, keep_chunks, cache)
     cache[key] = figures
     return SteppedFigures(phases=[PhaseFigures(phase.name, phase.peak_bytes, dict(phase.at_peak),
@@ -227,8 +227,9 @@ def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, 
                           host=figures.host)
 
 
-def _single_gpu_step(spec: StepSpec) -> StepSpec:
-    """`spec` with every shard stage as one (zero3): the step a rank runs before its layout."""
+def single_gpu_step(spec: StepSpec) -> StepSpec:
+    """`spec` with every shard stage as one (zero3): the step a rank runs before its layout (the same
+    ops and tensors whatever the stage, which only lays them out afterwards)."""
     return spec if spec.shard == "none" else spec.replaced(shard="zero3")
 
 
