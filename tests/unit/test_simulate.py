@@ -121,7 +121,15 @@ def _random_steps(count: int, seed: int = 7) -> list[tuple[str, dict, dict]]:
     return steps
 
 
-@pytest.mark.parametrize(("family", "overrides", "fields"), _random_steps(10))
+DEFAULT_DRAWS = (0, 1, 2, 3, 8)
+"""The draws of `_random_steps(10)` the default run takes, the rest `-m slow`: between them every family,
+both chunked methods, zero2 and zero3, offload, LoRA, AdamW, every objective and protocol, both head modes
+and grads, batch 1 and 2."""
+
+
+@pytest.mark.parametrize(("family", "overrides", "fields"), [
+    pytest.param(*draw, marks=() if i in DEFAULT_DRAWS else pytest.mark.slow)
+    for i, draw in enumerate(_random_steps(10))])
 def test_thinned_chunk_loops_give_the_same_figures_on_random_steps(family, overrides, fields) -> None:
     """Full depth, bfloat16 (what the grouped experts' meta kernel takes): thinned vs every chunk, the peak,
     its breakdown and the host pool's figures, to the byte."""
