@@ -56,9 +56,10 @@ def test_simulated_peak_matches_the_tracker_on_real_cpu_tensors(method: str, dty
 
 @pytest.mark.parametrize("method", METHODS)
 def test_depth_extrapolation_is_exact_against_full_depth(method: str) -> None:
-    """Qwen3-0.6B (28 layers) at 2k tokens: simulated with 2 and 3 layers, extrapolated; to the byte."""
-    extrapolated = simulate_step("Qwen/Qwen3-0.6B", method, 2048)
-    full = simulate_step("Qwen/Qwen3-0.6B", method, 2048, depth="full")
+    """Qwen3-0.6B (28 layers) at 1k tokens (3 layer chunks of its default 500, the last one short; 11 head
+    chunks): simulated with 2 and 3 layers, extrapolated; to the byte."""
+    extrapolated = simulate_step("Qwen/Qwen3-0.6B", method, 1024)
+    full = simulate_step("Qwen/Qwen3-0.6B", method, 1024, depth="full")
     assert extrapolated.layers_simulated == (2, 3) and full.layers_simulated == (28,)
     assert extrapolated.peak_bytes == full.peak_bytes
     assert extrapolated.breakdown_bytes == full.breakdown_bytes
