@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from streambp_bench.interrupts import INTERRUPTED_EXIT_CODE
+from streambp_bench.interrupts import INTERRUPTED_EXIT_CODE, stop_fork_server
 from streambp_core.config import ConfigError
 
 USER_ERROR_EXIT_CODE = 2
@@ -53,6 +53,7 @@ def user_errors(command: Callable[P, R]) -> Callable[P, R]:
             print_error(error)
             raise typer.Exit(code=USER_ERROR_EXIT_CODE) from None
         except KeyboardInterrupt:  # Ctrl-C, e.g. while workers or ranks start: one line, no traceback
+            stop_fork_server()
             print_error(ValueError("interrupted"))
             raise typer.Exit(code=INTERRUPTED_EXIT_CODE) from None
 
@@ -71,6 +72,7 @@ class OneLineErrorsGroup(TyperGroup):
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except Exception as error:  # click's exceptions (typer may ship its own copy of click: duck-typed)
             if type(error).__name__ == "Abort":  # Ctrl-C (click turns KeyboardInterrupt into Abort)
+                stop_fork_server()
                 print_error(ValueError("interrupted"))
                 sys.exit(INTERRUPTED_EXIT_CODE)
             if not (hasattr(error, "format_message") and hasattr(error, "exit_code")):

@@ -53,8 +53,19 @@ def exit_interrupted() -> NoReturn:
     if multiprocessing is not None:
         for child in multiprocessing.active_children():
             child.terminate()
+    stop_fork_server()
     os.write(2, b"error: interrupted\n")
     os._exit(INTERRUPTED_EXIT_CODE)
+
+
+def stop_fork_server() -> None:
+    """Terminate this process's fork server, if one runs (`workers.start_server`): still importing its
+    preload, it would outlive an interrupted command by seconds, holding the stderr it shares with it."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")  # not loaded: no server was started
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 @contextlib.contextmanager

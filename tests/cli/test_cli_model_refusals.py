@@ -93,22 +93,33 @@ PRECHECK = """
 import sys
 from streambp_core.config import ConfigError
 from streambp_core.models.config_file import precheck_model
-try:
-    precheck_model(sys.argv[1])
-except ConfigError as error:
-    print(error)
+for folder in sys.argv[1:]:
+    try:
+        precheck_model(folder)
+    except ConfigError as error:
+        print(error)
+    else:
+        print("accepted", folder)
 print("torch imported" if "torch" in sys.modules or "transformers" in sys.modules else "light")
 """
+PRECHECKED = ["kv-heads-0", "head-dim-1", "experts-per-token", "sliding-null", "sliding-off"]
 
 
-@pytest.mark.parametrize("case", ["kv-heads-0", "head-dim-1", "experts-per-token", "sliding-null",
-                                  "sliding-off"])
-def test_a_broken_config_is_refused_without_importing_torch(tmp_path: Path, case: str) -> None:
+@pytest.fixture(scope="module")
+def prechecked(tmp_path_factory) -> tuple[dict[str, str], str]:
+    """The cheap model check on each `PRECHECKED` case's directory, in one fresh interpreter: its message
+    per case, and whether torch or transformers got imported along the way."""
+    folders = [_model_dir(tmp_path_factory.mktemp(case), BROKEN[case][0]) for case in PRECHECKED]
+    done = subprocess.run([sys.executable, "-c", PRECHECK, *map(str, folders)], capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    *messages, weight = done.stdout.strip().splitlines()
+    assert len(messages) == len(PRECHECKED), done.stdout
+    return dict(zip(PRECHECKED, messages, strict=True)), weight
+
+
+@pytest.mark.parametrize("case", PRECHECKED)
+def test_a_broken_config_is_refused_without_importing_torch(prechecked, case: str) -> None:
     """The cheap model check every command runs first refuses these, so the error takes well under a
     second (torch and transformers alone take seconds to import)."""
-    values, key = BROKEN[case]
-    folder = _model_dir(tmp_path, values)
-    done = subprocess.run([sys.executable, "-c", PRECHECK, str(folder)], capture_output=True, text=True,
-                          check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    message, weight = done.stdout.strip().splitlines()
-    assert key in message and weight == "light", done.stdout
+    messages, weight = prechecked
+    assert BROKEN[case][1] in messages[case] and weight == "light", (messages[case], weight)

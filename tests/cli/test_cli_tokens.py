@@ -13,7 +13,7 @@ from streambp_bench.results import ResultsFile
 TINY_SIM = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--device", "sim"]
 
 
-def test_sweep_reads_2k_as_2000_in_every_length_option(tmp_path: Path) -> None:
+def test_sweep_reads_2k_as_2000_in_every_length_option(tmp_path: Path, stub_simulation) -> None:
     out = tmp_path / "sweep.csv"
     args = ["sweep", *TINY_SIM, "--seq-len", "4k", "--ps", "1ki", "--ps-head", "2k", "--budget-gib", "1"]
     result = CliRunner().invoke(app, [*args, "--out", str(out), "--json"])
@@ -22,7 +22,7 @@ def test_sweep_reads_2k_as_2000_in_every_length_option(tmp_path: Path) -> None:
     assert (row.seq_len_tokens, row.partition_size, row.head_partition_size) == (4000, 1024, 2000)
 
 
-def test_max_len_reads_2k_as_2000_in_ps_ps_head_and_at() -> None:
+def test_max_len_reads_2k_as_2000_in_ps_ps_head_and_at(stub_probe, stub_simulation) -> None:
     args = ["max-len", *TINY_SIM, "--ps", "2k", "--ps-head", "2ki", "--at", "2k", "--budget-gib", "0.02"]
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output

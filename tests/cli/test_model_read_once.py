@@ -14,7 +14,7 @@ from streambp_bench.cli import app
 from streambp_core.models import catalogue, load_config, tiny_config
 from streambp_core.step.parts.resolved import ResolvedModel
 
-STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--budget-gib", "0.00466",
+STEP = ["-m", "tiny/qwen3", "--method", "streambp", "--dtype", "float32", "--budget-gib", "0.0025",
         "--ps", "64", "--ps-head", "64"]
 
 

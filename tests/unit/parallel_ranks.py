@@ -15,11 +15,12 @@ def rank_and_sum(rank: int, world: int) -> tuple[int, float]:
     return rank, float(total)
 
 
-def rank_prints(rank: int, world: int) -> int:
-    """Each rank prints to its stdout, through Python and through the file descriptor, as engines do."""
+def rank_prints_and_sums(rank: int, world: int) -> tuple[int, float]:
+    """Each rank prints to its stdout, through Python and through the file descriptor, as engines do; then
+    `rank_and_sum`."""
     print(f"rank {rank} says hello through print", flush=True)
     os.write(1, f"rank {rank} says hello through fd 1\n".encode())
-    return rank
+    return rank_and_sum(rank, world)
 
 
 def rank_one_raises(rank: int, world: int) -> None:

@@ -87,3 +87,17 @@ def real_swap_peaks(rank: int, world: int) -> list[tuple[int, int]]:
     group = SequenceGroup.of_process_group()
     return swap_peaks(UntrackedExchange(size=group.size, rank=group.rank, process_group=group.process_group),
                       "cpu")
+
+
+ALL_TO_ALL_TOKENS = (8, 7)
+"""The plain all-to-all's total lengths: even shards, and one rank a token longer."""
+
+
+def every_swap(rank: int, world: int) -> dict[str, object]:
+    """The real-rank checks of test_sequence_group.py on one launch of ranks: `real_swap_peaks` (first,
+    in a fresh process as it ran alone), `swapped_exactly`, and the plain all-to-all's errors per total
+    length of `ALL_TO_ALL_TOKENS`."""
+    from tests.unit.parallel_ranks import sequence_all_to_all
+
+    return {"peaks": real_swap_peaks(rank, world), "pieces": swapped_exactly(rank, world),
+            "all_to_all": {tokens: sequence_all_to_all(rank, world, tokens) for tokens in ALL_TO_ALL_TOKENS}}

@@ -9,6 +9,7 @@ import pytest
 from streambp_core.config import GPU_MODEL_NAMES, ConfigError, StepSpec
 from streambp_core.step.estimate.roofline import GPU_MODELS, gpu_model
 from streambp_core.step.estimate.step_estimate import estimate_step
+from streambp_core.step.parts.resolved import ResolvedModel
 from streambp_core.step.search.partitions import fitting_partitions, head_candidates, layer_candidates
 from streambp_core.step.simulation.simulate import simulate
 
@@ -16,26 +17,32 @@ SPEC = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=1024, d
 BUDGET = 5_003_706  # bytes: partitions (171, 256) fit, (256, 64) and (171, 512) do not
 
 
-def _peak(partition: int, head: int) -> int:
-    return simulate(SPEC.replaced(partition_size=partition, head_partition_size=head)).peak_bytes
+@pytest.fixture(scope="module")
+def tiny() -> ResolvedModel:
+    """SPEC's model resolved once for the module: its simulations share one memo (the search's own)."""
+    return ResolvedModel(SPEC.model)
 
 
-def test_the_largest_partitions_that_fit_are_chosen() -> None:
-    chosen = fitting_partitions(SPEC, BUDGET)
+def _peak(tiny: ResolvedModel, partition: int, head: int) -> int:
+    return simulate(SPEC.replaced(partition_size=partition, head_partition_size=head), tiny).peak_bytes
+
+
+def test_the_largest_partitions_that_fit_are_chosen(tiny) -> None:
+    chosen = fitting_partitions(SPEC, BUDGET, tiny)
     layers, heads = layer_candidates(1024), head_candidates(1024)
     assert (chosen.stream.partition_size, chosen.stream.head_partition_size) == (171, 256)
-    assert _peak(171, 256) <= BUDGET
-    assert _peak(layers[layers.index(171) + 1], heads[0]) > BUDGET
-    assert _peak(171, heads[heads.index(256) + 1]) > BUDGET
+    assert _peak(tiny, 171, 256) <= BUDGET
+    assert _peak(tiny, layers[layers.index(171) + 1], heads[0]) > BUDGET
+    assert _peak(tiny, 171, heads[heads.index(256) + 1]) > BUDGET
 
 
-def test_a_given_size_is_kept_and_nothing_fitting_is_refused() -> None:
-    kept = fitting_partitions(SPEC.replaced(partition_size=100), BUDGET, layer=False)
+def test_a_given_size_is_kept_and_nothing_fitting_is_refused(tiny) -> None:
+    kept = fitting_partitions(SPEC.replaced(partition_size=100), BUDGET, tiny, layer=False)
     assert kept.stream.partition_size == 100
     with pytest.raises(ConfigError, match="no partition fits"):
-        fitting_partitions(SPEC, 1000)
+        fitting_partitions(SPEC, 1000, tiny)
     checkpoint = replace(SPEC, method="checkpoint")
-    assert fitting_partitions(checkpoint, BUDGET) == checkpoint
+    assert fitting_partitions(checkpoint, BUDGET, tiny) == checkpoint
 
 
 def test_estimated_step_adds_offload_copies_compute_cannot_hide() -> None:

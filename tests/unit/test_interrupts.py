@@ -146,3 +146,39 @@ def test_the_fork_server_and_its_workers_never_see_sigint_and_the_parent_loses_n
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])})
     assert done.stdout.splitlines() == [
         "interrupted", "server (True, False)", "workers [(True, False), (True, False)]"], done.stderr
+
+
+STOPPED_SERVER_CHECK = """
+import os, time, typer
+from multiprocessing import forkserver
+from streambp_bench import workers
+from streambp_bench.errors import user_errors
+workers.start_server(2, preload=("slow_preload",))
+pid = forkserver._forkserver._forkserver_pid
+
+@user_errors
+def command():
+    raise KeyboardInterrupt
+
+try:
+    command()
+except typer.Exit as stopped:
+    print("exit", stopped.exit_code)
+deadline = time.monotonic() + 10
+while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("server ended", time.monotonic() < deadline)
+"""
+"""An interrupted command whose fork server still imports its preload (one that takes 30 s), run in a
+process of its own (the server is that process's child)."""
+
+
+def test_an_interrupted_command_ends_its_fork_server_at_once(tmp_path: Path) -> None:
+    """Ctrl-C early in a command: its fork server, still importing the simulator, ends with it instead of
+    seconds later (holding the stderr it shares with the command until then)."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(30)\n")
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root), str(tmp_path), *sys.path])
+    done = subprocess.run([sys.executable, "-c", STOPPED_SERVER_CHECK], capture_output=True, text=True,
+                          timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": path})
+    assert done.stdout.splitlines() == ["exit 130", "server ended True"], done.stderr

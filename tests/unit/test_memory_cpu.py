@@ -17,7 +17,7 @@ def measure_step(model, spec: StepSpec, seq_len: int):
     """The tracked peak of one CPU step of `spec` at `seq_len` on `model`."""
     return measure_setup(build_setup(spec.at(seq_len), model.config, "cpu", model=model), "cpu")
 
-SEQ_LEN, VOCAB, LAYERS, HEAD_CHUNK = 512, 8192, 2, 32
+SEQ_LEN, VOCAB, LAYERS, HEAD_CHUNK = 256, 8192, 2, 32
 F32 = 4
 
 

@@ -29,6 +29,10 @@ pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU core
 
 CONFIG = tiny_config("qwen3", vocab_size=4096, hidden_size=128, intermediate_size=256)
 CASES = list(itertools.product(("zero2", "zero3"), ("streambp", "checkpoint"), ("none", "adamw")))
+DEFAULT_CASES = [("zero2", "streambp", "none"), ("zero3", "streambp", "adamw"),
+                 ("zero2", "checkpoint", "adamw"), ("zero3", "checkpoint", "none")]
+"""The per-phase test's cases in the default run, the rest `-m slow`: each stage with each method and each
+optimizer once."""
 
 
 def _spec(shard: str, method: str, optimizer: str) -> StepSpec:
@@ -37,10 +41,12 @@ def _spec(shard: str, method: str, optimizer: str) -> StepSpec:
 
 
 @pytest.fixture(scope="module")
-def measured():
-    """Rank 0's figures of every case, from one set of two ranks."""
-    specs = [_spec(*case) for case in CASES]
-    return dict(zip(CASES, measure_ranks(specs, CONFIG), strict=True))
+def measured(request):
+    """Rank 0's figures of every case this run's tests of the module take, from one set of two ranks."""
+    taken = {item.callspec.params["case"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")}
+    cases = [case for case in CASES if case in taken]
+    return dict(zip(cases, measure_ranks([_spec(*case) for case in cases], CONFIG), strict=True))
 
 
 def _cpu_extra_bytes(spec: StepSpec) -> int:
@@ -74,7 +80,9 @@ def test_the_simulated_rank_bounds_the_measured_one(measured, case):
         assert rank.breakdown_bytes[category] == sim.breakdown_bytes[category], category
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(case, id="-".join(case), marks=() if case in DEFAULT_CASES else pytest.mark.slow)
+    for case in CASES])
 def test_every_phase_is_bounded_and_zero2s_forward_is_exact(measured, case):
     """Per phase, the simulated rank at the phase's peak and end against the measured phase peak; zero2's
     forward holds exactly what the simulation lays out, the last layer's all-gather output included."""

@@ -3,6 +3,8 @@ and takes the others down instead of leaving them waiting."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -14,14 +16,33 @@ from tests.unit import parallel_ranks
 pytestmark = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
 
 
-def test_ranks_return_in_rank_order_after_a_collective():
-    assert run_ranks(parallel_ranks.rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]
+@pytest.fixture(scope="module")
+def printing_ranks(tmp_path_factory) -> tuple[list, str, str]:
+    """One launch of two ranks that print and all-reduce (`rank_prints_and_sums`): their results, and what
+    reached this process's stdout and stderr (file descriptors 1 and 2, which the ranks inherit)."""
+    folder = tmp_path_factory.mktemp("printing_ranks")
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    try:
+        for fd in (1, 2):
+            target = os.open(folder / f"fd{fd}", os.O_WRONLY | os.O_CREAT)
+            os.dup2(target, fd)
+            os.close(target)
+        results = run_ranks(parallel_ranks.rank_prints_and_sums, 2)
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+    return results, (folder / "fd1").read_text(), (folder / "fd2").read_text()
 
 
-def test_what_a_rank_prints_goes_to_stderr_leaving_stdout_to_the_parent(capfd):
+def test_ranks_return_in_rank_order_after_a_collective(printing_ranks):
+    assert printing_ranks[0] == [(0, 1.0), (1, 1.0)]
+
+
+def test_what_a_rank_prints_goes_to_stderr_leaving_stdout_to_the_parent(printing_ranks):
     """A DeepSpeed rank prints its own lines; a `--json` on the parent's stdout must stay parseable."""
-    assert run_ranks(parallel_ranks.rank_prints, 2) == [0, 1]
-    out, err = capfd.readouterr()
+    _, out, err = printing_ranks
     assert "says hello" not in out
     for rank in (0, 1):
         assert f"rank {rank} says hello through print" in err

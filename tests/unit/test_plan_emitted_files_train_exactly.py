@@ -84,9 +84,10 @@ def one_step(folder: Path, streamed: bool | str, **settings) -> tuple[dict, str]
     return {name: after[name] - before[name] for name in before}, stepped
 
 
-def emitted_rank(rank: int, world: int, folder: Path, streamed: bool | str, step: dict | None = None):
+def emitted_rank(rank: int, world: int, folder: Path, streamed: bool | str | tuple, step: dict | None = None):
     """A rank as `accelerate launch --config_file accelerate_config.yaml train.py` starts it; `step`: the
-    trainer settings that differ from STEP (default one row per device)."""
+    trainer settings that differ from STEP (default one row per device). A tuple `streamed` trains one
+    step of each, one after another on the same ranks, and returns rank 0's results in its order."""
     import yaml
 
     from streambp_core.verify.trainer_sharded import _declare_engine, engine_environment
@@ -96,8 +97,12 @@ def emitted_rank(rank: int, world: int, folder: Path, streamed: bool | str, step
     stage = "zero3" if config["fsdp_config"]["fsdp_reshard_after_forward"] else "zero2"
     os.environ.update(engine_environment("fsdp2", stage))
     _declare_engine("fsdp2")
-    updates = one_step(folder, streamed, **(step or {"per_device_train_batch_size": 1}), use_cpu=False,
-                       accelerator_config={"use_configured_state": True})
+    settings = (step or {"per_device_train_batch_size": 1}) | {
+        "use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    if isinstance(streamed, tuple):
+        updates = [one_step(folder, each, **settings) for each in streamed]
+    else:
+        updates = one_step(folder, streamed, **settings)
     return updates if rank == 0 else None
 
 
@@ -124,8 +129,7 @@ def test_an_emitted_sequence_parallel_recipe_trains_one_step_as_plain_training_d
     assert emitted["recipe"] == SP_RECIPE["recipe"]
     assert "SEQUENCE_PARALLEL = 2" in (tmp_path / "train.py").read_text()
     rows = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}  # padded rows, accumulated
-    streamed = run_ranks(emitted_rank, 2, args=(tmp_path, True, rows))[0][0]
-    plain_sp = run_ranks(emitted_rank, 2, args=(tmp_path, "plain-sp", rows))[0][0]
+    (streamed, _), (plain_sp, _) = run_ranks(emitted_rank, 2, args=(tmp_path, (True, "plain-sp"), rows))[0]
     single = one_step(tmp_path, False, **rows, use_cpu=True)[0]
     assert set(streamed) == set(single)
     for name, reference in single.items():

@@ -9,29 +9,36 @@ import torch
 from streambp_core.config import ConfigError
 from streambp_core.engine.sequence.group import SequenceGroup, heads_to_seq, seq_to_heads
 from streambp_core.parallel.launch import available_cpus, run_ranks
-from tests.unit import parallel_ranks, sequence_ranks
+from tests.unit import sequence_ranks
+
+two_ranks = pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
 
 
-@pytest.mark.parametrize("total_tokens", [8, 7])  # even shards, and one rank a token longer
-@pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
-def test_real_ranks_swap_layouts_exactly_and_back(total_tokens):
-    results = run_ranks(parallel_ranks.sequence_all_to_all, 2, args=(total_tokens,))
-    for errors in results:
-        assert errors == {"heads": 0.0, "round_trip": 0.0, "grad": 0.0}
+@pytest.fixture(scope="module")
+def real_ranks() -> list[dict]:
+    """Each rank's figures of the real-rank checks below, from one launch of two ranks."""
+    return run_ranks(sequence_ranks.every_swap, 2)
 
 
-@pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
-def test_swaps_in_pieces_with_copies_and_parts_side_by_side_are_exact():
-    for errors in run_ranks(sequence_ranks.swapped_exactly, 2):
-        assert errors == [{"heads": 0.0, "round_trip": 0.0, "grad": 0.0}] * len(sequence_ranks.SWAPS)
+@two_ranks
+@pytest.mark.parametrize("total_tokens", sequence_ranks.ALL_TO_ALL_TOKENS)  # even shards, one rank longer
+def test_real_ranks_swap_layouts_exactly_and_back(real_ranks, total_tokens):
+    for rank in real_ranks:
+        assert rank["all_to_all"][total_tokens] == {"heads": 0.0, "round_trip": 0.0, "grad": 0.0}
 
 
-@pytest.mark.skipif(available_cpus() < 2, reason="needs two CPU cores for two ranks")
-def test_a_simulated_rank_holds_what_a_real_rank_holds_in_each_swap():
+@two_ranks
+def test_swaps_in_pieces_with_copies_and_parts_side_by_side_are_exact(real_ranks):
+    for rank in real_ranks:
+        assert rank["pieces"] == [{"heads": 0.0, "round_trip": 0.0, "grad": 0.0}] * len(sequence_ranks.SWAPS)
+
+
+@two_ranks
+def test_a_simulated_rank_holds_what_a_real_rank_holds_in_each_swap(real_ranks):
     """The tracked peak of one swap each way (send and receive buffers, copies, output) on real rank 0
     equals the simulated rank 0's on meta, to the byte; and the buffers are really there: a swap in
     pieces holds less than in one."""
-    real = run_ranks(sequence_ranks.real_swap_peaks, 2)[0]
+    real = real_ranks[0]["peaks"]
     simulated = sequence_ranks.swap_peaks(SequenceGroup.simulated(2), "meta")
     assert real == simulated
     outputs = [batch * tokens * heads * copies // 2 * sum(widths) * 8

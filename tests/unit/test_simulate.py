@@ -56,9 +56,10 @@ def test_simulated_peak_matches_the_tracker_on_real_cpu_tensors(method: str, dty
 
 @pytest.mark.parametrize("method", METHODS)
 def test_depth_extrapolation_is_exact_against_full_depth(method: str) -> None:
-    """Qwen3-0.6B (28 layers) at 2k tokens: simulated with 2 and 3 layers, extrapolated; to the byte."""
-    extrapolated = simulate_step("Qwen/Qwen3-0.6B", method, 2048)
-    full = simulate_step("Qwen/Qwen3-0.6B", method, 2048, depth="full")
+    """Qwen3-0.6B (28 layers) at 1k tokens (3 layer chunks of its default 500, the last one short; 11 head
+    chunks): simulated with 2 and 3 layers, extrapolated; to the byte."""
+    extrapolated = simulate_step("Qwen/Qwen3-0.6B", method, 1024)
+    full = simulate_step("Qwen/Qwen3-0.6B", method, 1024, depth="full")
     assert extrapolated.layers_simulated == (2, 3) and full.layers_simulated == (28,)
     assert extrapolated.peak_bytes == full.peak_bytes
     assert extrapolated.breakdown_bytes == full.breakdown_bytes
@@ -121,7 +122,15 @@ def _random_steps(count: int, seed: int = 7) -> list[tuple[str, dict, dict]]:
     return steps
 
 
-@pytest.mark.parametrize(("family", "overrides", "fields"), _random_steps(10))
+DEFAULT_DRAWS = (0, 1, 2, 3, 8)
+"""The draws of `_random_steps(10)` the default run takes, the rest `-m slow`: between them every family,
+both chunked methods, zero2 and zero3, offload, LoRA, AdamW, every objective and protocol, both head modes
+and grads, batch 1 and 2."""
+
+
+@pytest.mark.parametrize(("family", "overrides", "fields"), [
+    pytest.param(*draw, marks=() if i in DEFAULT_DRAWS else pytest.mark.slow)
+    for i, draw in enumerate(_random_steps(10))])
 def test_thinned_chunk_loops_give_the_same_figures_on_random_steps(family, overrides, fields) -> None:
     """Full depth, bfloat16 (what the grouped experts' meta kernel takes): thinned vs every chunk, the peak,
     its breakdown and the host pool's figures, to the byte."""
