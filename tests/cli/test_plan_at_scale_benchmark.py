@@ -1,5 +1,6 @@
 """benchmarks/plan_at_scale.py: `plan` at training scale, cold and timed, with the checks its answers are
-held to. The committed rows (Qwen3-8B on 8 x H100 at 256k and 1M) passed every check; each check fails on an answer that breaks it; the script runs end to end on a tiny model."""
+held to. The committed rows (Qwen3-8B on 8 x H100 at 256k and 1M) passed every check; each check fails on
+an answer that breaks it; the script runs end to end on a tiny model."""
 
 from __future__ import annotations
 
