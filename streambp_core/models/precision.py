@@ -62,7 +62,7 @@ from torch.nn import functional as F
 
 from streambp_core.dtypes import at_least_float32
 from streambp_core.models.precision_v4 import v4_in_at_least_float32
-from streambp_core.models.wide_casts import WideFloat32Casts
+from streambp_core.models.wide_casts import WideFloat32Casts, forward_under_wide_casts
 
 
 def _norm_in_at_least_float32(self, x: Tensor) -> Tensor:
@@ -283,17 +283,11 @@ FLOAT32_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3N
 mixers, whose SSD scan and gated norm do)."""
 
 
-def _delta_in_at_least_float32(self, *args, **kwargs):
-    """transformers' forward of the linear attention, under `WideFloat32Casts`."""
-    with WideFloat32Casts():
-        return type(self).forward(self, *args, **kwargs)
-
-
 def delta_casts(module: nn.Module) -> AbstractContextManager:
     """The casts a linear attention module's forward computes under: `WideFloat32Casts` once
     `hybrid_in_at_least_float32` gave it the at-least-float32 forward, else transformers' own."""
     forward = vars(module).get("forward")
-    widened = getattr(forward, "__func__", None) is _delta_in_at_least_float32
+    widened = getattr(forward, "__func__", None) is forward_under_wide_casts
     return WideFloat32Casts() if widened else nullcontext()
 
 
@@ -312,7 +306,7 @@ def hybrid_in_at_least_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.
         name = type(module).__name__
         if "forward" in vars(module) or name not in (*FLOAT32_NORMS, *FLOAT32_DELTA_NETS):
             continue
-        forward = _delta_in_at_least_float32 if name in FLOAT32_DELTA_NETS else FLOAT32_NORMS[name]
+        forward = forward_under_wide_casts if name in FLOAT32_DELTA_NETS else FLOAT32_NORMS[name]
         module.forward = types.MethodType(forward, module)
         changed.append(module)
     return changed

@@ -25,17 +25,11 @@ import types
 import torch
 from torch import nn
 
-from streambp_core.models.wide_casts import WideFloat32Casts
+from streambp_core.models.wide_casts import forward_under_wide_casts
 
 V4_WIDE_FORWARDS = ("DeepseekV4Attention", "DeepseekV4HyperConnection", "DeepseekV4HyperHead",
                     "DeepseekV4RMSNorm", "DeepseekV4UnweightedRMSNorm", "DeepseekV4RotaryEmbedding")
 """Class names of DeepSeek-V4's modules that compute in float32 (module docstring, step 2)."""
-
-
-def _under_wide_casts(self, *args, **kwargs):
-    """transformers' forward of the module, under `WideFloat32Casts`."""
-    with WideFloat32Casts():
-        return type(self).forward(self, *args, **kwargs)
 
 
 def v4_in_at_least_float32(model: nn.Module, dtype: torch.dtype, widen: bool) -> list[nn.Module]:
@@ -51,7 +45,7 @@ def v4_in_at_least_float32(model: nn.Module, dtype: torch.dtype, widen: bool) ->
             continue
         if any(p.dtype != torch.float64 for p in module.parameters()):
             continue
-        module.forward = types.MethodType(_under_wide_casts, module)
+        module.forward = types.MethodType(forward_under_wide_casts, module)
         changed.append(module)
     return changed
 

@@ -23,3 +23,10 @@ class WideFloat32Casts(TorchFunctionMode):
             if kwargs.get("dtype") is torch.float32:
                 kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
+
+
+def forward_under_wide_casts(self, *args, **kwargs):
+    """transformers' forward of the module's class, under `WideFloat32Casts` (an instance's forward, bound
+    with `types.MethodType`, in a float64 model)."""
+    with WideFloat32Casts():
+        return type(self).forward(self, *args, **kwargs)
