@@ -66,8 +66,8 @@ def streamed_backbone_forward(run, previous: Callable[..., Any],
     DeepSpeed ZeRO-3, `head` gathers the run's head unit before the final norm (`HeadUnit`)."""
 
     def forward(self, *args, **kwargs):
-        call = _call_arguments(self, args, kwargs)
-        reason = _not_streamable(call)
+        call = call_arguments(self, args, kwargs)
+        reason = not_streamable(call)
         if reason is None:
             input_ids = call["input_ids"]
             with torch.autocast(input_ids.device.type, enabled=False), _no_new_external_params(self):
@@ -77,7 +77,7 @@ def streamed_backbone_forward(run, previous: Callable[..., Any],
                 # The final norm recomputed in backward: only the layer output is kept for it.
                 hidden = checkpoint(run.parts.norm, hidden, use_reentrant=False)
             return BaseModelOutputWithPast(last_hidden_state=hidden)
-        if torch.is_grad_enabled() and not _generating(call):
+        if torch.is_grad_enabled() and not generating(call):
             raise ConfigError(f"a {run.method} model cannot train on a forward with {reason}")
         return previous(*args, **kwargs)
 
@@ -94,13 +94,13 @@ def streamed_loss_forward(run, previous: Callable[..., Any],
     """
 
     def forward(self, *args, **kwargs):
-        call = _call_arguments(self, args, kwargs)
+        call = call_arguments(self, args, kwargs)
         if call.get("labels") is None or call.get("fused_lm_head"):
             return previous(*args, **kwargs)
         labels, num_items = call.pop("labels"), call.pop("num_items_in_batch", None)
         call.pop("logits_to_keep", None)
         call["use_cache"] = False  # nothing is cached on this path, whatever the config says
-        reason = _not_streamable(call)
+        reason = not_streamable(call)
         if reason is not None:
             raise ConfigError(f"a {run.method} model cannot compute its loss on a forward with {reason}")
         input_ids = call["input_ids"]
@@ -173,7 +173,7 @@ class HeadUnit:
         return output
 
 
-def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+def call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by name (positional ones named by the class forward's signature)."""
     if not args:
         return dict(kwargs)
@@ -181,15 +181,15 @@ def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, A
     return {**dict(zip(names, args, strict=False)), **kwargs}
 
 
-def _generating(call: dict) -> bool:
+def generating(call: dict) -> bool:
     """Whether the call reads or fills a KV cache (generation): such calls keep the model's own forward."""
     return bool(call.get("use_cache")) or any(call.get(name) is not None for name in CACHE_ARGUMENTS)
 
 
-def _not_streamable(call: dict) -> str | None:
+def not_streamable(call: dict) -> str | None:
     """Why this forward call cannot be streamed (a phrase naming the argument), or None when it can."""
     input_ids, attention_mask = call.get("input_ids"), call.get("attention_mask")
-    if _generating(call):
+    if generating(call):
         return "a KV cache (use_cache=True)"
     if call.get("inputs_embeds") is not None or input_ids is None:
         return "inputs_embeds instead of input_ids"

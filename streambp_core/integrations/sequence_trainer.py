@@ -46,7 +46,7 @@ from streambp_core.config import ConfigError
 from streambp_core.engine.packing import call_position_ids
 from streambp_core.engine.sequence.group import SequenceGroup
 from streambp_core.engine.stream.objectives import IGNORE_INDEX
-from streambp_core.integrations.forwards import _call_arguments, _generating, _not_streamable
+from streambp_core.integrations.forwards import call_arguments, generating, not_streamable
 
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 """The per-token fields of TRL's fused head output (`trl.trainer.utils.FusedCausalLMOutput`)."""
@@ -132,13 +132,13 @@ def sequence_backbone_forward(run, previous: Callable[..., Any], scope: ShardSco
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     def forward(self, *args, **kwargs):
-        call = _call_arguments(self, args, kwargs)
+        call = call_arguments(self, args, kwargs)
         if not scope.active:
-            if _generating(call) or not torch.is_grad_enabled():
+            if generating(call) or not torch.is_grad_enabled():
                 return previous(*args, **kwargs)
             raise ConfigError(f"a {run.method} model under sequence parallelism trains through a fused LM "
                               "head's call only (TRL's SFT and DPO trainers); this forward needs full logits")
-        reason = _not_streamable(call)
+        reason = not_streamable(call)
         if reason is not None:
             raise ConfigError(f"a {run.method} model cannot train on a forward with {reason}")
         input_ids, attention_mask = call["input_ids"], call.get("attention_mask")
@@ -163,7 +163,7 @@ def sequence_head_forward(run, previous: Callable[..., Any], scope: ShardScope) 
     group = run.sequence_group
 
     def forward(self, *args, **kwargs):
-        call = _call_arguments(self, args, kwargs)
+        call = call_arguments(self, args, kwargs)
         if not call.get("fused_lm_head"):
             return previous(*args, **kwargs)
         labels, shifted = call.pop("labels", None), call.pop("shift_labels", None)
