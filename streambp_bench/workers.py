@@ -5,8 +5,12 @@ so `max-len` on N cores runs up to N of them at once. Workers are forks of a for
 `start_server` launches before the command imports torch: the server imports the simulator once, while
 the command does its own imports on another core, and every worker is a fork of that process, in which no
 training step ever ran (so no thread of torch or peft is forked mid-flight, and no worker imports torch
-again). A worker runs one task and sends its progress and its result (or its exception) back on a queue;
-a worker that dies without a result fails the run with one line naming its task.
+again). Each worker gets every task at its start, pickled once, so what the tasks share (one resolved model
+and its simulation memo) is one object in that worker; it then runs the tasks the parent hands it, one at a
+time, costliest first to whichever worker is free, keeping that memo from task to task (a model's meta
+kernels, meta models and simulations are built once per worker, not once per task). It sends each task's
+progress and its result (or its exception) back on a queue; a worker that dies without a result fails the
+run with one line naming its task.
 
 Nothing here imports torch: `start_server` must run before the heavy imports to overlap with them.
 """
@@ -84,62 +88,74 @@ class Task:
 def run_tasks(tasks: Sequence[Task], workers: int, context: Any | None,
               on_event: Callable[..., None]) -> list[Any]:
     """Each task's result, in the order of `tasks`, the tasks started costliest first (`Task.cost`): in
-    this process when `context` is None, else on up to `workers` worker processes. A task's exception is
-    raised here, after the other workers are stopped; `on_event(*event)` is called here for every
-    progress event, in the order each worker sent them."""
+    this process when `context` is None, else on up to `workers` worker processes (module docstring),
+    each handed its next task when it is free. A task's exception is raised here, after the workers are
+    stopped; `on_event(*event)` is called here for every progress event, in the order each worker sent
+    them."""
     waiting = sorted(range(len(tasks)), key=lambda index: -tasks[index].cost)
     if context is None or workers <= 1 or len(tasks) <= 1:
         results = {index: tasks[index].fn(*tasks[index].args, on_event) for index in waiting}
         return [results[index] for index in range(len(tasks))]
     messages = context.Queue()
+    inboxes = [context.Queue() for _ in range(min(workers, len(tasks)))]
+    pool = [context.Process(target=_serve, args=(tuple(tasks), inbox, messages, number),
+                            name=f"streambp-bench worker {number + 1}", daemon=True)
+            for number, inbox in enumerate(inboxes)]
     results: dict[int, Any] = {}
-    running: dict[int, Any] = {}
+    holding: dict[int, int] = {}  # worker number -> the task it runs
     try:
-        while waiting or running:
-            while waiting and len(running) < workers:
-                index = waiting.pop(0)
-                running[index] = context.Process(target=_work, args=(index, tasks[index], messages),
-                                                 name=f"streambp-bench {tasks[index].name}", daemon=True)
-                running[index].start()
+        for process in pool:
+            process.start()
+        for number in range(len(pool)):
+            holding[number] = waiting.pop(0)
+            inboxes[number].put(holding[number])
+        while holding:
             try:
-                kind, index, payload = messages.get(timeout=POLL_S)
+                kind, number, payload = messages.get(timeout=POLL_S)
             except queue.Empty:
-                _check_alive(tasks, running, messages)
+                _check_alive(tasks, pool, holding, messages)
                 continue
             if kind == "event":
                 on_event(*payload)
                 continue
-            running.pop(index).join()
             if kind == "error":
                 raise payload
-            results[index] = payload
+            results[holding.pop(number)] = payload
+            if waiting:
+                holding[number] = waiting.pop(0)
+            inboxes[number].put(holding.get(number))  # None: no task left, the worker returns
     finally:
-        for process in running.values():
-            process.terminate()
-        for process in running.values():
+        for number, process in enumerate(pool):
+            if number in holding and process.is_alive():
+                process.terminate()
+        for process in pool:
             process.join()
-        messages.close()
+        for channel in (messages, *inboxes):
+            channel.close()
     return [results[index] for index in range(len(tasks))]
 
 
-def _check_alive(tasks: Sequence[Task], running: dict[int, Any], messages: Any) -> None:
-    """WorkerError when a worker exited without a result (its last message would be on the queue)."""
-    for index, process in running.items():
-        if process.exitcode is not None and messages.empty():
-            raise WorkerError(f"the worker for {tasks[index].name} stopped (exit code {process.exitcode}) "
+def _check_alive(tasks: Sequence[Task], pool: Sequence[Any], holding: dict[int, int], messages: Any) -> None:
+    """WorkerError when a worker holding a task exited without its result (it would be on the queue)."""
+    for number, index in holding.items():
+        exitcode = pool[number].exitcode
+        if exitcode is not None and messages.empty():
+            raise WorkerError(f"the worker for {tasks[index].name} stopped (exit code {exitcode}) "
                               "without a result")
 
 
-def _work(index: int, task: Task, messages: Any) -> None:
-    """A worker's body: run the task, send its events, then its result or its exception."""
+def _serve(tasks: Sequence[Task], inbox: Any, messages: Any, number: int) -> None:
+    """A worker's body: run each task index `inbox` hands it until None, sending the task's events, then
+    its result or its exception."""
 
     def progress(*event: Any) -> None:
-        messages.put(("event", index, event))
+        messages.put(("event", number, event))
 
-    try:
-        messages.put(("done", index, task.fn(*task.args, progress)))
-    except Exception as error:  # handed to the parent, which raises it
-        messages.put(("error", index, _picklable(error)))
+    while (index := inbox.get()) is not None:
+        try:
+            messages.put(("done", number, tasks[index].fn(*tasks[index].args, progress)))
+        except Exception as error:  # handed to the parent, which raises it
+            messages.put(("error", number, _picklable(error)))
 
 
 def _picklable(error: Exception) -> Exception:
