@@ -3,9 +3,10 @@ searches in the test process (STREAMBP_BENCH_JOBS=1: tests of worker processes p
 synthetic probes and simulations for the tests of the CLI's wiring (`stub_probe`, `stub_simulation`).
 
 Markers (pyproject.toml): `gpu` needs a CUDA device; `slow` marks a long matrix or a test of over ~3 s
-on 2 CPU cores. The default run (`python3 -m pytest -q`, README's test command) leaves `slow` out;
-`python3 -m pytest -q -m slow` runs them (CI's second step). Every test starts from the same seeds
-(`seeded`) and on one torch thread (`one_thread`), so no test depends on what ran before it.
+on 2 CPU cores. The default run (`python3 -m pytest -q -n 2`, README's test command, on two pytest-xdist
+workers) leaves `slow` out; `python3 -m pytest -q -m slow` runs them (CI's second step). Every test
+starts from the same seeds (`seeded`) and on one torch thread (`one_thread`), so no test depends on what
+ran before it, nor on which worker runs it.
 """
 
 from __future__ import annotations
