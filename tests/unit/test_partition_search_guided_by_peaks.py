@@ -76,3 +76,31 @@ def test_a_layer_partition_known_to_fit_starts_the_search_and_changes_no_answer(
     too_large = max(layer_candidates(seq_len))
     if not fits(too_large, 64):
         assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=too_large) == answer
+
+
+def test_a_peak_flat_then_linear_is_found_from_the_line_through_two_misses() -> None:
+    """A step's peak is its highest phase: flat while a phase the partition does not set is highest, then
+    linear. The first guided probe overshoots from the flat part; the line through two misses lands."""
+    candidates = [64 * 2**k for k in range(12)] + [262_144]
+    peak = lambda size: max(50_000, 10_000 + 3 * size)  # noqa: E731
+    for answer in (8, 10, 11):  # the peak grows from 13,334
+        budget = peak(candidates[answer]) + 1
+        guided, guided_asked = _counted(peak, budget)
+        plain, plain_asked = _counted(peak, budget)
+        assert largest_fitting(candidates, guided, peak, budget) == largest_fitting(candidates, plain) \
+            == candidates[answer]
+        assert len(guided_asked) <= 5  # both ends, the overshoot, the line's crossing, the one above it
+
+
+def test_a_peak_that_stops_growing_takes_no_more_probes_than_bisection() -> None:
+    """A head partition past a sequence-parallel rank's tokens changes nothing: equal misses above, where
+    no line tells the crossing, the search bisects."""
+    candidates = [64 * 2**k for k in range(12)] + [262_144]
+    peak = lambda size: 20_000 + 3 * min(size, 32_000)  # noqa: E731
+    for answer in range(9):  # below 32,000: above it every candidate fits alike
+        budget = peak(candidates[answer]) + 1
+        guided, guided_asked = _counted(peak, budget)
+        plain, plain_asked = _counted(peak, budget)
+        assert largest_fitting(candidates, guided, peak, budget) == largest_fitting(candidates, plain) \
+            == candidates[answer]
+        assert len(guided_asked) <= len(plain_asked) + 2  # the largest and one overshoot more at most

@@ -52,37 +52,49 @@ def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool],
     """The largest of ascending `candidates` for which `fits` holds, assuming it holds up to some size and
     fails beyond; None when even the smallest fails. By bisection: log2(len) + 1 calls of `fits`. With
     `peak` (the figure `fits` compares with `budget`; asked only for sizes `fits` was asked about, so a
-    memoised simulation answers it at no cost): the largest is tried too, then each probe goes where the
-    line through the peaks of the bracket's ends (the largest known to fit, the smallest known not to)
-    crosses the budget; past the first two such probes, a midpoint after one that did not halve the
-    bracket. The same answer, in 2 probes past the ends where the peak grows about linearly with the size."""
+    memoised simulation answers it at no cost): the largest is tried too, then each probe goes where a
+    line through known peaks crosses the budget (`_crossing`); past the first two such probes, a midpoint
+    after one that did not halve the bracket. The same answer, in 2 or 3 probes past the ends where the
+    peak is flat and then grows about linearly with the size (a step's peak is its highest phase: a
+    partition sets some phases' peaks and not the others')."""
     low, high = 0, len(candidates) - 1
     if not fits(candidates[low]):
         return None
+    failed: list[int] = []  # indices known not to fit, ascending
     if peak is not None and high > 0:
         if fits(candidates[high]):
             return candidates[high]
-        high -= 1  # from here on, candidates[high + 1] is known not to fit
+        failed, high = [high], high - 1  # from here on, candidates[high + 1] is known not to fit
     guided, probes = peak is not None, 0
     while low < high:
         width = high - low
-        mid = _crossing(candidates, low, high, peak, budget) if guided else (low + high + 1) // 2
+        mid = _crossing(candidates, low, failed, peak, budget) if guided else (low + high + 1) // 2
         if fits(candidates[mid]):
             low = mid
         else:
-            high = mid - 1
+            high, failed = mid - 1, [mid, *failed]
         probes += 1
         guided = peak is not None and (probes < 2 or 2 * (high - low) <= width)
     return candidates[low]
 
 
-def _crossing(candidates: Sequence[int], low: int, high: int, peak: Callable[[int], float],
+def _crossing(candidates: Sequence[int], low: int, failed: Sequence[int], peak: Callable[[int], float],
               budget: float) -> int:
-    """The index in [low + 1, high] of the largest candidate at or below the size where the line through
-    the peaks at `candidates[low]` (fits) and `candidates[high + 1]` (does not) meets `budget`."""
-    x0, x1 = candidates[low], candidates[high + 1]
+    """The index in [low + 1, failed[0] - 1] of the largest candidate at or below the size where a line
+    meets `budget`: the line through the peaks of the two smallest candidates known not to fit (both over
+    the budget, so both where the peak grows with the size), or with one known, through the peaks at
+    `candidates[low]` (fits) and it. Where the two misses' peaks are equal (the peak stops growing above
+    some size: a head partition past a rank's tokens), or the one that fits has the smallest candidate's
+    peak (it does not grow yet there), no line tells where it crosses: the midpoint."""
+    high = failed[0] - 1
+    if len(failed) > 1 and peak(candidates[failed[1]]) > peak(candidates[failed[0]]):
+        x0, x1 = candidates[failed[0]], candidates[failed[1]]
+    elif len(failed) > 1 or (low > 0 and peak(candidates[low]) <= peak(candidates[0])):
+        return (low + high + 1) // 2
+    else:
+        x0, x1 = candidates[low], candidates[failed[0]]
     y0, y1 = peak(x0), peak(x1)
-    size = x0 + (budget - y0) * (x1 - x0) / (y1 - y0) if y1 > y0 else x0
+    size = x0 + (budget - y0) * (x1 - x0) / (y1 - y0) if y1 > y0 else candidates[low]
     below = sum(1 for candidate in candidates[low + 1:high + 1] if candidate <= size)
     return min(high, low + max(1, below))
 
