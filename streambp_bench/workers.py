@@ -103,6 +103,7 @@ def run_tasks(tasks: Sequence[Task], workers: int, context: Any | None,
             for number, inbox in enumerate(inboxes)]
     results: dict[int, Any] = {}
     holding: dict[int, int] = {}  # worker number -> the task it runs
+    finished = False  # every worker handed None: each returns on its own
     try:
         for process in pool:
             process.start()
@@ -124,9 +125,10 @@ def run_tasks(tasks: Sequence[Task], workers: int, context: Any | None,
             if waiting:
                 holding[number] = waiting.pop(0)
             inboxes[number].put(holding.get(number))  # None: no task left, the worker returns
+        finished = True
     finally:
-        for number, process in enumerate(pool):
-            if number in holding and process.is_alive():
+        for process in pool:
+            if not finished and process.is_alive():  # an error or an interrupt: stop them all
                 process.terminate()
         for process in pool:
             process.join()

@@ -63,6 +63,25 @@ def test_a_task_s_exception_is_raised_in_the_parent_with_its_type(context) -> No
         run_tasks(tasks, 2, context, lambda *event: None)
 
 
+def remember(seen: list, value: int, progress) -> tuple[int, int]:
+    seen.append(value)
+    return os.getpid(), len(seen)
+
+
+def test_a_worker_keeps_what_its_tasks_share_from_task_to_task(context) -> None:
+    """Four tasks sharing one list on two workers: each worker runs at least one of them after another,
+    on the same list (as plan's tasks share one resolved model and its memo), not on a fresh copy."""
+    seen: list[int] = []
+    found = run_tasks([Task(f"t{value}", remember, (seen, value)) for value in range(4)], 2, context,
+                      lambda *event: None)
+    by_worker: dict[int, list[int]] = {}
+    for pid, length in found:
+        by_worker.setdefault(pid, []).append(length)
+    assert os.getpid() not in by_worker and max(len(lengths) for lengths in by_worker.values()) >= 2
+    assert all(sorted(lengths) == list(range(1, len(lengths) + 1)) for lengths in by_worker.values())
+    assert seen == []  # the parent's list: the workers had their own copy
+
+
 def test_a_worker_that_dies_without_a_result_is_named(context) -> None:
     with pytest.raises(WorkerError, match="the worker for doomed stopped .exit code 3."):
         run_tasks([Task("fine", square, (2,)), Task("doomed", die, (0,))], 2, context, lambda *event: None)
