@@ -240,8 +240,8 @@ def run_plan(plan: Plan, on_probe: OnProbe, *, workers: int = 1, context: Any | 
     With a fork-server `context` (`workers.start_server`) a simulated plan's searches run on up to
     `workers` worker processes, the costliest first; else (a measured plan too: its probes need the
     machine) one after another here, sharing the model's simulation memo (a worker gets the model
-    without it and starts its own). Each search is the same either way, probe for probe (the memo changes
-    no figure).
+    without it and starts its own, kept for every search it runs). Each search is the same either way,
+    probe for probe (the memo changes no figure).
     """
     from streambp_bench.workers import Task, run_tasks
 

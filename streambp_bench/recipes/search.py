@@ -34,7 +34,8 @@ class Context:
     """What every recipe of one plan is judged against (pickled to each worker)."""
 
     model: object
-    """The `step.parts.resolved.ResolvedModel` (a worker gets its config and starts its own memo)."""
+    """The `step.parts.resolved.ResolvedModel` (a worker gets its config and starts its own memo, kept
+    for every task it runs)."""
     gpu: object
     """The `step.estimate.roofline.GpuModel` the step times are estimated for."""
     budget_bytes: int
