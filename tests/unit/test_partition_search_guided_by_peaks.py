@@ -78,9 +78,10 @@ def test_a_layer_partition_known_to_fit_starts_the_search_and_changes_no_answer(
         assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=too_large) == answer
 
 
-def test_a_peak_flat_then_linear_is_found_from_the_line_through_two_misses() -> None:
+def test_a_peak_flat_then_linear_takes_at_most_three_probes_past_the_ends() -> None:
     """A step's peak is its highest phase: flat while a phase the partition does not set is highest, then
-    linear. The first guided probe overshoots from the flat part; the line through two misses lands."""
+    linear. The first guided probe, a line from the flat part, falls short; from a size that fits where
+    the peak already grows, the next line lands; from one still on the flat part, the search bisects."""
     candidates = [64 * 2**k for k in range(12)] + [262_144]
     peak = lambda size: max(50_000, 10_000 + 3 * size)  # noqa: E731
     for answer in (8, 10, 11):  # the peak grows from 13,334
@@ -89,7 +90,7 @@ def test_a_peak_flat_then_linear_is_found_from_the_line_through_two_misses() -> 
         plain, plain_asked = _counted(peak, budget)
         assert largest_fitting(candidates, guided, peak, budget) == largest_fitting(candidates, plain) \
             == candidates[answer]
-        assert len(guided_asked) <= 5  # both ends, the overshoot, the line's crossing, the one above it
+        assert len(guided_asked) <= 5  # both ends, the short probe, the answer, the one above it
 
 
 def test_a_peak_that_stops_growing_takes_no_more_probes_than_bisection() -> None:
