@@ -11,7 +11,7 @@ for StreamBP under the same protocol, beside ALST's published lengths; its figur
   whole memory in GiB, as `host_tiers.GPUS_GIB`) and by the host: 1.9 TB per node (the machine ALST ran
   on), each rank's share 1/8 of it on 8-GPU nodes, the whole of it for one GPU.
 - Each cell's estimated step time at its max length (`step.estimate.sequence_time.estimate_sequence_step`: the
-  roofline fitted in length, all-to-alls at NVLink and InfiniBand datasheet bandwidths) is a
+  roofline of the rank's step as it runs, all-to-alls at NVLink and InfiniBand datasheet bandwidths) is a
   `step_time` row of the same cell.
 Rows go to `alst.csv`, the figure (max length vs GPUs, log scale) to `alst-maxlen.png`.
 """
@@ -98,7 +98,7 @@ def cell_rows(spec: StepSpec, budget_gib: float, host_gib: float, model=None, es
     if estimate and search.max_len_tokens >= 2:
         note(f"step time: {spec.method} on {spec.gpus} GPU(s)")
         at, device = spec.at(search.max_len_tokens), gpu_model(gpu.split()[0].lower())
-        step = estimate_sequence_step(at, device, model)  # fitted in length: any sp, 1 too
+        step = estimate_sequence_step(at, device, model)  # any sp, 1 too
         rows.append(ResultRow(**spec_fields(at), **provenance("estimated", device.name),
                               metric="step_time", value=step.step_time_ms, budget_gib=budget_gib))
     return rows

@@ -1,18 +1,24 @@
 """Estimated time of one rank's step over several GPUs: Ulysses sequence parallelism (`StepSpec.sp`), data
-parallelism with ZeRO / FSDP2 shards (`StepSpec.shard` over `gpus`), both; and of any step too long to
-record op by op. Every figure is labelled `estimated`.
+parallelism with ZeRO / FSDP2 shards (`StepSpec.shard` over `gpus`), or both. Every figure is labelled
+`estimated`.
 
 1. Compute: the roofline estimate (`estimate.estimate_by_depth`) of the rank's step, its ops recorded
    on meta tensors through the engine's sequence-parallel code path (`ops.spec_step_ops`: H/sp heads
-   over all T queries and keys) at three reference lengths, sp x `REFERENCE_TOKENS` (the same shard
-   lengths whatever sp), each part (matmuls, attention, other ops, launches) fitted in the length as
-   a + b T + c T^2 through them and evaluated at the step's length: causal attention's FLOPs are
-   quadratic, and so are the bytes of ops over a chunk's prefix; matmuls and launches are affine (a fixed
-   count per chunk or layer). Each reference step's attention ops are timed at the kernel's speed for
-   their key lengths scaled to the step's (keys x T / reference length: the key lengths the same calls
-   have at T), so the attention time stays a quadratic in T. Recording a long step op by op costs
-   minutes per 100k tokens; the fit is exact for what is at most quadratic, which the tests check
-   against a direct estimate.
+   over all T queries and keys) at two shallow depths and extended to the full depth (`rank_compute`).
+   A step is recorded at its length, every chunk as it runs, unless it is longer than the length fit's
+   longest reference: then each part (matmuls, attention, other ops, launches) is fitted in the length
+   as a + b T + c T^2 through three steps of the same partitions at 1, 2 and 4 x `reference_lengths`'
+   first, each a whole number of chunks per rank, and evaluated at the step's length. Each chunk's ops
+   are then the same in every reference and at T; only their count and, for attention and ops over a
+   chunk's prefix, their keys grow: matmuls, other ops and launches are affine in the chunk count,
+   causal attention's FLOPs and prefix bytes quadratic, so the fit is exact at a length of whole chunks
+   but for attention's speed, which follows its kernel's curve in the key length (each reference's
+   attention ops timed for their keys scaled to the step's, keys x T / reference length: the keys the
+   same calls have at T); a test checks it against recording every op (attention within 0.1 %, all
+   within 1 % with a last chunk cut short). Chunk counts of a fixed partition are step functions of
+   the length, so references that do not hold whole chunks (2k, 4k and 8k tokens with 3,000-token
+   partitions: 1, 2 and 3 chunks) follow no curve: a parabola through them counted 621 head chunks
+   where 32 run, and negative launches at 256k tokens. Recording costs about a second per 100k ops.
 2. The all-to-alls (`SequenceLayout.all_to_all_bytes`): attention waits for them, so their time is
    added whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
    InfiniBand NIC of each GPU to the other nodes; a group of more than `GPUS_PER_NODE` ranks sends
@@ -33,9 +39,10 @@ from streambp_core.config import StepSpec
 from streambp_core.step.estimate.attention_kernels import attention_kernel
 from streambp_core.step.estimate.roofline import GpuModel, StepEstimate, estimate_by_depth, host_optimizer_s
 from streambp_core.step.simulation.sequence_layout import SequenceLayout
+from streambp_core.stream_config import require_sized
 
-REFERENCE_TOKENS = (2_048, 4_096, 8_192)
-"""The shard lengths whose op-by-op estimates the length fit goes through."""
+REFERENCE_TOKENS = 2_048
+"""The fewest tokens a rank holds in the shortest step the length fit records (`reference_lengths`)."""
 GPUS_PER_NODE = 8
 """GPUs of one node (HGX boards): a larger group's collectives leave the node."""
 
@@ -61,9 +68,23 @@ INTERCONNECTS = {
 the time)."""
 
 
-def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
-    """The compute estimate of one rank of `spec` at its length, fitted through sp x `REFERENCE_TOKENS`
-    (module docstring, 1), or recorded directly when it is no longer than the longest of them."""
+def reference_lengths(spec: StepSpec) -> tuple[int, int, int] | None:
+    """The three lengths the length fit of `spec` goes through (module docstring, 1): the first the
+    shortest of at least sp x `REFERENCE_TOKENS` whose every rank holds a whole number of layer and head
+    chunks (a multiple of sp x lcm(partition, head partition)), then twice and four times it. None for
+    a step without partitions (its ops do not grow in count with the length: it is always recorded)."""
+    if not spec.partitioned:
+        return None
+    require_sized(spec.stream)
+    unit = spec.sp * math.lcm(spec.stream.partition_size, spec.stream.head_partition_size)
+    first = unit * -(-spec.sp * REFERENCE_TOKENS // unit)
+    return first, 2 * first, 4 * first
+
+
+def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
+    """The compute estimate of one rank of `spec` at its length (module docstring, 1): recorded, or
+    fitted through `reference_lengths` when the step is longer than the last of them. Memoised in
+    `model.memo` under the step as one GPU runs it (`single_gpu_step`: the shard stages share its ops)."""
     from streambp_core.step.estimate.ops import spec_step_ops
     from streambp_core.step.run.setup import build_setup
     from streambp_core.step.simulation.simulate import single_gpu_step
@@ -72,17 +93,16 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     kernel = attention_kernel(spec.stream.attn, gpu.name)
 
     def at(tokens: int) -> StepEstimate:  # every shard stage records the one step it lays out
-        key_scale = length / tokens
-        key = ("fitted_estimate", single_gpu_step(replace(spec, seq_len_tokens=tokens)), gpu.name, kernel,
-               key_scale)
+        key = ("rank_compute", single_gpu_step(replace(spec, seq_len_tokens=tokens)), gpu.name, kernel,
+               length / tokens)
         if key not in model.memo:
             model.memo[key] = estimate_by_depth(
                 lambda depth: spec_step_ops(build_setup(key[1], model.at_depth(depth), "meta"), model.memo),
-                model.config, gpu, kernel, key_scale)
+                model.config, gpu, kernel, key[-1])
         return model.memo[key]
 
-    lengths = [spec.sp * tokens for tokens in REFERENCE_TOKENS]
-    if length <= lengths[-1]:
+    lengths = reference_lengths(spec)
+    if lengths is None or length <= lengths[-1]:
         return at(length)
     points = [at(tokens) for tokens in lengths]
 
@@ -99,13 +119,13 @@ def fitted_estimate(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
 
 def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
     """Estimated step of one rank of `spec` (any sp, 1 included; any gpus) on `gpu` (module docstring):
-    the fitted compute with the offload copies, the host optimizer step, the all-to-alls and ZeRO's
+    the rank's compute with the offload copies, the host optimizer step, the all-to-alls and ZeRO's
     collectives in its fields."""
     from streambp_core.step.parts.resolved import resolved
     from streambp_core.step.simulation.simulate import simulate
 
     model = resolved(spec.model, model)
-    compute = fitted_estimate(spec, gpu, model)
+    compute = rank_compute(spec, gpu, model)
     compute_s = compute.step_time_ms / 1e3
     if spec.offload:
         sim = simulate(spec, model)

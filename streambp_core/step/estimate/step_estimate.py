@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from streambp_core.step.estimate.attention_kernels import attention_kernel
-from streambp_core.step.estimate.roofline import GpuModel, StepEstimate, estimate_by_depth
-from streambp_core.step.estimate.sequence_time import estimate_sequence_step, host_step_s
+from streambp_core.step.estimate.roofline import GpuModel, StepEstimate
+from streambp_core.step.estimate.sequence_time import estimate_sequence_step, host_step_s, rank_compute
 
 
 def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
@@ -22,17 +21,12 @@ def estimate_step(spec, gpu: GpuModel, model=None) -> StepEstimate:
     None: resolved here). A step over several GPUs (`spec.gpus` > 1, sequence parallel or not) is one rank's
     (`sequence_time`): the same `StepEstimate`, its collectives in `all_to_all_bytes`, `all_to_all_s`,
     `zero_s` and `interconnect`."""
-    from streambp_core.step.estimate.ops import spec_step_ops
     from streambp_core.step.parts.resolved import resolved
-    from streambp_core.step.run.setup import build_setup
 
-    if spec.sp > 1 or spec.gpus > 1:  # one rank: its shard's step fitted in length, plus the collectives
+    if spec.sp > 1 or spec.gpus > 1:  # one rank: its shard's step, plus the collectives
         return estimate_sequence_step(spec, gpu, model)
     model = resolved(spec.model, model)
-    kernel = attention_kernel(spec.stream.attn, gpu.name)
-    estimate = estimate_by_depth(
-        lambda depth: spec_step_ops(build_setup(spec, model.at_depth(depth), "meta"), model.memo),
-        model.config, gpu, kernel)
+    estimate = rank_compute(spec, gpu, model)
     if not spec.stream.offload:
         return estimate
     from streambp_core.step.simulation.simulate import simulate
