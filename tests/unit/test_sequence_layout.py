@@ -74,8 +74,8 @@ def test_a_rank_holds_its_share_of_the_optimizers_host_state(tiny):
 @pytest.mark.parametrize("method", ["streambp", "mst"])
 def test_a_ranks_estimate_counts_every_chunk_of_a_long_step(tiny, method):
     """A rank's launches grow by the same count with each chunk (its loops run once per chunk), up to
-    ten chunks, where the step is longer than any length a fit through 2k, 4k and 8k tokens would have
-    recorded (with 3,000-token partitions those hold 1, 2 and 3 chunks, which no parabola extends)."""
+    ten chunks, past the length fit's references (3k, 6k and 12k tokens: 1, 2 and 4 whole chunks). A fit
+    through 2k, 4k and 8k tokens, which hold 1, 2 and 3 chunks of 3,000 tokens, counts no such line."""
     gpu = GPU_MODELS["h100"]
 
     def launches(chunks: int) -> int:
@@ -106,6 +106,24 @@ def test_the_length_fit_gives_the_step_recorded_op_by_op(tiny, method):
         for field in ("matmul_s", "attention_s", "other_s", "launch_s", "launches"):
             rel = max(within, 1e-3) if field == "attention_s" else within
             assert getattr(fitted, field) == pytest.approx(getattr(direct, field), rel=rel), (tokens, field)
+
+
+def test_a_step_whose_partitions_share_no_short_length_is_its_layers_plus_its_head(tiny):
+    """Partitions 600 and 512 hold whole chunks together only every 38,400 tokens: the step is fitted as
+    its layers' chunks plus its head's, each fitted apart, and that is the step recorded op by op."""
+    gpu = GPU_MODELS["h100"]
+    spec = StepSpec.of(model="tiny/llama", method="streambp", seq_len_tokens=38_400, gpus=2, shard="zero3",
+                       partition_size=600, head_partition_size=512)
+    assert sequence_time._separately(spec) is not None
+    kernel = attention_kernel(spec.stream.attn, gpu.name)
+    direct = estimate_by_depth(lambda depth: spec_step_ops(build_setup(spec, tiny.at_depth(depth), "meta")),
+                               tiny.config, gpu, kernel)
+    split = sequence_time.rank_compute(spec, gpu, tiny)
+    for field in ("matmul_s", "attention_s", "other_s", "launch_s", "launches"):
+        rel = 1e-3 if field == "attention_s" else 1e-9
+        assert getattr(split, field) == pytest.approx(getattr(direct, field), rel=rel), field
+    fused = spec.replaced(head_mode="fused")  # its head runs the last layer's chunks: never split
+    assert sequence_time._separately(fused) is None
 
 
 def test_the_all_to_alls_leave_the_node_past_eight_ranks():

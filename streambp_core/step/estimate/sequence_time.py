@@ -6,9 +6,10 @@ parallelism with ZeRO / FSDP2 shards (`StepSpec.shard` over `gpus`), or both. Ev
    on meta tensors through the engine's sequence-parallel code path (`ops.spec_step_ops`: H/sp heads
    over all T queries and keys) at two shallow depths and extended to the full depth (`rank_compute`).
    A step is recorded at its length, every chunk as it runs, unless it is longer than the length fit's
-   longest reference: then each part (matmuls, attention, other ops, launches) is fitted in the length
-   as a + b T + c T^2 through three steps of the same partitions at 1, 2 and 4 x `reference_lengths`'
-   first, each a whole number of chunks per rank, and evaluated at the step's length. Each chunk's ops
+   three references together (`_fits_sooner`: then the fit records fewer ops). Then each part (matmuls,
+   attention, other ops, launches) is fitted in the length as a + b T + c T^2 through three steps of
+   the same partitions at 1, 2 and 4 x `reference_lengths`' first, each a whole number of chunks per
+   rank, and evaluated at the step's length. Each chunk's ops
    are then the same in every reference and at T; only their count and, for attention and ops over a
    chunk's prefix, their keys grow: matmuls, other ops and launches are affine in the chunk count,
    causal attention's FLOPs and prefix bytes quadratic, so the fit is exact at a length of whole chunks
@@ -18,7 +19,9 @@ parallelism with ZeRO / FSDP2 shards (`StepSpec.shard` over `gpus`), or both. Ev
    within 1 % with a last chunk cut short). Chunk counts of a fixed partition are step functions of
    the length, so references that do not hold whole chunks (2k, 4k and 8k tokens with 3,000-token
    partitions: 1, 2 and 3 chunks) follow no curve: a parabola through them counted 621 head chunks
-   where 32 run, and negative launches at 256k tokens. Recording costs about a second per 100k ops.
+   where 32 run, and negative launches at 256k tokens. Where the two partitions meet in whole chunks
+   only far apart (500 and 512: every 64,000 tokens), the step is fitted as its layers' chunks plus its
+   head's (`_separately`). Recording costs about a second per 100k ops.
 2. The all-to-alls (`SequenceLayout.all_to_all_bytes`): attention waits for them, so their time is
    added whole, at the interconnect's datasheet bandwidth (`INTERCONNECTS`): NVLink inside a node, the
    InfiniBand NIC of each GPU to the other nodes; a group of more than `GPUS_PER_NODE` ranks sends
@@ -70,15 +73,25 @@ the time)."""
 
 def reference_lengths(spec: StepSpec) -> tuple[int, int, int] | None:
     """The three lengths the length fit of `spec` goes through (module docstring, 1): the first the
-    shortest of at least sp x `REFERENCE_TOKENS` whose every rank holds a whole number of layer and head
-    chunks (a multiple of sp x lcm(partition, head partition)), then twice and four times it. None for
-    a step without partitions (its ops do not grow in count with the length: it is always recorded)."""
+    shortest of at least sp x `REFERENCE_TOKENS` whose every rank holds a whole number of chunks of each
+    partition that cuts the step (a multiple of sp x their lcm; a partition of at least a rank's tokens
+    is one chunk at every shorter length too), then twice and four times it. None for a step that no
+    partition cuts (its ops do not grow in count with the length: it is always recorded)."""
     if not spec.partitioned:
         return None
     require_sized(spec.stream)
-    unit = spec.sp * math.lcm(spec.stream.partition_size, spec.stream.head_partition_size)
+    cutting = [size for size in _partitions(spec) if size < -(-spec.seq_len_tokens // spec.sp)]
+    if not cutting:
+        return None
+    unit = spec.sp * math.lcm(*cutting)
     first = unit * -(-spec.sp * REFERENCE_TOKENS // unit)
     return first, 2 * first, 4 * first
+
+
+def _partitions(spec: StepSpec) -> set[int]:
+    """The chunk sizes of `spec`'s loops: layer (or MLP) and head partitions."""
+    stream = spec.stream
+    return {stream.partition_size, stream.head_partition_size, stream.mlp_chunk_tokens}
 
 
 def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
@@ -102,7 +115,14 @@ def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
         return model.memo[key]
 
     lengths = reference_lengths(spec)
-    if lengths is None or length <= lengths[-1]:
+    if not _fits_sooner(spec, lengths) and (parts := _separately(spec)) is not None:
+        layers, head, neither = (rank_compute(part, gpu, model) for part in parts)
+
+        def added(field: str):
+            return getattr(layers, field) + getattr(head, field) - getattr(neither, field)
+
+        return replace(layers, **{field: added(field) for field in (*_FITTED, "launches")})
+    if not _fits_sooner(spec, lengths):
         return at(length)
     points = [at(tokens) for tokens in lengths]
 
@@ -113,8 +133,34 @@ def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
             total += weight * getattr(point, field)
         return total
 
-    fields = ("matmul_s", "attention_s", "other_s", "launch_s")
-    return replace(points[0], **{field: fit(field) for field in fields}, launches=round(fit("launches")))
+    return replace(points[0], **{field: fit(field) for field in _FITTED}, launches=round(fit("launches")))
+
+
+_FITTED = ("matmul_s", "attention_s", "other_s", "launch_s")
+"""The parts of a compute estimate the length fit fits (and `launches`, rounded)."""
+
+
+def _fits_sooner(spec: StepSpec, lengths: tuple[int, int, int] | None) -> bool:
+    """Whether the length fit through `lengths` records fewer ops than `spec` itself: a step's ops grow
+    with its length at fixed partitions, so when it is longer than the three together."""
+    return lengths is not None and spec.seq_len_tokens > sum(lengths)
+
+
+def _separately(spec: StepSpec) -> tuple[StepSpec, StepSpec, StepSpec] | None:
+    """`spec` as three steps whose compute adds up to its own, each fitted sooner than it is recorded
+    (`_fits_sooner`), or None. For a step whose layer and head partitions both cut it, when their lcm puts
+    its own fit's references too far. The layers' chunks and the head's run apart (the layer loops never
+    read the head partition nor the head loop the layer one; not so for the fused head, which runs the
+    last layer's chunks), so the step is its layers chunked with the head whole, plus its head chunked
+    with the layers whole, less the step with both whole (counted twice): exact, a test checks it."""
+    stream, whole = spec.stream, spec.seq_len_tokens
+    if stream.mlp_chunk_size is not None or stream.head_mode == "fused" or len(_partitions(spec)) < 2:
+        return None
+    parts = (spec.replaced(head_partition_size=whole), spec.replaced(partition_size=whole),
+             spec.replaced(partition_size=whole, head_partition_size=whole))
+    if not all(_fits_sooner(part, reference_lengths(part)) for part in parts[:2]):
+        return None
+    return parts
 
 
 def estimate_sequence_step(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
