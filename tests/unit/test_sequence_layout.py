@@ -108,12 +108,16 @@ def test_the_length_fit_gives_the_step_recorded_op_by_op(tiny, method):
             assert getattr(fitted, field) == pytest.approx(getattr(direct, field), rel=rel), (tokens, field)
 
 
-def test_a_step_whose_partitions_share_no_short_length_is_its_layers_plus_its_head(tiny):
-    """Partitions 600 and 512 hold whole chunks together only every 38,400 tokens: the step is fitted as
-    its layers' chunks plus its head's, each fitted apart, and that is the step recorded op by op."""
+@pytest.mark.parametrize("head_mode, head_partition", [
+    ("recompute", 512), pytest.param("fused", 32, marks=pytest.mark.slow)])
+def test_a_step_whose_partitions_share_no_short_length_is_its_layers_plus_its_head(tiny, head_mode,
+                                                                                   head_partition):
+    """Partitions 600 and 512 (or the fused head's 32, whose norm runs per block of 16 chunks: 512) hold
+    whole chunks together only every 38,400 tokens: the step is fitted as its layers' chunks plus its
+    head's, each fitted apart, and that is the step recorded op by op."""
     gpu = GPU_MODELS["h100"]
     spec = StepSpec.of(model="tiny/llama", method="streambp", seq_len_tokens=38_400, gpus=2, shard="zero3",
-                       partition_size=600, head_partition_size=512)
+                       partition_size=600, head_partition_size=head_partition, head_mode=head_mode)
     assert sequence_time._separately(spec) is not None
     kernel = attention_kernel(spec.stream.attn, gpu.name)
     direct = estimate_by_depth(lambda depth: spec_step_ops(build_setup(spec, tiny.at_depth(depth), "meta")),
@@ -122,8 +126,6 @@ def test_a_step_whose_partitions_share_no_short_length_is_its_layers_plus_its_he
     for field in ("matmul_s", "attention_s", "other_s", "launch_s", "launches"):
         rel = 1e-3 if field == "attention_s" else 1e-9
         assert getattr(split, field) == pytest.approx(getattr(direct, field), rel=rel), field
-    fused = spec.replaced(head_mode="fused")  # its head runs the last layer's chunks: never split
-    assert sequence_time._separately(fused) is None
 
 
 def test_the_all_to_alls_leave_the_node_past_eight_ranks():

@@ -89,9 +89,13 @@ def reference_lengths(spec: StepSpec) -> tuple[int, int, int] | None:
 
 
 def _partitions(spec: StepSpec) -> set[int]:
-    """The chunk sizes of `spec`'s loops: layer (or MLP) and head partitions."""
+    """The chunk sizes of `spec`'s loops: layer (or MLP) and head partitions, and the fused head's blocks
+    of chunks (its norm runs once per block, `NORM_BLOCK_CHUNKS`)."""
+    from streambp_core.engine.stream.head import NORM_BLOCK_CHUNKS
+
     stream = spec.stream
-    return {stream.partition_size, stream.head_partition_size, stream.mlp_chunk_tokens}
+    sizes = {stream.partition_size, stream.head_partition_size, stream.mlp_chunk_tokens}
+    return sizes | {stream.head_partition_size * NORM_BLOCK_CHUNKS} if stream.head_mode == "fused" else sizes
 
 
 def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
@@ -150,11 +154,11 @@ def _separately(spec: StepSpec) -> tuple[StepSpec, StepSpec, StepSpec] | None:
     """`spec` as three steps whose compute adds up to its own, each fitted sooner than it is recorded
     (`_fits_sooner`), or None. For a step whose layer and head partitions both cut it, when their lcm puts
     its own fit's references too far. The layers' chunks and the head's run apart (the layer loops never
-    read the head partition nor the head loop the layer one; not so for the fused head, which runs the
-    last layer's chunks), so the step is its layers chunked with the head whole, plus its head chunked
-    with the layers whole, less the step with both whole (counted twice): exact, a test checks it."""
+    read the head partition nor the head loop the layer one), so the step is its layers chunked with the
+    head whole, plus its head chunked with the layers whole, less the step with both whole (counted
+    twice): exact, a test checks it."""
     stream, whole = spec.stream, spec.seq_len_tokens
-    if stream.mlp_chunk_size is not None or stream.head_mode == "fused" or len(_partitions(spec)) < 2:
+    if stream.mlp_chunk_size is not None or stream.partition_size == stream.head_partition_size:
         return None
     parts = (spec.replaced(head_partition_size=whole), spec.replaced(partition_size=whole),
              spec.replaced(partition_size=whole, head_partition_size=whole))
