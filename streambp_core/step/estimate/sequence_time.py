@@ -99,9 +99,10 @@ def _partitions(spec: StepSpec) -> set[int]:
 
 
 def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
-    """The compute estimate of one rank of `spec` at its length (module docstring, 1): recorded, or
-    fitted through `reference_lengths` when the step is longer than the last of them. Memoised in
-    `model.memo` under the step as one GPU runs it (`single_gpu_step`: the shard stages share its ops)."""
+    """The compute estimate of one rank of `spec` at its length (module docstring, 1): fitted through
+    `reference_lengths` where that records fewer ops (`_fits_sooner`), else as its layers plus its head
+    where each of those fits sooner (`_separately`), else recorded. Memoised in `model.memo` under the
+    step as one GPU runs it (`single_gpu_step`: the shard stages share its ops)."""
     from streambp_core.step.estimate.ops import spec_step_ops
     from streambp_core.step.run.setup import build_setup
     from streambp_core.step.simulation.simulate import single_gpu_step
@@ -119,15 +120,16 @@ def rank_compute(spec: StepSpec, gpu: GpuModel, model) -> StepEstimate:
         return model.memo[key]
 
     lengths = reference_lengths(spec)
-    if not _fits_sooner(spec, lengths) and (parts := _separately(spec)) is not None:
+    if not _fits_sooner(spec, lengths):
+        parts = _separately(spec)
+        if parts is None:
+            return at(length)
         layers, head, neither = (rank_compute(part, gpu, model) for part in parts)
 
         def added(field: str):
             return getattr(layers, field) + getattr(head, field) - getattr(neither, field)
 
         return replace(layers, **{field: added(field) for field in (*_FITTED, "launches")})
-    if not _fits_sooner(spec, lengths):
-        return at(length)
     points = [at(tokens) for tokens in lengths]
 
     def fit(field: str) -> float:  # the parabola through the three points, at `length` (Lagrange)
