@@ -160,7 +160,8 @@ def _separately(spec: StepSpec) -> tuple[StepSpec, StepSpec, StepSpec] | None:
     head whole, plus its head chunked with the layers whole, less the step with both whole (counted
     twice): exact, a test checks it."""
     stream, whole = spec.stream, spec.seq_len_tokens
-    if stream.mlp_chunk_size is not None or stream.partition_size == stream.head_partition_size:
+    if not spec.partitioned or stream.mlp_chunk_size is not None \
+            or stream.partition_size == stream.head_partition_size:
         return None
     parts = (spec.replaced(head_partition_size=whole), spec.replaced(partition_size=whole),
              spec.replaced(partition_size=whole, head_partition_size=whole))
