@@ -10,9 +10,12 @@ At one length, per chain (stages strongest first):
    so a failure there is a failure): when it does not fit, neither does any lower rung nor any weaker
    stage (pruned, said so).
 2. The rungs from the lowest a stronger stage fitted on, fewest tiers first, each at the smallest
-   partitions; the first that fits is resolved and estimated, and so is each rung above it until one
-   runs the largest partitions (the whole sequence per chunk and per head chunk): every rung above that
-   one is dominated (same partitions, more copies: never faster) and left out, said so.
+   partitions until one fits (above it every rung does: more tiers never hold more); the first that
+   fits is resolved and estimated, and so is each rung above it until one runs the largest partitions
+   (the whole sequence per chunk and per head chunk): every rung above that one is dominated (same
+   partitions, more copies: never faster) and left out, said so. Each partition search asks first
+   about the partitions the stronger stage ran on this rung, else those the rung below ran (fewer
+   simulations, the same answer).
 For the longest length (`--seq-len max`), per stage the rungs from the highest down, each searched;
 a rung with no length prunes the rungs below it and, on the strongest stage, the weaker stages there.
 """
@@ -96,18 +99,22 @@ def _miss(spec: StepSpec, sim, ctx: Context) -> Outcome | None:
     return None
 
 
-def step_at(spec: StepSpec, ctx: Context, at_least: int | None = None) -> Outcome:
+def step_at(spec: StepSpec, ctx: Context, near: tuple[int, int] | None = None,
+            at_least: tuple[int, int] | None = None) -> Outcome:
     """`spec` at its length as `max-len --at` runs it: the largest partitions that fit (full depth), its
     full-depth peak and host pool, and its estimated time (None with the reason where the step-time
-    model raises ConfigError for it). `at_least`: the layer partition the same step with fewer tiers
-    runs (more tiers never hold more: the search starts there, `resolve_partitions`)."""
+    model raises ConfigError for it). `near`: the partitions the same step runs under a stronger stage;
+    `at_least`: the partitions it runs with fewer tiers; asked about first (`resolve_partitions`:
+    the same answer)."""
     from streambp_core.step.estimate.step_estimate import estimate_step
-    from streambp_core.step.search.partitions import resolve_partitions
+    from streambp_core.step.search.partitions import NOTHING_FITS, resolve_partitions
     from streambp_core.step.simulation.simulate import simulate
 
     try:
-        run = resolve_partitions(spec, ctx.budget_bytes, ctx.model, at_least=at_least)
-    except ConfigError as error:
+        run = resolve_partitions(spec, ctx.budget_bytes, ctx.model, near=near, at_least=at_least)
+    except ConfigError as error:  # nothing fits, or a refusal only a simulation finds
+        if not str(error).startswith(NOTHING_FITS):
+            return Outcome(spec=spec, status=REFUSED, why=f"refused: {error}")
         return Outcome(spec=spec, status=GPU_OOM, why=f"GPU OOM at full depth: {error}")
     try:
         full = simulate(run, ctx.model, depth="full")
@@ -151,7 +158,7 @@ def chain_at_length(chain: Chain, ctx: Context, progress) -> list[Outcome]:
     """Every recipe of `chain` at `ctx.seq_len_tokens` (module docstring, steps 1-2)."""
     seq_len = int(ctx.seq_len_tokens or 0)
     outcomes: list[Outcome] = []
-    floor, dead = 0, ""
+    floor, dead, ran = 0, "", {}
     for stage in chain.stages:
         recipes = _recipes(chain, stage, seq_len)
         runnable = [index for index, spec in enumerate(recipes) if not isinstance(spec, str)]
@@ -173,15 +180,18 @@ def chain_at_length(chain: Chain, ctx: Context, progress) -> list[Outcome]:
             outcomes.append(miss)
             outcomes += [Outcome(spec=recipes[i], status=PRUNED, why=dead) for i in runnable[:-1]]
             continue
-        floor = _walk_up(chain, stage, recipes, runnable, floor, ctx, progress, outcomes)
+        floor, ran = _walk_up(chain, stage, recipes, runnable, (floor, ran), ctx, progress, outcomes)
     return outcomes
 
 
-def _walk_up(chain: Chain, stage: str, recipes, runnable, floor: int, ctx: Context, progress,
-             outcomes: list[Outcome]) -> int:
-    """Step 2 of the module docstring for one stage; returns the lowest rung that fitted (the floor of
-    the weaker stages)."""
-    lowest, reached, below = None, "", None  # below: the layer partition the last rung that fitted runs
+def _walk_up(chain: Chain, stage: str, recipes, runnable, stronger: tuple[int, dict], ctx: Context,
+             progress, outcomes: list[Outcome]) -> tuple[int, dict]:
+    """Step 2 of the module docstring for one stage. `stronger`: the lowest rung that fitted under the
+    stronger stages (the floor here) and, per rung, the partitions it ran under the last of them that
+    fitted it. Returns the same for the weaker stages."""
+    floor, ran = stronger
+    ran = dict(ran)
+    lowest, reached, below = None, "", None  # below: the partitions the last rung that fitted runs
     for index in runnable:
         spec = recipes[index]
         if index < floor:
@@ -192,19 +202,22 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, floor: int, ctx: Conte
             outcomes.append(Outcome(spec=spec, status=DOMINATED, why=reached))
             continue
         progress(chain.name, f"{stage}: offload {spec.offload}")
-        miss = _check_small(spec, ctx) if index != runnable[-1] else None  # the top: checked
+        checked = index == runnable[-1] or (lowest is not None and ctx.host_budget_bytes is None)
+        miss = None if checked else _check_small(spec, ctx)  # the top: checked; above a fit: fits
         if miss is not None:
             outcomes.append(miss)
             continue
-        outcome = step_at(spec, ctx, at_least=below)
+        outcome = step_at(spec, ctx, near=ran.get(index), at_least=below)
         outcomes.append(outcome)
         if outcome.fits:
             lowest = index if lowest is None else lowest
-            below = outcome.spec.stream.partition_size if outcome.spec.partitioned else None
+            stream = outcome.spec.stream
+            if outcome.spec.partitioned:
+                below = ran[index] = (stream.partition_size, stream.head_partition_size)
             if largest_partitions(outcome.spec):
                 reached = (f"dominated: {outcome.label} already runs the largest partitions; more tiers "
                            "only add copies (not evaluated)")
-    return floor if lowest is None else lowest
+    return (floor if lowest is None else lowest), ran
 
 
 def chains_in_turn(work, chains: list[Chain], ctx: Context, progress) -> list[list[Outcome]]:

@@ -48,34 +48,45 @@ def test_auto_partitions_guided_by_peaks_pick_the_same_pair() -> None:
         assert auto_partitions(262_144, fits, peak=peak, budget=budget) == auto_partitions(262_144, fits)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_a_layer_partition_known_to_fit_starts_the_search_and_changes_no_answer(seed) -> None:
-    """`at_least` (the layer partition a step holding no more fitted): the same pair in no more checks;
-    one that does not fit after all (a peak that is not the same step's) is ignored."""
+@pytest.mark.parametrize("seed", range(40))
+def test_any_guess_changes_no_answer_and_a_right_one_takes_fewer_checks(seed) -> None:
+    """`near` (the pair the same step runs under a stronger stage) and `at_least` (the pair it runs with
+    fewer tiers): the same answer from any guess, below, at or above the answer or off the
+    candidates, with and without peaks; the right `near`: two checks per search past the largest pair
+    (the guess and the candidate above it); the right `at_least`: no more checks than none."""
     rng = random.Random(seed)
     seq_len = rng.randrange(300, 2_000_000)
     per_layer, per_head = rng.randrange(1, 9), rng.randrange(1, 9)
-    peak = lambda layer, head: per_layer * layer + per_head * head  # noqa: E731
     budget = rng.randrange(per_layer * 64 + per_head * 64, per_layer * seq_len + per_head * seq_len)
-    answer = auto_partitions(seq_len, lambda p, h: peak(p, h) <= budget, peak=peak, budget=budget)
+    flat = rng.choice((0, rng.randrange(0, budget + 1)))  # a phase the partitions do not set
+    peak = lambda layer, head: max(flat, per_layer * layer + per_head * head)  # noqa: E731
     asked: list[tuple[int, int]] = []
 
     def fits(layer: int, head: int) -> bool:
         asked.append((layer, head))
         return peak(layer, head) <= budget
 
-    lower = [size for size in layer_candidates(seq_len) if size <= answer[0]]
-    floor = rng.choice(lower)
-    assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=floor) == answer
+    answer = auto_partitions(seq_len, fits)
+    assert answer == auto_partitions(seq_len, fits, peak=peak, budget=budget)
+    guesses = [answer, (rng.randrange(1, seq_len + 1), rng.randrange(1, seq_len + 1)), (1, 1),
+               (seq_len, seq_len), (rng.choice(layer_candidates(seq_len)), answer[1])]
+    for near in guesses:
+        assert auto_partitions(seq_len, fits, near=near) == answer, near
+        assert auto_partitions(seq_len, fits, peak=peak, budget=budget, near=near) == answer, near
+        assert auto_partitions(seq_len, fits, at_least=near) == answer, near
+        assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=near) == answer, near
     asked.clear()
-    assert auto_partitions(seq_len, fits, at_least=answer[0]) == answer
+    auto_partitions(seq_len, fits, at_least=answer)
     from_the_floor = len(asked)
     asked.clear()
-    assert auto_partitions(seq_len, fits) == answer
+    auto_partitions(seq_len, fits)
     assert from_the_floor <= len(asked)
-    too_large = max(layer_candidates(seq_len))
-    if not fits(too_large, 64):
-        assert auto_partitions(seq_len, fits, peak=peak, budget=budget, at_least=too_large) == answer
+    asked.clear()
+    auto_partitions(seq_len, fits, near=answer)
+    largest = (max(layer_candidates(seq_len)), seq_len)
+    if answer != largest:
+        checks = 1 + (1 if answer[0] == largest[0] else 2) + (1 if answer[1] == seq_len else 2)
+        assert len(asked) == checks, asked
 
 
 def test_a_peak_flat_then_linear_takes_at_most_three_probes_past_the_ends() -> None:
