@@ -10,6 +10,9 @@ SWAPS = (  # (batch, tokens, heads, copies, pieces, widths of the parts side by 
     (1, 37, 4, 1, 4, (3, 2)),  # keys and values side by side, in pieces
     (1, 37, 1, 2, 4, (3, 2)),  # one head over two ranks: a copy on each
     (2, 37, 2, 2, 3, (3,)),  # two copies of two heads: each rank two (repeated) heads
+    (2, 8, 4, 1, 1, (3,)),  # equal shards from here: each rank's part at the same place, one copy
+    (1, 36, 4, 1, 4, (3, 2)),
+    (2, 36, 2, 2, 3, (3,)),
 )
 """The swaps both tests run: each rank's layouts and their peaks."""
 

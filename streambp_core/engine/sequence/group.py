@@ -9,8 +9,10 @@ head-sharded (B, T, H / size, hd), this rank's heads over every token (`seq_to_h
 A swap allocates its output once. An all-to-all sends one contiguous buffer, each destination's part in
 rank order (the send buffer: a copy, except `heads_to_seq`'s contiguous batch-1 input, already in that
 order) and receives one (the receive buffer: with batch 1 in one piece, the output itself; else copied
-into it). `copies` repeats heads into the send buffer (KV heads over more ranks than heads) and sums them
-out of the receive buffer, without a repeated tensor. `pieces` splits a swap into that many all-to-alls
+into it). Where the ranks hold equal shards (T a multiple of the group), each rank's part sits at the
+same place in its shard, and one strided copy moves every part; else a copy per rank. `copies` repeats
+heads into the send buffer (KV heads over more ranks than heads) and sums them out of the receive
+buffer, without a repeated tensor. `pieces` splits a swap into that many all-to-alls
 over parts of every rank's tokens, so its buffers are that fraction of the output (a whole-sequence K/V).
 
 A group is real (a torch.distributed process group; gloo on CPU, nccl on CUDA) or simulated: one rank of
@@ -182,7 +184,11 @@ def _to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, 
         direct = b == 1 and len(spans) == 1  # the received pieces are the output, in rank order
         recv = out.view(-1) if direct else out.new_empty(sum(counts))
         group.exchange(recv, send.view(-1), counts, [send.numel() // group.size] * group.size)
-        if not direct:
+        if not direct and len(set(sizes)) == 1:  # every rank's piece at the same place in its shard
+            start, end = span[0]
+            out.unflatten(1, (group.size, sizes[0]))[:, :, start:end].copy_(
+                recv.view(group.size, b, end - start, local, width).transpose(0, 1))
+        elif not direct:
             for rank, piece in enumerate(recv.split(counts)):
                 start, end = (starts[rank] + at for at in span[rank])
                 out[:, start:end].copy_(piece.view(b, end - start, local, width))
@@ -217,6 +223,11 @@ def _to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, copies: int, pie
         counts = [b * (end - start) * local * width for start, end in span]
         if b == 1 and len(spans) == 1 and x.is_contiguous():  # each rank's positions in rank order
             send = x.view(-1)
+        elif len(set(sizes)) == 1:  # every rank's piece at the same place in its shard
+            start, end = span[0]
+            send = x.new_empty(sum(counts))
+            send.view(group.size, b, end - start, local, width).copy_(
+                x.unflatten(1, (group.size, sizes[0]))[:, :, start:end].transpose(0, 1))
         else:
             send = x.new_empty(sum(counts))
             for rank, piece in enumerate(send.split(counts)):
