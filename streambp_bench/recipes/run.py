@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streambp_bench.recipes import report, space
-from streambp_bench.recipes.search import Context, chain_frontier, chains_at_length, chains_in_turn
+from streambp_bench.recipes.search import Context, chain_at_length, chain_frontier, chains_in_turn
 from streambp_core.config import ConfigError
 from streambp_core.measure.units import GIB
 
@@ -58,29 +58,23 @@ def prepare(model: str, methods: tuple[str, ...], gpus: int, gpu_name: str, seq_
 
 
 def search(job: Job, progress, workers: int, context) -> dict:
-    """Every chain searched (`recipes.search.chains_at_length`, or `chain_frontier` for the longest
+    """Every chain searched (`recipes.search.chain_at_length`, or `chain_frontier` for the longest
     lengths) on up to `workers` processes, the chains of one method, head mode and sp degree in one
-    process (their engines lay out the same simulated steps: `simulate` memoises them; at one length
-    both head modes of a method, for the partitions each asks about first), with a progress line per
-    chain; the document (`report.to_dict`)."""
+    process (their engines lay out the same simulated steps: `simulate` memoises them), with a progress
+    line per chain; the document (`report.to_dict`)."""
     from streambp_bench.workers import Task, run_tasks
 
-    frontier = job.context.seq_len_tokens is None
+    work = chain_frontier if job.context.seq_len_tokens is None else chain_at_length
     lines = {chain.name: progress.add_task(f"{chain.name}: waiting", total=None) for chain in job.chains}
 
     def on_event(name: str, text: str) -> None:
         progress.update(lines[name], description=f"{name}: {text}")
 
     groups: dict[tuple, list] = {}
-    for chain in job.chains:
-        head = chain.base.stream.head_mode if frontier else ""
-        groups.setdefault((chain.base.method, head, chain.base.sp), []).append(chain)
-
-    def task(group: list) -> Task:
-        work = (chains_in_turn, (chain_frontier, group, job.context)) if frontier else \
-            (chains_at_length, (group, job.context))
-        return Task(group[0].name, *work, sum(chain.cost for chain in group))
-
-    found = run_tasks([task(group) for group in groups.values()], workers, context, on_event)
+    for chain in job.chains:  # one task per step up to its stage: its engines share simulations
+        groups.setdefault((chain.base.method, chain.base.stream.head_mode, chain.base.sp), []).append(chain)
+    tasks = [Task(group[0].name, chains_in_turn, (work, group, job.context), sum(c.cost for c in group))
+             for group in groups.values()]
+    found = run_tasks(tasks, workers, context, on_event)
     outcomes = [outcome for group in found for chain_outcomes in group for outcome in chain_outcomes]
     return report.to_dict(outcomes, job.setting, job.settings, job.refused)

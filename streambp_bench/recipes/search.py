@@ -14,9 +14,8 @@ At one length, per chain (stages strongest first):
    fits is resolved and estimated, and so is each rung above it until one runs the largest partitions
    (the whole sequence per chunk and per head chunk): every rung above that one is dominated (same
    partitions, more copies: never faster) and left out, said so. Each partition search asks first
-   about the partitions this stage and rung ran in an earlier chain of the same sp degree (the other
-   head mode), else those the stronger stage ran on this rung, else those the rung below ran (fewer
-   simulations, the same answer: `chains_at_length` keeps that book for the chains it runs).
+   about the partitions the stronger stage ran on this rung, else those the rung below ran (fewer
+   simulations, the same answer).
 For the longest length (`--seq-len max`), per stage the rungs from the highest down, each searched;
 a rung with no length prunes the rungs below it and, on the strongest stage, the weaker stages there.
 """
@@ -155,10 +154,8 @@ def _refused(chain: Chain, stage: str, tiers, why: str, seq_len: int) -> Outcome
     return Outcome(spec=spec, status=REFUSED, why=f"refused: offload {tiers}: {why}")
 
 
-def chain_at_length(chain: Chain, ctx: Context, progress, book: dict | None = None) -> list[Outcome]:
-    """Every recipe of `chain` at `ctx.seq_len_tokens` (module docstring, steps 1-2). `book`: the
-    partitions each (stage, rung) ran in the chains before this one, added to (guesses only)."""
-    book = {} if book is None else book
+def chain_at_length(chain: Chain, ctx: Context, progress) -> list[Outcome]:
+    """Every recipe of `chain` at `ctx.seq_len_tokens` (module docstring, steps 1-2)."""
     seq_len = int(ctx.seq_len_tokens or 0)
     outcomes: list[Outcome] = []
     floor, dead, ran = 0, "", {}
@@ -183,15 +180,15 @@ def chain_at_length(chain: Chain, ctx: Context, progress, book: dict | None = No
             outcomes.append(miss)
             outcomes += [Outcome(spec=recipes[i], status=PRUNED, why=dead) for i in runnable[:-1]]
             continue
-        floor, ran = _walk_up(chain, stage, recipes, runnable, (floor, ran), ctx, progress, outcomes, book)
+        floor, ran = _walk_up(chain, stage, recipes, runnable, (floor, ran), ctx, progress, outcomes)
     return outcomes
 
 
 def _walk_up(chain: Chain, stage: str, recipes, runnable, stronger: tuple[int, dict], ctx: Context,
-             progress, outcomes: list[Outcome], book: dict) -> tuple[int, dict]:
+             progress, outcomes: list[Outcome]) -> tuple[int, dict]:
     """Step 2 of the module docstring for one stage. `stronger`: the lowest rung that fitted under the
     stronger stages (the floor here) and, per rung, the partitions it ran under the last of them that
-    fitted it. Returns the same for the weaker stages. `book`: `chain_at_length`'s."""
+    fitted it. Returns the same for the weaker stages."""
     floor, ran = stronger
     ran = dict(ran)
     lowest, reached, below = None, "", None  # below: the partitions the last rung that fitted runs
@@ -210,13 +207,13 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, stronger: tuple[int, d
         if miss is not None:
             outcomes.append(miss)
             continue
-        outcome = step_at(spec, ctx, near=book.get((stage, index), ran.get(index)), at_least=below)
+        outcome = step_at(spec, ctx, near=ran.get(index), at_least=below)
         outcomes.append(outcome)
         if outcome.fits:
             lowest = index if lowest is None else lowest
             stream = outcome.spec.stream
             if outcome.spec.partitioned:
-                below = ran[index] = book[stage, index] = (stream.partition_size, stream.head_partition_size)
+                below = ran[index] = (stream.partition_size, stream.head_partition_size)
             if largest_partitions(outcome.spec):
                 reached = (f"dominated: {outcome.label} already runs the largest partitions; more tiers "
                            "only add copies (not evaluated)")
@@ -226,13 +223,6 @@ def _walk_up(chain: Chain, stage: str, recipes, runnable, stronger: tuple[int, d
 def chains_in_turn(work, chains: list[Chain], ctx: Context, progress) -> list[list[Outcome]]:
     """`work(chain, ctx, progress)` for each of `chains` in turn, in one process: one memo for them all."""
     return [work(chain, ctx, progress) for chain in chains]
-
-
-def chains_at_length(chains: list[Chain], ctx: Context, progress) -> list[list[Outcome]]:
-    """`chain_at_length` for each of `chains` in turn, in one process: one memo and one book of the
-    partitions each stage and rung ran for them all (chains of one sp degree: their answers are close)."""
-    book: dict = {}
-    return [chain_at_length(chain, ctx, progress, book) for chain in chains]
 
 
 def chain_frontier(chain: Chain, ctx: Context, progress) -> list[Outcome]:

@@ -1,6 +1,6 @@
-"""`plan`'s search asks first about the partitions a related recipe runs (an earlier chain's on the same
-stage and rung, the stronger stage's on the same rung, else the rung below's): on the real simulator,
-every recipe it fits runs the partitions `max-len` resolves for it alone, with no guess."""
+"""`plan`'s search asks first about the partitions a related recipe runs (the stronger stage's on the same
+rung, else the rung below's): on the real simulator, every recipe it fits runs the partitions `max-len`
+resolves for it alone, with no guess."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from streambp_core.step.search.partitions import resolve_partitions
 def test_every_fitting_recipe_runs_the_partitions_resolved_without_a_guess(method, budget_gib) -> None:
     job = run.prepare("tiny/qwen3", (method,), 2, "h100", 1024, budget_gib, None, 2, {"optimizer": "adamw"})
     chains = [chain for chain in job.chains if chain.base.stream.head_mode == "recompute"]
-    found = search.chains_at_length(chains, job.context, lambda *args: None)  # one book of guesses
-    fitted = [(chain, outcome) for chain, outcomes in zip(chains, found, strict=True)
-              for outcome in outcomes if outcome.fits]
+    fitted = [(chain, outcome) for chain in chains
+              for outcome in search.chain_at_length(chain, job.context, lambda *args: None) if outcome.fits]
     for chain, outcome in fitted:
         alone = chain.recipe(outcome.spec.shard, outcome.spec.offload, 1024)
         resolved = resolve_partitions(alone, job.context.budget_bytes, job.context.model)
