@@ -11,6 +11,12 @@ any op (`watch_size`) has its size re-read at every drain too.
 Two pools: storages filed under a host category (`tags.HOST_CATEGORIES`, e.g. offloaded checkpoints)
 count in the host pool (`host_live_bytes`, `host_peak_bytes`), every other one in the device pool
 (`live_bytes`, `peak_bytes` and the breakdowns). Each pool has its own peak.
+
+Beside the device peak, the activation peak: the most device bytes outside the model state
+(weights, gradients, optimizer state) live at once, with the breakdown there. A
+sharded rank holds only a shard of the state but all of its activations, so its peak can sit where the
+activations do (the LM head's backward, before the layers' gradients) rather than where one GPU's does
+(the backward's end, every gradient held): `simulate` lays out both points.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from streambp_core.measure.tags import CATEGORIES, HOST_CATEGORIES, check_category
+from streambp_core.measure.tags import (
+    CATEGORIES,
+    GRADS,
+    HOST_CATEGORIES,
+    OPTIMIZER,
+    WEIGHTS,
+    check_category,
+)
 
 
 class _StorageRef(weakref.ref):
@@ -49,6 +62,9 @@ class StorageLedger:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_breakdown: dict[str, int] = self.breakdown()
+        self.activation_peak_bytes = 0
+        """Most device bytes outside the model state live at once (module docstring)."""
+        self.activation_peak_breakdown: dict[str, int] = self.breakdown()
         self.host_live_bytes = 0
         self.host_peak_bytes = 0
         self.devices: set[str] = set()
@@ -82,6 +98,8 @@ class StorageLedger:
         if (entry.category in HOST_CATEGORIES) == (category in HOST_CATEGORIES):
             self._by_category[entry.category] -= entry.nbytes
             self._by_category[category] += entry.nbytes
+            if category not in HOST_CATEGORIES:
+                self._new_peaks()
         else:  # a move between pools: free in one, allocate in the other
             self._change(entry.category, -entry.nbytes)
             self._change(category, entry.nbytes)
@@ -123,6 +141,8 @@ class StorageLedger:
         """Make what is live now the peak (of both pools)."""
         self.peak_bytes = self.live_bytes
         self.peak_breakdown = self.breakdown()
+        self.activation_peak_bytes = self._activation_bytes()
+        self.activation_peak_breakdown = self.peak_breakdown
         self.host_peak_bytes = self.host_live_bytes
 
     def breakdown(self) -> dict[str, int]:
@@ -132,6 +152,11 @@ class StorageLedger:
     def host_breakdown(self) -> dict[str, int]:
         """Live host bytes per host category now."""
         return {name: self._by_category[name] for name in HOST_CATEGORIES}
+
+    def _activation_bytes(self) -> int:
+        """Live device bytes outside the model state now."""
+        by_category = self._by_category
+        return self.live_bytes - by_category[WEIGHTS] - by_category[GRADS] - by_category[OPTIMIZER]
 
     def close(self) -> None:
         """Stop watching: dropping the weak references cancels their callbacks."""
@@ -146,6 +171,18 @@ class StorageLedger:
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
             return
         self.live_bytes += delta
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
-            self.peak_breakdown = self.breakdown()
+        if delta > 0:
+            self._new_peaks()
+
+    def _new_peaks(self) -> None:
+        """Record the device peak where what is live now passes it, and the activation peak where the
+        activations now reach it: of points with the most activations, the latest, which holds the most
+        state where the state only grows (the gradients over a backward)."""
+        peak = self.live_bytes > self.peak_bytes
+        activations = self._activation_bytes()
+        if peak or activations >= self.activation_peak_bytes:
+            now = self.breakdown()  # shared by both records: neither is ever changed in place
+            if peak:
+                self.peak_bytes, self.peak_breakdown = self.live_bytes, now
+            if activations >= self.activation_peak_bytes:
+                self.activation_peak_bytes, self.activation_peak_breakdown = activations, now

@@ -15,6 +15,9 @@ class TrackerResult:
     """Most bytes live at once since entry or the last `reset_peak()`."""
     peak_breakdown_bytes: dict[str, int]
     """Bytes per category at that peak (every category present; they sum to `peak_bytes`)."""
+    activation_peak_breakdown_bytes: dict[str, int]
+    """Bytes per category where the most bytes outside the model state (weights, gradients, optimizer
+    state) were live at once, the latest such point (`StorageLedger`'s activation peak)."""
     end_bytes: int
     """Bytes live at exit (or now, for a result taken inside the region)."""
     end_breakdown_bytes: dict[str, int]

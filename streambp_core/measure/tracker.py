@@ -388,6 +388,7 @@ class MemoryTracker:
         return TrackerResult(
             peak_bytes=ledger.peak_bytes,
             peak_breakdown_bytes=dict(ledger.peak_breakdown),
+            activation_peak_breakdown_bytes=dict(ledger.activation_peak_breakdown),
             end_bytes=ledger.live_bytes,
             end_breakdown_bytes=ledger.breakdown(),
             device=device,

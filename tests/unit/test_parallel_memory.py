@@ -49,18 +49,18 @@ def measured(request):
     return dict(zip(cases, measure_ranks([_spec(*case) for case in cases], CONFIG), strict=True))
 
 
-def _cpu_extra_bytes(spec: StepSpec) -> int:
+def _cpu_extra_bytes(spec: StepSpec, config=CONFIG) -> int:
     """What a CPU rank holds that a GPU rank (and the simulation) does not (module docstring)."""
-    counters = 4 * sum(1 for p in _meta_model().parameters()) if spec.optimizer == "adamw" else 0
+    counters = 4 * sum(1 for p in _meta_model(config).parameters()) if spec.optimizer == "adamw" else 0
     tokens = spec.stream.partition_size if spec.method == "streambp" else spec.seq_len_tokens
-    attention_output = tokens * CONFIG.num_attention_heads * CONFIG.head_dim * 4
-    return counters + CONFIG.num_hidden_layers * attention_output
+    attention_output = tokens * config.num_attention_heads * config.head_dim * 4
+    return counters + config.num_hidden_layers * attention_output
 
 
-def _meta_model():
+def _meta_model(config=CONFIG):
     from streambp_core.models import build_model
 
-    return build_model(CONFIG, dtype=torch.float32, device="meta", seed=0)
+    return build_model(config, dtype=torch.float32, device="meta", seed=0)
 
 
 @pytest.mark.slow
@@ -96,6 +96,31 @@ def test_every_phase_is_bounded_and_zero2s_forward_is_exact(measured, case):
         assert measured[case].phase_peaks_bytes["forward"] >= simulated["forward"] - extra
 
 
+DEEP = tiny_config("qwen3", vocab_size=4096, hidden_size=128, intermediate_size=2048, num_hidden_layers=10)
+"""Ten wide layers: one GPU holds more gradients at the backward's end than the head's logits weigh, so it
+peaks there; a rank holds half of those gradients and peaks in the head's backward instead."""
+
+
+def test_a_rank_peaking_where_one_gpu_does_not_is_bounded_too():
+    """The step's one-GPU peak, laid out as the rank holds it, falls short of the measured rank: the rank
+    peaks at the LM head's logits, before the layers' gradients. The simulation lays out that point too
+    (the activation peak), so it bounds the rank as in the tests above."""
+    spec = StepSpec.of(model="tiny/qwen3", method="streambp", seq_len_tokens=512, partition_size=64,
+                       head_partition_size=512, dtype="float32", optimizer="adamw", gpus=2, shard="zero3")
+    [rank] = measure_ranks([spec], DEEP)
+    sim = simulate(spec, DEEP, depth="full")
+    record = tracked_step(build_setup(spec, DEEP, "meta"), "meta")
+    backward = next(phase.result for phase in record.phases if phase.name == "backward")
+    layout = shard_layout(spec, DEEP)
+    at_one_gpu_peak = sum(rank_breakdown(spec, layout, backward.peak_breakdown_bytes, "backward").values())
+    extra = _cpu_extra_bytes(spec, DEEP)
+    assert backward.peak_breakdown_bytes["logits"] == 0 < backward.activation_peak_breakdown_bytes["logits"]
+    assert at_one_gpu_peak + extra < rank.peak_bytes
+    allowance = layout.inflight_grad_bytes() + max(unit.full for unit in layout.units[1:])
+    assert sim.peak_bytes - allowance <= rank.peak_bytes <= sim.peak_bytes + extra
+    assert rank.breakdown_bytes["logits"] == sim.breakdown_bytes["logits"] > 0
+
+
 def _simulated_phases(spec: StepSpec) -> dict[str, int]:
     """One rank's simulated bytes per phase: the most of the phase's peak and end, laid out."""
     record = tracked_step(build_setup(spec, CONFIG, "meta"), "meta")
@@ -106,6 +131,7 @@ def _simulated_phases(spec: StepSpec) -> dict[str, int]:
     for i, phase in enumerate(record.phases):
         at_end = "optimizer" if i == last_backward else phase.name
         points = (rank_breakdown(spec, layout, phase.result.peak_breakdown_bytes, phase.name),
+                  rank_breakdown(spec, layout, phase.result.activation_peak_breakdown_bytes, phase.name),
                   rank_breakdown(spec, layout, phase.result.end_breakdown_bytes, at_end))
         phases[phase.name] = max(sum(point.values()) for point in points)
     return phases

@@ -190,6 +190,28 @@ def test_reset_peak_measures_from_now() -> None:
     del kept
 
 
+def test_activation_peak_is_the_latest_point_with_the_most_bytes_outside_the_state() -> None:
+    """Logits-like temporaries, then gradients beside them (a tie in activations: the later point, with
+    the gradients, is kept), then more gradients once they are gone: the device peak is there, at the end,
+    and the activation peak where the temporaries were, with the first gradients and not the rest."""
+    with MemoryTracker() as tracker:
+        tracker.reset_peak()
+        with memory_category(TEMPORARIES):
+            logits = torch.empty(1000)
+        with memory_category(GRADS):
+            first = torch.empty(100)
+        del logits
+        with memory_category(GRADS):
+            rest = torch.empty(2000)
+        with memory_category(TEMPORARIES):
+            small = torch.empty(10)
+        del small
+    result = tracker.result()
+    assert result.peak_breakdown_bytes == _zeros(grads=2100 * F32, temporaries=10 * F32)
+    assert result.activation_peak_breakdown_bytes == _zeros(grads=100 * F32, temporaries=1000 * F32)
+    del first, rest
+
+
 def test_result_is_frozen_at_exit() -> None:
     with MemoryTracker() as tracker:
         a = torch.empty(100)

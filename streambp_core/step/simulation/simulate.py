@@ -36,12 +36,16 @@ Speed, as parameters (nothing is patched):
   lengths, partitions and stages, its gradients reset).
 
 One rank of `spec.gpus` (`spec.shard` not "none"; ranks are symmetric, each on its own sequences): the
-step is simulated as one GPU runs it, then each phase's figures at its peak and at its end are laid out
-as the shard stage holds the model state (`streambp_core.step.parts.shards`): weights, gradients and
-optimizer state become the rank's shards plus what the stage keeps gathered or in flight, activations
-stay the rank's own. The highest of those points is the rank's peak. The activations' position in a phase
-is the single-GPU step's; gradients only grow within a phase, and a phase's start (the previous one's end)
-is a point too, so a peak that moves earlier when gradients shrink is still seen. With its host pool:
+step is simulated as one GPU runs it, then each phase's figures at its peak, at its activation peak (the
+most bytes outside the model state: `measure.ledger`) and at its end are laid out as the shard stage
+holds the model state (`streambp_core.step.parts.shards`): weights, gradients and optimizer state become
+the rank's shards plus what the stage keeps gathered or in flight, activations stay the rank's own. The
+highest of those points is the rank's peak. Two points per phase because one GPU and one rank may peak
+at different places: one GPU's backward peaks at its end, every gradient held, when its state outweighs
+its activations; a rank holding a shard of that state peaks where the activations do (a streamed LM
+head's logits, before any layer's gradient). Gradients only grow within a phase, and a phase's start
+(the previous one's end) is a point too, so a peak that moves earlier when gradients shrink is still
+seen. With its host pool:
 the rank's share of the optimizer's host state (`sequence_layout.sharded_host`). Under
 `deepspeed-zero3` with the optimizer or params tier, DeepSpeed's own offload holds them: the step runs
 with the checkpoints tier only and the rank is laid out as DeepSpeed holds it (`deepspeed_host`).
@@ -85,13 +89,20 @@ DEPTHS = ("extrapolate", "full")
 
 @dataclass(frozen=True)
 class PhaseFigures:
-    """One phase of a simulated step: its name, its peak bytes, the bytes by category at the peak and at
-    its end (what a sharded rank's layout is applied to)."""
+    """One phase of a simulated step: its name, its peak bytes, the bytes by category at the peak, at the
+    activation peak (the most bytes outside the model state: `StorageLedger`) and at its end (the points a
+    sharded rank's layout is applied to)."""
 
     name: str
     peak_bytes: int
     at_peak: dict[str, int]
+    at_activation_peak: dict[str, int]
     at_end: dict[str, int]
+
+    @property
+    def points(self) -> tuple[dict[str, int], ...]:
+        """The breakdowns a sharded rank is laid out at, by the phase's own name (the end's may differ)."""
+        return self.at_peak, self.at_activation_peak
 
 
 @dataclass(frozen=True)
@@ -223,7 +234,8 @@ def _stepped(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, 
     figures = cache.get(key) or _tracked(spec, config, keep_chunks, cache)
     cache[key] = figures
     return SteppedFigures(phases=[PhaseFigures(phase.name, phase.peak_bytes, dict(phase.at_peak),
-                                               dict(phase.at_end)) for phase in figures.phases],
+                                               dict(phase.at_activation_peak), dict(phase.at_end))
+                                  for phase in figures.phases],
                           host=figures.host)
 
 
@@ -248,6 +260,7 @@ def _tracked(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | None, 
     host = record.host_figures()
     return SteppedFigures(
         phases=[PhaseFigures(phase.name, phase.result.peak_bytes, dict(phase.result.peak_breakdown_bytes),
+                             dict(phase.result.activation_peak_breakdown_bytes),
                              dict(phase.result.end_breakdown_bytes)) for phase in record.phases],
         host=HostFigures(host["host_peak_bytes"], host["to_host_bytes"], host["to_device_bytes"]))
 
@@ -280,7 +293,7 @@ def _negative(phases: list[PhaseFigures], *, sharded: bool) -> bool:
     step's uses every phase's peak and end)."""
     if not sharded:
         return min(_largest(phases)[1].values()) < 0
-    return any(min(at.values()) < 0 for phase in phases for at in (phase.at_peak, phase.at_end))
+    return any(min(at.values()) < 0 for phase in phases for at in (*phase.points, phase.at_end))
 
 
 def _largest(phases: list[PhaseFigures]) -> tuple[int, dict[str, int]]:
@@ -302,7 +315,9 @@ def _extrapolate(shallow: SteppedFigures, deep: SteppedFigures, plan: DepthPlan)
     a, b = shallow.host, deep.host
     return SteppedFigures(
         phases=[PhaseFigures(one.name, plan.extend(one.peak_bytes, two.peak_bytes),
-                             grow(one.at_peak, two.at_peak), grow(one.at_end, two.at_end))
+                             *(grow(x, y) for x, y in ((one.at_peak, two.at_peak),
+                                                      (one.at_activation_peak, two.at_activation_peak),
+                                                      (one.at_end, two.at_end))))
                 for one, two in zip(shallow.phases, deep.phases, strict=True)],
         host=HostFigures(plan.extend(a.peak_bytes, b.peak_bytes),
                          plan.extend(a.to_host_bytes, b.to_host_bytes),
@@ -318,7 +333,7 @@ def _rank_peak(spec: StepSpec, config: PretrainedConfig, phases: list[PhaseFigur
                         default=-1)
     points = []
     for i, phase in enumerate(phases):
-        points.append(rank_breakdown(spec, layout, phase.at_peak, phase.name))
+        points.extend(rank_breakdown(spec, layout, at, phase.name) for at in phase.points)
         at_end = "optimizer" if i == last_backward else phase.name
         points.append(rank_breakdown(spec, layout, phase.at_end, at_end))
     best = max(points, key=lambda point: sum(point.values()))
