@@ -48,9 +48,10 @@ def swapped_exactly(rank: int, world: int) -> list[dict[str, float]]:
     return errors
 
 
-def swap_peaks(group, device: str) -> list[tuple[int, int]]:
+def swap_peaks(group, device: str, thin: bool = False) -> list[tuple[int, int]]:
     """Per swap of `SWAPS`, the tracked peak bytes of one `parts_to_heads` and of one `heads_to_seq` on
-    rank `group.rank` (inputs made before the tracker, so only what the swap allocates counts)."""
+    rank `group.rank` (inputs made before the tracker, so only what the swap allocates counts); `thin`:
+    the swaps' own (simulation only)."""
     from streambp_core.engine.sequence.group import heads_to_seq, parts_to_heads
     from streambp_core.measure.tracker import MemoryTracker
 
@@ -60,9 +61,9 @@ def swap_peaks(group, device: str) -> list[tuple[int, int]]:
         with torch.no_grad():
             parts = shard.split(list(widths), dim=-1)
             with MemoryTracker(device=device) as to_heads:
-                swapped = parts_to_heads(parts, group, tokens, copies=copies, pieces=pieces)
+                swapped = parts_to_heads(parts, group, tokens, copies=copies, pieces=pieces, thin=thin)
             with MemoryTracker(device=device) as to_seq:
-                heads_to_seq(swapped, group, tokens, copies=copies, pieces=pieces)
+                heads_to_seq(swapped, group, tokens, copies=copies, pieces=pieces, thin=thin)
         peaks.append((to_heads.result().peak_bytes, to_seq.result().peak_bytes))
     return peaks
 

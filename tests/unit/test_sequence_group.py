@@ -50,6 +50,14 @@ def test_a_simulated_rank_holds_what_a_real_rank_holds_in_each_swap(real_ranks):
     assert real[2][0] < outputs[2] + sends[2]  # in pieces: the buffers of one piece at a time
 
 
+def test_a_thinned_swap_peaks_as_the_whole_swap():
+    """A thinned swap (simulation only) runs its first piece, the largest, and its last: each way, its peak
+    equals that of every piece, swaps of 3 and 4 unequal pieces included."""
+    group = SequenceGroup.simulated(2)
+    assert any(pieces > 2 and tokens % (2 * pieces) for _, tokens, _, _, pieces, _ in sequence_ranks.SWAPS)
+    assert sequence_ranks.swap_peaks(group, "meta", thin=True) == sequence_ranks.swap_peaks(group, "meta")
+
+
 def test_shards_cover_the_sequence_and_differ_by_at_most_one():
     sizes = SequenceGroup(size=3, rank=0).shard_sizes(10)
     assert sizes == [4, 3, 3]

@@ -134,3 +134,21 @@ def test_the_all_to_alls_leave_the_node_past_eight_ranks():
     assert sequence_time.collective_s(sent, 8, link) == pytest.approx(sent / 450e9)
     assert sequence_time.collective_s(sent, 32, link) == pytest.approx(sent * 24 / 31 / 50e9)
     assert sequence_time.collective_s(sent, 1, link) == 0.0
+
+
+@pytest.mark.parametrize(("family", "tokens", "sp", "fields"), [
+    ("llama", 4103, 4, {}),  # 2 KV heads over 4 ranks (copies), shards and pieces of unequal sizes
+    ("llama", 4096, 2, {"offload": "checkpoints", "optimizer": "adamw"}),  # equal shards and pieces
+    ("deepseek-v3", 2050, 2, {"head_mode": "recompute"}),  # latent attention: the latent swapped whole
+])
+def test_thinned_loops_and_kv_swaps_give_a_ranks_figures_to_the_byte(family, tokens, sp, fields):
+    """The K/V swaps of `KV_PIECES` all-to-alls run only their first and last piece in a thinned
+    simulation, as the chunk loops run only their ends: the rank's peak, its breakdown and its host pool
+    equal those of every chunk and every piece."""
+    spec = StepSpec.of(model=f"tiny/{family}", method="streambp", seq_len_tokens=tokens, gpus=sp, sp=sp,
+                       shard="zero3", partition_size=64, head_partition_size=64, **fields)
+    model = ResolvedModel(f"tiny/{family}")
+    thin, every = simulate(spec, model, depth="full"), simulate(spec, model, depth="full", keep_chunks=None)
+    assert (thin.peak_bytes, thin.breakdown_bytes) == (every.peak_bytes, every.breakdown_bytes)
+    host = ("host_peak_bytes", "to_host_bytes", "to_device_bytes")
+    assert [getattr(thin, name) for name in host] == [getattr(every, name) for name in host]

@@ -105,14 +105,15 @@ ranks, one rank's K/V over the whole sequence: the layer's largest tensor). A fi
 
 
 def gather_kv(keys: Tensor, values: Tensor, group: SequenceGroup, total_tokens: int, copies: int,
-              pieces: int = 1) -> tuple[Tensor, Tensor]:
+              pieces: int = 1, thin: bool = False) -> tuple[Tensor, Tensor]:
     """This rank's K (B, Hkv, T_r, hd_k), V (B, Hkv, T_r, hd_v) -> this rank's KV heads over every position
     (B, Hkv', T, hd_k) and (B, Hkv', T, hd_v), Hkv' = Hkv x copies / size: views of one
     (B, T, Hkv', hd_k + hd_v) tensor (`kv_views`), swapped in `pieces` all-to-alls for both
     (`sequence_group.parts_to_heads`: no concatenated or repeated copy first). The value heads may be
-    narrower or wider than the key heads (latent attention's). Differentiable."""
+    narrower or wider than the key heads (latent attention's). `thin`: simulation only (`seq_to_heads`).
+    Differentiable."""
     kv = parts_to_heads([keys.transpose(1, 2), values.transpose(1, 2)], group, total_tokens, copies=copies,
-                        pieces=pieces)
+                        pieces=pieces, thin=thin)
     return kv_views(kv, keys.shape[-1])
 
 
@@ -123,11 +124,12 @@ def kv_views(kv: Tensor, key_width: int) -> tuple[Tensor, Tensor]:
 
 
 def scatter_kv_grads(d_kv: Tensor, key_width: int, group: SequenceGroup, total_tokens: int, copies: int,
-                     pieces: int = 1) -> tuple[Tensor, Tensor]:
+                     pieces: int = 1, thin: bool = False) -> tuple[Tensor, Tensor]:
     """The transpose of `gather_kv` for the accumulated gradients of K and V side by side, `d_kv`
     (B, T, Hkv', key_width + hd_v) -> this rank's dK (B, Hkv, T_r, key_width), dV (B, Hkv, T_r, hd_v), each
-    KV head's copies summed; `pieces` all-to-alls."""
-    return kv_views(heads_to_seq(d_kv, group, total_tokens, copies=copies, pieces=pieces), key_width)
+    KV head's copies summed; `pieces` all-to-alls, `thin` as `gather_kv`'s."""
+    return kv_views(heads_to_seq(d_kv, group, total_tokens, copies=copies, pieces=pieces, thin=thin),
+                    key_width)
 
 
 KeyPrefix = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]

@@ -101,29 +101,32 @@ class SequenceGroup:
 
 
 def seq_to_heads(x: Tensor, group: SequenceGroup, total_tokens: int, *, copies: int = 1,
-                 pieces: int = 1) -> Tensor:
+                 pieces: int = 1, thin: bool = False) -> Tensor:
     """(B, T_r, H, hd) of this rank's tokens -> (B, T, H x copies / size, hd) of this rank's heads.
 
     The ranks' token counts are `shard_sizes(total_tokens)`: any counts that differ by at most one, the
     larger on the lower ranks (e.g. every rank's i-th chunk of its shard), are those of their sum.
     `copies`: each head repeated that many times first (adjacent copies, as `repeat_interleave`), without
     materialising the repeat. `pieces`: the swap runs as that many all-to-alls over parts of the sequence
-    (fewer when a shard is shorter), so its send and receive buffers are that fraction of the output."""
-    return _SeqToHeads.apply(group, total_tokens, copies, pieces, x)
+    (fewer when a shard is shorter), so its send and receive buffers are that fraction of the output.
+    `thin` (simulation only, as `StreamConfig.keep_chunks`): only the first and the last piece run. A
+    piece's buffers are freed before the next piece's are made and the first piece is the largest, so the
+    two set the swap's peak; the output is left unwritten between them."""
+    return _SeqToHeads.apply(group, total_tokens, copies, pieces, thin, x)
 
 
 def parts_to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, *, copies: int = 1,
-                   pieces: int = 1) -> Tensor:
+                   pieces: int = 1, thin: bool = False) -> Tensor:
     """`seq_to_heads` of the tensors `parts` (B, T_r, H, w_i) side by side in their last dimension (e.g.
     keys and values), without concatenating them first: (B, T, H x copies / size, sum of w_i)."""
-    return _SeqToHeads.apply(group, total_tokens, copies, pieces, *parts)
+    return _SeqToHeads.apply(group, total_tokens, copies, pieces, thin, *parts)
 
 
 def heads_to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, *, copies: int = 1,
-                 pieces: int = 1) -> Tensor:
+                 pieces: int = 1, thin: bool = False) -> Tensor:
     """(B, T, H x copies / size, hd) of this rank's heads -> (B, T_r, H, hd) of this rank's tokens, each
-    head's `copies` summed (the transpose of `seq_to_heads`'s repeat); `pieces` as there."""
-    return _HeadsToSeq.apply(x, group, total_tokens, copies, pieces)
+    head's `copies` summed (the transpose of `seq_to_heads`'s repeat); `pieces`, `thin` as there."""
+    return _HeadsToSeq.apply(x, group, total_tokens, copies, pieces, thin)
 
 
 def group_sum(value: Tensor, group: SequenceGroup) -> Tensor:
@@ -151,20 +154,21 @@ def _local_heads(heads: int, group: SequenceGroup) -> int:
     return heads // group.size
 
 
-def _piece_spans(sizes: list[int], pieces: int) -> list[list[tuple[int, int]]]:
+def _piece_spans(sizes: list[int], pieces: int, thin: bool = False) -> list[list[tuple[int, int]]]:
     """Per piece, each rank's (start, end) within its block of `sizes` tokens: `pieces` parts of every
-    block (fewer when a block is shorter; one when a block is empty), as `shard_sizes` splits."""
+    block (fewer when a block is shorter; one when a block is empty), as `shard_sizes` splits (the larger
+    parts first); `thin`: only the first and the last piece (`seq_to_heads`)."""
     count = max(1, min(pieces, *sizes))
     parts = [SequenceGroup(size=count, rank=0).shard_sizes(size) for size in sizes]
     spans, done = [], [0] * len(sizes)
     for piece in range(count):
         spans.append([(done[r], done[r] + parts[r][piece]) for r in range(len(sizes))])
         done = [end for _, end in spans[-1]]
-    return spans
+    return [spans[0], spans[-1]] if thin and len(spans) > 2 else spans
 
 
 def _to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, copies: int,
-              pieces: int) -> Tensor:
+              pieces: int, thin: bool) -> Tensor:
     """`parts_to_heads` without autograd. Real and simulated ranks run the same allocations and copies
     (on meta, the copies move nothing); only the exchange itself is skipped on a simulated group."""
     b, _, heads, _ = parts[0].shape
@@ -172,7 +176,7 @@ def _to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, 
     sizes = group.shard_sizes(total_tokens)
     starts = [sum(sizes[:rank]) for rank in range(group.size)]
     out = parts[0].new_empty((b, total_tokens, local, width))
-    spans = _piece_spans(sizes, pieces)
+    spans = _piece_spans(sizes, pieces, thin)
     for span in spans:
         first, last = span[group.rank]
         send = out.new_empty((group.size, b, last - first, local, width))
@@ -189,11 +193,20 @@ def _to_heads(parts: Sequence[Tensor], group: SequenceGroup, total_tokens: int, 
             out.unflatten(1, (group.size, sizes[0]))[:, :, start:end].copy_(
                 recv.view(group.size, b, end - start, local, width).transpose(0, 1))
         elif not direct:
-            for rank, piece in enumerate(recv.split(counts)):
-                start, end = (starts[rank] + at for at in span[rank])
-                out[:, start:end].copy_(piece.view(b, end - start, local, width))
+            _unpack(out, recv, counts, starts, span)
         del send, recv
     return out
+
+
+def _unpack(out: Tensor, recv: Tensor, counts: list[int], starts: list[int], span: list[tuple[int, int]]
+            ) -> None:
+    """Copy each rank's piece of `recv` to its place in `out` (B, T, local, w). A function of its own, so
+    the pieces (views of `recv`) die with it: a loop variable left holding one would keep `recv` alive
+    while the next piece's buffers are made."""
+    b, _, local, width = out.shape
+    for rank, piece in enumerate(recv.split(counts)):
+        start, end = (starts[rank] + at for at in span[rank])
+        out[:, start:end].copy_(piece.view(b, end - start, local, width))
 
 
 def _fill_send(send: Tensor, part: Tensor, copies: int) -> None:
@@ -209,7 +222,8 @@ def _fill_send(send: Tensor, part: Tensor, copies: int) -> None:
         send[rank].copy_(part.narrow(2, heads[0], local) if consecutive else part[:, :, heads])
 
 
-def _to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, copies: int, pieces: int) -> Tensor:
+def _to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, copies: int, pieces: int, thin: bool
+            ) -> Tensor:
     """`heads_to_seq` without autograd; real and simulated ranks allocate alike (`_to_heads`)."""
     b, _, local, width = x.shape
     heads = local * group.size
@@ -218,7 +232,7 @@ def _to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, copies: int, pie
     sizes = group.shard_sizes(total_tokens)
     starts = [sum(sizes[:rank]) for rank in range(group.size)]
     out = x.new_empty((b, sizes[group.rank], heads // copies, width))
-    spans = _piece_spans(sizes, pieces)
+    spans = _piece_spans(sizes, pieces, thin)
     for span in spans:
         counts = [b * (end - start) * local * width for start, end in span]
         if b == 1 and len(spans) == 1 and x.is_contiguous():  # each rank's positions in rank order
@@ -230,15 +244,22 @@ def _to_seq(x: Tensor, group: SequenceGroup, total_tokens: int, copies: int, pie
                 x.unflatten(1, (group.size, sizes[0]))[:, :, start:end].transpose(0, 1))
         else:
             send = x.new_empty(sum(counts))
-            for rank, piece in enumerate(send.split(counts)):
-                start, end = span[rank]
-                piece.view(b, end - start, local, width).copy_(x[:, starts[rank] + start:starts[rank] + end])
+            _pack(send, x, counts, starts, span)
         first, last = span[group.rank]
         recv = x.new_empty((group.size, b, last - first, local, width))
         group.exchange(recv.view(-1), send, [recv.numel() // group.size] * group.size, counts)
         _fill_out(out[:, first:last], recv, copies)
         del send, recv
     return out
+
+
+def _pack(send: Tensor, x: Tensor, counts: list[int], starts: list[int], span: list[tuple[int, int]]) -> None:
+    """Copy each rank's part of `x` (B, T, local, w) into its piece of `send` (`_unpack`'s transpose; a
+    function of its own for the same reason)."""
+    b, _, local, width = x.shape
+    for rank, piece in enumerate(send.split(counts)):
+        start, end = span[rank]
+        piece.view(b, end - start, local, width).copy_(x[:, starts[rank] + start:starts[rank] + end])
 
 
 def _fill_out(out: Tensor, recv: Tensor, copies: int) -> None:
@@ -259,26 +280,26 @@ def _fill_out(out: Tensor, recv: Tensor, copies: int) -> None:
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, total_tokens, copies, pieces, *parts):
-        ctx.swap = group, total_tokens, copies, pieces
+    def forward(ctx, group, total_tokens, copies, pieces, thin, *parts):
+        ctx.swap = group, total_tokens, copies, pieces, thin
         ctx.widths = [part.shape[-1] for part in parts]
-        return _to_heads(parts, group, total_tokens, copies, pieces)
+        return _to_heads(parts, *ctx.swap)
 
     @staticmethod
     def backward(ctx, grad):
         whole = _to_seq(grad, *ctx.swap)
-        return (None, None, None, None, *whole.split(ctx.widths, dim=-1))
+        return (None, None, None, None, None, *whole.split(ctx.widths, dim=-1))
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, total_tokens, copies, pieces):
-        ctx.swap = group, total_tokens, copies, pieces
-        return _to_seq(x, group, total_tokens, copies, pieces)
+    def forward(ctx, x, group, total_tokens, copies, pieces, thin):
+        ctx.swap = group, total_tokens, copies, pieces, thin
+        return _to_seq(x, *ctx.swap)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_heads([grad], *ctx.swap), None, None, None, None
+        return _to_heads([grad], *ctx.swap), None, None, None, None, None
 
 
 class _GroupSum(torch.autograd.Function):
