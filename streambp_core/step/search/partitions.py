@@ -177,7 +177,9 @@ def fitting_partitions(spec, budget_bytes: int, model=None, *, layer: bool = Tru
     """`spec` (a `StepSpec`) with the largest layer (`layer`) and/or head (`head`) partitions whose
     simulated peak fits `budget_bytes` (`auto_partitions`); the others as given. The search simulates
     at two shallow depths extrapolated (`step.parts.depth`); its answer is checked with every layer and, when
-    that does not fit (extrapolation can only under-estimate), searched again at full depth. Each search
+    that does not fit (extrapolation under-estimates where a phase's peak moves with depth), searched
+    again at full depth. (A sharded rank's layout of extrapolated categories may over-estimate a peak
+    instead: then the answer can be smaller than the largest that fit with every layer.) Each search
     is guided by the simulated peaks (`largest_fitting`). Raises
     ConfigError when even the smallest candidates do not fit. Methods without partitions come back
     unchanged. `model`: the spec's model resolved once (`step.parts.resolved.ResolvedModel`; None: resolved
