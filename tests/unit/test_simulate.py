@@ -251,3 +251,30 @@ def test_keep_chunks_is_refused_on_a_real_model() -> None:
     model = build_model("tiny/llama", dtype=torch.float32, device="cpu")
     with pytest.raises(ConfigError, match="only on the meta device"):
         streambp_core.prepare(model, "streambp", keep_chunks=4)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(method="streambp", optimizer="adamw", grads="fresh"),
+    dict(method="checkpoint", optimizer="adamw", lora_rank=4),
+    dict(method="streambp", optimizer="adamw", gpus=2, shard="zero3", offload="checkpoints"),
+    dict(method="mst", optimizer="adamw", gpus=2, sp=2, shard="zero2"),
+])
+def test_an_optimizer_step_taken_from_the_memo_gives_its_phase_to_the_byte(fields) -> None:
+    """A second step on the same model and optimizer (another length) takes the optimizer phase from the
+    memo (`tracked._optimizer_phase`: no new key) and every phase's figures, at each simulated depth,
+    equal those of the same step simulated on a fresh memo, whose optimizer step runs."""
+    from streambp_core.step.simulation.simulate import _stepped, engine_spec
+
+    def phases(spec, model):
+        return [_stepped(engine_spec(spec), model.at_depth(depth), KEEP_CHUNKS, model.memo)
+                for depth in (2, model.config.num_hidden_layers)]
+
+    shared, fresh = ResolvedModel(TINY), ResolvedModel(TINY)
+    first, second = (StepSpec.of(model=TINY, seq_len_tokens=tokens, **SMALL, **fields) for tokens in (256, 384))
+    phases(first, shared)
+    keys = {key for key in shared.memo if isinstance(key, tuple) and key[:1] == ("optimizer phase",)}
+    assert keys
+    taken = phases(second, shared)
+    assert {key for key in shared.memo if isinstance(key, tuple) and key[:1] == ("optimizer phase",)} == keys
+    assert taken == phases(second, fresh)
+    assert [phase.name for phase in taken[0].phases][-1] == "optimizer"
