@@ -270,7 +270,8 @@ def test_an_optimizer_step_taken_from_the_memo_gives_its_phase_to_the_byte(field
                 for depth in (2, model.config.num_hidden_layers)]
 
     shared, fresh = ResolvedModel(TINY), ResolvedModel(TINY)
-    first, second = (StepSpec.of(model=TINY, seq_len_tokens=tokens, **SMALL, **fields) for tokens in (256, 384))
+    first, second = (StepSpec.of(model=TINY, seq_len_tokens=tokens, **SMALL, **fields)
+                     for tokens in (256, 384))
     phases(first, shared)
     keys = {key for key in shared.memo if isinstance(key, tuple) and key[:1] == ("optimizer phase",)}
     assert keys
