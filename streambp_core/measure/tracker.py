@@ -393,9 +393,7 @@ class MemoryTracker:
             end_breakdown_bytes=ledger.breakdown(),
             device=device,
             **({} if cuda_peak is None else cuda_peak.figures()),
-            host_peak_bytes=ledger.host_peak_bytes,
-            host_end_bytes=ledger.host_live_bytes,
-            to_host_bytes=self.to_host_bytes,
-            to_device_bytes=self.to_device_bytes,
+            host_peak_bytes=ledger.host_peak_bytes, host_end_bytes=ledger.host_live_bytes,
+            to_host_bytes=self.to_host_bytes, to_device_bytes=self.to_device_bytes,
         )
 
