@@ -45,10 +45,10 @@ at different places: one GPU's backward peaks at its end, every gradient held, w
 its activations; a rank holding a shard of that state peaks where the activations do (a streamed LM
 head's logits, before any layer's gradient). Gradients only grow within a phase, and a phase's start
 (the previous one's end) is a point too, so a peak that moves earlier when gradients shrink is still
-seen. With its host pool:
-the rank's share of the optimizer's host state (`sequence_layout.sharded_host`). Under
-`deepspeed-zero3` with the optimizer or params tier, DeepSpeed's own offload holds them: the step runs
-with the checkpoints tier only and the rank is laid out as DeepSpeed holds it (`deepspeed_host`).
+seen. With its host pool: the rank's share of the optimizer's host state
+(`sequence_layout.sharded_host`). Under `deepspeed-zero3` with the optimizer or params tier, DeepSpeed's
+own offload holds them: the step runs with the checkpoints tier only and the rank is laid out as
+DeepSpeed holds it (`deepspeed_host`).
 
 One rank of a sequence-parallel step (`spec.sp` > 1; the sp ranks among the `gpus` shard ranks, as ALST
 runs them): the step runs through the engine's Ulysses code path with a simulated group
@@ -290,7 +290,7 @@ def _baseline_step(spec: StepSpec, config: PretrainedConfig, keep_chunks: int | 
 
 def _negative(phases: list[PhaseFigures], *, sharded: bool) -> bool:
     """Whether an extrapolated breakdown that is used has a negative category (the peak's; a sharded
-    step's uses every phase's peak and end)."""
+    step's uses every phase's peak, activation peak and end)."""
     if not sharded:
         return min(_largest(phases)[1].values()) < 0
     return any(min(at.values()) < 0 for phase in phases for at in (*phase.points, phase.at_end))
