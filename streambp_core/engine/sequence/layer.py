@@ -125,7 +125,7 @@ def _gathered_kv(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, rope: Rope
     keys, values, raw_keys = _kv_cache(plan, h_in, rope)
     with torch.no_grad(), memory_category("kv"):
         keys, values = gather_kv(keys, values, shard.group, shard.total_tokens, shard.kv_copies, KV_PIECES,
-                                 thin=plan.keep_chunks is not None)
+                                 thin=plan.thin)
     return keys, values, raw_keys
 
 
@@ -167,7 +167,7 @@ def sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin, key
     del keys, values  # the gathered K/V: every chunk's attention is done
     with memory_category("kv"):
         d_keys, d_values = scatter_kv_grads(d_kv, key_width, shard.group, shard.total_tokens,
-                                            shard.kv_copies, KV_PIECES, thin=plan.keep_chunks is not None)
+                                            shard.kv_copies, KV_PIECES, thin=plan.thin)
     del d_kv
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         kv_grads = (d_keys[:, :, start:end], d_values[:, :, start:end],

@@ -68,7 +68,7 @@ def _whole_latent(plan: LayerPlan, shard: SequenceShard, h_in: Tensor, cos: Tens
     group = shard.group
     with torch.no_grad(), memory_category("kv"):
         whole = seq_to_heads(latent.transpose(1, 2), group, shard.total_tokens, copies=group.size,
-                             pieces=KV_PIECES, thin=plan.keep_chunks is not None)
+                             pieces=KV_PIECES, thin=plan.thin)
     return whole.transpose(1, 2)
 
 
@@ -106,8 +106,7 @@ def mla_sequence_backward(plan: LayerPlan, shard: SequenceShard, h_in, cos, sin,
     del whole
     with memory_category("kv"):
         d_latent = heads_to_seq(d_whole, shard.group, shard.total_tokens, copies=shard.group.size,
-                                pieces=KV_PIECES, thin=plan.keep_chunks is not None
-                                ).transpose(1, 2)  # (B, 1, T_r, r + rope)
+                                pieces=KV_PIECES, thin=plan.thin).transpose(1, 2)  # (B, 1, T_r, r + rope)
     del d_whole
     for start, end in reversed(chunk_bounds(h_in.shape[1], plan.partition_size, plan.keep_chunks)):
         tables = _tables(cos, sin, start, end)

@@ -88,6 +88,12 @@ class LayerPlan:
     """The chunk's attention (q, k, v, key mask) -> (B, H, c, hd) in place of `prefix_attention`: sequence
     parallelism's, over every rank's chunk (`engine.sequence.layer`); None: the chunk's own prefix."""
 
+    @property
+    def thin(self) -> bool:
+        """Whether this is a thinned simulation (`keep_chunks` set): the K/V swaps run their end pieces
+        only too (`sequence.group.seq_to_heads`'s `thin`)."""
+        return self.keep_chunks is not None
+
     def routing(self, grad: Tensor | None = None) -> ChunkRouting | None:
         """A fresh `ChunkRouting` for one pass of a routed layer under the loss, else None."""
         if self.router_aux is None or self.parts.router is None:
