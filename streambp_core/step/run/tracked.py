@@ -227,8 +227,7 @@ def _optimizer_phase(optimizer: torch.optim.Optimizer, phases: _Phases, memo: di
     known = memo.get(key) if key is not None else None
     if known is None:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if known is None:
+        optimizer.zero_grad(set_to_none=True)
         phases.cut("optimizer")
         if key is not None:
             result = phases.phases[-1].result
@@ -237,6 +236,7 @@ def _optimizer_phase(optimizer: torch.optim.Optimizer, phases: _Phases, memo: di
                          _minus(result.activation_peak_breakdown_bytes, start.end_breakdown_bytes))
         return
     rise, at_peak, at_activation_peak = known
+    optimizer.zero_grad(set_to_none=True)
     end = tracker.result()
     phases.phases.append(Phase(name="optimizer", device=phases.device, result=replace(
         end, peak_bytes=start.end_bytes + rise,
